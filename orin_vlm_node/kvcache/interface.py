@@ -1,0 +1,28 @@
+"""The one seam between model code and KV storage.
+
+The model never computes cache addresses and never branches on paged vs contiguous: for each forward
+step the KV backend hands it a :class:`StepAttention`, and every decoder layer calls it with the new
+tokens' (already rotated) q, k, v. The backend writes k/v to the slots of this step and returns the
+attention output over everything the sequence has cached (prefix + these tokens, causally).
+
+Positions are split on purpose (dual position tracking): RoPE positions are applied by the model
+before the call; KV slot indices (cache placement and the causal mask) live only in the backend.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+
+class StepAttention(Protocol):
+    """Attention of one forward step of one sequence.
+
+    ``q``: (L, num_heads, head_dim); ``k``, ``v``: (L, num_kv_heads, head_dim), L new tokens whose
+    KV slots are ``start .. start+L-1`` for the sequence this step belongs to. Returns
+    (L, num_heads, head_dim) in q's dtype: softmax(q k^T * head_dim^-0.5 + causal mask over slots) v
+    with GQA (kv head j serves q heads j*g .. j*g+g-1), softmax in fp32.
+    """
+
+    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor: ...

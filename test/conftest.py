@@ -1,0 +1,24 @@
+"""Test-wide setup: test/ helpers importable, deterministic torch, ROS kept on localhost."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+TEST_DIR = Path(__file__).resolve().parent
+sys.path.insert(0, str(TEST_DIR))
+
+# Any rclpy use in this process or its children stays on this machine (no multicast discovery).
+os.environ.setdefault("ROS_AUTOMATIC_DISCOVERY_RANGE", "LOCALHOST")
+os.environ.setdefault("ROS_DOMAIN_ID", "42")
+
+
+@pytest.fixture(autouse=True)
+def _seed_torch():
+    import torch
+
+    torch.manual_seed(0)
+    yield
