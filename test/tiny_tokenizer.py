@@ -149,5 +149,7 @@ def write_tiny_tokenizer(path: str | Path) -> dict[str, int]:
         "clean_up_tokenization_spaces": False,
         "chat_template": _chat_template(),
     }
-    (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+    (out / "tokenizer_config.json").write_text(
+        json.dumps(config, indent=2, ensure_ascii=False) + "\n", encoding="utf-8"
+    )
     return dict(SPECIAL_TOKENS)

@@ -1,0 +1,22 @@
+"""Generation engine: requests, sessions, sampling, streaming and the static-buffer decode step.
+
+``Engine(EngineConfig(...))``; ``engine.generate(Request(Turn(text, images)))`` yields ``TextDelta``
+events then one ``Finished``; ``cancel``, ``reset``, ``reconfigure``, ``validate_changes``, ``describe``.
+"""
+
+from .config import EngineConfig
+from .engine import Engine, EngineError
+from .events import Event, Finished, FinishReason, Request, SamplingParams, TextDelta, Turn
+
+__all__ = [
+    "Engine",
+    "EngineConfig",
+    "EngineError",
+    "Event",
+    "FinishReason",
+    "Finished",
+    "Request",
+    "SamplingParams",
+    "TextDelta",
+    "Turn",
+]

@@ -7,7 +7,7 @@ so they carry plain Python values only (no tensors).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal, Union
+from typing import Literal
 
 import numpy as np
 
@@ -31,10 +31,15 @@ class SamplingParams:
 
 @dataclass(frozen=True)
 class Turn:
-    """One user turn: text plus the images it shows (numpy HWC uint8 RGB), in placeholder order."""
+    """One user turn: text plus the images it shows (numpy HWC uint8 RGB), in placeholder order.
+
+    ``color`` (extension) names the channel order of ``images`` ("rgb" or "bgr"), so BGR frames from
+    OpenCV or cv_bridge need no conversion copy before preprocessing.
+    """
 
     text: str
     images: tuple[np.ndarray, ...] = ()
+    color: str = "rgb"
 
 
 @dataclass
@@ -70,4 +75,4 @@ class Finished:
     error: str | None = None
 
 
-Event = Union[TextDelta, Finished]
+Event = TextDelta | Finished

@@ -1,0 +1,84 @@
+"""KV cache: where the keys and values of every sequence live, paged or contiguous.
+
+The engine talks to one interface (:class:`KVCache`), implemented by :class:`PagedKVCache` (block pool,
+block tables, prefix caching, copy-on-write) and :class:`ContiguousKVCache` (one preallocated
+``max_context_tokens`` slab per sequence, the baseline). Models only ever see a
+:class:`~.interface.StepAttention`; they never compute addresses and never branch on the cache kind.
+
+Build::
+
+    cfg = KVCacheConfig(num_layers, num_kv_heads, head_dim, dtype=torch.bfloat16, device="cuda",
+                        page_size=16, num_blocks=None, pool_mb=None, memory_fraction=0.3,
+                        max_context_tokens=4096, prefix_caching=True)
+    cache = PagedKVCache(cfg)            # or ContiguousKVCache(cfg); sizing logged, ValueError if < 2 blocks
+
+Per request (``seq`` is an int handle)::
+
+    seq = cache.new_sequence()                                  # contiguous: may raise PoolExhausted
+    cached = cache.attach_prefix(seq, prompt_ids, extra_keys)   # tokens reused (< len(prompt)), 0 if none
+    attn = cache.step(seq, len(prompt_ids) - cached)            # PoolExhausted here changes nothing
+    logits = model.forward(prompt_ids[cached:], positions[:, cached:], attn, ...)
+    cache.register_prefix(seq, prompt_ids, extra_keys)          # offer its full blocks for reuse
+    while decoding:
+        attn = cache.step(seq, 1)                               # eager decode
+        ...
+    cache.release(seq)
+
+``extra_keys`` is None or one entry per token: None for text, an int/str/bytes content key for tokens
+whose KV depends on more than their id (e.g. the image hash for each ``<|image_pad|>`` position), so
+the same pad ids with another image never hit.
+
+Other operations: ``length(seq)``; ``ensure_capacity(seq, new_len)`` (reserve ahead, PoolExhausted before
+any change); ``fork(seq)`` (shared pages, copy-on-write on the first write into a shared page);
+``truncate(seq, new_len)`` (drop a step whose forward was abandoned); ``clear()`` (release everything,
+forget cached prefixes: call it after weights change); ``match_prefix(ids, extra_keys)`` (peek, no state
+change); ``set_prefix_caching(bool)`` (runtime switch, returns the effective state; always False for
+contiguous); ``block_table(seq)``; ``stats()`` (blocks used/free/cached, tokens stored, internal
+fragmentation, ``kv_bytes_in_use`` vs ``pool_bytes``, prefix hits/misses). Paged only:
+``blocks_needed(seq, new_len)``, ``device_block_table(seq)``, ``set_attention_impl(impl)``,
+``k_pool(layer)``/``v_pool(layer)``/``kv_storage``, ``plan`` (the chosen :class:`PoolPlan`).
+
+Static (CUDA-graph) decode: the engine keeps its own token/position tensors and one
+:class:`StaticDecodeBuffers` (slot, kv_len, block-table row) from ``new_static_decode_buffers()``; the
+StepAttention from ``static_decode_attention(buffers)`` reads only those tensors, so one graph can be
+captured once and replayed for every decode step of every sequence. Before each capture or replay,
+outside the graph, call ``prepare_static_decode(seq, buffers)``: it grows the sequence by one token
+(allocating a block when crossing a page boundary, copying on write, uploading changed block-table
+entries) and refills the buffers in place. Forgetting it is the classic "garbage after the first page
+boundary" bug.
+
+Attention backends: :class:`PagedKVCache` delegates tensor work to a :class:`PagedAttentionImpl`
+(``write_kv`` / ``attend`` / ``attend_decode``, documented in :mod:`.attention`); the torch
+:class:`TorchPagedAttention` is the default and :func:`causal_attention` in :mod:`.reference` (HF eager
+numerics: fp32 softmax, GQA) is the ground truth for both caches and for kernels.
+
+Errors: :class:`PoolExhausted` (out of blocks, nothing changed), :class:`ContextLimitExceeded` (a
+ValueError: the sequence would pass ``max_context_tokens``), ValueError for bad arguments.
+"""
+
+from .attention import PagedAttentionImpl, TorchPagedAttention
+from .base import KVCache, StaticDecodeBuffers
+from .config import KVCacheConfig, PoolPlan, plan_pool
+from .contiguous import ContiguousKVCache
+from .errors import ContextLimitExceeded, KVCacheError, PoolExhausted
+from .interface import StepAttention
+from .paged import PagedKVCache
+from .reference import causal_attention, masked_decode_attention
+
+__all__ = [
+    "ContextLimitExceeded",
+    "ContiguousKVCache",
+    "KVCache",
+    "KVCacheConfig",
+    "KVCacheError",
+    "PagedAttentionImpl",
+    "PagedKVCache",
+    "PoolExhausted",
+    "PoolPlan",
+    "StaticDecodeBuffers",
+    "StepAttention",
+    "TorchPagedAttention",
+    "causal_attention",
+    "masked_decode_attention",
+    "plan_pool",
+]

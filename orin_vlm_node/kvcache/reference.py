@@ -41,3 +41,28 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_start:
     weights = torch.softmax(scores + mask, dim=-1, dtype=torch.float32).to(q.dtype)
     out = torch.matmul(weights, vh)  # (nq, L, hd)
     return out.transpose(0, 1).contiguous()
+
+
+def masked_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_len: torch.Tensor) -> torch.Tensor:
+    """One decode query over a fixed-size KV window whose valid length lives in a tensor.
+
+    ``q``: (1, nq, hd); ``k``, ``v``: (T, nkv, hd) where only slots ``0 .. kv_len-1`` are valid;
+    ``kv_len``: (1,) integer tensor on q's device. The shapes never depend on the length and nothing
+    is read back to the host, so a CUDA graph can capture this (the static decode path). Numerically
+    the same formula as :func:`causal_attention` for the query at slot ``kv_len - 1``.
+    """
+    if q.dim() != 3 or q.shape[0] != 1:
+        raise ValueError(f"decode attention takes one query (1, nq, hd), got {tuple(q.shape)}")
+    _, nq, hd = q.shape
+    T, nkv, _ = k.shape
+    if nq % nkv != 0:
+        raise ValueError(f"num q heads {nq} is not a multiple of num kv heads {nkv}")
+    group = nq // nkv
+    kh = k.transpose(0, 1).repeat_interleave(group, dim=0)  # (nq, T, hd)
+    vh = v.transpose(0, 1).repeat_interleave(group, dim=0)
+    scores = torch.matmul(q.transpose(0, 1), kh.transpose(1, 2)) * (hd**-0.5)  # (nq, 1, T)
+    invalid = torch.arange(T, device=q.device) >= kv_len.reshape(1).to(q.device)  # (T,)
+    mask = torch.zeros((1, T), dtype=scores.dtype, device=q.device)
+    mask.masked_fill_(invalid.unsqueeze(0), torch.finfo(scores.dtype).min)
+    weights = torch.softmax(scores + mask, dim=-1, dtype=torch.float32).to(q.dtype)
+    return torch.matmul(weights, vh).transpose(0, 1).contiguous()  # (1, nq, hd)

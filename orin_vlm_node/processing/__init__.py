@@ -1,0 +1,44 @@
+"""Processing layer: images -> pixel patches, conversations -> prompt ids, generated ids -> text.
+
+ROS-free and model-free (numpy, OpenCV, ``tokenizers``, jinja2, torch only for the output tensors).
+
+- ``ImageProcessor.from_pretrained(dir, min_pixels=None, max_pixels=None)``;
+  ``.preprocess(images, color="rgb"|"bgr") -> ImageBatch(pixel_values, grid_thw, num_tokens)``;
+  ``.num_image_tokens(h, w)``. Pixel-identical to transformers' Qwen2VLImageProcessorPil.
+- ``Tokenizer.from_pretrained(dir)``: ``.encode``, ``.decode``, ``.special``, ``.eos_token_ids``.
+- ``ChatTemplate.from_pretrained(dir).render(messages, add_generation_prompt=True)`` (sandboxed jinja2,
+  built-in ChatML when the checkpoint has no template).
+- ``build_prompt_ids(tokenizer, template, messages, image_token_counts)``.
+- ``IncrementalDetokenizer(tokenizer)``: ``.push(id) -> str``, ``.flush() -> str``.
+
+Errors: ``ImageError``, ``TokenizerError``, ``ChatTemplateError``, ``PromptError`` (all ``ProcessingError``,
+a ``ValueError``).
+"""
+
+from .chat_template import ChatTemplate, count_images, normalize_messages, render_chatml
+from .detokenizer import IncrementalDetokenizer
+from .errors import ChatTemplateError, ImageError, ProcessingError, PromptError, TokenizerError
+from .image import ImageBatch, ImageProcessor, ImageProcessorConfig, smart_resize, to_rgb
+from .prompt import build_prompt_ids
+from .tokenizer import SpecialTokens, Tokenizer
+
+__all__ = [
+    "ChatTemplate",
+    "ChatTemplateError",
+    "ImageBatch",
+    "ImageError",
+    "ImageProcessor",
+    "ImageProcessorConfig",
+    "IncrementalDetokenizer",
+    "ProcessingError",
+    "PromptError",
+    "SpecialTokens",
+    "Tokenizer",
+    "TokenizerError",
+    "build_prompt_ids",
+    "count_images",
+    "normalize_messages",
+    "render_chatml",
+    "smart_resize",
+    "to_rgb",
+]

@@ -1,0 +1,94 @@
+"""Benchmark settings: one dataclass, three presets (quick for CI, medium, full).
+
+Why presets instead of many flags: a result file is only comparable with another run of the same
+preset, and the preset name plus this dataclass (stored in the JSON under ``config``) is the complete
+description of what was run.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+CONFIG_2B = REPO.parent / "shared" / "model-configs" / "Qwen3-VL-2B-Instruct.config.json"
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    mode: str = "full"
+    threads: int = 0  # torch intra-op threads for every process of the run; 0 = torch's default
+    repeats: int = 5  # recorded repeats per measurement (after one warm-up round)
+    warmup: int = 1
+    # engine vs transformers
+    max_new_tokens: int = 32  # tiny/default model
+    big_max_new_tokens: int = 6  # 2B-shape checkpoint (a CPU decode step takes seconds)
+    big_repeats: int = 2
+    big_checkpoint: bool = True  # build and run the 2B-shape random checkpoint
+    big_dtypes: tuple[str, ...] = ("bf16", "fp32")
+    big_config_path: str = str(CONFIG_2B)
+    checkpoint_cache: str = ""  # "" = build the 2B checkpoint in the run's temp dir; else reuse/build it here
+    image_size: tuple[int, int] = (224, 224)  # H, W of the benchmark image (tiny/default model)
+    big_image_size: tuple[int, int] = (128, 128)  # keeps the 24-layer vision tower cheap on 2 cores
+    # paged vs contiguous
+    context_lengths: tuple[int, ...] = (128, 512, 1024, 2048, 4096)
+    page_sizes: tuple[int, ...] = (4, 16, 64)
+    paged_decode_tokens: int = 16
+    paged_repeats: int = 3
+    paged_layers: int = 2
+    # prefix cache / sessions
+    prefix_image_size: tuple[int, int] = (448, 448)
+    prefix_max_new_tokens: int = 8
+    # ROS
+    ros: bool = True
+    ros_max_new_tokens: int = 32
+    ros_repeats: int = 5
+    ros_startup_timeout_s: float = 120.0
+    # sections to run (all by default)
+    sections: tuple[str, ...] = field(
+        default=("vs_transformers", "paged_vs_contiguous", "prefix_cache", "memory", "ros", "gpu")
+    )
+
+    def as_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        return {k: list(v) if isinstance(v, tuple) else v for k, v in d.items()}
+
+
+FULL = BenchConfig()
+
+# Documented middle ground when the full run does not fit the time available: the 2B-shape checkpoint
+# in bf16 only and context lengths up to 4k with fewer repeats.
+MEDIUM = replace(
+    FULL,
+    mode="medium",
+    repeats=3,
+    big_repeats=2,
+    big_dtypes=("bf16",),
+    paged_repeats=2,
+    ros_repeats=3,
+)
+
+# CI smoke test: every section runs (so the schema is exercised end to end) on the smallest settings;
+# must finish in well under 3 minutes on a 2-core machine.
+QUICK = replace(
+    FULL,
+    mode="quick",
+    repeats=2,
+    warmup=0,
+    max_new_tokens=4,
+    big_checkpoint=False,
+    image_size=(64, 64),
+    context_lengths=(64, 256),
+    page_sizes=(4, 16),
+    paged_decode_tokens=4,
+    paged_repeats=1,
+    paged_layers=1,
+    prefix_image_size=(64, 64),
+    prefix_max_new_tokens=2,
+    ros_max_new_tokens=4,
+    ros_repeats=2,
+    ros_startup_timeout_s=60.0,
+)
+
+PRESETS = {"full": FULL, "medium": MEDIUM, "quick": QUICK}

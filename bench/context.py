@@ -1,0 +1,91 @@
+"""Shared state of one benchmark run: settings, a scratch directory, checkpoints built once, logging.
+
+Why one object: several sections need the same checkpoints (the default model, a tiny random one, the
+2B-shape random one). Building a 2B checkpoint costs a minute and 4 GB of disk, so it is built at most
+once per run, in the run's temporary directory, and removed with it.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+from config import REPO, BenchConfig
+
+DEFAULT_MODEL_DIR = REPO / "orin_vlm_node" / "default_model"
+
+
+class BenchContext:
+    def __init__(self, config: BenchConfig, scratch: Path) -> None:
+        self.config = config
+        self.scratch = scratch
+        self._t0 = time.perf_counter()
+        self._checkpoints: dict[str, Path] = {}
+        self.big_checkpoint_origin = ""
+
+    # -- logging -----------------------------------------------------------------------------------
+    def log(self, msg: str) -> None:
+        print(f"[bench {time.perf_counter() - self._t0:7.1f}s] {msg}", file=sys.stderr, flush=True)
+
+    # -- inputs ------------------------------------------------------------------------------------
+    @staticmethod
+    def image(height: int, width: int, seed: int = 0) -> np.ndarray:
+        """A deterministic RGB uint8 test image (smooth gradients plus noise, so no two patches are equal)."""
+        rng = np.random.default_rng(seed)
+        yy, xx = np.mgrid[0:height, 0:width].astype(np.float32)
+        base = np.stack([xx / max(width - 1, 1), yy / max(height - 1, 1), (xx + yy) / max(height + width - 2, 1)], -1)
+        img = base * 200.0 + rng.integers(0, 56, size=(height, width, 3))
+        return np.clip(img, 0, 255).astype(np.uint8)
+
+    # -- checkpoints -------------------------------------------------------------------------------
+    def default_model(self) -> tuple[Path, str]:
+        """The embedded default model if it is there, else a tiny random checkpoint (and which one)."""
+        if (DEFAULT_MODEL_DIR / "config.json").is_file() and any(DEFAULT_MODEL_DIR.glob("*.safetensors")):
+            return DEFAULT_MODEL_DIR, "default_model (embedded, trained)"
+        return self.tiny_checkpoint(), "tiny random checkpoint (default_model not present)"
+
+    def tiny_checkpoint(self) -> Path:
+        if "tiny" not in self._checkpoints:
+            from checkpoints import tiny_checkpoint
+
+            self._checkpoints["tiny"] = tiny_checkpoint(self.scratch / "tiny")
+        return self._checkpoints["tiny"]
+
+    def kv_shape_checkpoint(self, num_layers: int) -> Path:
+        """A small random model whose attention has the 2B's KV shape (16 q heads, 8 kv heads, head_dim 128)."""
+        key = f"kvshape{num_layers}"
+        if key not in self._checkpoints:
+            from checkpoints import kv_shape_checkpoint
+
+            self._checkpoints[key] = kv_shape_checkpoint(self.scratch / key, num_layers)
+        return self._checkpoints[key]
+
+    def big_checkpoint(self) -> Path:
+        """The 2B-shape random-weight checkpoint in bf16: built once per run in the scratch directory, or
+        kept in ``config.checkpoint_cache`` (``--checkpoint-cache``) and reused by later runs, since
+        building it takes minutes on 2 cores. ``big_checkpoint_origin`` says which happened."""
+        if "big" not in self._checkpoints:
+            from checkpoints import big_checkpoint
+
+            path = Path(self.config.big_config_path)
+            if self.config.checkpoint_cache:
+                out = Path(self.config.checkpoint_cache) / "qwen3vl-2b-shape-random-bf16"
+            else:
+                out = self.scratch / "big"
+            if all(
+                (out / f).is_file() for f in ("config.json", "model.safetensors", "tokenizer.json")
+            ):  # tokenizer: written last
+                self.big_checkpoint_origin = f"reused from {out} (built earlier by bench/checkpoints.py)"
+                self.log(f"2B-shape checkpoint: {self.big_checkpoint_origin}")
+            else:
+                self.log(f"building 2B-shape random checkpoint from {path} into {out} (bf16, once)")
+                t0 = time.perf_counter()
+                big_checkpoint(out, json.loads(path.read_text()))
+                self.big_checkpoint_origin = f"built in {time.perf_counter() - t0:.0f} s into {out}"
+                self.log(f"2B-shape checkpoint {self.big_checkpoint_origin}")
+            self._checkpoints["big"] = out
+        return self._checkpoints["big"]

@@ -1,0 +1,203 @@
+"""Through ROS 2: prompt published -> first ``tokens`` message, and tokens/s seen by a subscriber,
+against the same engine driven directly in this process (ROS overhead).
+
+The node runs as a subprocess (``python -m orin_vlm_node.node``) in its own process group on a private
+domain with localhost-only discovery and a temporary ROS_LOG_DIR; it is stopped with SIGINT to the
+group (SIGTERM, then SIGKILL, as fallbacks) and its exit status is recorded. Both sides are timed the
+same way, from the request (prompt publish / ``generate`` call) to the first and last non-empty text
+delta, so the difference is what ROS adds: DDS delivery of prompt and tokens, the node's queue and
+executor threads. Engine-alone and ROS requests alternate; the node's own engine metrics (from the
+``status`` topic) are recorded too.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+from context import BenchContext
+from section import SectionResult, skipped
+from stats import alternate, paired_ratio
+from vs_transformers import make_engine
+
+PROMPT = "Describe the picture in one sentence."
+
+
+def _vm_hwm_mb(pid: int) -> float | None:
+    """Peak resident set of a process (the ROS wheels re-exec with execve, so the pid is the node's)."""
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024.0
+    except (OSError, ValueError):
+        pass
+    return None
+
+
+class _Stream:
+    """What one side saw for one request: when it was sent, when each non-empty text delta arrived."""
+
+    def __init__(self) -> None:
+        self.t_publish = 0.0
+        self.token_times: list[float] = []
+        self.texts: list[str] = []
+        self.finished: dict | None = None
+
+
+def run(ctx: BenchContext) -> SectionResult:
+    cfg = ctx.config
+    if not cfg.ros:
+        return skipped("ros", f"ROS section disabled in {cfg.mode} mode")
+    try:
+        import rclpy  # noqa: F401
+
+        from orin_vlm_node.ros_client import VlmClient  # noqa: F401
+        from orin_vlm_node.ros_process import NodeProcess
+    except ImportError as exc:
+        return skipped("ros", f"rclpy or the node's process helpers not importable: {exc}")
+    domain = 150 + os.getpid() % 50
+    model_dir, what = ctx.default_model()
+    n_new = cfg.ros_max_new_tokens
+    params = {
+        "model_path": str(model_dir),
+        "device": "cpu",
+        "dtype": "fp32",
+        "prefix_caching": False,
+        "max_new_tokens": n_new,
+        "temperature": 0.0,
+        "multi_turn": False,
+        "image_max_age_s": 3600.0,
+    }
+    res = SectionResult("ros")
+    res.setup.update(model=what, domain_id=domain, discovery="LOCALHOST", max_new_tokens=n_new, prompt=PROMPT)
+    ctx.log(f"ros: starting node (domain {domain})")
+    node = NodeProcess(params, ctx.scratch / "ros_node", domain)
+    try:
+        _measure(ctx, res, node, model_dir, domain)
+        peak = _vm_hwm_mb(node.proc.pid)
+        if peak is not None:
+            res.add("node.peak_rss_mb", "MB", [peak], "peak RSS of the node process (VmHWM) after the requests")
+    finally:
+        rc, stop_s = node.stop(timeout=20.0)
+        res.setup["node_exit"] = {"returncode": rc, "stop_s": round(stop_s, 2)}
+        if rc != 0:
+            res.notes.append(f"node did not exit cleanly on SIGINT (exit {rc}): {node.output()[-500:]}")
+    res.setup["summary"] = (
+        f"{what}; node subprocess on localhost DDS (domain {domain}); greedy, max {n_new} new tokens, one "
+        f"{cfg.image_size[0]}x{cfg.image_size[1]} image; {cfg.ros_repeats} alternating repeats (engine alone "
+        f"in the benchmark process vs through the node). Node stopped with SIGINT: exit {rc} in {stop_s:.1f} s."
+    )
+    return res
+
+
+def _measure(ctx: BenchContext, res: SectionResult, node, model_dir: Path, domain: int) -> None:
+    from sensor_msgs.msg import Image
+    from vs_transformers import greedy
+
+    from orin_vlm_node.engine.events import Request, TextDelta, Turn
+    from orin_vlm_node.ros_client import VlmClient
+
+    cfg = ctx.config
+    image = ctx.image(*cfg.image_size, seed=3)
+    arrivals: list[tuple[float, str]] = []
+    client = VlmClient(domain, on_token=lambda text: arrivals.append((time.perf_counter(), text)))
+    engine = None
+    try:
+        t_start = time.perf_counter()
+        client.wait_until_connected(node, timeout=cfg.ros_startup_timeout_s)
+        res.setup["node_startup_s"] = round(time.perf_counter() - t_start, 2)
+        ctx.log(f"ros: node up after {res.setup['node_startup_s']} s; loading the engine alone")
+        engine = make_engine(model_dir, "fp32", prefix_caching=False)
+        msg = Image(
+            height=image.shape[0], width=image.shape[1], encoding="rgb8", is_bigendian=0, step=image.shape[1] * 3
+        )
+        msg.data = image.tobytes()
+
+        def through_ros() -> _Stream:
+            client.publish_image(msg)
+            s = _Stream()
+            n = len(arrivals)
+            s.t_publish = time.perf_counter()
+            out = client.ask(PROMPT, timeout=300.0)
+            if out["status"]["event"] != "finished":
+                raise RuntimeError(f"node answered {out['status']}")
+            s.finished = out["status"]
+            s.token_times = [t for t, text in arrivals[n:] if text]
+            s.texts = [text for _, text in arrivals[n:] if text]
+            return s
+
+        ids = iter(range(10**6))
+
+        def alone() -> _Stream:
+            s = _Stream()
+            req = Request(
+                turn=Turn(text=PROMPT, images=(image,)),
+                sampling=greedy(cfg.ros_max_new_tokens),
+                request_id=f"alone-{next(ids)}",
+            )
+            s.t_publish = time.perf_counter()
+            for ev in engine.generate(req):
+                if isinstance(ev, TextDelta):
+                    if ev.text:
+                        s.token_times.append(time.perf_counter())
+                        s.texts.append(ev.text)
+                else:
+                    s.finished = {"metrics": dict(ev.metrics), "text": ev.text}
+            return s
+
+        runs = alternate({"engine": alone, "ros": through_ros}, repeats=cfg.ros_repeats, warmup=cfg.warmup)
+    finally:
+        client.close()
+    e, r = runs["engine"], runs["ros"]
+
+    def first(s: _Stream) -> float:
+        if not s.token_times:
+            raise RuntimeError("a request streamed no text")
+        return s.token_times[0] - s.t_publish
+
+    def tok_s(s: _Stream) -> float:
+        n = int(s.finished["metrics"]["generated_tokens"])
+        span = s.token_times[-1] - s.token_times[0]
+        return (n - 1) / span if n > 1 and span > 0 else 0.0
+
+    e_first, r_first = [first(s) for s in e], [first(s) for s in r]
+    e_tps, r_tps = [tok_s(s) for s in e], [tok_s(s) for s in r]
+    res.add("engine.first_token_s", "s", e_first, "engine alone: generate() call -> first text delta", side="engine")
+    res.add("ros.first_token_s", "s", r_first, "prompt published -> first tokens message", side="ros")
+    res.add(
+        "first_token_delay_s",
+        "s",
+        [a - b for a, b in zip(r_first, e_first, strict=True)],
+        "first token over ROS minus engine alone (per pair)",
+    )
+    res.add("engine.decode_tok_s", "tok/s", e_tps, "engine alone: tokens/s between first and last delta", side="engine")
+    res.add(
+        "ros.decode_tok_s", "tok/s", r_tps, "subscriber: tokens/s between first and last tokens message", side="ros"
+    )
+    res.add(
+        "decode_overhead",
+        "fraction",
+        [x - 1.0 for x in paired_ratio(e_tps, r_tps)],
+        "subscriber time per token / engine-alone time per token - 1 (per pair)",
+    )
+    res.add(
+        "node_engine.ttft_s",
+        "s",
+        [float(s.finished["metrics"]["ttft_s"]) for s in r],
+        "the node's engine TTFT (status metrics)",
+        side="ros",
+    )
+    res.add(
+        "node_engine.decode_tok_s",
+        "tok/s",
+        [float(s.finished["metrics"]["decode_tokens_per_s"]) for s in r],
+        "the node's engine decode tokens/s (status metrics)",
+        side="ros",
+    )
+    res.setup["generated_tokens"] = {
+        "engine": [int(s.finished["metrics"]["generated_tokens"]) for s in e],
+        "ros": [int(s.finished["metrics"]["generated_tokens"]) for s in r],
+    }
+    if "".join(e[-1].texts) != "".join(r[-1].texts):
+        res.notes.append("the node's answer differs from the engine-alone answer (same greedy request)")

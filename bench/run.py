@@ -1,0 +1,151 @@
+"""Run the benchmarks and write ``bench/results/latest.json`` + ``latest.png``.
+
+Usage: ``python bench/run.py [--quick | --medium] [--out PATH] [--sections a,b] [--no-chart]``
+(``make bench`` / ``make bench-quick``). Every section runs in this process, one after another; a
+section that cannot run records ``skipped`` with its reason, one that crashes records ``error`` with
+the exception, and the run still writes a complete, schema-valid file. Goals are evaluated at the end
+and printed as a Markdown table (``bench/report.py`` prints the whole report from the JSON later).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import importlib
+import json
+import os
+import sys
+import tempfile
+import time
+import traceback
+from dataclasses import replace
+from pathlib import Path
+
+BENCH = Path(__file__).resolve().parent
+REPO = BENCH.parent
+sys.path.insert(0, str(BENCH))
+sys.path.insert(1, str(REPO))  # measure this checkout, not an older installed copy
+
+from context import BenchContext  # noqa: E402
+from goals import evaluate_goals  # noqa: E402
+from machine import machine_info  # noqa: E402
+from schema import SCHEMA_VERSION, SECTIONS, validate_result  # noqa: E402
+from section import SectionResult, skipped  # noqa: E402
+
+from config import PRESETS  # noqa: E402
+
+# section name -> module holding ``run(ctx) -> SectionResult``
+MODULES = {
+    "vs_transformers": "vs_transformers",
+    "paged_vs_contiguous": "paged",
+    "prefix_cache": "prefix_cache",
+    "memory": "memory",
+    "ros": "ros_overhead",
+    "gpu": "gpu",
+}
+
+
+def run_section(name: str, ctx: BenchContext) -> SectionResult:
+    t0 = time.perf_counter()
+    ctx.log(f"section {name}: start")
+    try:
+        result = importlib.import_module(MODULES[name]).run(ctx)
+    except Exception as exc:  # noqa: BLE001 - one broken section must not lose the others' figures
+        tb = traceback.format_exc()
+        print(tb, file=sys.stderr)
+        last = tb.strip().splitlines()[-3:]
+        result = SectionResult(name, status="error", reason=f"{type(exc).__name__}: {exc} | {' / '.join(last)}"[:2000])
+    if result.status == "ok" and not result.figures:
+        result.status, result.reason = (
+            "skipped",
+            result.reason
+            or "nothing measured: " + "; ".join(f"{p['part']}: {p['reason']}" for p in result.skipped_parts),
+        )
+    result.duration_s = time.perf_counter() - t0
+    ctx.log(
+        f"section {name}: {result.status} in {result.duration_s:.1f} s"
+        + (f" ({result.reason})" if result.reason else "")
+    )
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    mode = ap.add_mutually_exclusive_group()
+    mode.add_argument("--quick", action="store_true", help="CI smoke mode: tiny checkpoint, few repeats (< 3 min)")
+    mode.add_argument("--medium", action="store_true", help="2B-shape checkpoint in bf16 only, fewer repeats")
+    ap.add_argument("--out", type=Path, default=BENCH / "results" / "latest.json", help="result JSON path")
+    ap.add_argument("--sections", default="", help=f"comma-separated subset of {','.join(SECTIONS)}")
+    ap.add_argument("--no-chart", action="store_true", help="do not write the PNG chart")
+    ap.add_argument(
+        "--checkpoint-cache",
+        default="",
+        help="directory to keep the 2B-shape random checkpoint in and reuse across runs (default: temp dir)",
+    )
+    ap.add_argument(
+        "--threads",
+        type=int,
+        default=0,
+        help="torch threads for this process, the node and probes (0 = torch default; use 1 on a busy machine)",
+    )
+    args = ap.parse_args(argv)
+
+    config = PRESETS["quick" if args.quick else "medium" if args.medium else "full"]
+    if args.sections:
+        wanted = tuple(s.strip() for s in args.sections.split(",") if s.strip())
+        unknown = [s for s in wanted if s not in SECTIONS]
+        if unknown:
+            ap.error(f"unknown section(s) {unknown}; choose from {list(SECTIONS)}")
+        config = replace(config, sections=wanted)
+    if args.threads < 0:
+        ap.error("--threads must be >= 0")
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
+        # Child processes (the ROS node, the RSS probe) start with the same thread count.
+        os.environ["OMP_NUM_THREADS"] = str(args.threads)
+    config = replace(config, threads=args.threads, checkpoint_cache=args.checkpoint_cache)
+
+    started = time.perf_counter()
+    created = dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
+    sections: dict[str, SectionResult] = {}
+    with tempfile.TemporaryDirectory(prefix="orin_vlm_bench_") as scratch:
+        ctx = BenchContext(config, Path(scratch))
+        ctx.log(f"mode {config.mode}, sections {', '.join(config.sections)}, scratch {scratch}")
+        for name in SECTIONS:
+            if name not in config.sections:
+                sections[name] = skipped(name, "not selected (--sections)")
+            else:
+                sections[name] = run_section(name, ctx)
+
+    result = {
+        "schema_version": SCHEMA_VERSION,
+        "mode": config.mode,
+        "created": created,
+        "duration_s": round(time.perf_counter() - started, 2),
+        "machine": machine_info(),
+        "config": config.as_dict(),
+        "sections": {name: sections[name].as_dict() for name in SECTIONS},
+    }
+    result["goals"] = evaluate_goals(result)
+    validate_result(result)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = args.out.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(result, indent=1, sort_keys=False) + "\n", encoding="utf-8")
+    os.replace(tmp, args.out)
+    print(f"wrote {args.out}", file=sys.stderr)
+    if not args.no_chart:
+        from chart import write_chart
+
+        png = args.out.with_suffix(".png")
+        write_chart(result, png)
+        print(f"wrote {png}", file=sys.stderr)
+    from report import render
+
+    sys.stdout.write(render(result, goals_only=True))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

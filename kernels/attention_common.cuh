@@ -1,0 +1,58 @@
+// Helpers shared by the paged attention kernels: 16-byte vector loads/stores, warp reductions,
+// block-table address translation. Header-only (templates / forceinline) so every .cu is one module.
+#pragma once
+
+#include "compat.cuh"
+
+namespace orin_vlm {
+
+constexpr int kWarpSize = 32;
+constexpr unsigned kFullMask = 0xffffffffu;
+// log2(e): scores are pre-multiplied by it so the online softmax can use exp2f.
+constexpr float kLog2e = 1.4426950408889634f;
+
+// Elements of T in one 16-byte vector (fp32: 4, fp16/bf16: 8).
+template <typename T>
+struct Vec {
+  static constexpr int kElems = 16 / static_cast<int>(sizeof(T));
+};
+
+// Load 16 bytes (read-only path) and widen to fp32. `p` must be 16-byte aligned.
+template <typename T>
+__device__ __forceinline__ void load_vec(const T* __restrict__ p, float (&out)[Vec<T>::kElems]) {
+  const uint4 raw = __ldg(reinterpret_cast<const uint4*>(p));
+  const T* e = reinterpret_cast<const T*>(&raw);
+#pragma unroll
+  for (int i = 0; i < Vec<T>::kElems; ++i) out[i] = to_float(e[i]);
+}
+
+// Copy one 16-byte vector (KV writes keep the storage type; no conversion).
+template <typename T>
+__device__ __forceinline__ void copy_vec(T* __restrict__ dst, const T* __restrict__ src) {
+  *reinterpret_cast<uint4*>(dst) = __ldg(reinterpret_cast<const uint4*>(src));
+}
+
+__device__ __forceinline__ float warp_max(float v) {
+#pragma unroll
+  for (int off = kWarpSize / 2; off > 0; off >>= 1) v = fmaxf(v, __shfl_xor_sync(kFullMask, v, off));
+  return v;
+}
+
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+  for (int off = kWarpSize / 2; off > 0; off >>= 1) v += __shfl_xor_sync(kFullMask, v, off);
+  return v;
+}
+
+// exp2(a - b) that is 0 (not NaN) when a is -inf, including -inf - -inf.
+__device__ __forceinline__ float exp2_diff(float a, float b) { return a == -INFINITY ? 0.0f : exp2f(a - b); }
+
+// Physical block of logical token `t` of a sequence, or -1 when the table entry is unallocated (-1) or
+// the token lies past the table row. Callers use the result as an address only when it is >= 0.
+__device__ __forceinline__ int physical_block(const int* __restrict__ table_row, int t, int page_size,
+                                              int max_blocks_per_seq) {
+  const int logical = t / page_size;
+  return logical < max_blocks_per_seq ? __ldg(table_row + logical) : -1;
+}
+
+}  // namespace orin_vlm

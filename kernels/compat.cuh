@@ -1,0 +1,42 @@
+// Portability layer: the same kernel sources compile with nvcc (real CUDA) and with g++ inside the CPU
+// harness (test/cuda_harness/cuda_emu.h), which runs every thread of a block as a fiber.
+//
+// Kernels use only plain CUDA spellings (threadIdx, __shared__, __syncthreads, __shfl_xor_sync, __ldg,
+// __half, __nv_bfloat16, ...) plus the two macros defined here:
+//   DYNAMIC_SHARED(type, name)  declares `type* name` pointing at the block's dynamic shared memory.
+//   KERNEL_TRAP()               aborts the launch (a launch-configuration bug), like __trap().
+#pragma once
+
+#ifdef __CUDACC__
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <stdint.h>
+
+#define DYNAMIC_SHARED(type, name)                              \
+  extern __shared__ __align__(16) unsigned char name##_raw_[]; \
+  type* name = reinterpret_cast<type*>(name##_raw_)
+#define KERNEL_TRAP() __trap()
+
+#else  // CPU harness build (g++)
+#include "cuda_emu.h"
+#endif
+
+// Conversions used by every kernel: storage type <-> fp32 compute type.
+__device__ __forceinline__ float to_float(float x) { return x; }
+__device__ __forceinline__ float to_float(__half x) { return __half2float(x); }
+__device__ __forceinline__ float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
+
+template <typename T>
+__device__ __forceinline__ T from_float(float x);
+template <>
+__device__ __forceinline__ float from_float<float>(float x) {
+  return x;
+}
+template <>
+__device__ __forceinline__ __half from_float<__half>(float x) {
+  return __float2half_rn(x);
+}
+template <>
+__device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float x) {
+  return __float2bfloat16_rn(x);
+}

@@ -1,0 +1,267 @@
+// Paged DECODE attention: one query token per sequence, reading K/V through the block table.
+//
+// One thread block serves one (kv head, sequence, split): the GROUP query heads that share the kv head
+// (GQA) are processed together, so every K/V vector is loaded once per group. Inside a warp, the
+// lanes are split into sub-groups of HEAD_DIM/VEC lanes, each sub-group owning one token per step and
+// each lane 16 bytes (one vector) of that token's head. Every sub-group keeps its own online-softmax
+// state (running max m, sum l, unnormalized output acc); the states are merged across the warp with
+// shuffles and across warps through shared memory. Shared memory is fixed by the template parameters,
+// independent of the context length.
+//
+// Split-K (flash-decoding): with gridDim.z > 1, split s handles tokens
+// [s*tokens_per_split, (s+1)*tokens_per_split) and writes a normalized partial output plus its
+// log-sum-exp; paged_decode_reduce_* combines the splits. Splits past the sequence end write lse=-inf.
+//
+// The sequence length is read from device memory (seq_lens), so a captured CUDA graph stays valid
+// while the length grows. Unallocated block-table entries (-1) are never used as addresses.
+#include "attention_common.cuh"
+
+namespace orin_vlm {
+
+constexpr int kDecodeWarps = 4;
+
+// Grid: (num_kv_heads, batch, num_splits); block: kDecodeWarps*32 threads;
+// dynamic shared memory: kDecodeWarps * MAX_GROUP * (HEAD_DIM + 2) floats.
+template <typename T, int HEAD_DIM, int MAX_GROUP>
+__device__ __forceinline__ void paged_decode_attention(
+    T* __restrict__ out,                   // [batch, num_heads, HEAD_DIM]            (num_splits == 1)
+    float* __restrict__ partial_out,       // [batch, num_heads, num_splits, HEAD_DIM] (num_splits > 1)
+    float* __restrict__ partial_lse,       // [batch, num_heads, num_splits], log2 domain
+    const T* __restrict__ q,               // [batch, num_heads, HEAD_DIM]
+    const T* __restrict__ k_pool,          // [num_blocks, page_size, num_kv_heads, HEAD_DIM]
+    const T* __restrict__ v_pool,          // same layout as k_pool
+    const int* __restrict__ block_tables,  // [batch, max_blocks_per_seq], -1 = unallocated
+    const int* __restrict__ seq_lens,      // [batch] tokens cached (including this step's token)
+    int num_heads, int num_kv_heads, int page_size, int max_blocks_per_seq, int tokens_per_split,
+    float scale) {
+  constexpr int VEC = Vec<T>::kElems;
+  constexpr int LANES_PER_TOKEN = HEAD_DIM / VEC;
+  constexpr int TOKENS_PER_WARP = kWarpSize / LANES_PER_TOKEN;
+  static_assert(HEAD_DIM % VEC == 0 && LANES_PER_TOKEN <= kWarpSize && kWarpSize % LANES_PER_TOKEN == 0,
+                "head_dim must split into whole vectors within one warp");
+  if (blockDim.x != kDecodeWarps * kWarpSize) KERNEL_TRAP();
+  const int group = num_heads / num_kv_heads;
+  if (group > MAX_GROUP) KERNEL_TRAP();
+
+  const int kvh = blockIdx.x;
+  const int b = blockIdx.y;
+  const int split = blockIdx.z;
+  const int num_splits = gridDim.z;
+  const int warp = threadIdx.x / kWarpSize;
+  const int lane = threadIdx.x % kWarpSize;
+  const int sub = lane / LANES_PER_TOKEN;  // which token of the warp's step this lane works on
+  const int d0 = (lane % LANES_PER_TOKEN) * VEC;
+
+  const int seq_len = __ldg(seq_lens + b);
+  int t_begin = 0;
+  int t_end = seq_len;
+  if (num_splits > 1) {
+    t_begin = split * tokens_per_split;
+    t_end = min(seq_len, t_begin + tokens_per_split);
+  }
+
+  // This lane's slice of the group's queries, pre-scaled into the log2 domain.
+  const float qscale = scale * kLog2e;
+  float qr[MAX_GROUP][VEC];
+#pragma unroll
+  for (int g = 0; g < MAX_GROUP; ++g) {
+    if (g < group) {
+      load_vec(q + (static_cast<size_t>(b) * num_heads + kvh * group + g) * HEAD_DIM + d0, qr[g]);
+#pragma unroll
+      for (int i = 0; i < VEC; ++i) qr[g][i] *= qscale;
+    } else {
+#pragma unroll
+      for (int i = 0; i < VEC; ++i) qr[g][i] = 0.0f;
+    }
+  }
+
+  float m[MAX_GROUP];
+  float l[MAX_GROUP];
+  float acc[MAX_GROUP][VEC];
+#pragma unroll
+  for (int g = 0; g < MAX_GROUP; ++g) {
+    m[g] = -INFINITY;
+    l[g] = 0.0f;
+#pragma unroll
+    for (int i = 0; i < VEC; ++i) acc[g][i] = 0.0f;
+  }
+
+  const int* table_row = block_tables + static_cast<size_t>(b) * max_blocks_per_seq;
+  const size_t token_stride = static_cast<size_t>(num_kv_heads) * HEAD_DIM;
+  const size_t head_offset = static_cast<size_t>(kvh) * HEAD_DIM + d0;
+
+  // Warp-uniform loop: every lane of the warp runs the same iterations so the shuffles stay converged.
+  for (int base = t_begin + warp * TOKENS_PER_WARP; base < t_end; base += kDecodeWarps * TOKENS_PER_WARP) {
+    const int t = base + sub;
+    const int blk = t < t_end ? physical_block(table_row, t, page_size, max_blocks_per_seq) : -1;
+    const bool valid = blk >= 0;
+    const size_t row = valid ? (static_cast<size_t>(blk) * page_size + t % page_size) * token_stride : 0;
+    float kv[VEC];
+    if (valid) {
+      load_vec(k_pool + row + head_offset, kv);
+    } else {
+#pragma unroll
+      for (int i = 0; i < VEC; ++i) kv[i] = 0.0f;
+    }
+    float s[MAX_GROUP];
+#pragma unroll
+    for (int g = 0; g < MAX_GROUP; ++g) {
+      float dot = 0.0f;
+#pragma unroll
+      for (int i = 0; i < VEC; ++i) dot += qr[g][i] * kv[i];
+      s[g] = dot;
+    }
+#pragma unroll
+    for (int off = LANES_PER_TOKEN / 2; off > 0; off >>= 1) {
+#pragma unroll
+      for (int g = 0; g < MAX_GROUP; ++g) {
+        if (g < group) s[g] += __shfl_xor_sync(kFullMask, s[g], off);
+      }
+    }
+    if (valid) {
+      load_vec(v_pool + row + head_offset, kv);
+#pragma unroll
+      for (int g = 0; g < MAX_GROUP; ++g) {
+        if (g < group) {
+          const float m_new = fmaxf(m[g], s[g]);
+          const float alpha = exp2_diff(m[g], m_new);
+          const float p = exp2f(s[g] - m_new);
+          l[g] = l[g] * alpha + p;
+#pragma unroll
+          for (int i = 0; i < VEC; ++i) acc[g][i] = acc[g][i] * alpha + p * kv[i];
+          m[g] = m_new;
+        }
+      }
+    }
+  }
+
+  // Merge the sub-groups of the warp (lanes with the same d0, different tokens).
+#pragma unroll
+  for (int off = LANES_PER_TOKEN; off < kWarpSize; off <<= 1) {
+#pragma unroll
+    for (int g = 0; g < MAX_GROUP; ++g) {
+      if (g < group) {
+        const float m_o = __shfl_xor_sync(kFullMask, m[g], off);
+        const float l_o = __shfl_xor_sync(kFullMask, l[g], off);
+        const float m_new = fmaxf(m[g], m_o);
+        const float a = exp2_diff(m[g], m_new);
+        const float c = exp2_diff(m_o, m_new);
+        l[g] = l[g] * a + l_o * c;
+#pragma unroll
+        for (int i = 0; i < VEC; ++i) {
+          const float acc_o = __shfl_xor_sync(kFullMask, acc[g][i], off);
+          acc[g][i] = acc[g][i] * a + acc_o * c;
+        }
+        m[g] = m_new;
+      }
+    }
+  }
+
+  // Merge the warps through shared memory: acc [warps][MAX_GROUP][HEAD_DIM], then m and l [warps][MAX_GROUP].
+  DYNAMIC_SHARED(float, smem);
+  float* smem_acc = smem;
+  float* smem_m = smem_acc + kDecodeWarps * MAX_GROUP * HEAD_DIM;
+  float* smem_l = smem_m + kDecodeWarps * MAX_GROUP;
+  if (sub == 0) {
+#pragma unroll
+    for (int g = 0; g < MAX_GROUP; ++g) {
+      if (g < group) {
+#pragma unroll
+        for (int i = 0; i < VEC; ++i) smem_acc[(warp * MAX_GROUP + g) * HEAD_DIM + d0 + i] = acc[g][i];
+        if (lane == 0) {
+          smem_m[warp * MAX_GROUP + g] = m[g];
+          smem_l[warp * MAX_GROUP + g] = l[g];
+        }
+      }
+    }
+  }
+  __syncthreads();
+
+  for (int idx = threadIdx.x; idx < group * HEAD_DIM; idx += blockDim.x) {
+    const int g = idx / HEAD_DIM;
+    const int d = idx % HEAD_DIM;
+    float m_all = -INFINITY;
+#pragma unroll
+    for (int w = 0; w < kDecodeWarps; ++w) m_all = fmaxf(m_all, smem_m[w * MAX_GROUP + g]);
+    float l_all = 0.0f;
+    float o_all = 0.0f;
+#pragma unroll
+    for (int w = 0; w < kDecodeWarps; ++w) {
+      const float wgt = exp2_diff(smem_m[w * MAX_GROUP + g], m_all);
+      l_all += smem_l[w * MAX_GROUP + g] * wgt;
+      o_all += smem_acc[(w * MAX_GROUP + g) * HEAD_DIM + d] * wgt;
+    }
+    const float o = l_all > 0.0f ? o_all / l_all : 0.0f;
+    const size_t head_row = static_cast<size_t>(b) * num_heads + kvh * group + g;
+    if (num_splits == 1) {
+      out[head_row * HEAD_DIM + d] = from_float<T>(o);
+    } else {
+      const size_t prow = head_row * num_splits + split;
+      partial_out[prow * HEAD_DIM + d] = o;
+      if (d == 0) partial_lse[prow] = l_all > 0.0f ? m_all + log2f(l_all) : -INFINITY;
+    }
+  }
+}
+
+// Combine split-K partials. Grid: (num_heads, batch); block: HEAD_DIM threads.
+template <typename T, int HEAD_DIM>
+__device__ __forceinline__ void paged_decode_reduce(T* __restrict__ out,                  // [batch, num_heads, D]
+                                                    const float* __restrict__ partial_out,  // [b, h, splits, D]
+                                                    const float* __restrict__ partial_lse,  // [b, h, splits]
+                                                    int num_heads, int num_splits) {
+  if (blockDim.x != HEAD_DIM) KERNEL_TRAP();
+  const int h = blockIdx.x;
+  const int b = blockIdx.y;
+  const int d = threadIdx.x;
+  const size_t row0 = (static_cast<size_t>(b) * num_heads + h) * num_splits;
+  float m_all = -INFINITY;
+  for (int s = 0; s < num_splits; ++s) m_all = fmaxf(m_all, __ldg(partial_lse + row0 + s));
+  float w_all = 0.0f;
+  float o_all = 0.0f;
+  for (int s = 0; s < num_splits; ++s) {
+    const float w = exp2_diff(__ldg(partial_lse + row0 + s), m_all);
+    w_all += w;
+    o_all += w * __ldg(partial_out + (row0 + s) * HEAD_DIM + d);
+  }
+  out[(static_cast<size_t>(b) * num_heads + h) * HEAD_DIM + d] = from_float<T>(w_all > 0.0f ? o_all / w_all : 0.0f);
+}
+
+}  // namespace orin_vlm
+
+// ---- extern "C" instantiations: paged_decode_attention_<dtype>_d<head_dim>_g<max_group> ----
+#define ORIN_DECODE_KERNEL(DT, T, D, G)                                                                         \
+  extern "C" __global__ void __launch_bounds__(orin_vlm::kDecodeWarps * 32)                                   \
+      paged_decode_attention_##DT##_d##D##_g##G(                                                              \
+          T* out, float* partial_out, float* partial_lse, const T* q, const T* k_pool, const T* v_pool,       \
+          const int* block_tables, const int* seq_lens, int num_heads, int num_kv_heads, int page_size,       \
+          int max_blocks_per_seq, int tokens_per_split, float scale) {                                        \
+    orin_vlm::paged_decode_attention<T, D, G>(out, partial_out, partial_lse, q, k_pool, v_pool, block_tables, \
+                                              seq_lens, num_heads, num_kv_heads, page_size,                   \
+                                              max_blocks_per_seq, tokens_per_split, scale);                   \
+  }
+
+#define ORIN_DECODE_KERNELS_FOR(DT, T, D) \
+  ORIN_DECODE_KERNEL(DT, T, D, 1)         \
+  ORIN_DECODE_KERNEL(DT, T, D, 2)         \
+  ORIN_DECODE_KERNEL(DT, T, D, 4)         \
+  ORIN_DECODE_KERNEL(DT, T, D, 8)
+
+#define ORIN_REDUCE_KERNEL(DT, T, D)                                                                     \
+  extern "C" __global__ void __launch_bounds__(D) paged_decode_reduce_##DT##_d##D(                     \
+      T* out, const float* partial_out, const float* partial_lse, int num_heads, int num_splits) {     \
+    orin_vlm::paged_decode_reduce<T, D>(out, partial_out, partial_lse, num_heads, num_splits);         \
+  }
+
+ORIN_DECODE_KERNELS_FOR(f32, float, 64)
+ORIN_DECODE_KERNELS_FOR(f32, float, 128)
+ORIN_DECODE_KERNELS_FOR(f16, __half, 64)
+ORIN_DECODE_KERNELS_FOR(f16, __half, 128)
+ORIN_DECODE_KERNELS_FOR(bf16, __nv_bfloat16, 64)
+ORIN_DECODE_KERNELS_FOR(bf16, __nv_bfloat16, 128)
+
+ORIN_REDUCE_KERNEL(f32, float, 64)
+ORIN_REDUCE_KERNEL(f32, float, 128)
+ORIN_REDUCE_KERNEL(f16, __half, 64)
+ORIN_REDUCE_KERNEL(f16, __half, 128)
+ORIN_REDUCE_KERNEL(bf16, __nv_bfloat16, 64)
+ORIN_REDUCE_KERNEL(bf16, __nv_bfloat16, 128)

@@ -1,0 +1,186 @@
+// Paged PREFILL attention: a chunk of new tokens attending causally to the cached prefix and to
+// themselves. K/V are read from the paged pool after this chunk's K/V were written there, so the
+// prefix and the chunk take one code path.
+//
+// Sequences are packed (varlen): sequence b owns query rows cu_q_lens[b] .. cu_q_lens[b+1]-1 and holds
+// seq_lens[b] cached tokens including its chunk, so query i of the chunk sits at slot
+// seq_lens[b] - q_len + i and attends to slots 0 .. that slot.
+//
+// One thread block serves one tile of kPrefillBlockQ query rows of one head of one sequence. K/V are
+// streamed through shared memory in tiles of kPrefillBlockK tokens (vectorized 16-byte loads, widened
+// to fp32); each warp owns kPrefillBlockQ/kPrefillWarps rows with an online softmax, a lane per key
+// for the scores and a lane per head dimension (strided by 32) for the output. Shared memory is fixed
+// by HEAD_DIM, independent of context length. Tiles past the last row's causal limit are skipped.
+#include "attention_common.cuh"
+
+namespace orin_vlm {
+
+constexpr int kPrefillWarps = 4;
+constexpr int kPrefillBlockQ = 16;
+constexpr int kPrefillBlockK = 32;  // one key per lane
+
+// Grid: (ceil(max_q_len / kPrefillBlockQ), num_heads, batch); block: kPrefillWarps*32 threads;
+// dynamic shared memory (floats): BlockQ*D + BlockK*(D+1) + BlockK*D + Warps*BlockK + BlockK.
+template <typename T, int HEAD_DIM>
+__device__ __forceinline__ void paged_prefill_attention(
+    T* __restrict__ out,                   // [num_tokens, num_heads, HEAD_DIM]
+    const T* __restrict__ q,               // [num_tokens, num_heads, HEAD_DIM]
+    const T* __restrict__ k_pool,          // [num_blocks, page_size, num_kv_heads, HEAD_DIM]
+    const T* __restrict__ v_pool,          // same layout as k_pool
+    const int* __restrict__ block_tables,  // [batch, max_blocks_per_seq], -1 = unallocated
+    const int* __restrict__ seq_lens,      // [batch] tokens cached including the chunk
+    const int* __restrict__ cu_q_lens,     // [batch + 1] prefix sums of the chunk lengths
+    int num_heads, int num_kv_heads, int page_size, int max_blocks_per_seq, float scale) {
+  constexpr int VEC = Vec<T>::kElems;
+  constexpr int CHUNKS = HEAD_DIM / VEC;  // vectors per head row
+  constexpr int ROWS = kPrefillBlockQ / kPrefillWarps;
+  constexpr int DPL = HEAD_DIM / kWarpSize;  // output dims per lane
+  constexpr int K_STRIDE = HEAD_DIM + 1;     // padded: lanes read different keys at the same d
+  static_assert(HEAD_DIM % kWarpSize == 0, "head_dim must be a multiple of 32");
+  if (blockDim.x != kPrefillWarps * kWarpSize) KERNEL_TRAP();
+
+  const int tile = blockIdx.x;
+  const int h = blockIdx.y;
+  const int b = blockIdx.z;
+  const int q_begin = __ldg(cu_q_lens + b);
+  const int q_len = __ldg(cu_q_lens + b + 1) - q_begin;
+  const int row0 = tile * kPrefillBlockQ;
+  if (row0 >= q_len) return;  // block-uniform: this sequence's chunk is shorter than the grid
+  const int kv_len = __ldg(seq_lens + b);
+  const int ctx = kv_len - q_len;  // slots cached before the chunk
+  const int kvh = h / (num_heads / num_kv_heads);
+  const int rows_here = min(kPrefillBlockQ, q_len - row0);
+  const int kv_hi = min(kv_len, ctx + row0 + rows_here);  // keys any row of this tile may see
+
+  const int tid = threadIdx.x;
+  const int warp = tid / kWarpSize;
+  const int lane = tid % kWarpSize;
+
+  DYNAMIC_SHARED(float, smem);
+  float* q_s = smem;                                   // [BlockQ][D], log2-domain scaled
+  float* k_s = q_s + kPrefillBlockQ * HEAD_DIM;        // [BlockK][D + 1]
+  float* v_s = k_s + kPrefillBlockK * K_STRIDE;        // [BlockK][D]
+  float* p_s = v_s + kPrefillBlockK * HEAD_DIM;        // [Warps][BlockK] probabilities of a row
+  float* ok_s = p_s + kPrefillWarps * kPrefillBlockK;  // [BlockK] 1 = key backed by an allocated block
+
+  const float qscale = scale * kLog2e;
+  for (int c = tid; c < kPrefillBlockQ * CHUNKS; c += blockDim.x) {
+    const int r = c / CHUNKS;
+    const int d0 = (c % CHUNKS) * VEC;
+    float x[VEC];
+    if (r < rows_here) {
+      load_vec(q + (static_cast<size_t>(q_begin + row0 + r) * num_heads + h) * HEAD_DIM + d0, x);
+    } else {
+#pragma unroll
+      for (int i = 0; i < VEC; ++i) x[i] = 0.0f;
+    }
+#pragma unroll
+    for (int i = 0; i < VEC; ++i) q_s[r * HEAD_DIM + d0 + i] = x[i] * qscale;
+  }
+
+  float m[ROWS];
+  float l[ROWS];
+  float acc[ROWS][DPL];
+#pragma unroll
+  for (int i = 0; i < ROWS; ++i) {
+    m[i] = -INFINITY;
+    l[i] = 0.0f;
+#pragma unroll
+    for (int c = 0; c < DPL; ++c) acc[i][c] = 0.0f;
+  }
+
+  const int* table_row = block_tables + static_cast<size_t>(b) * max_blocks_per_seq;
+  const size_t token_stride = static_cast<size_t>(num_kv_heads) * HEAD_DIM;
+
+  for (int kt = 0; kt < kv_hi; kt += kPrefillBlockK) {
+    __syncthreads();  // the previous tile is consumed (and q_s is complete before the first)
+    for (int c = tid; c < kPrefillBlockK * CHUNKS; c += blockDim.x) {
+      const int j = c / CHUNKS;
+      const int d0 = (c % CHUNKS) * VEC;
+      const int t = kt + j;
+      const int blk = t < kv_hi ? physical_block(table_row, t, page_size, max_blocks_per_seq) : -1;
+      float kx[VEC];
+      float vx[VEC];
+      if (blk >= 0) {
+        const size_t off = (static_cast<size_t>(blk) * page_size + t % page_size) * token_stride +
+                           static_cast<size_t>(kvh) * HEAD_DIM + d0;
+        load_vec(k_pool + off, kx);
+        load_vec(v_pool + off, vx);
+      } else {
+#pragma unroll
+        for (int i = 0; i < VEC; ++i) kx[i] = vx[i] = 0.0f;
+      }
+#pragma unroll
+      for (int i = 0; i < VEC; ++i) {
+        k_s[j * K_STRIDE + d0 + i] = kx[i];
+        v_s[j * HEAD_DIM + d0 + i] = vx[i];
+      }
+      if (d0 == 0) ok_s[j] = blk >= 0 ? 1.0f : 0.0f;
+    }
+    __syncthreads();
+
+#pragma unroll
+    for (int i = 0; i < ROWS; ++i) {
+      const int r = warp * ROWS + i;
+      if (r < rows_here) {  // warp-uniform
+        const int q_slot = ctx + row0 + r;
+        const int j = kt + lane;
+        const bool valid = ok_s[lane] != 0.0f && j <= q_slot;
+        float s = -INFINITY;
+        if (valid) {
+          float dot = 0.0f;
+          for (int d = 0; d < HEAD_DIM; ++d) dot += q_s[r * HEAD_DIM + d] * k_s[lane * K_STRIDE + d];
+          s = dot;
+        }
+        const float tile_max = warp_max(s);
+        if (tile_max != -INFINITY) {  // warp-uniform: some key of this tile is visible to row r
+          const float m_new = fmaxf(m[i], tile_max);
+          const float alpha = exp2_diff(m[i], m_new);
+          const float p = valid ? exp2f(s - m_new) : 0.0f;
+          l[i] = l[i] * alpha + warp_sum(p);
+          m[i] = m_new;
+          p_s[warp * kPrefillBlockK + lane] = p;
+          __syncwarp();
+#pragma unroll
+          for (int c = 0; c < DPL; ++c) acc[i][c] *= alpha;
+          for (int kk = 0; kk < kPrefillBlockK; ++kk) {
+            const float pk = p_s[warp * kPrefillBlockK + kk];
+#pragma unroll
+            for (int c = 0; c < DPL; ++c) acc[i][c] += pk * v_s[kk * HEAD_DIM + lane + c * kWarpSize];
+          }
+          __syncwarp();  // p_s is rewritten by the next row
+        }
+      }
+    }
+  }
+
+#pragma unroll
+  for (int i = 0; i < ROWS; ++i) {
+    const int r = warp * ROWS + i;
+    if (r < rows_here) {
+      const float inv = l[i] > 0.0f ? 1.0f / l[i] : 0.0f;
+      T* dst = out + (static_cast<size_t>(q_begin + row0 + r) * num_heads + h) * HEAD_DIM;
+#pragma unroll
+      for (int c = 0; c < DPL; ++c) dst[lane + c * kWarpSize] = from_float<T>(acc[i][c] * inv);
+    }
+  }
+}
+
+}  // namespace orin_vlm
+
+// ---- extern "C" instantiations: paged_prefill_attention_<dtype>_d<head_dim> ----
+#define ORIN_PREFILL_KERNEL(DT, T, D)                                                                           \
+  extern "C" __global__ void __launch_bounds__(orin_vlm::kPrefillWarps * 32) paged_prefill_attention_##DT##_d##D( \
+      T* out, const T* q, const T* k_pool, const T* v_pool, const int* block_tables, const int* seq_lens,     \
+      const int* cu_q_lens, int num_heads, int num_kv_heads, int page_size, int max_blocks_per_seq,            \
+      float scale) {                                                                                           \
+    orin_vlm::paged_prefill_attention<T, D>(out, q, k_pool, v_pool, block_tables, seq_lens, cu_q_lens,         \
+                                            num_heads, num_kv_heads, page_size, max_blocks_per_seq, scale);    \
+  }
+
+ORIN_PREFILL_KERNEL(f32, float, 64)
+ORIN_PREFILL_KERNEL(f32, float, 128)
+ORIN_PREFILL_KERNEL(f16, __half, 64)
+ORIN_PREFILL_KERNEL(f16, __half, 128)
+ORIN_PREFILL_KERNEL(bf16, __nv_bfloat16, 64)
+ORIN_PREFILL_KERNEL(bf16, __nv_bfloat16, 128)

@@ -1,0 +1,110 @@
+"""Launch the orin_vlm node: a parameter file plus optional per-launch overrides and topic remaps.
+
+    ros2 launch orin_vlm_node orin_vlm.launch.py
+    ros2 launch orin_vlm_node orin_vlm.launch.py params_file:=<share>/config/jetson_2b.yaml \
+        model_path:=/opt/models/Qwen3-VL-2B-Instruct image_topic:=/camera/color/image_raw namespace:=robot1
+
+Why overrides are applied only when given: a launch argument left at '' must not overwrite the value
+of the chosen ``params_file`` (a preset would otherwise be silently reset to the node's defaults), so
+the parameter dictionary is built at launch time from the arguments that were set.
+"""
+
+from __future__ import annotations
+
+import os
+
+from launch.actions import DeclareLaunchArgument, OpaqueFunction
+from launch.substitutions import LaunchConfiguration
+from launch_ros.actions import Node
+
+from launch import LaunchDescription
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+# Same relative place in the source tree and in the install space (share/orin_vlm_node/{launch,config}).
+DEFAULT_PARAMS = os.path.normpath(os.path.join(HERE, "..", "config", "orin_vlm.yaml"))
+
+# Parameters exposed as launch arguments, with their type (launch arguments are strings).
+OVERRIDES: dict[str, type] = {
+    "model_path": str,
+    "device": str,
+    "dtype": str,
+    "use_paged_attention": bool,
+    "page_size": int,
+    "kv_pool_mb": int,
+    "kv_pool_blocks": int,
+    "prefix_caching": bool,
+    "use_cuda_kernels": bool,
+    "use_cuda_graph": bool,
+    "max_context_tokens": int,
+    "max_new_tokens": int,
+    "temperature": float,
+    "system_prompt": str,
+    "multi_turn": bool,
+    "image_max_age_s": float,
+    "max_queue": int,
+}
+
+
+def _typed(name: str, raw: str, kind: type) -> bool | int | float | str:
+    """Launch-argument text -> the parameter's type, with an error naming the argument."""
+    if kind is bool:
+        low = raw.strip().lower()
+        if low in ("true", "1", "yes", "on"):
+            return True
+        if low in ("false", "0", "no", "off"):
+            return False
+        raise ValueError(f"launch argument {name}:={raw!r} is not a boolean (true/false)")
+    try:
+        return kind(raw)
+    except ValueError as exc:
+        raise ValueError(f"launch argument {name}:={raw!r} is not a valid {kind.__name__}") from exc
+
+
+def _make_node(context, *_args, **_kwargs):
+    params_file = LaunchConfiguration("params_file").perform(context)
+    overrides = {}
+    for name, kind in OVERRIDES.items():
+        raw = LaunchConfiguration(name).perform(context)
+        if raw != "":
+            overrides[name] = _typed(name, raw, kind)
+    image_topic = LaunchConfiguration("image_topic").perform(context)
+    compressed_topic = LaunchConfiguration("compressed_image_topic").perform(context) or f"{image_topic}/compressed"
+    remappings = [
+        ("image", image_topic),
+        ("image/compressed", compressed_topic),
+        ("prompt", LaunchConfiguration("prompt_topic").perform(context)),
+    ]
+    node = Node(
+        package="orin_vlm_node",
+        executable="vlm_node",
+        name="orin_vlm",
+        namespace=LaunchConfiguration("namespace").perform(context),
+        parameters=[params_file, overrides] if overrides else [params_file],
+        remappings=remappings,
+        ros_arguments=["--log-level", LaunchConfiguration("log_level").perform(context)],
+        output="screen",
+        emulate_tty=True,
+    )
+    return [node]
+
+
+def generate_launch_description() -> LaunchDescription:
+    arguments = [
+        DeclareLaunchArgument("params_file", default_value=DEFAULT_PARAMS, description="node parameter YAML"),
+        DeclareLaunchArgument("namespace", default_value="", description="namespace of the node and its topics"),
+        DeclareLaunchArgument("image_topic", default_value="image", description="sensor_msgs/Image input"),
+        DeclareLaunchArgument(
+            "compressed_image_topic",
+            default_value="",
+            description="CompressedImage input; '' = <image_topic>/compressed",
+        ),
+        DeclareLaunchArgument("prompt_topic", default_value="prompt", description="std_msgs/String prompts"),
+        DeclareLaunchArgument("log_level", default_value="info", description="debug, info, warn, error"),
+    ]
+    arguments += [
+        DeclareLaunchArgument(
+            name, default_value="", description=f"override {name} ({kind.__name__}); '' = params_file"
+        )
+        for name, kind in OVERRIDES.items()
+    ]
+    return LaunchDescription([*arguments, OpaqueFunction(function=_make_node)])

@@ -1,0 +1,158 @@
+"""CUDA implementation of the kvcache ``PagedAttentionImpl`` protocol (write_kv / attend / attend_decode).
+
+Plug it in with ``PagedKVCache.set_attention_impl(CudaPagedAttention(runtime))``. The ``launcher`` is
+anything with ``launch(cfg, args)``: the PyCUDA :class:`~.runtime.KernelRuntime` on a GPU, or the CPU
+harness in the tests, which runs these exact calls (shapes, dtypes, launch plans) through the kernels
+on the CPU.
+
+Shapes it does not have kernels for (head_dim other than 64/128, GQA groups above 8, non-float dtypes)
+go to the torch implementation, logged once per shape, so a new model degrades to slower, never wrong.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from ..kvcache.attention import TorchPagedAttention
+from . import launch as L
+
+_log = logging.getLogger(__name__)
+
+
+class CudaPagedAttention:
+    """Paged attention through the kernels of ``kernels/`` (one sequence per call, batch 1 launches).
+
+    ``sm_count`` sizes the split-K plan of decode; the plan depends only on the block-table width
+    (capacity), never on the current length, so a captured decode graph stays valid as the sequence grows.
+    """
+
+    name = "cuda"
+
+    def __init__(self, launcher, sm_count: int = 16, min_tokens_per_split: int = L.DEFAULT_MIN_TOKENS_PER_SPLIT):
+        self.launcher = launcher
+        self.sm_count = sm_count
+        self.min_tokens_per_split = min_tokens_per_split
+        self._fallback = TorchPagedAttention()
+        self._unsupported_logged: set[tuple] = set()
+        self._workspaces: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    # -- protocol ---------------------------------------------------------------------------------
+    def write_kv(
+        self, k_pool: torch.Tensor, v_pool: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor
+    ) -> None:
+        nkv, hd = k_pool.shape[2], k_pool.shape[3]
+        if not self._supported(k_pool, hd, nkv, nkv) or k.shape[1:] != (nkv, hd) or v.shape != k.shape:
+            return self._fallback.write_kv(k_pool, v_pool, k, v, slot_mapping)
+        n = k.shape[0]
+        if slot_mapping.shape != (n,):
+            raise ValueError(f"slot_mapping must have shape ({n},), got {tuple(slot_mapping.shape)}")
+        if n == 0:
+            return None
+        k = k.to(k_pool.dtype).contiguous()
+        v = v.to(v_pool.dtype).contiguous()
+        slots = slot_mapping.to(torch.int64).contiguous()
+        row = L.check_kv_row(nkv, hd, k_pool.dtype)
+        self.launcher.launch(L.kv_write_launch(n, k_pool.dtype), [k_pool, v_pool, k, v, slots, row])
+        return None
+
+    def attend(
+        self,
+        q: torch.Tensor,
+        k_pool: torch.Tensor,
+        v_pool: torch.Tensor,
+        block_table: torch.Tensor,
+        q_start: int,
+        kv_len: int,
+    ) -> torch.Tensor:
+        num_q, nq, hd = q.shape
+        page, nkv = k_pool.shape[1], k_pool.shape[2]
+        if not self._supported(k_pool, hd, nq, nkv):
+            return self._fallback.attend(q, k_pool, v_pool, block_table, q_start, kv_len)
+        if q_start < 0 or q_start + num_q > kv_len:
+            raise ValueError(f"queries at slots {q_start}..{q_start + num_q - 1} need kv_len >= {q_start + num_q}")
+        table = self._table(block_table, q.device)
+        if table.numel() * page < q_start + num_q:
+            raise ValueError(f"block table of {table.numel()} blocks cannot hold {q_start + num_q} slots")
+        # Slots past the last query are masked anyway; the kernel places queries at seq_len - num_q + i.
+        meta = torch.tensor([q_start + num_q, 0, num_q], dtype=torch.int32).to(q.device, non_blocking=True)
+        seq_lens, cu_q_lens = meta[0:1], meta[1:3]
+        qc = q.to(k_pool.dtype).contiguous()
+        out = torch.empty_like(qc)
+        cfg = L.prefill_launch(1, num_q, nq, nkv, hd, k_pool.dtype)
+        self.launcher.launch(
+            cfg, [out, qc, k_pool, v_pool, table, seq_lens, cu_q_lens, nq, nkv, page, table.numel(), hd**-0.5]
+        )
+        return out.to(q.dtype)
+
+    def attend_decode(
+        self,
+        q: torch.Tensor,
+        k_pool: torch.Tensor,
+        v_pool: torch.Tensor,
+        block_table: torch.Tensor,
+        kv_len: torch.Tensor,
+    ) -> torch.Tensor:
+        _, nq, hd = q.shape
+        page, nkv = k_pool.shape[1], k_pool.shape[2]
+        if q.shape[0] != 1:
+            raise ValueError(f"attend_decode takes one query (1, nq, hd), got {tuple(q.shape)}")
+        if not self._supported(k_pool, hd, nq, nkv):
+            return self._fallback.attend_decode(q, k_pool, v_pool, block_table, kv_len)
+        table = self._table(block_table, q.device)
+        seq_lens = kv_len.reshape(1)
+        if seq_lens.dtype != torch.int32 or not seq_lens.is_contiguous():
+            seq_lens = seq_lens.to(torch.int32).contiguous()
+        qc = q.to(k_pool.dtype).contiguous()
+        out = torch.empty_like(qc)
+        splits, tokens_per_split = self.decode_plan(table.numel() * page, nkv)
+        cfg = L.decode_launch(1, nq, nkv, hd, k_pool.dtype, splits)
+        tail = [qc, k_pool, v_pool, table, seq_lens, nq, nkv, page, table.numel(), tokens_per_split, hd**-0.5]
+        if splits == 1:
+            self.launcher.launch(cfg, [out, None, None, *tail])
+        else:
+            part_out, part_lse = self._workspace(q.device, nq, hd, splits)
+            self.launcher.launch(cfg, [None, part_out, part_lse, *tail])
+            self.launcher.launch(L.decode_reduce_launch(1, nq, hd, k_pool.dtype), [out, part_out, part_lse, nq, splits])
+        return out.to(q.dtype)
+
+    # -- helpers ----------------------------------------------------------------------------------
+    def decode_plan(self, capacity_tokens: int, num_kv_heads: int) -> tuple[int, int]:
+        """(num_splits, tokens_per_split) for a sequence that can hold ``capacity_tokens``."""
+        return L.choose_decode_splits(
+            max(1, capacity_tokens), 1, num_kv_heads, self.sm_count, min_tokens_per_split=self.min_tokens_per_split
+        )
+
+    def _supported(self, k_pool: torch.Tensor, hd: int, nq: int, nkv: int) -> bool:
+        try:
+            L.dtype_name(k_pool.dtype)
+            L.check_head_dim(hd)
+            L.group_bucket(nq, nkv)
+            L.check_kv_row(nkv, hd, k_pool.dtype)
+            return k_pool.is_contiguous()
+        except L.UnsupportedShape as exc:
+            key = (k_pool.dtype, hd, nq, nkv)
+            if key not in self._unsupported_logged:
+                self._unsupported_logged.add(key)
+                _log.warning("CUDA attention kernels do not cover this shape (%s); using the torch path", exc)
+            return False
+
+    @staticmethod
+    def _table(block_table: torch.Tensor, device: torch.device) -> torch.Tensor:
+        table = block_table.reshape(-1)
+        if table.dtype != torch.int32 or table.device != device or not table.is_contiguous():
+            table = table.to(device=device, dtype=torch.int32).contiguous()
+        return table
+
+    def _workspace(self, device: torch.device, nq: int, hd: int, splits: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Split-K partials, allocated once per shape (first use is eager warm-up, before any capture)."""
+        key = (str(device), nq, hd, splits)
+        ws = self._workspaces.get(key)
+        if ws is None:
+            ws = (
+                torch.empty(1, nq, splits, hd, dtype=torch.float32, device=device),
+                torch.empty(1, nq, splits, dtype=torch.float32, device=device),
+            )
+            self._workspaces[key] = ws
+        return ws

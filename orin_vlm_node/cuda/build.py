@@ -1,0 +1,234 @@
+"""Compile ``kernels/*.cu`` with nvcc for the GPU we run on, with an on-disk cubin cache.
+
+Kernels are built on the target itself at startup (a Jetson compiles with its own JetPack nvcc), never
+shipped prebuilt: a cubin only runs on its architecture and a newer toolkit's PTX cannot be JIT-ed by an
+older driver. Compiling costs seconds, so cubins are cached, keyed by everything that changes the
+binary: the source and every header it includes, the architecture, the flags and the nvcc version.
+
+Cache files carry a header (magic, payload length, SHA-256 of the payload) and are written atomically
+(temporary file + rename), so an interrupted write or a corrupted file is detected and rebuilt instead of
+crashing the module loader. Pure Python + subprocess: testable on a machine without a GPU.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import os
+import re
+import shutil
+import subprocess
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+_log = logging.getLogger(__name__)
+
+KERNEL_DIR = Path(__file__).resolve().parent.parent.parent / "kernels"
+DEFAULT_CACHE_DIR = Path("~/.cache/orin_vlm_node/kernels")
+BASE_FLAGS: tuple[str, ...] = ("-O3", "-std=c++17")
+# Used by the tests on every architecture we support: any warning fails the build.
+STRICT_FLAGS: tuple[str, ...] = ("--Werror", "all-warnings", "-Xptxas", "-Werror")
+NVCC_CANDIDATES = ("/usr/local/cuda/bin/nvcc", "/usr/local/bin/nvcc")
+COMPILE_TIMEOUT_S = 600
+
+_MAGIC = b"ORINVLM-CUBIN-1\n"
+_INCLUDE_RE = re.compile(r'^\s*#\s*include\s+"([^"]+)"', re.MULTILINE)
+
+
+class KernelBuildError(RuntimeError):
+    """The kernels could not be built (no nvcc, a compile error, an unwritable cache); the message says which."""
+
+
+@dataclass(frozen=True)
+class BuildConfig:
+    """How to build: target arch (e.g. ``sm_87``), cache directory, nvcc to use ("" = search), extra flags."""
+
+    arch: str
+    cache_dir: str | Path = ""
+    nvcc: str = ""
+    extra_flags: tuple[str, ...] = ()
+    kernel_dir: Path = KERNEL_DIR
+
+    @property
+    def flags(self) -> tuple[str, ...]:
+        return BASE_FLAGS + tuple(self.extra_flags)
+
+    @property
+    def cache_path(self) -> Path:
+        return Path(self.cache_dir or DEFAULT_CACHE_DIR).expanduser()
+
+
+@dataclass(frozen=True)
+class CompiledModule:
+    """One kernel module's cubin and where it came from."""
+
+    name: str
+    arch: str
+    cubin: bytes
+    path: Path
+    cache_hit: bool
+    seconds: float = field(default=0.0, compare=False)
+
+
+def arch_from_capability(major: int, minor: int) -> str:
+    """(8, 7) -> ``sm_87`` (Jetson Orin)."""
+    return f"sm_{major}{minor}"
+
+
+def find_nvcc(explicit: str = "") -> str:
+    """The nvcc to use: ``explicit``, $CUDA_HOME/bin/nvcc, PATH, then the usual install locations."""
+    if explicit:
+        if Path(explicit).is_file() and os.access(explicit, os.X_OK):
+            return explicit
+        raise KernelBuildError(f"nvcc not found at {explicit!r}")
+    candidates = []
+    if os.environ.get("CUDA_HOME"):
+        candidates.append(str(Path(os.environ["CUDA_HOME"]) / "bin" / "nvcc"))
+    which = shutil.which("nvcc")
+    if which:
+        candidates.append(which)
+    candidates.extend(NVCC_CANDIDATES)
+    for c in candidates:
+        if Path(c).is_file() and os.access(c, os.X_OK):
+            return c
+    raise KernelBuildError(
+        "nvcc not found (looked at $CUDA_HOME/bin, PATH, /usr/local/cuda/bin): install the CUDA toolkit "
+        "(JetPack on a Jetson) or set use_cuda_kernels:=false"
+    )
+
+
+@functools.lru_cache(maxsize=8)
+def nvcc_version(nvcc: str) -> str:
+    """The release line of ``nvcc --version`` (part of the cache key)."""
+    try:
+        proc = subprocess.run([nvcc, "--version"], capture_output=True, text=True, timeout=60, check=False)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        raise KernelBuildError(f"cannot run {nvcc} --version: {exc}") from exc
+    if proc.returncode:
+        raise KernelBuildError(f"{nvcc} --version failed: {proc.stderr.strip() or proc.stdout.strip()}")
+    lines = [ln.strip() for ln in proc.stdout.splitlines() if ln.strip()]
+    release = [ln for ln in lines if "release" in ln]
+    return (release or lines or ["unknown"])[-1] + " | " + (lines[-1] if lines else "")
+
+
+def module_names(kernel_dir: Path = KERNEL_DIR) -> list[str]:
+    return sorted(p.stem for p in Path(kernel_dir).glob("*.cu"))
+
+
+def source_closure(source: Path, kernel_dir: Path) -> list[Path]:
+    """The .cu file and every quoted header it includes (recursively) that lives in ``kernel_dir``."""
+    seen: dict[Path, None] = {}
+    stack = [source]
+    while stack:
+        f = stack.pop()
+        if f in seen:
+            continue
+        seen[f] = None
+        for inc in _INCLUDE_RE.findall(f.read_text(encoding="utf-8")):
+            dep = (f.parent / inc).resolve()
+            if not dep.is_file():
+                dep = (Path(kernel_dir) / inc).resolve()
+            if dep.is_file():
+                stack.append(dep)
+    return list(seen)
+
+
+def cache_key(module: str, cfg: BuildConfig, nvcc: str) -> str:
+    """SHA-256 over the sources (with included headers), arch, flags and nvcc version."""
+    src = Path(cfg.kernel_dir) / f"{module}.cu"
+    if not src.is_file():
+        raise KernelBuildError(f"kernel source {src} not found")
+    h = hashlib.sha256()
+    for f in sorted(source_closure(src.resolve(), Path(cfg.kernel_dir)), key=lambda p: p.name):
+        h.update(f.name.encode() + b"\0" + f.read_bytes() + b"\0")
+    h.update(cfg.arch.encode() + b"\0" + "\0".join(cfg.flags).encode() + b"\0" + nvcc_version(nvcc).encode())
+    return h.hexdigest()
+
+
+def _pack(cubin: bytes) -> bytes:
+    return _MAGIC + len(cubin).to_bytes(8, "little") + hashlib.sha256(cubin).digest() + cubin
+
+
+def _unpack(blob: bytes) -> bytes | None:
+    """The payload, or None if the file is not a complete, intact cache entry."""
+    head = len(_MAGIC) + 8 + 32
+    if len(blob) < head or not blob.startswith(_MAGIC):
+        return None
+    size = int.from_bytes(blob[len(_MAGIC) : len(_MAGIC) + 8], "little")
+    digest = blob[len(_MAGIC) + 8 : head]
+    payload = blob[head:]
+    if len(payload) != size or hashlib.sha256(payload).digest() != digest:
+        return None
+    return payload
+
+
+def _atomic_write(path: Path, data: bytes) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def compile_cubin(module: str, cfg: BuildConfig, nvcc: str) -> bytes:
+    """Run nvcc on ``kernels/<module>.cu`` for ``cfg.arch`` and return the cubin bytes (no cache)."""
+    src = Path(cfg.kernel_dir) / f"{module}.cu"
+    with tempfile.TemporaryDirectory(prefix="orin_vlm_nvcc_") as tmp:
+        out = Path(tmp) / f"{module}.cubin"
+        cmd = [nvcc, "-cubin", f"-arch={cfg.arch}", *cfg.flags, "-I", str(cfg.kernel_dir), "-o", str(out), str(src)]
+        try:
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=COMPILE_TIMEOUT_S, check=False)
+        except (OSError, subprocess.TimeoutExpired) as exc:
+            raise KernelBuildError(f"nvcc failed to run for {src.name} ({cfg.arch}): {exc}") from exc
+        if proc.returncode or not out.is_file():
+            log = (proc.stderr + proc.stdout).strip()
+            raise KernelBuildError(f"nvcc could not compile {src.name} for {cfg.arch}:\n$ {' '.join(cmd)}\n{log}")
+        return out.read_bytes()
+
+
+def build_module(module: str, cfg: BuildConfig) -> CompiledModule:
+    """Cached cubin of one module: a verified cache entry, or a fresh compile written back atomically."""
+    nvcc = find_nvcc(cfg.nvcc)
+    key = cache_key(module, cfg, nvcc)
+    path = cfg.cache_path / f"{module}-{cfg.arch}-{key[:24]}.cubin"
+    if path.is_file():
+        payload = _unpack(path.read_bytes())
+        if payload is not None:
+            _log.info("kernel cache hit: %s (%s) from %s", module, cfg.arch, path)
+            return CompiledModule(module, cfg.arch, payload, path, cache_hit=True)
+        _log.warning("kernel cache file %s is corrupt (bad header, size or hash); rebuilding", path)
+        path.unlink(missing_ok=True)
+    t0 = time.perf_counter()
+    cubin = compile_cubin(module, cfg, nvcc)
+    seconds = time.perf_counter() - t0
+    try:
+        _atomic_write(path, _pack(cubin))
+    except OSError as exc:
+        _log.warning("could not write kernel cache %s (%s); continuing without caching", path, exc)
+    _log.info("compiled %s for %s in %.2f s (%d bytes) -> %s", module, cfg.arch, seconds, len(cubin), path)
+    return CompiledModule(module, cfg.arch, cubin, path, cache_hit=False, seconds=seconds)
+
+
+def build_all(cfg: BuildConfig, modules: list[str] | None = None) -> dict[str, CompiledModule]:
+    """Every kernel module (default: all ``kernels/*.cu``), compiled or loaded from the cache."""
+    names = modules if modules is not None else module_names(Path(cfg.kernel_dir))
+    t0 = time.perf_counter()
+    built = {name: build_module(name, cfg) for name in names}
+    hits = sum(m.cache_hit for m in built.values())
+    _log.info(
+        "kernels ready for %s in %.2f s (%d cached, %d compiled)",
+        cfg.arch,
+        time.perf_counter() - t0,
+        hits,
+        len(built) - hits,
+    )
+    return built

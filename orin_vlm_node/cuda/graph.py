@@ -1,0 +1,109 @@
+"""CUDA-graph decode: capture the engine's static-buffer decode step once, replay it every token.
+
+The captured callable must read and write only fixed tensors (the engine's static input buffers, the
+KV pools, the ``StaticDecodeBuffers`` of the cache) and must not synchronize with the host. The host-side
+half of each step (block allocation, block-table upload, filling the buffers) runs *before* ``run()``,
+never inside it: a graph replays device work only, so anything the host skipped would be stale (the
+page-boundary bug of the original C++ engine). Warm-up runs the callable eagerly, so it must be
+idempotent for fixed buffer contents (writing the same K/V to the same slot again is).
+
+If capture fails (an op that is not capturable, a host sync), the runner logs why and stays eager.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+_log = logging.getLogger(__name__)
+
+
+class DecodeGraph:
+    """Replays ``fn`` from a CUDA graph once captured; eager on CPU, when disabled, or after a failed capture.
+
+    ``run()`` returns ``fn``'s output (the graph's static output tensor(s) once captured: copy or consume
+    them before the next ``run()``). ``invalidate()`` drops the graph, e.g. after the model, the static
+    buffers or the KV pools were reallocated; the next ``run()`` captures again.
+    """
+
+    def __init__(self, fn: Callable[[], Any], device: str | torch.device, enabled: bool = True, warmup: int = 2):
+        self.fn = fn
+        self.device = torch.device(device)
+        self.enabled = enabled
+        self.warmup = warmup
+        self._graph: torch.cuda.CUDAGraph | None = None
+        self._output: Any = None
+        self._pool = None
+        self.fallback_reason = ""
+        if self.device.type != "cuda":
+            self.fallback_reason = "cpu device"
+        elif not enabled:
+            self.fallback_reason = "disabled by use_cuda_graph"
+        self.replays = 0
+        self.captures = 0
+
+    @property
+    def captured(self) -> bool:
+        return self._graph is not None
+
+    @property
+    def eager(self) -> bool:
+        """True when ``run()`` executes ``fn`` directly (no graph in use now or later)."""
+        return bool(self.fallback_reason)
+
+    def run(self) -> Any:
+        if self.fallback_reason:
+            return self.fn()
+        if self._graph is None:
+            self._capture()
+            if self._graph is None:
+                return self.fn()
+        self._graph.replay()
+        self.replays += 1
+        return self._output
+
+    __call__ = run
+
+    def invalidate(self) -> None:
+        """Forget the captured graph (next ``run()`` recaptures); also clears a previous capture failure."""
+        self._graph = None
+        self._output = None
+        if self.fallback_reason.startswith("capture failed"):
+            self.fallback_reason = ""
+
+    def describe(self) -> dict:
+        return {
+            "captured": self.captured,
+            "eager_reason": self.fallback_reason,
+            "captures": self.captures,
+            "replays": self.replays,
+        }
+
+    def _capture(self) -> None:
+        side = torch.cuda.Stream(self.device)
+        current = torch.cuda.current_stream(self.device)
+        try:
+            side.wait_stream(current)
+            with torch.cuda.stream(side):
+                for _ in range(self.warmup):
+                    self.fn()
+            current.wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            if self._pool is None:
+                self._pool = torch.cuda.graph_pool_handle()
+            with torch.cuda.graph(graph, pool=self._pool, stream=side):
+                output = self.fn()
+        except Exception as exc:  # noqa: BLE001 - any capture failure means: run eagerly, say why
+            self.fallback_reason = f"capture failed: {type(exc).__name__}: {exc}"
+            _log.warning("CUDA graph capture of the decode step failed; running eagerly (%s)", self.fallback_reason)
+            self._graph = None
+            self._output = None
+            torch.cuda.synchronize(self.device)
+            return
+        self._graph = graph
+        self._output = output
+        self.captures += 1
+        _log.info("captured the decode step as a CUDA graph (capture #%d)", self.captures)

@@ -1,0 +1,237 @@
+"""Launch geometry of every kernel as pure functions of the problem shape.
+
+The PyCUDA runtime and the CPU harness both take grid, block and shared-memory sizes from here, so
+the configuration the tests prove correct is the one the GPU runs. The constants mirror the
+``constexpr`` values in ``kernels/*.cu`` (a mismatch makes the kernel trap, which the harness
+tests catch). No torch or CUDA import: everything here runs anywhere.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+# Mirrors of the kernel constants (kernels/paged_decode_attention.cu, paged_prefill_attention.cu).
+DECODE_WARPS = 4
+PREFILL_WARPS = 4
+PREFILL_BLOCK_Q = 16
+PREFILL_BLOCK_K = 32
+KV_WRITE_THREADS = 128
+WARP_SIZE = 32
+
+SUPPORTED_HEAD_DIMS = (64, 128)
+GROUP_BUCKETS = (1, 2, 4, 8)  # GQA group sizes the decode kernel is instantiated for (upper bounds)
+MAX_DYNAMIC_SHARED_BYTES = 48 * 1024  # the per-block default on every GPU we target; no opt-in needed
+DEFAULT_MIN_TOKENS_PER_SPLIT = 256
+
+# torch dtype name -> kernel name suffix and element size.
+DTYPE_TAGS = {"float32": "f32", "float16": "f16", "bfloat16": "bf16"}
+DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
+
+# Kernel source module (kernels/<module>.cu) -> the extern "C" kernels it defines.
+KERNEL_MODULES: dict[str, tuple[str, ...]] = {
+    "paged_decode_attention": tuple(
+        f"paged_decode_attention_{t}_d{d}_g{g}"
+        for t in DTYPE_TAGS.values()
+        for d in SUPPORTED_HEAD_DIMS
+        for g in GROUP_BUCKETS
+    )
+    + tuple(f"paged_decode_reduce_{t}_d{d}" for t in DTYPE_TAGS.values() for d in SUPPORTED_HEAD_DIMS),
+    "paged_prefill_attention": tuple(
+        f"paged_prefill_attention_{t}_d{d}" for t in DTYPE_TAGS.values() for d in SUPPORTED_HEAD_DIMS
+    ),
+    "paged_kv_write": tuple(f"paged_kv_write_{t}" for t in DTYPE_TAGS.values())
+    + tuple(f"paged_kv_write_decode_{t}" for t in DTYPE_TAGS.values()),
+}
+
+# Parameter kinds of each kernel family, in order: "ptr" (device pointer), "i32", "f32".
+ARG_KINDS: dict[str, tuple[str, ...]] = {
+    "paged_decode_attention": ("ptr",) * 8 + ("i32",) * 5 + ("f32",),
+    "paged_decode_reduce": ("ptr",) * 3 + ("i32",) * 2,
+    "paged_prefill_attention": ("ptr",) * 7 + ("i32",) * 4 + ("f32",),
+    "paged_kv_write": ("ptr",) * 5 + ("i32",),
+    "paged_kv_write_decode": ("ptr",) * 6 + ("i32",) * 3,
+}
+
+
+class UnsupportedShape(ValueError):
+    """The kernels have no instantiation for this head_dim / dtype / GQA ratio."""
+
+
+@dataclass(frozen=True)
+class LaunchConfig:
+    """One kernel launch: which kernel, grid and block (x, y, z) and dynamic shared memory in bytes."""
+
+    kernel: str
+    grid: tuple[int, int, int]
+    block: tuple[int, int, int]
+    shared_bytes: int = 0
+
+    @property
+    def family(self) -> str:
+        return kernel_family(self.kernel)
+
+    @property
+    def module(self) -> str:
+        return kernel_module(self.kernel)
+
+
+def kernel_family(kernel: str) -> str:
+    """``paged_decode_attention_f16_d128_g4`` -> ``paged_decode_attention`` (the key of ARG_KINDS)."""
+    for family in sorted(ARG_KINDS, key=len, reverse=True):
+        if kernel.startswith(family + "_"):
+            return family
+    raise KeyError(f"unknown kernel {kernel!r}")
+
+
+def kernel_module(kernel: str) -> str:
+    for module, names in KERNEL_MODULES.items():
+        if kernel in names:
+            return module
+    raise KeyError(f"kernel {kernel!r} is not defined by any module in kernels/")
+
+
+def dtype_name(dtype: object) -> str:
+    """Accepts a torch.dtype, a numpy dtype or a name; returns e.g. ``"float16"``."""
+    name = str(dtype).removeprefix("torch.")
+    if name not in DTYPE_TAGS:
+        raise UnsupportedShape(f"no kernels for dtype {dtype}; supported: {', '.join(DTYPE_TAGS)}")
+    return name
+
+
+def check_head_dim(head_dim: int) -> None:
+    if head_dim not in SUPPORTED_HEAD_DIMS:
+        raise UnsupportedShape(f"no kernels for head_dim {head_dim}; supported: {SUPPORTED_HEAD_DIMS}")
+
+
+def group_bucket(num_heads: int, num_kv_heads: int) -> int:
+    """Smallest instantiated GQA group size that holds ``num_heads / num_kv_heads``."""
+    if num_kv_heads < 1 or num_heads < 1 or num_heads % num_kv_heads:
+        raise UnsupportedShape(f"num_heads {num_heads} must be a positive multiple of num_kv_heads {num_kv_heads}")
+    group = num_heads // num_kv_heads
+    for bucket in GROUP_BUCKETS:
+        if group <= bucket:
+            return bucket
+    raise UnsupportedShape(f"GQA group size {group} exceeds the largest instantiated group {GROUP_BUCKETS[-1]}")
+
+
+def decode_kernel_name(dtype: object, head_dim: int, num_heads: int, num_kv_heads: int) -> str:
+    check_head_dim(head_dim)
+    tag = DTYPE_TAGS[dtype_name(dtype)]
+    return f"paged_decode_attention_{tag}_d{head_dim}_g{group_bucket(num_heads, num_kv_heads)}"
+
+
+def decode_shared_bytes(head_dim: int, group: int) -> int:
+    """Cross-warp merge buffer: acc [warps][group][head_dim] + m, l [warps][group], fp32."""
+    return DECODE_WARPS * group * (head_dim + 2) * 4
+
+
+def choose_decode_splits(
+    max_seq_len: int,
+    batch: int,
+    num_kv_heads: int,
+    sm_count: int,
+    min_tokens_per_split: int = DEFAULT_MIN_TOKENS_PER_SPLIT,
+) -> tuple[int, int]:
+    """Split-K plan ``(num_splits, tokens_per_split)`` for sequences of up to ``max_seq_len`` tokens.
+
+    Splitting pays when ``batch * num_kv_heads`` blocks would leave SMs idle (batch 1 on an Orin with
+    8-16 SMs); each split keeps at least ``min_tokens_per_split`` tokens so the reduce stays cheap.
+    For a CUDA graph pass the capacity (max context), not the current length: the plan must stay fixed.
+    """
+    if max_seq_len < 1 or batch < 1 or num_kv_heads < 1 or sm_count < 1:
+        raise ValueError("choose_decode_splits needs positive sizes")
+    blocks = batch * num_kv_heads
+    wanted = math.ceil(2 * sm_count / blocks)
+    by_length = max(1, max_seq_len // min_tokens_per_split)
+    splits = max(1, min(wanted, by_length))
+    if splits == 1:
+        return 1, max_seq_len
+    tokens = math.ceil(max_seq_len / splits)
+    tokens = math.ceil(tokens / 16) * 16  # whole warp steps (DECODE_WARPS x up to 4 tokens)
+    return math.ceil(max_seq_len / tokens), tokens
+
+
+def decode_launch(
+    batch: int, num_heads: int, num_kv_heads: int, head_dim: int, dtype: object, num_splits: int = 1
+) -> LaunchConfig:
+    """Grid (num_kv_heads, batch, num_splits), DECODE_WARPS warps, merge buffer in dynamic shared memory."""
+    if batch < 1 or num_splits < 1:
+        raise ValueError(f"decode launch needs batch >= 1 and num_splits >= 1, got {batch}, {num_splits}")
+    kernel = decode_kernel_name(dtype, head_dim, num_heads, num_kv_heads)
+    group = group_bucket(num_heads, num_kv_heads)
+    return _checked(
+        LaunchConfig(
+            kernel=kernel,
+            grid=(num_kv_heads, batch, num_splits),
+            block=(DECODE_WARPS * WARP_SIZE, 1, 1),
+            shared_bytes=decode_shared_bytes(head_dim, group),
+        )
+    )
+
+
+def decode_reduce_launch(batch: int, num_heads: int, head_dim: int, dtype: object) -> LaunchConfig:
+    """Grid (num_heads, batch), one thread per head dimension."""
+    check_head_dim(head_dim)
+    tag = DTYPE_TAGS[dtype_name(dtype)]
+    return _checked(LaunchConfig(f"paged_decode_reduce_{tag}_d{head_dim}", (num_heads, batch, 1), (head_dim, 1, 1), 0))
+
+
+def prefill_shared_bytes(head_dim: int) -> int:
+    """q tile + padded K tile + V tile + per-warp probabilities + key-valid flags, fp32."""
+    floats = (
+        PREFILL_BLOCK_Q * head_dim
+        + PREFILL_BLOCK_K * (head_dim + 1)
+        + PREFILL_BLOCK_K * head_dim
+        + PREFILL_WARPS * PREFILL_BLOCK_K
+        + PREFILL_BLOCK_K
+    )
+    return floats * 4
+
+
+def prefill_launch(
+    batch: int, max_q_len: int, num_heads: int, num_kv_heads: int, head_dim: int, dtype: object
+) -> LaunchConfig:
+    """Grid (ceil(max_q_len / PREFILL_BLOCK_Q), num_heads, batch), PREFILL_WARPS warps."""
+    check_head_dim(head_dim)
+    if num_heads % num_kv_heads:
+        raise UnsupportedShape(f"num_heads {num_heads} must be a multiple of num_kv_heads {num_kv_heads}")
+    if batch < 1 or max_q_len < 1:
+        raise ValueError(f"prefill launch needs batch >= 1 and max_q_len >= 1, got {batch}, {max_q_len}")
+    tag = DTYPE_TAGS[dtype_name(dtype)]
+    return _checked(
+        LaunchConfig(
+            kernel=f"paged_prefill_attention_{tag}_d{head_dim}",
+            grid=(math.ceil(max_q_len / PREFILL_BLOCK_Q), num_heads, batch),
+            block=(PREFILL_WARPS * WARP_SIZE, 1, 1),
+            shared_bytes=prefill_shared_bytes(head_dim),
+        )
+    )
+
+
+def kv_write_launch(num_tokens: int, dtype: object) -> LaunchConfig:
+    """One block per token (slot_mapping entry)."""
+    tag = DTYPE_TAGS[dtype_name(dtype)]
+    return _checked(LaunchConfig(f"paged_kv_write_{tag}", (num_tokens, 1, 1), (KV_WRITE_THREADS, 1, 1), 0))
+
+
+def kv_write_decode_launch(batch: int, dtype: object) -> LaunchConfig:
+    """One block per sequence; the slot comes from seq_lens and the block table on the device."""
+    tag = DTYPE_TAGS[dtype_name(dtype)]
+    return _checked(LaunchConfig(f"paged_kv_write_decode_{tag}", (batch, 1, 1), (KV_WRITE_THREADS, 1, 1), 0))
+
+
+def check_kv_row(num_kv_heads: int, head_dim: int, dtype: object) -> int:
+    """Elements of one pool row; the write kernels copy whole 16-byte vectors."""
+    elems = num_kv_heads * head_dim
+    if (elems * DTYPE_BYTES[dtype_name(dtype)]) % 16:
+        raise UnsupportedShape(f"a KV row of {elems} elements is not a whole number of 16-byte vectors")
+    return elems
+
+
+def _checked(cfg: LaunchConfig) -> LaunchConfig:
+    if any(g < 1 for g in cfg.grid) or cfg.grid[1] > 65535 or cfg.grid[2] > 65535 or cfg.grid[0] > 2**31 - 1:
+        raise ValueError(f"{cfg.kernel}: grid {cfg.grid} out of range")
+    if cfg.shared_bytes > MAX_DYNAMIC_SHARED_BYTES:
+        raise ValueError(f"{cfg.kernel}: {cfg.shared_bytes} B dynamic shared memory exceeds {MAX_DYNAMIC_SHARED_BYTES}")
+    return cfg

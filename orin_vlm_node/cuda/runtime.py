@@ -1,0 +1,166 @@
+"""Load the cubins into torch's CUDA context and launch kernels on torch's current stream.
+
+Context: torch works in the device's *primary* context. PyCUDA retains that same context
+(``Device.retain_primary_context()``) and pushes it on any thread that launches while it is not current
+(a context is current per thread; the engine may run on a worker thread). Tensors' ``data_ptr()`` are
+then valid kernel arguments.
+
+Launch: kernels go to ``torch.cuda.current_stream().cuda_stream`` so they order with torch's ops and
+are recorded when torch captures a CUDA graph on its side stream. PyCUDA's own launch API only accepts
+PyCUDA ``Stream`` objects, so modules are loaded and launched through the driver API
+(``cuModuleLoadData`` / ``cuLaunchKernel``, via ctypes on libcuda) inside the PyCUDA-managed context.
+Nothing here allocates or synchronizes: a launch is capture-safe.
+
+All CUDA imports happen inside functions; importing this module works on a machine without a GPU.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import threading
+from collections.abc import Sequence
+
+import torch
+
+from .build import BuildConfig, CompiledModule, arch_from_capability, build_all
+from .launch import ARG_KINDS, LaunchConfig
+
+_log = logging.getLogger(__name__)
+
+_CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT = 16
+
+
+class CudaRuntimeError(RuntimeError):
+    """Loading or launching a kernel failed in the CUDA driver; the message names the call and the error."""
+
+
+class _Driver:
+    """The few driver-API entry points we need, bound with ctypes."""
+
+    def __init__(self) -> None:
+        lib = None
+        for name in ("libcuda.so.1", "libcuda.so"):
+            try:
+                lib = ctypes.CDLL(name)
+                break
+            except OSError:
+                continue
+        if lib is None:
+            raise CudaRuntimeError("libcuda (the NVIDIA driver library) could not be loaded")
+        self.lib = lib
+        vp, u, i = ctypes.c_void_p, ctypes.c_uint, ctypes.c_int
+        self._sig("cuModuleLoadData", [ctypes.POINTER(vp), ctypes.c_char_p])
+        self._sig("cuModuleGetFunction", [ctypes.POINTER(vp), vp, ctypes.c_char_p])
+        self._sig("cuModuleUnload", [vp])
+        self._sig("cuLaunchKernel", [vp, u, u, u, u, u, u, u, vp, ctypes.POINTER(vp), ctypes.POINTER(vp)])
+        self._sig("cuCtxGetCurrent", [ctypes.POINTER(vp)])
+        self._sig("cuGetErrorName", [i, ctypes.POINTER(ctypes.c_char_p)])
+
+    def _sig(self, name: str, argtypes: list) -> None:
+        fn = getattr(self.lib, name)
+        fn.argtypes = argtypes
+        fn.restype = ctypes.c_int
+
+    def check(self, rc: int, what: str) -> None:
+        if rc:
+            name = ctypes.c_char_p()
+            self.lib.cuGetErrorName(rc, ctypes.byref(name))
+            raise CudaRuntimeError(f"{what} failed: {(name.value or b'CUDA error').decode()} ({rc})")
+
+    def current_context(self) -> int:
+        ctx = ctypes.c_void_p()
+        self.check(self.lib.cuCtxGetCurrent(ctypes.byref(ctx)), "cuCtxGetCurrent")
+        return ctx.value or 0
+
+
+class KernelRuntime:
+    """The built kernels, loaded once, launchable from any thread: ``launch(cfg, args)``.
+
+    ``args`` follow the kernel's parameter list (``launch.ARG_KINDS``): tensors (or None for a null
+    pointer) for pointers, Python ints and floats for scalars. The CPU harness has the same method.
+    """
+
+    def __init__(self, modules: dict[str, CompiledModule], device: torch.device) -> None:
+        import pycuda.driver as drv  # lazily: pycuda is optional and needs a GPU
+
+        self.device = device
+        self.arch = next(iter(modules.values())).arch if modules else ""
+        torch.cuda.init()
+        drv.init()
+        self._pyctx = drv.Device(device.index or 0).retain_primary_context()
+        self._driver = _Driver()
+        self._local = threading.local()
+        self._pyctx.push()
+        try:
+            self._ctx_handle = self._driver.current_context()
+            self._modules: dict[str, ctypes.c_void_p] = {}
+            self._functions: dict[str, ctypes.c_void_p] = {}
+            from .launch import KERNEL_MODULES
+
+            for name, compiled in modules.items():
+                mod = ctypes.c_void_p()
+                self._driver.check(
+                    self._driver.lib.cuModuleLoadData(ctypes.byref(mod), compiled.cubin), f"loading {name}.cubin"
+                )
+                self._modules[name] = mod
+                for kernel in KERNEL_MODULES.get(name, ()):
+                    fn = ctypes.c_void_p()
+                    self._driver.check(
+                        self._driver.lib.cuModuleGetFunction(ctypes.byref(fn), mod, kernel.encode()),
+                        f"looking up kernel {kernel}",
+                    )
+                    self._functions[kernel] = fn
+        finally:
+            self._pyctx.pop()
+        self.sm_count = torch.cuda.get_device_properties(device).multi_processor_count
+        _log.info("loaded %d CUDA kernels (%s, %d SMs)", len(self._functions), self.arch, self.sm_count)
+
+    def _ensure_context(self) -> None:
+        """Make the primary context current on this thread (torch usually has; a fresh thread may not)."""
+        if self._driver.current_context() != self._ctx_handle:
+            self._pyctx.push()
+            self._local.pushed = getattr(self._local, "pushed", 0) + 1
+
+    def launch(self, cfg: LaunchConfig, args: Sequence[torch.Tensor | int | float | None]) -> None:
+        fn = self._functions.get(cfg.kernel)
+        if fn is None:
+            raise CudaRuntimeError(f"kernel {cfg.kernel} is not loaded")
+        kinds = ARG_KINDS[cfg.family]
+        if len(args) != len(kinds):
+            raise CudaRuntimeError(f"{cfg.kernel} takes {len(kinds)} arguments, got {len(args)}")
+        values: list[ctypes._SimpleCData] = []
+        for i, (kind, value) in enumerate(zip(kinds, args, strict=True)):
+            if kind == "ptr":
+                if value is None:
+                    values.append(ctypes.c_void_p(0))
+                elif isinstance(value, torch.Tensor) and value.device == self.device and value.is_contiguous():
+                    values.append(ctypes.c_void_p(value.data_ptr()))
+                else:
+                    raise CudaRuntimeError(f"{cfg.kernel} argument {i}: expected a contiguous tensor on {self.device}")
+            elif kind == "i32":
+                values.append(ctypes.c_int32(int(value)))
+            else:
+                values.append(ctypes.c_float(float(value)))
+        params = (ctypes.c_void_p * len(values))(*[ctypes.addressof(v) for v in values])
+        self._ensure_context()
+        stream = torch.cuda.current_stream(self.device).cuda_stream
+        rc = self._driver.lib.cuLaunchKernel(
+            fn, *cfg.grid, *cfg.block, cfg.shared_bytes, ctypes.c_void_p(stream), params, None
+        )
+        self._driver.check(rc, f"launching {cfg.kernel} grid={cfg.grid} block={cfg.block}")
+
+
+def detect_arch(device: torch.device) -> str:
+    major, minor = torch.cuda.get_device_capability(device)
+    return arch_from_capability(major, minor)
+
+
+def load_runtime(device: torch.device, cache_dir: str = "", nvcc: str = "") -> tuple[KernelRuntime, float]:
+    """Build (or load from cache) every kernel for ``device``'s arch and load them. Returns (runtime, seconds)."""
+    import time
+
+    t0 = time.perf_counter()
+    modules = build_all(BuildConfig(arch=detect_arch(device), cache_dir=cache_dir, nvcc=nvcc))
+    runtime = KernelRuntime(modules, device)
+    return runtime, time.perf_counter() - t0

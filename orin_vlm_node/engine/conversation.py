@@ -1,0 +1,85 @@
+"""Prompt ids of a conversation turn: the first turn in full, later turns as the delta after the cache.
+
+A session's KV ends right after the assistant's ``<|im_end|>``; the next turn must add exactly the
+tokens a fresh rendering of the whole conversation would have after that point (``\\n<|im_start|>user
+\\n...<|im_end|>\\n<|im_start|>assistant\\n`` for ChatML), or the model would see a conversation that no
+single rendering produces. The delta is therefore cut from the checkpoint's own template: render the
+conversation with and without the new turn and take what follows the last ``<|im_end|>`` of the
+history. Templates that rewrite earlier turns (e.g. strip reasoning from old answers) break that
+prefix property; they are detected and reported instead of silently diverging.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from ..processing import ChatTemplate, PromptError, Tokenizer, build_prompt_ids
+from ..processing.tokenizer import IM_END
+from .events import Turn
+
+
+def user_message(turn: Turn) -> dict:
+    """The chat-template message of a turn: its images first (in order), then its text."""
+    parts: list[dict] = [{"type": "image"} for _ in turn.images]
+    if turn.text:
+        parts.append({"type": "text", "text": turn.text})
+    return {"role": "user", "content": parts}
+
+
+class ConversationRenderer:
+    """Renders turns to token ids with the checkpoint's tokenizer and chat template."""
+
+    def __init__(self, tokenizer: Tokenizer, template: ChatTemplate):
+        self.tokenizer = tokenizer
+        self.template = template
+
+    def first_turn(
+        self, system_prompt: str | None, turn: Turn, image_tokens: Sequence[int]
+    ) -> tuple[list[int], list[dict]]:
+        """(prompt ids, messages) of a conversation's first turn, generation prompt included."""
+        messages: list[dict] = []
+        if system_prompt:
+            messages.append({"role": "system", "content": system_prompt})
+        messages.append(user_message(turn))
+        return build_prompt_ids(self.tokenizer, self.template, messages, list(image_tokens)), messages
+
+    def next_turn(
+        self, history: list[dict], answer_text: str, turn: Turn, image_tokens: Sequence[int]
+    ) -> tuple[list[int], list[dict]]:
+        """(ids after the history's final ``<|im_end|>``, messages incl. the answer and the new turn)."""
+        before = [*history, {"role": "assistant", "content": answer_text}]
+        after = [*before, user_message(turn)]
+        text_before = self.template.render(before, add_generation_prompt=False)
+        text_after = self.template.render(after, add_generation_prompt=True)
+        anchor = text_before.rfind(IM_END)
+        if anchor < 0:
+            raise PromptError(
+                "the chat template does not close assistant turns with <|im_end|>; cannot continue a session"
+            )
+        anchor += len(IM_END)
+        if text_after[:anchor] != text_before[:anchor]:
+            raise PromptError(
+                "the chat template renders earlier turns differently once a new turn is added, so the cached "
+                "session cannot be continued; reset the session"
+            )
+        ids = self.tokenizer.encode(text_after[anchor:])
+        return expand_image_pads(ids, self.tokenizer.special.image_pad, image_tokens), after
+
+
+def expand_image_pads(ids: list[int], pad: int, image_tokens: Sequence[int]) -> list[int]:
+    """Repeat the i-th ``<|image_pad|>`` ``image_tokens[i]`` times (one placeholder per image)."""
+    n_pads = sum(1 for t in ids if t == pad)
+    if n_pads != len(image_tokens):
+        raise PromptError(
+            f"the rendered turn has {n_pads} image placeholder(s) but {len(image_tokens)} image(s) were given "
+            "(text must not contain <|image_pad|>)"
+        )
+    out: list[int] = []
+    image = 0
+    for t in ids:
+        if t == pad:
+            out.extend([pad] * image_tokens[image])
+            image += 1
+        else:
+            out.append(t)
+    return out

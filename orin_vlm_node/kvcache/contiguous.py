@@ -1,0 +1,217 @@
+"""Contiguous KV cache: every sequence owns one preallocated slab of ``max_context_tokens`` slots.
+
+The baseline the paged cache is measured against (memory) and checked against (outputs). The pool
+from :func:`plan_pool` is cut into slabs of one full context each; a sequence takes a slab when it is
+created, so its memory cost does not depend on how long it actually gets. No prefix caching.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from .base import ExtraKeys, KVCache, StaticDecodeBuffers, check_step_shapes
+from .config import KVCacheConfig, plan_pool
+from .errors import PoolExhausted
+from .reference import causal_attention, masked_decode_attention
+
+_log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Seq:
+    slab: int
+    length: int = 0
+
+
+class ContiguousKVCache(KVCache):
+    """Per-sequence contiguous storage ``(max_context, nkv, hd)`` per layer, same interface as paged."""
+
+    supports_prefix_caching = False
+
+    def __init__(self, config: KVCacheConfig) -> None:
+        super().__init__(config)
+        plan = plan_pool(config, min_blocks=1)
+        self.num_slabs = plan.tokens // config.max_context_tokens
+        if self.num_slabs < 1:
+            raise ValueError(
+                f"KV pool too small for a contiguous cache: {plan.tokens} tokens cannot hold one "
+                f"max_context_tokens={config.max_context_tokens} slab"
+            )
+        if config.prefix_caching:
+            _log.info("ContiguousKVCache: prefix caching requested but not supported; disabled")
+        C, nkv, hd = config.max_context_tokens, config.num_kv_heads, config.head_dim
+        # (2 = K/V, layers, slabs, max_context, nkv, hd); slab row s is sequence storage.
+        self._kv = torch.zeros(
+            (2, config.num_layers, self.num_slabs, C, nkv, hd), dtype=config.dtype, device=config.device
+        )
+        self._free: deque[int] = deque(range(self.num_slabs))
+        self._seqs: dict[int, _Seq] = {}
+
+    # -- sequences -------------------------------------------------------------------------------
+    def _get(self, seq: int) -> _Seq:
+        try:
+            return self._seqs[seq]
+        except KeyError:
+            raise ValueError(f"unknown or released sequence {seq}") from None
+
+    def new_sequence(self) -> int:
+        if not self._free:
+            raise PoolExhausted(
+                f"no free contiguous slab: all {self.num_slabs} slabs of "
+                f"{self.config.max_context_tokens} tokens are in use",
+                needed_blocks=1,
+                free_blocks=0,
+            )
+        sid = next(self._ids)
+        self._seqs[sid] = _Seq(slab=self._free.popleft())
+        return sid
+
+    def length(self, seq: int) -> int:
+        return self._get(seq).length
+
+    def ensure_capacity(self, seq: int, new_len: int) -> None:
+        self._get(seq)
+        self._check_context(new_len)  # the slab always holds max_context_tokens
+
+    def step(self, seq: int, num_new: int):
+        s = self._get(seq)
+        if num_new < 1:
+            raise ValueError(f"step needs at least one new token, got {num_new}")
+        self.ensure_capacity(seq, s.length + num_new)
+        start = s.length
+        s.length += num_new
+        return _ContiguousStep(self, s.slab, start, num_new)
+
+    def fork(self, seq: int) -> int:
+        s = self._get(seq)
+        child = self.new_sequence()
+        c = self._seqs[child]
+        self._kv[:, :, c.slab, : s.length].copy_(self._kv[:, :, s.slab, : s.length])
+        c.length = s.length
+        return child
+
+    def truncate(self, seq: int, new_len: int) -> None:
+        s = self._get(seq)
+        if not 0 <= new_len <= s.length:
+            raise ValueError(f"truncate to {new_len} outside 0..{s.length}")
+        s.length = new_len
+
+    def release(self, seq: int) -> None:
+        s = self._seqs.pop(seq, None)
+        if s is None:
+            raise ValueError(f"unknown or released sequence {seq}")
+        self._free.append(s.slab)
+
+    def clear(self) -> None:
+        self._seqs.clear()
+        self._free = deque(range(self.num_slabs))
+
+    def block_table(self, seq: int) -> list[int]:
+        return [self._get(seq).slab]
+
+    # -- prefix caching: not supported -----------------------------------------------------------
+    def match_prefix(self, token_ids: Sequence[int], extra_keys: ExtraKeys | None = None) -> int:
+        return 0
+
+    def attach_prefix(self, seq: int, token_ids: Sequence[int], extra_keys: ExtraKeys | None = None) -> int:
+        if self._get(seq).length:
+            raise ValueError("attach_prefix needs an empty sequence")
+        return 0
+
+    def register_prefix(self, seq: int, token_ids: Sequence[int], extra_keys: ExtraKeys | None = None) -> int:
+        self._get(seq)
+        return 0
+
+    def set_prefix_caching(self, enabled: bool) -> bool:
+        if enabled:
+            _log.info("ContiguousKVCache does not support prefix caching; it stays off")
+        return False
+
+    # -- static decode ---------------------------------------------------------------------------
+    def new_static_decode_buffers(self) -> StaticDecodeBuffers:
+        dev = self.config.device
+        return StaticDecodeBuffers(
+            slot_mapping=torch.zeros(1, dtype=torch.int64, device=dev),
+            kv_len=torch.zeros(1, dtype=torch.int32, device=dev),
+            block_table=torch.zeros(1, dtype=torch.int32, device=dev),
+        )
+
+    def prepare_static_decode(self, seq: int, buffers: StaticDecodeBuffers) -> None:
+        s = self._get(seq)
+        self.ensure_capacity(seq, s.length + 1)
+        # fill_ with host scalars launches tiny kernels, no H2D copy of pageable memory.
+        buffers.slot_mapping.fill_(s.slab * self.config.max_context_tokens + s.length)
+        buffers.kv_len.fill_(s.length + 1)
+        buffers.block_table.fill_(s.slab)
+        s.length += 1
+
+    def static_decode_attention(self, buffers: StaticDecodeBuffers):
+        return _ContiguousStaticDecode(self, buffers)
+
+    # -- introspection ---------------------------------------------------------------------------
+    def stats(self) -> dict:
+        cfg = self.config
+        slab_tokens = cfg.max_context_tokens
+        used = len(self._seqs)
+        tokens = sum(s.length for s in self._seqs.values())
+        reserved = used * slab_tokens
+        return {
+            "kind": "contiguous",
+            "page_size": slab_tokens,
+            "blocks_total": self.num_slabs,
+            "blocks_used": used,
+            "blocks_free": self.num_slabs - used,
+            "blocks_cached": 0,
+            "sequences": used,
+            "tokens_stored": tokens,
+            "tokens_capacity": self.num_slabs * slab_tokens,
+            "internal_fragmentation": (1.0 - tokens / reserved) if reserved else 0.0,
+            "kv_bytes_in_use": reserved * cfg.bytes_per_token,
+            "kv_bytes_tokens": tokens * cfg.bytes_per_token,
+            "pool_bytes": self._kv.numel() * self._kv.element_size(),
+            "prefix_caching": False,
+            "prefix_queries": 0,
+            "prefix_hit_blocks": 0,
+            "prefix_miss_blocks": 0,
+            "prefix_hit_tokens": 0,
+        }
+
+
+class _ContiguousStep:
+    """StepAttention of one contiguous step: write rows ``start..start+L-1`` of the slab, attend."""
+
+    def __init__(self, cache: ContiguousKVCache, slab: int, start: int, num_new: int) -> None:
+        self._cache, self._slab, self._start, self._n = cache, slab, start, num_new
+
+    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        check_step_shapes(self._n, q, k, v, self._cache.config)
+        kv = self._cache._kv
+        end = self._start + self._n
+        kv[0, layer, self._slab, self._start : end] = k
+        kv[1, layer, self._slab, self._start : end] = v
+        k_all = kv[0, layer, self._slab, :end].to(q.dtype)
+        v_all = kv[1, layer, self._slab, :end].to(q.dtype)
+        return causal_attention(q, k_all, v_all, self._start)
+
+
+class _ContiguousStaticDecode:
+    """Decode attention reading only the static buffers (slot, kv_len, slab index)."""
+
+    def __init__(self, cache: ContiguousKVCache, buffers: StaticDecodeBuffers) -> None:
+        self._cache, self._buf = cache, buffers
+
+    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        check_step_shapes(1, q, k, v, self._cache.config)
+        kv = self._cache._kv
+        nkv, hd = self._cache.config.num_kv_heads, self._cache.config.head_dim
+        kv[0, layer].view(-1, nkv, hd).index_copy_(0, self._buf.slot_mapping, k.to(kv.dtype))
+        kv[1, layer].view(-1, nkv, hd).index_copy_(0, self._buf.slot_mapping, v.to(kv.dtype))
+        slab = self._buf.block_table.long()
+        k_all = kv[0, layer].index_select(0, slab)[0].to(q.dtype)  # (max_context, nkv, hd)
+        v_all = kv[1, layer].index_select(0, slab)[0].to(q.dtype)
+        return masked_decode_attention(q, k_all, v_all, self._buf.kv_len)

@@ -1,0 +1,226 @@
+"""Load an HF-format Qwen3-VL directory into :class:`Qwen3VLModel`, streaming tensor by tensor.
+
+Why streamed: on a Jetson the CPU and GPU share one memory, so building the model with initialised
+weights and then loading a state dict would need twice the model size. Here the module tree is built
+on the meta device (no storage), each parameter is allocated once, empty, in the target dtype on the
+target device, and every checkpoint tensor is read from its safetensors file and copied into place
+(cast on the way). Peak memory is about the model size plus the largest single tensor.
+
+All headers are checked before any data is read: missing/unexpected keys, shape mismatches, missing
+shard files and pickle-only checkpoints raise :class:`CheckpointError` naming the files and keys.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from torch import nn
+
+from .config import ModelConfig
+from .errors import CheckpointError
+from .qwen3_vl import Qwen3VLModel
+
+logger = logging.getLogger("orin_vlm_node.model")
+
+_DTYPES = {
+    "bf16": torch.bfloat16,
+    "bfloat16": torch.bfloat16,
+    "fp16": torch.float16,
+    "float16": torch.float16,
+    "half": torch.float16,
+    "fp32": torch.float32,
+    "float32": torch.float32,
+    "float": torch.float32,
+}
+_SUPPORTED = (torch.bfloat16, torch.float16, torch.float32)
+_PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt")
+_MAX_LISTED = 8  # keys named in one error message
+
+
+def load_model(path: str | Path, dtype: torch.dtype | str = torch.float32, device="cpu") -> Qwen3VLModel:
+    """Build the model for ``path`` (config.json + safetensors) in ``dtype`` on ``device``."""
+    t0 = time.perf_counter()
+    root = Path(path)
+    if not root.is_dir():
+        raise CheckpointError(f"{root}: model directory does not exist")
+    target = resolve_dtype(dtype)
+    config = ModelConfig.from_dir(root)
+    files = weight_files(root)
+    with torch.device("meta"):
+        model = Qwen3VLModel(config)
+    expected = _expected_parameters(model)
+    plan = _plan(files, expected, config.tie_word_embeddings)
+    _materialize(model, target, torch.device(device))
+    params = dict(model.named_parameters())
+    total = sum(params[name].numel() * params[name].element_size() for _, name in plan.values())
+    logger.info(
+        "loading %s: %d tensors from %d file(s), %.1f MB as %s on %s",
+        root,
+        len(plan),
+        len(files),
+        total / 1e6,
+        str(target).replace("torch.", ""),
+        device,
+    )
+    done_bytes = 0
+    next_report = 0.1
+    for file in files:
+        keys = [(key, name) for key, (f, name) in plan.items() if f == file]
+        with safe_open(str(file), framework="pt", device="cpu") as handle:
+            for key, name in keys:
+                try:
+                    tensor = handle.get_tensor(key)
+                except Exception as exc:  # truncated/corrupt data section
+                    raise CheckpointError(f"{file}: cannot read tensor {key} ({exc})") from exc
+                if not tensor.is_floating_point():
+                    raise CheckpointError(f"{file.name}: tensor {key} has non-float dtype {tensor.dtype}")
+                param = params[name]
+                param.data.copy_(tensor)
+                done_bytes += param.numel() * param.element_size()
+                del tensor
+                if done_bytes >= min(next_report, 1.0) * total:
+                    logger.info("  %3.0f%% (%s)", 100 * done_bytes / total, file.name)
+                    next_report = done_bytes / total + 0.1
+    model.init_buffers()
+    model.eval()
+    logger.info(
+        "loaded %s in %.1f s (%.3f B parameters)", root.name, time.perf_counter() - t0, model.num_parameters() / 1e9
+    )
+    return model
+
+
+def resolve_dtype(dtype: torch.dtype | str) -> torch.dtype:
+    """torch dtype from a torch.dtype or a name (bf16/fp16/fp32/bfloat16/...); only float types."""
+    resolved = _DTYPES.get(dtype.lower()) if isinstance(dtype, str) else dtype
+    if resolved not in _SUPPORTED:
+        raise ValueError(f"unsupported model dtype {dtype!r}: use bf16, fp16 or fp32")
+    return resolved
+
+
+def weight_files(root: Path) -> list[Path]:
+    """The safetensors files of a checkpoint: ``model.safetensors`` or the shards of its index."""
+    single = root / "model.safetensors"
+    index = root / "model.safetensors.index.json"
+    if single.is_file():
+        return [single]
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+            names = sorted(set(weight_map.values()))
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+            raise CheckpointError(f"{index}: not a valid safetensors index ({exc})") from exc
+        shards = [root / name for name in names]
+        missing = [s.name for s in shards if not s.is_file()]
+        if missing:
+            raise CheckpointError(f"{index}: shard file(s) missing: {', '.join(missing)}")
+        return shards
+    others = sorted(root.glob("*.safetensors"))
+    if others:
+        return others
+    pickles = sorted(p.name for p in root.iterdir() if p.suffix in _PICKLE_SUFFIXES)
+    if pickles:
+        raise CheckpointError(
+            f"{root}: only PyTorch pickle weights found ({', '.join(pickles[:_MAX_LISTED])}); they are refused "
+            "because loading them can run arbitrary code. Convert them to safetensors (e.g. load with "
+            "transformers and save_pretrained(..., safe_serialization=True))."
+        )
+    raise CheckpointError(f"{root}: no weights (expected model.safetensors or model.safetensors.index.json)")
+
+
+def checkpoint_key_to_name(key: str) -> str:
+    """Checkpoint key -> our parameter name; accepts the Qwen3-VL layout and older spellings.
+
+    ``model.visual.*`` / ``visual.*`` -> ``visual.*``; ``model.language_model.*`` / ``model.*`` (pre-4.52
+    layout) / ``language_model.model.*`` -> ``language_model.*``; ``lm_head.*`` and
+    ``language_model.lm_head.*`` -> ``lm_head.*``.
+    """
+    for prefix, repl in (
+        ("model.visual.", "visual."),
+        ("model.language_model.", "language_model."),
+        ("language_model.model.", "language_model."),
+        ("language_model.lm_head.", "lm_head."),
+        ("visual.", "visual."),
+        ("lm_head.", "lm_head."),
+        ("model.", "language_model."),
+    ):
+        if key.startswith(prefix):
+            return repl + key[len(prefix) :]
+    return key
+
+
+def name_to_checkpoint_key(name: str) -> str:
+    """Our parameter name -> the key an HF Qwen3-VL checkpoint stores it under."""
+    return name if name.startswith("lm_head.") else "model." + name
+
+
+def _expected_parameters(model: nn.Module) -> dict[str, tuple[int, ...]]:
+    return {name: tuple(p.shape) for name, p in model.named_parameters()}
+
+
+def _plan(files: list[Path], expected: dict[str, tuple[int, ...]], tied: bool) -> dict[str, tuple[Path, str]]:
+    """checkpoint key -> (file, parameter name), after checking every header against the model."""
+    plan: dict[str, tuple[Path, str]] = {}
+    seen: dict[str, str] = {}  # parameter name -> key that provides it
+    unexpected: list[str] = []
+    mismatched: list[str] = []
+    for file in files:
+        try:
+            handle_ctx = safe_open(str(file), framework="pt", device="cpu")
+        except Exception as exc:  # safetensors raises its own error types for corrupt headers
+            raise CheckpointError(f"{file}: cannot open as safetensors ({exc})") from exc
+        with handle_ctx as handle:
+            for key in handle.keys():
+                name = checkpoint_key_to_name(key)
+                if name not in expected:
+                    if tied and name == "lm_head.weight":
+                        continue  # tied: lm_head is embed_tokens; a saved copy is redundant
+                    unexpected.append(f"{file.name}:{key}")
+                    continue
+                if name in seen:
+                    raise CheckpointError(f"{file.name}: {key} duplicates {seen[name]} (both map to {name})")
+                shape = tuple(handle.get_slice(key).get_shape())
+                if shape != expected[name]:
+                    mismatched.append(
+                        f"{file.name}:{key} has shape {list(shape)}, config.json implies {list(expected[name])}"
+                    )
+                seen[name] = key
+                plan[key] = (file, name)
+    problems = []
+    if mismatched:
+        problems.append(f"shape mismatch: {_listing(mismatched)}")
+    if unexpected:
+        problems.append(f"unexpected keys: {_listing(unexpected)}")
+    missing = [name_to_checkpoint_key(name) for name in expected if name not in seen]
+    if missing:
+        problems.append(f"missing keys: {_listing(missing)}")
+    if problems:
+        where = files[0].parent
+        raise CheckpointError(f"{where}: checkpoint does not match config.json; " + "; ".join(problems))
+    return plan
+
+
+def _listing(items: list[str]) -> str:
+    shown = ", ".join(items[:_MAX_LISTED])
+    return shown + (f" (+{len(items) - _MAX_LISTED} more)" if len(items) > _MAX_LISTED else "")
+
+
+def _materialize(model: nn.Module, dtype: torch.dtype, device: torch.device) -> None:
+    """Replace meta parameters/buffers by uninitialised storage, keeping shared (tied) parameters shared."""
+    memo: dict[int, nn.Parameter] = {}
+    for module in model.modules():
+        for name, param in list(module._parameters.items()):
+            if param is None:
+                continue
+            if id(param) not in memo:
+                memo[id(param)] = nn.Parameter(
+                    torch.empty(param.shape, dtype=dtype, device=device), requires_grad=False
+                )
+            module._parameters[name] = memo[id(param)]
+        for name, buf in list(module._buffers.items()):
+            if buf is not None:
+                module._buffers[name] = torch.empty(buf.shape, dtype=buf.dtype, device=device)

@@ -1,0 +1,94 @@
+"""Qwen3-VL (dense 2B/4B/8B): vision tower + Qwen3 decoder with DeepStack, one sequence per call.
+
+The model is pure tensor math over one step of one sequence. It does not know about KV slots,
+paging, sessions or sampling: the caller passes RoPE positions (see :mod:`.positions`) and a
+:class:`StepAttention` from the KV backend, and receives logits for the rows it asked for.
+
+Submodule names match the checkpoint (``visual`` <- ``model.visual``, ``language_model`` <-
+``model.language_model``, ``lm_head``) so the loader maps keys by prefix only.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..kvcache.interface import StepAttention
+from .config import ModelConfig
+from .text import TextDecoder
+from .vision import VisionFeatures, VisionTower
+
+
+class Qwen3VLModel(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.config = config
+        self.visual = VisionTower(config.vision)
+        self.language_model = TextDecoder(config.text)
+        self.lm_head = nn.Linear(config.text.hidden_size, config.text.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.language_model.embed_tokens.weight
+
+    def num_parameters(self) -> int:
+        """Parameter count with shared (tied) tensors counted once."""
+        return sum(p.numel() for p in self.parameters())  # parameters() already de-duplicates
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.language_model.embed_tokens.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.language_model.embed_tokens.weight.device
+
+    @torch.no_grad()
+    def encode_images(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> VisionFeatures:
+        """Vision tower over all images: (N, 1536) patches + (n, 3) grids -> (M, H) tokens, M = sum(t*h*w)/4."""
+        return self.visual(pixel_values, grid_thw)
+
+    @torch.no_grad()
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        rope_positions: torch.Tensor,
+        attn: StepAttention,
+        vision: VisionFeatures | None = None,
+        logits_index: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Logits (K, vocab) of one step of one sequence.
+
+        ``input_ids`` (L,) long, ``rope_positions`` (3, L) long. ``vision``: features whose rows fill
+        this chunk's ``<|image_pad|>`` positions in order (their count must match; for a prefill split
+        into chunks pass ``features.rows(a, b)``, the rows of the pads inside the chunk). With
+        ``vision=None`` image-pad ids are embedded like any token. ``logits_index``: (K,) rows to
+        project; default the last row. With ``vision=None`` there is no host sync and no
+        data-dependent shape, so a decode step can be captured in a CUDA graph.
+        """
+        if input_ids.dim() != 1 or rope_positions.shape != (3, input_ids.shape[0]):
+            raise ValueError(
+                f"expected input_ids (L,) and rope_positions (3, L); got {tuple(input_ids.shape)} and "
+                f"{tuple(rope_positions.shape)}"
+            )
+        decoder = self.language_model
+        x = decoder.embed_tokens(input_ids)  # (L, H)
+        visual_rows = None
+        if vision is not None:
+            visual_rows = torch.nonzero(input_ids == self.config.image_token_id).reshape(-1)  # host sync
+            if visual_rows.numel() != vision.embeds.shape[0]:
+                raise ValueError(
+                    f"this chunk has {visual_rows.numel()} <|image_pad|> tokens but {vision.embeds.shape[0]} image "
+                    "feature rows were given"
+                )
+            x = x.index_copy(0, visual_rows, vision.embeds.to(x.device, x.dtype))
+        cos, sin = decoder.rope_tables(rope_positions, x.dtype)
+        for index, layer in enumerate(decoder.layers):
+            x = layer(x, cos, sin, attn, index)
+            if visual_rows is not None and index < len(vision.deepstack):
+                # DeepStack: add level `index` to this layer's OUTPUT at the image positions (spec §9.7).
+                x = x.index_add(0, visual_rows, vision.deepstack[index].to(x.device, x.dtype))
+        rows = x[-1:] if logits_index is None else x.index_select(0, logits_index.to(x.device))
+        return self.lm_head(decoder.norm(rows))
+
+    def init_buffers(self) -> None:
+        """Recompute non-persistent buffers (rotary tables) after parameters were materialised."""
+        self.language_model.init_buffers()

@@ -1,0 +1,213 @@
+"""Qwen3-VL vision tower: patches of several images in, merged LLM tokens + DeepStack features out.
+
+Module and parameter names mirror the checkpoint (``model.visual.*``) so loading is a name lookup.
+Numerics follow transformers 5.x (spec §3):
+- patch embedding is a Linear over the flattened (3, 2, 16, 16) patch. It equals the checkpoint's
+  Conv3d (kernel = stride) mathematically; in fp32 it agrees to ~1e-7, in bf16 the two differ by
+  rounding only (<= 1 ulp; measured end-to-end effect in test/test_model_bf16.py);
+- the learned 48x48 position table is resampled bilinearly (align_corners=True) with fp32 weights,
+  products and sum, then cast once to the activation dtype;
+- 2-D rotary in fp32; attention is block-diagonal (one segment per image and temporal slice) through
+  ``scaled_dot_product_attention`` so large images never materialise an N x N score matrix (HF's
+  default "sdpa" does the same; vs HF "eager" this is ~1e-6 in fp32 and the only bf16 difference);
+- tanh-GELU in the block MLP, erf-GELU in both mergers; the final merger normalises each patch (D)
+  before the 2x2 concat, the DeepStack mergers normalise the concatenated 4D vector after it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .config import VisionConfig
+from .rope import apply_vision_rope, vision_cos_sin, vision_inv_freq
+
+
+@dataclass
+class VisionFeatures:
+    """Encoded images, ready to be scattered into the prompt.
+
+    ``embeds`` (M, H): one row per ``<|image_pad|>`` token, images in order. ``deepstack``: one (M, H)
+    tensor per DeepStack level, added after decoder layers 0, 1, ... at the same positions.
+    ``tokens_per_image``: how the M rows split into images.
+    """
+
+    embeds: torch.Tensor
+    deepstack: list[torch.Tensor]
+    tokens_per_image: tuple[int, ...] = ()
+
+    def __len__(self) -> int:
+        return int(self.embeds.shape[0])
+
+    def rows(self, start: int, stop: int) -> VisionFeatures:
+        """Rows ``start:stop`` (for a prefill chunk that holds only part of the image tokens)."""
+        return VisionFeatures(self.embeds[start:stop], [d[start:stop] for d in self.deepstack], ())
+
+
+class PatchEmbed(nn.Module):
+    """Conv3d weights (D, 3, 2, 16, 16) + bias, applied as one Linear over 1536 inputs."""
+
+    def __init__(self, cfg: VisionConfig):
+        super().__init__()
+        self.proj = nn.Conv3d(
+            cfg.in_channels,
+            cfg.hidden_size,
+            kernel_size=(cfg.temporal_patch_size, cfg.patch_size, cfg.patch_size),
+            stride=(cfg.temporal_patch_size, cfg.patch_size, cfg.patch_size),
+            bias=True,
+        )
+
+    def forward(self, patches: torch.Tensor) -> torch.Tensor:  # (N, 1536) -> (N, D)
+        weight = self.proj.weight
+        return F.linear(patches.to(weight.dtype), weight.reshape(weight.shape[0], -1), self.proj.bias)
+
+
+class VisionAttention(nn.Module):
+    def __init__(self, cfg: VisionConfig):
+        super().__init__()
+        self.num_heads = cfg.num_heads
+        self.head_dim = cfg.head_dim
+        self.qkv = nn.Linear(cfg.hidden_size, 3 * cfg.hidden_size, bias=True)
+        self.proj = nn.Linear(cfg.hidden_size, cfg.hidden_size, bias=True)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, seg_lens: list[int]) -> torch.Tensor:
+        n = x.shape[0]
+        q, k, v = self.qkv(x).reshape(n, 3, self.num_heads, self.head_dim).permute(1, 0, 2, 3).unbind(0)
+        q = apply_vision_rope(q, cos, sin)
+        k = apply_vision_rope(k, cos, sin)
+        # (heads, N, hd); bidirectional attention inside each segment only (block-diagonal).
+        q, k, v = (t.transpose(0, 1) for t in (q, k, v))
+        outs = [
+            F.scaled_dot_product_attention(qs, ks, vs)
+            for qs, ks, vs in zip(q.split(seg_lens, 1), k.split(seg_lens, 1), v.split(seg_lens, 1), strict=True)
+        ]
+        out = torch.cat(outs, dim=1) if len(outs) > 1 else outs[0]
+        return self.proj(out.transpose(0, 1).reshape(n, -1))
+
+
+class VisionMLP(nn.Module):
+    def __init__(self, cfg: VisionConfig):
+        super().__init__()
+        self.linear_fc1 = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=True)
+        self.linear_fc2 = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear_fc2(F.gelu(self.linear_fc1(x), approximate="tanh"))
+
+
+class VisionBlock(nn.Module):
+    def __init__(self, cfg: VisionConfig):
+        super().__init__()
+        self.norm1 = nn.LayerNorm(cfg.hidden_size, eps=cfg.layer_norm_eps)
+        self.norm2 = nn.LayerNorm(cfg.hidden_size, eps=cfg.layer_norm_eps)
+        self.attn = VisionAttention(cfg)
+        self.mlp = VisionMLP(cfg)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, seg_lens: list[int]) -> torch.Tensor:
+        x = x + self.attn(self.norm1(x), cos, sin, seg_lens)
+        return x + self.mlp(self.norm2(x))
+
+
+class PatchMerger(nn.Module):
+    """2x2 patches -> one LLM token. ``postshuffle_norm``: LayerNorm(4D) after the concat (DeepStack)."""
+
+    def __init__(self, cfg: VisionConfig, postshuffle_norm: bool):
+        super().__init__()
+        self.merged_dim = cfg.hidden_size * cfg.merge_unit
+        self.postshuffle_norm = postshuffle_norm
+        self.norm = nn.LayerNorm(self.merged_dim if postshuffle_norm else cfg.hidden_size, eps=cfg.layer_norm_eps)
+        self.linear_fc1 = nn.Linear(self.merged_dim, self.merged_dim, bias=True)
+        self.linear_fc2 = nn.Linear(self.merged_dim, cfg.out_hidden_size, bias=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (N, D) -> (N/4, H)
+        if self.postshuffle_norm:
+            x = self.norm(x.reshape(-1, self.merged_dim))
+        else:
+            x = self.norm(x).reshape(-1, self.merged_dim)
+        return self.linear_fc2(F.gelu(self.linear_fc1(x)))
+
+
+class VisionTower(nn.Module):
+    def __init__(self, cfg: VisionConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.grid_side = int(cfg.num_position_embeddings**0.5)
+        self.patch_embed = PatchEmbed(cfg)
+        self.pos_embed = nn.Embedding(cfg.num_position_embeddings, cfg.hidden_size)
+        self.blocks = nn.ModuleList(VisionBlock(cfg) for _ in range(cfg.depth))
+        self.merger = PatchMerger(cfg, postshuffle_norm=False)
+        self.deepstack_merger_list = nn.ModuleList(
+            PatchMerger(cfg, postshuffle_norm=True) for _ in cfg.deepstack_visual_indexes
+        )
+
+    def forward(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> VisionFeatures:
+        """``pixel_values`` (N, 1536) patches of all images in merge-block order; ``grid_thw`` (n, 3)."""
+        cfg = self.cfg
+        grids = _validate_inputs(cfg, pixel_values, grid_thw)
+        device = self.pos_embed.weight.device
+        rows_cols = _patch_rows_cols(grids, cfg.spatial_merge_size).to(device)  # (N, 2) unmerged grid coords
+        x = self.patch_embed(pixel_values.to(device))
+        x = x + self._position_embedding(grids, rows_cols).to(x.dtype)
+        cos, sin = vision_cos_sin(rows_cols, vision_inv_freq(cfg.head_dim, cfg.rope_theta, device))
+        seg_lens = [h * w for t, h, w in grids for _ in range(t)]
+        deepstack: list[torch.Tensor] = []
+        for index, block in enumerate(self.blocks):
+            x = block(x, cos, sin, seg_lens)
+            if index in cfg.deepstack_visual_indexes:
+                merger = self.deepstack_merger_list[cfg.deepstack_visual_indexes.index(index)]
+                deepstack.append(merger(x))
+        tokens = tuple(t * h * w // cfg.merge_unit for t, h, w in grids)
+        return VisionFeatures(self.merger(x), deepstack, tokens)
+
+    def _position_embedding(self, grids: list[tuple[int, int, int]], rows_cols: torch.Tensor) -> torch.Tensor:
+        """(N, D) fp32: bilinear (align_corners=True) resample of the learned table at each patch."""
+        side = self.grid_side
+        per_image = torch.tensor([[h, w] for _, h, w in grids], device=rows_cols.device)
+        counts = torch.tensor([t * h * w for t, h, w in grids], device=rows_cols.device)
+        sizes = per_image.repeat_interleave(counts, dim=0)  # (N, 2): (h, w) of each patch's image
+        # src = i * (S - 1) / max(n - 1, 1), in fp32 and in this operation order (as HF 5.x).
+        src = rows_cols.to(torch.float32) * (side - 1) / torch.clamp(sizes - 1, min=1)  # (N, 2)
+        floor = torch.floor(src)
+        offsets = torch.arange(2, device=src.device)  # taps floor, floor + 1
+        taps = (floor.long()[..., None] + offsets).clamp(0, side - 1)  # (N, 2 axes, 2 taps)
+        weights = (1 - (src[..., None] - floor[..., None] - offsets).abs()).clamp(min=0)
+        index = (taps[:, 0, :, None] * side + taps[:, 1, None, :]).reshape(-1, 4)  # (N, 4): y0x0 y0x1 y1x0 y1x1
+        weight = (weights[:, 0, :, None] * weights[:, 1, None, :]).reshape(-1, 4)
+        return (self.pos_embed(index) * weight[:, :, None]).sum(1)
+
+
+def _validate_inputs(
+    cfg: VisionConfig, pixel_values: torch.Tensor, grid_thw: torch.Tensor
+) -> list[tuple[int, int, int]]:
+    """Grid rows as ints; ValueError naming the mismatch for malformed inputs."""
+    if not isinstance(grid_thw, torch.Tensor) or grid_thw.dim() != 2 or grid_thw.shape[1] != 3:
+        shape = tuple(grid_thw.shape) if isinstance(grid_thw, torch.Tensor) else type(grid_thw).__name__
+        raise ValueError(f"grid_thw must be a (n, 3) tensor, got {shape}")
+    if pixel_values.dim() != 2 or pixel_values.shape[1] != cfg.patch_dim:
+        raise ValueError(f"pixel_values must be (N, {cfg.patch_dim}), got {tuple(pixel_values.shape)}")
+    grids = [(int(t), int(h), int(w)) for t, h, w in grid_thw.tolist()]
+    if not grids:
+        raise ValueError("grid_thw has no rows (no images to encode)")
+    m = cfg.spatial_merge_size
+    for i, (t, h, w) in enumerate(grids):
+        if t < 1 or h < m or w < m or h % m or w % m:
+            raise ValueError(f"grid_thw row {i} = {[t, h, w]}: need t >= 1 and h, w positive multiples of {m}")
+    total = sum(t * h * w for t, h, w in grids)
+    if total != pixel_values.shape[0]:
+        raise ValueError(f"grid_thw describes {total} patches but pixel_values has {pixel_values.shape[0]} rows")
+    return grids
+
+
+def _patch_rows_cols(grids: list[tuple[int, int, int]], merge: int) -> torch.Tensor:
+    """(N, 2) long (row, col) of every patch in the unmerged grid, in merge-block order, repeated over t."""
+    out = []
+    for t, h, w in grids:
+        rows = torch.arange(h).reshape(h // merge, merge, 1, 1).expand(h // merge, merge, w // merge, merge)
+        cols = torch.arange(w).reshape(1, 1, w // merge, merge).expand(h // merge, merge, w // merge, merge)
+        # (h/m, m, w/m, m) -> (h/m, w/m, m, m): block-row, block-col, in-row, in-col
+        rc = torch.stack((rows.permute(0, 2, 1, 3).reshape(-1), cols.permute(0, 2, 1, 3).reshape(-1)), dim=-1)
+        out.append(rc.repeat(t, 1))
+    return torch.cat(out, dim=0)

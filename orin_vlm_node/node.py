@@ -1,0 +1,477 @@
+"""The ROS 2 node ``orin_vlm``: camera images + text prompts in, streamed tokens out.
+
+Topics (relative, so namespaces and remaps apply): subscribes ``image`` (sensor_msgs/Image),
+``image/compressed`` (sensor_msgs/CompressedImage) and ``prompt`` (std_msgs/String); publishes
+``tokens`` (one String per streamed text delta), ``response`` (the whole answer), ``status`` (one
+JSON object per event, see ``ros_status``) and ``/diagnostics`` (about 1 Hz). Services ``~/reset``
+(forget the multi-turn conversation) and ``~/cancel`` (stop the running prompt, drop waiting ones).
+
+Threading, and why: generation takes seconds, so it runs on one worker thread that owns every
+mutating engine call (``generate``, ``reconfigure``, ``reset``). ROS callbacks only enqueue work or
+flip flags, and a MultiThreadedExecutor with separate callback groups keeps services, parameter
+changes and image updates responsive during a generation. ``Engine.cancel`` is the only engine call
+made from another thread (it is thread-safe by contract); ``validate_changes``/``describe`` only read.
+Parameter changes for the engine (paging, pool, kernels, graphs, dtype, ...) are validated at once,
+so ``ros2 param set`` gets a reason for a refusal, then applied between two requests.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import threading
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import rclpy
+from diagnostic_msgs.msg import DiagnosticArray, DiagnosticStatus, KeyValue
+from rcl_interfaces.msg import SetParametersResult
+from rclpy.callback_groups import MutuallyExclusiveCallbackGroup, ReentrantCallbackGroup
+from rclpy.executors import ExternalShutdownException, MultiThreadedExecutor
+from rclpy.node import Node
+from rclpy.parameter import Parameter
+from rclpy.qos import QoSProfile, ReliabilityPolicy, qos_profile_sensor_data
+from sensor_msgs.msg import CompressedImage, Image
+from std_msgs.msg import String
+from std_srvs.srv import Trigger
+
+from .engine import Engine, EngineError
+from .engine.events import Finished, Request, TextDelta, Turn
+from .ros_image import ImageConversionError, ImageConverter, stamp_seconds
+from .ros_params import (
+    RUNTIME_ENGINE_FIELDS,
+    check_changes,
+    declare_parameters,
+    engine_config,
+    engine_kwargs,
+    model_path_of,
+    sampling_params,
+)
+from .ros_request_queue import PendingPrompt, RequestQueue
+from .ros_status import diagnostic_values, status_json
+
+NODE_NAME = "orin_vlm"
+# Identical image errors (a broken camera at 30 Hz) are reported at most this often.
+IMAGE_ERROR_INTERVAL_S = 1.0
+
+
+class StartupError(RuntimeError):
+    """The node cannot start (bad parameters, missing model); the message says what to fix."""
+
+
+class _LatestImage:
+    """The newest decoded frame, shared by the image callbacks and the prompt callback."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._rgb: np.ndarray | None = None
+        self._stamp: float | None = None
+        self._received = 0.0
+
+    def set(self, rgb: np.ndarray, stamp: float) -> None:
+        with self._lock:
+            self._rgb, self._stamp, self._received = rgb, stamp, time.monotonic()
+
+    def pick(self, max_age_s: float) -> tuple[np.ndarray | None, float | None, str | None]:
+        """(image, header stamp, note): the frame if it is fresh enough, else a note saying why not."""
+        if max_age_s <= 0:
+            return None, None, None
+        with self._lock:
+            rgb, stamp, received = self._rgb, self._stamp, self._received
+        if rgb is None:
+            return None, None, None
+        age = time.monotonic() - received
+        if age > max_age_s:
+            return None, stamp, f"image ignored: received {age:.1f} s ago (image_max_age_s={max_age_s:g})"
+        return rgb, stamp, None
+
+
+class VlmNode(Node):
+    """The ``orin_vlm`` node. Construction loads the model; raises StartupError/EngineError."""
+
+    def __init__(self, **node_kwargs: Any) -> None:
+        super().__init__(NODE_NAME, **node_kwargs)
+        self._lock = threading.Lock()  # guards _values, _pending_*, _current_id, _cancelled, _session
+        self._values: dict[str, Any] = declare_parameters(self)
+        reason = check_changes(self._values, self._values)
+        if reason:
+            raise StartupError(f"invalid parameter value: {reason}")
+        model_dir = Path(model_path_of(self._values))
+        if not (model_dir / "config.json").is_file():
+            raise StartupError(
+                f"model_path {str(model_dir)!r} is not a Hugging Face model directory (no config.json there); "
+                "pass -p model_path:=/path/to/Qwen3-VL-... or leave it empty for the embedded default model"
+            )
+        t0 = time.monotonic()
+        self._engine = Engine(engine_config(self._values))
+        self._engine_applied: dict[str, Any] = engine_kwargs(self._values, RUNTIME_ENGINE_FIELDS)
+        self._pending_engine: dict[str, Any] = {}
+        self._pending_resets: list[str] = []
+        self._session_counter = 0
+        self._session_id = self._new_session_id()
+        self._request_counter = 0
+        self._current_id: str | None = None
+        self._cancelled: set[str] = set()
+        self._last_metrics: dict[str, float] = {}
+        self._completed = 0
+        self._image_errors: dict[str, float] = {}
+        self._stopping = threading.Event()
+
+        self._converter = ImageConverter()
+        self._latest = _LatestImage()
+        self._queue = RequestQueue(int(self._values["max_queue"]))
+
+        stream_qos = QoSProfile(depth=1000, reliability=ReliabilityPolicy.RELIABLE)
+        self._tokens_pub = self.create_publisher(String, "tokens", stream_qos)
+        self._response_pub = self.create_publisher(String, "response", 10)
+        self._status_pub = self.create_publisher(String, "status", QoSProfile(depth=200))
+        self._diag_pub = self.create_publisher(DiagnosticArray, "/diagnostics", 10)
+
+        images = MutuallyExclusiveCallbackGroup()
+        prompts = MutuallyExclusiveCallbackGroup()
+        services = ReentrantCallbackGroup()
+        self.create_subscription(Image, "image", self._on_image, qos_profile_sensor_data, callback_group=images)
+        self.create_subscription(
+            CompressedImage, "image/compressed", self._on_compressed, qos_profile_sensor_data, callback_group=images
+        )
+        self.create_subscription(String, "prompt", self._on_prompt, QoSProfile(depth=100), callback_group=prompts)
+        self.create_service(Trigger, "~/reset", self._on_reset, callback_group=services)
+        self.create_service(Trigger, "~/cancel", self._on_cancel, callback_group=services)
+        self.create_timer(1.0, self._publish_diagnostics, callback_group=MutuallyExclusiveCallbackGroup())
+        self.add_on_set_parameters_callback(self._on_set_parameters)
+
+        self._worker = threading.Thread(target=self._worker_loop, name="orin_vlm_worker", daemon=True)
+        self._worker.start()
+        described = self._describe()
+        self.get_logger().info(
+            f"ready in {time.monotonic() - t0:.1f} s: model {model_dir}, device {described.get('device', '?')}, "
+            f"dtype {described.get('dtype', '?')}, images via {self._converter.backend}"
+        )
+
+    # ---------------------------------------------------------------- inputs (executor threads)
+
+    def _on_image(self, msg: Image) -> None:
+        if float(self._values["image_max_age_s"]) <= 0:
+            return  # images disabled: do not spend CPU converting frames nobody will use
+        stamp = stamp_seconds(msg.header.stamp)
+        try:
+            self._latest.set(self._converter.image_to_rgb(msg), stamp)
+        except ImageConversionError as exc:
+            self._report_image_error(f"image rejected: {exc}", stamp)
+
+    def _on_compressed(self, msg: CompressedImage) -> None:
+        if float(self._values["image_max_age_s"]) <= 0:
+            return
+        stamp = stamp_seconds(msg.header.stamp)
+        try:
+            self._latest.set(self._converter.compressed_to_rgb(msg), stamp)
+        except ImageConversionError as exc:
+            self._report_image_error(f"compressed image rejected: {exc}", stamp)
+
+    def _report_image_error(self, error: str, stamp: float) -> None:
+        now = time.monotonic()
+        if now - self._image_errors.get(error, -1e9) < IMAGE_ERROR_INTERVAL_S:
+            return
+        self._image_errors[error] = now
+        self.get_logger().warning(error)
+        self._publish_status("error", None, error=error, image_stamp=stamp)
+
+    def _on_prompt(self, msg: String) -> None:
+        with self._lock:
+            self._request_counter += 1
+            request_id = f"req-{self._request_counter}"
+            values = dict(self._values)
+        text = msg.data
+        if not text.strip():
+            self._publish_status("error", request_id, finish_reason="error", error="empty prompt: nothing to answer")
+            return
+        image, stamp, note = self._latest.pick(float(values["image_max_age_s"]))
+        system_prompt = str(values["system_prompt"]) or None
+        item = PendingPrompt(
+            request_id=request_id,
+            text=text,
+            sampling=sampling_params(values),
+            system_prompt=system_prompt,
+            image=image,
+            image_stamp=stamp if image is not None else None,
+            accepted_at=time.monotonic(),
+            note=note,
+        )
+        # accepted goes out before the item is visible to the worker, so it always precedes started.
+        self._publish_status("accepted", request_id, image_stamp=item.image_stamp, note=note)
+        for dropped in self._queue.put(item):
+            self._publish_dropped(
+                dropped, f"queue full (max_queue={self._queue.max_size}): oldest waiting prompt dropped"
+            )
+
+    # ---------------------------------------------------------------- services
+
+    def _on_reset(self, _request: Trigger.Request, response: Trigger.Response) -> Trigger.Response:
+        with self._lock:
+            old = self._session_id
+            self._pending_resets.append(old)
+            self._session_id = self._new_session_id()
+        self._queue.wake()
+        response.success = True
+        response.message = "conversation reset: the next prompt starts a new session"
+        return response
+
+    def _on_cancel(self, _request: Trigger.Request, response: Trigger.Response) -> Trigger.Response:
+        with self._lock:
+            current = self._current_id
+            if current is not None:
+                self._cancelled.add(current)
+        waiting = self._queue.drain()
+        for item in waiting:
+            self._publish_dropped(item, "cancelled by ~/cancel before it started")
+        if current is not None:
+            self._engine.cancel(current)
+        response.success = True
+        response.message = (
+            f"cancelled {current if current else 'nothing running'}; dropped {len(waiting)} waiting prompt(s)"
+        )
+        return response
+
+    # ---------------------------------------------------------------- parameters
+
+    def _on_set_parameters(self, params: list[Parameter]) -> SetParametersResult:
+        changes = {p.name: p.value for p in params}
+        with self._lock:
+            current = dict(self._values)
+            pending = dict(self._pending_engine)
+        reason = check_changes(changes, current)
+        if reason:
+            return SetParametersResult(successful=False, reason=reason)
+        after = {**current, **changes}
+        engine_changes = {
+            name: value for name, value in engine_kwargs(after, RUNTIME_ENGINE_FIELDS).items() if name in changes
+        }
+        if engine_changes:
+            try:
+                self._engine.validate_changes(**{**pending, **engine_changes})
+            except ValueError as exc:
+                return SetParametersResult(successful=False, reason=str(exc))
+        with self._lock:
+            self._values.update(changes)
+            self._pending_engine.update(engine_changes)
+            if "multi_turn" in changes and bool(changes["multi_turn"]) != bool(current["multi_turn"]):
+                self._pending_resets.append(self._session_id)
+                self._session_id = self._new_session_id()
+        if "max_queue" in changes:
+            for dropped in self._queue.set_max_size(int(changes["max_queue"])):
+                self._publish_dropped(dropped, f"max_queue lowered to {changes['max_queue']}")
+        self._queue.wake()
+        return SetParametersResult(successful=True)
+
+    # ---------------------------------------------------------------- worker thread
+
+    def _worker_loop(self) -> None:
+        while not self._stopping.is_set():
+            self._apply_pending()
+            item = self._queue.get(timeout=0.5)
+            if item is None or self._stopping.is_set():
+                continue
+            self._apply_pending()
+            try:
+                self._run(item)
+            except Exception as exc:  # a bug must cost one request, never the node
+                self.get_logger().error(f"request {item.request_id} failed: {exc!r}")
+                self._publish_status("error", item.request_id, finish_reason="error", error=f"internal error: {exc!r}")
+            finally:
+                with self._lock:
+                    self._current_id = None
+                    self._cancelled.discard(item.request_id)
+
+    def _apply_pending(self) -> None:
+        """Engine changes between requests: session resets, then reconfiguration."""
+        with self._lock:
+            resets, self._pending_resets = self._pending_resets, []
+            pending, self._pending_engine = self._pending_engine, {}
+        for session_id in resets:
+            try:
+                self._engine.reset(session_id)
+            except Exception as exc:
+                self.get_logger().warning(f"reset of session {session_id} failed: {exc!r}")
+        changes = {k: v for k, v in pending.items() if self._engine_applied.get(k) != v}
+        if not changes:
+            return
+        try:
+            self._engine.reconfigure(**changes)
+        except Exception as exc:
+            error = f"reconfigure {changes} failed, parameters reverted: {exc}"
+            self.get_logger().error(error)
+            self._publish_status("error", None, error=error, changes=changes)
+            self._revert(changes)
+            return
+        self._engine_applied.update(changes)
+        self.get_logger().info(f"reconfigured: {changes}")
+        self._publish_status("reconfigured", None, changes=changes)
+
+    def _revert(self, changes: Mapping[str, Any]) -> None:
+        """Put the parameters of a failed reconfiguration back to what the engine really runs."""
+        names = [n for n in changes if n in self._engine_applied]
+        revert = [Parameter(n, value=self._raw_value(n, self._engine_applied[n])) for n in names]
+        if revert:
+            self.set_parameters(revert)
+
+    @staticmethod
+    def _raw_value(name: str, engine_value: Any) -> Any:
+        return int(engine_value) if name == "kv_pool_mb" else engine_value
+
+    def _run(self, item: PendingPrompt) -> None:
+        with self._lock:
+            self._current_id = item.request_id
+            cancelled = item.request_id in self._cancelled
+            session_id = self._session_id if self._values["multi_turn"] else None
+        queue_wait = time.monotonic() - item.accepted_at
+        if cancelled:
+            self._publish_dropped(item, "cancelled by ~/cancel before it started")
+            return
+        self._publish_status("started", item.request_id, image_stamp=item.image_stamp)
+        request = Request(
+            turn=Turn(text=item.text, images=(item.image,) if item.image is not None else ()),
+            sampling=item.sampling,
+            system_prompt=item.system_prompt,
+            session_id=session_id,
+            request_id=item.request_id,
+        )
+        finished: Finished | None = None
+        cancel_sent = False
+        for event in self._engine.generate(request):
+            if not cancel_sent and item.request_id in self._cancelled:
+                # ~/cancel may have come before the engine knew this id: repeat it now that it does.
+                self._engine.cancel(item.request_id)
+                cancel_sent = True
+            if isinstance(event, TextDelta):
+                if event.text:
+                    self._tokens_pub.publish(String(data=event.text))
+            elif isinstance(event, Finished):
+                finished = event
+        if finished is None:
+            raise RuntimeError("engine stream ended without a Finished event")
+        metrics = {**finished.metrics, "queue_wait_s": queue_wait}
+        with self._lock:
+            self._last_metrics = metrics
+            self._completed += 1
+        if finished.finish_reason == "error":
+            self._publish_status(
+                "error",
+                item.request_id,
+                finish_reason="error",
+                error=finished.error or "generation failed",
+                metrics=metrics,
+                image_stamp=item.image_stamp,
+            )
+            return
+        self._response_pub.publish(String(data=finished.text))
+        self._publish_status(
+            "finished",
+            item.request_id,
+            finish_reason=finished.finish_reason,
+            error=finished.error,
+            metrics=metrics,
+            image_stamp=item.image_stamp,
+            note=item.note,
+        )
+
+    # ---------------------------------------------------------------- reporting
+
+    def _publish_status(self, event: str, request_id: str | None, **fields: Any) -> None:
+        self._status_pub.publish(String(data=status_json(event, request_id, **fields)))  # type: ignore[arg-type]
+
+    def _publish_dropped(self, item: PendingPrompt, why: str) -> None:
+        self._publish_status("dropped", item.request_id, note=why, image_stamp=item.image_stamp)
+
+    def _describe(self) -> dict[str, Any]:
+        try:
+            return dict(self._engine.describe())
+        except Exception as exc:  # diagnostics must never take the node down
+            return {"describe_error": repr(exc)}
+
+    def _publish_diagnostics(self) -> None:
+        with self._lock:
+            busy = self._current_id
+            metrics = dict(self._last_metrics)
+            completed = self._completed
+        status = DiagnosticStatus(name=f"{self.get_name()}: engine", hardware_id=NODE_NAME)
+        waiting = len(self._queue)
+        state = "generating" if busy else "idle"
+        status.level = DiagnosticStatus.OK
+        status.message = f"{state}, {waiting} waiting"
+        described = self._describe()
+        if "describe_error" in described:
+            status.level = DiagnosticStatus.WARN
+        values = [
+            ("state", state),
+            ("queue_waiting", str(waiting)),
+            ("requests_completed", str(completed)),
+            ("last_ttft_s", f"{metrics.get('ttft_s', 0.0):.4g}"),
+            ("last_decode_tokens_per_s", f"{metrics.get('decode_tokens_per_s', 0.0):.4g}"),
+        ] + diagnostic_values(described, prefix="engine.")
+        status.values = [KeyValue(key=k, value=v) for k, v in values]
+        status.hardware_id = str(described.get("device", NODE_NAME))
+        array = DiagnosticArray(status=[status])
+        array.header.stamp = self.get_clock().now().to_msg()
+        self._diag_pub.publish(array)
+
+    def _new_session_id(self) -> str:
+        self._session_counter += 1
+        return f"{NODE_NAME}-session-{self._session_counter}"
+
+    # ---------------------------------------------------------------- shutdown
+
+    def shutdown(self, timeout_s: float = 2.0) -> None:
+        """Stop the worker: cancel the running prompt, wake the worker, wait briefly for it."""
+        self._stopping.set()
+        with self._lock:
+            current = self._current_id
+        if current is not None:
+            self._engine.cancel(current)
+        self._queue.wake()
+        self._worker.join(timeout=timeout_s)
+
+
+def main(args: list[str] | None = None) -> int:
+    """Entry point of ``vlm_node`` / ``python -m orin_vlm_node.node``.
+
+    Returns 1 when the node cannot start (the reason is logged). After a clean shutdown (SIGINT,
+    ``ros2 launch`` stopping it) the process exits right away with ``os._exit(0)`` once ROS is shut
+    down and output is flushed: the interpreter's own teardown of torch takes seconds on a loaded
+    Jetson, and launch escalates to SIGTERM/SIGKILL when a node lingers.
+    """
+    rclpy.init(args=args)
+    try:
+        node = VlmNode()
+    except Exception as exc:
+        if not rclpy.ok():  # SIGINT while the model was loading: a requested stop, not a failure
+            print(f"{NODE_NAME}: interrupted during startup", file=sys.stderr, flush=True)
+            return 0
+        if not isinstance(exc, (StartupError, EngineError, ValueError)):
+            raise
+        rclpy.logging.get_logger(NODE_NAME).fatal(f"cannot start: {exc}")
+        rclpy.try_shutdown()
+        return 1
+    executor = MultiThreadedExecutor(num_threads=4)
+    executor.add_node(node)
+    try:
+        executor.spin()
+    except (KeyboardInterrupt, ExternalShutdownException):
+        pass
+    finally:
+        # The context is already shut down here, so no rosout logging: plain stderr.
+        print(f"{NODE_NAME}: shutting down", file=sys.stderr, flush=True)
+        node.shutdown()
+        executor.shutdown(timeout_sec=1.0)
+        node.destroy_node()
+        rclpy.try_shutdown()
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+if __name__ == "__main__":
+    sys.exit(main())

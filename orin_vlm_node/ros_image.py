@@ -1,0 +1,192 @@
+"""Turn ``sensor_msgs/Image`` and ``sensor_msgs/CompressedImage`` messages into RGB numpy arrays.
+
+Why our own conversion: on machines with a ROS install the real ``cv_bridge`` is used, but the
+PyPI/CI environment has none (PyPI's ``cv-bridge`` port ignores padded ``step``, reads 16-bit data
+as 8-bit and breaks on OpenCV 5 / numpy 2). Every message is validated here *before* any
+conversion (also before ``cv_bridge``, whose C++ code trusts ``step`` and the data length), so a
+malformed frame becomes an :class:`ImageConversionError` with a message naming the problem and never
+an out-of-bounds read or a crash of the node.
+
+The engine wants HWC ``uint8`` RGB (``engine.events.Turn``), so that is what every path returns.
+16-bit images are scaled to 8 bit the way ``cv_bridge`` does it (``v * 255 / 65535``, rounded).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import cv2
+import numpy as np
+
+
+class ImageConversionError(ValueError):
+    """A message that cannot be turned into an RGB image; the text says why."""
+
+
+@dataclass(frozen=True)
+class _Layout:
+    """How one encoding stores a pixel: channel count, bytes per channel and channel order."""
+
+    channels: int
+    bytes_per_channel: int
+    order: str  # "rgb", "bgr", "rgba", "bgra" or "mono"
+
+
+# The encodings we convert ourselves. ``8UC1``/``16UC1`` are the generic names depth and IR cameras
+# use for single-channel images; they are treated as mono.
+ENCODINGS: dict[str, _Layout] = {
+    "rgb8": _Layout(3, 1, "rgb"),
+    "bgr8": _Layout(3, 1, "bgr"),
+    "rgba8": _Layout(4, 1, "rgba"),
+    "bgra8": _Layout(4, 1, "bgra"),
+    "mono8": _Layout(1, 1, "mono"),
+    "8UC1": _Layout(1, 1, "mono"),
+    "mono16": _Layout(1, 2, "mono"),
+    "16UC1": _Layout(1, 2, "mono"),
+}
+
+# A guard against absurd headers (a 100k x 100k "image" would be 30 GB once converted).
+MAX_PIXELS = 64_000_000
+
+
+def _load_cv_bridge() -> Any | None:
+    """The real cv_bridge when this machine has a ROS install with it, else None."""
+    try:
+        from cv_bridge import CvBridge  # type: ignore[import-not-found]
+    except ImportError:
+        return None
+    try:
+        return CvBridge()
+    except Exception:  # a broken install must not keep the node from starting
+        return None
+
+
+class ImageConverter:
+    """Converts image messages to HWC uint8 RGB; one instance per node.
+
+    ``use_cv_bridge=None`` picks the real cv_bridge when importable; ``False`` forces our own
+    conversion (tests compare the two).
+    """
+
+    def __init__(self, use_cv_bridge: bool | None = None) -> None:
+        self._bridge = _load_cv_bridge() if use_cv_bridge in (None, True) else None
+        if use_cv_bridge is True and self._bridge is None:
+            raise ImageConversionError("cv_bridge was requested but cannot be imported")
+
+    @property
+    def backend(self) -> str:
+        return "cv_bridge" if self._bridge is not None else "numpy"
+
+    def image_to_rgb(self, msg: Any) -> np.ndarray:
+        """``sensor_msgs/Image`` -> (H, W, 3) uint8 RGB. Raises ImageConversionError."""
+        layout = validate_image_msg(msg)
+        if self._bridge is not None:
+            try:
+                rgb = self._bridge.imgmsg_to_cv2(msg, desired_encoding="rgb8")
+            except Exception as exc:  # cv_bridge raises its own CvBridgeError and cv2.error
+                raise ImageConversionError(f"cv_bridge could not convert {msg.encoding!r}: {exc}") from exc
+            return np.ascontiguousarray(rgb, dtype=np.uint8)
+        return _convert_raw(msg, layout)
+
+    def compressed_to_rgb(self, msg: Any) -> np.ndarray:
+        """``sensor_msgs/CompressedImage`` (JPEG, PNG, ...) -> (H, W, 3) uint8 RGB."""
+        return compressed_to_rgb(msg)
+
+
+def validate_image_msg(msg: Any) -> _Layout:
+    """Check a raw image header against its data; return the pixel layout of its encoding."""
+    height, width, step = int(msg.height), int(msg.width), int(msg.step)
+    if height <= 0 or width <= 0:
+        raise ImageConversionError(f"empty image: {width}x{height} pixels")
+    if height * width > MAX_PIXELS:
+        raise ImageConversionError(f"image too large: {width}x{height} pixels (limit {MAX_PIXELS})")
+    encoding = str(msg.encoding)
+    layout = ENCODINGS.get(encoding)
+    if layout is None:
+        raise ImageConversionError(
+            f"unsupported image encoding {encoding!r}; supported: {', '.join(sorted(ENCODINGS))}"
+        )
+    row_bytes = width * layout.channels * layout.bytes_per_channel
+    if step < row_bytes:
+        raise ImageConversionError(
+            f"step {step} is smaller than one row of {width} {encoding} pixels ({row_bytes} bytes)"
+        )
+    size = len(msg.data)
+    if size != step * height:
+        raise ImageConversionError(
+            f"data has {size} bytes but step*height = {step}*{height} = {step * height} ({encoding} {width}x{height})"
+        )
+    return layout
+
+
+def _convert_raw(msg: Any, layout: _Layout) -> np.ndarray:
+    """Our own conversion of a validated raw image (padded rows and big-endian data handled)."""
+    height, width, step = int(msg.height), int(msg.width), int(msg.step)
+    row_bytes = width * layout.channels * layout.bytes_per_channel
+    # (H, step) bytes -> drop the row padding -> (H, row_bytes)
+    rows = np.frombuffer(msg.data, dtype=np.uint8).reshape(height, step)[:, :row_bytes]
+    if layout.bytes_per_channel == 2:
+        dtype = np.dtype(">u2" if msg.is_bigendian else "<u2")
+        values = np.ascontiguousarray(rows).view(dtype).astype(np.uint32)
+        # Rounded v * 255 / 65535 with integers (no ties are possible: 65535 is odd).
+        pixels = ((values * 255 + 32767) // 65535).astype(np.uint8)
+    else:
+        pixels = rows
+    pixels = pixels.reshape(height, width, layout.channels)
+    if layout.order == "rgb":
+        rgb = pixels
+    elif layout.order == "bgr":
+        rgb = pixels[:, :, ::-1]
+    elif layout.order == "rgba":
+        rgb = pixels[:, :, :3]
+    elif layout.order == "bgra":
+        rgb = pixels[:, :, 2::-1]
+    else:  # mono
+        rgb = np.repeat(pixels, 3, axis=2)
+    # Always a fresh array: the result outlives the message and must not alias its buffer.
+    return np.array(rgb, dtype=np.uint8, order="C", copy=True)
+
+
+def compressed_to_rgb(msg: Any) -> np.ndarray:
+    """Decode a CompressedImage with OpenCV; corrupt or empty data raises ImageConversionError."""
+    data = np.frombuffer(msg.data, dtype=np.uint8)
+    fmt = str(getattr(msg, "format", "")) or "unknown format"
+    if data.size == 0:
+        raise ImageConversionError(f"compressed image ({fmt}) has no data")
+    try:
+        bgr = cv2.imdecode(data, cv2.IMREAD_COLOR)
+    except cv2.error as exc:
+        raise ImageConversionError(f"cannot decode compressed image ({fmt}): {exc}") from exc
+    if bgr is None or bgr.ndim != 3 or bgr.shape[0] == 0 or bgr.shape[1] == 0:
+        raise ImageConversionError(
+            f"cannot decode compressed image ({fmt}, {data.size} bytes): corrupt or unknown format"
+        )
+    if bgr.shape[0] * bgr.shape[1] > MAX_PIXELS:
+        raise ImageConversionError(f"image too large: {bgr.shape[1]}x{bgr.shape[0]} pixels (limit {MAX_PIXELS})")
+    return np.ascontiguousarray(bgr[:, :, ::-1])
+
+
+def rgb_to_image_msg(rgb: np.ndarray, image_cls: Any, stamp: Any = None, frame_id: str = "camera") -> Any:
+    """Pack an (H, W, 3) uint8 RGB array into an ``rgb8`` Image (tools and tests publish with it).
+
+    ``image_cls`` is ``sensor_msgs.msg.Image``: passed in so this module stays importable without
+    the ROS message packages.
+    """
+    if rgb.dtype != np.uint8 or rgb.ndim != 3 or rgb.shape[2] != 3:
+        raise ImageConversionError(f"expected an (H, W, 3) uint8 array, got {rgb.shape} {rgb.dtype}")
+    msg = image_cls()
+    if stamp is not None:
+        msg.header.stamp = stamp
+    msg.header.frame_id = frame_id
+    msg.height, msg.width = int(rgb.shape[0]), int(rgb.shape[1])
+    msg.encoding = "rgb8"
+    msg.is_bigendian = 0
+    msg.step = int(rgb.shape[1] * 3)
+    msg.data = np.ascontiguousarray(rgb).tobytes()
+    return msg
+
+
+def stamp_seconds(stamp: Any) -> float:
+    """A builtin_interfaces/Time as float seconds (what status events report as image_stamp)."""
+    return float(stamp.sec) + float(stamp.nanosec) * 1e-9

@@ -1,0 +1,109 @@
+"""Run the node as a child process the way tests, the demo and benchmarks need it.
+
+Why this is more than ``subprocess.Popen``: the ROS wheels re-exec the interpreter once at startup
+and a node must be stoppable like ``ros2 launch`` stops it. So the node gets its own process group
+and is stopped with SIGINT to the whole group (rclpy installs its SIGINT handler even where a
+background shell left SIGINT ignored), a timeout and a SIGKILL fallback. Its environment always
+keeps DDS discovery on this machine (``ROS_AUTOMATIC_DISCOVERY_RANGE=LOCALHOST``), uses the given
+``ROS_DOMAIN_ID`` and writes ROS logs to a private directory.
+
+No rclpy import here: the parent may not use ROS at all.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+PACKAGE_ROOT = Path(__file__).resolve().parent.parent
+
+
+def ros_env(domain_id: int, log_dir: Path, base: Mapping[str, str] | None = None) -> dict[str, str]:
+    """Environment for a ROS child: localhost discovery, its domain, private logs, this package first
+    on PYTHONPATH (the child runs the same orin_vlm_node as the parent, working tree or installed)."""
+    env = dict(os.environ if base is None else base)
+    env.update(
+        ROS_DOMAIN_ID=str(domain_id),
+        ROS_AUTOMATIC_DISCOVERY_RANGE="LOCALHOST",
+        ROS_LOG_DIR=str(log_dir),
+        PYTHONUNBUFFERED="1",
+        PYTHONPATH=os.pathsep.join([str(PACKAGE_ROOT), *filter(None, [env.get("PYTHONPATH")])]),
+    )
+    return env
+
+
+def node_command(executable: str | None = None) -> list[str]:
+    """``[vlm_node]`` when an installed entry point is given, else ``python -m orin_vlm_node.node``."""
+    return [executable] if executable else [sys.executable, "-m", "orin_vlm_node.node"]
+
+
+class NodeProcess:
+    """The node in its own process group, parameters from a YAML file, stdout+stderr to a file."""
+
+    def __init__(
+        self,
+        params: Mapping[str, Any],
+        workdir: Path,
+        domain_id: int,
+        extra_args: list[str] | None = None,
+        executable: str | None = None,
+        env: Mapping[str, str] | None = None,
+    ):
+        workdir.mkdir(parents=True, exist_ok=True)
+        self.params_file = workdir / "params.yaml"
+        self.params_file.write_text(yaml.safe_dump({"/**": {"ros__parameters": dict(params)}}))
+        self.log_path = workdir / "node_output.txt"
+        self.domain_id = domain_id
+        self._log = open(self.log_path, "wb")  # noqa: SIM115 - closed in stop()
+        cmd = node_command(executable) + ["--ros-args", "--params-file", str(self.params_file)]
+        self.proc = subprocess.Popen(
+            cmd + (extra_args or []),
+            env=ros_env(domain_id, workdir / "ros_log", env),
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,  # own process group: signals reach the re-exec'd interpreter too
+        )
+
+    def output(self) -> str:
+        if not self._log.closed:
+            self._log.flush()
+        return self.log_path.read_text(errors="replace")
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def signal_group(self, sig: int) -> None:
+        try:
+            os.killpg(self.proc.pid, sig)
+        except ProcessLookupError:
+            pass
+
+    def wait(self, timeout: float) -> int | None:
+        try:
+            return self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            return None
+
+    def stop(self, timeout: float = 10.0) -> tuple[int | None, float]:
+        """SIGINT to the group, wait ``timeout``, then SIGKILL. Returns (exit code, seconds to exit);
+        exit code None means it had to be killed."""
+        t0 = time.monotonic()
+        rc: int | None = self.proc.poll()
+        if rc is None:
+            self.signal_group(signal.SIGINT)
+            rc = self.wait(timeout)
+            if rc is None:
+                self.signal_group(signal.SIGKILL)
+                self.proc.wait(timeout=10)
+        elapsed = time.monotonic() - t0
+        self._log.close()
+        return rc, elapsed

@@ -1,0 +1,79 @@
+"""What the node reports: the JSON of ``status`` events and the key/values of ``/diagnostics``.
+
+Why JSON on a ``std_msgs/String``: it needs no custom message package (which cannot be built from the
+ROS wheels CI uses), any language can read it, and ``ros2 topic echo`` shows it as is.
+
+Every status message is one JSON object with the same keys, so consumers never test for presence:
+``event`` (accepted | started | finished | error | dropped | reconfigured), ``request_id``,
+``finish_reason``, ``error``, ``metrics``, ``image_stamp``, plus ``note`` (a human-readable remark,
+e.g. why an image was not used) and ``changes`` (the applied parameter values of a ``reconfigured``).
+Each prompt ends with exactly one of ``finished``, ``dropped`` or ``error``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping
+from typing import Any, Literal
+
+EventName = Literal["accepted", "started", "finished", "error", "dropped", "reconfigured"]
+TERMINAL_EVENTS = frozenset({"finished", "dropped", "error"})
+
+
+def _clean(value: Any) -> Any:
+    """JSON-safe values: NaN/inf become null, tuples lists, unknown objects their str()."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, (str, int, bool)) or value is None:
+        return value
+    if isinstance(value, Mapping):
+        return {str(k): _clean(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_clean(v) for v in value]
+    return str(value)
+
+
+def status_json(
+    event: EventName,
+    request_id: str | None = None,
+    *,
+    finish_reason: str | None = None,
+    error: str | None = None,
+    metrics: Mapping[str, float] | None = None,
+    image_stamp: float | None = None,
+    note: str | None = None,
+    changes: Mapping[str, Any] | None = None,
+) -> str:
+    """One status event as a JSON string (the ``data`` of a ``status`` message)."""
+    return json.dumps(
+        _clean(
+            {
+                "event": event,
+                "request_id": request_id,
+                "finish_reason": finish_reason,
+                "error": error,
+                "metrics": dict(metrics) if metrics is not None else None,
+                "image_stamp": image_stamp,
+                "note": note,
+                "changes": dict(changes) if changes is not None else None,
+            }
+        ),
+        ensure_ascii=False,
+        sort_keys=True,
+    )
+
+
+def diagnostic_values(description: Mapping[str, Any], prefix: str = "") -> list[tuple[str, str]]:
+    """Flatten ``Engine.describe()`` into sorted (key, value) strings; nested dicts get dotted keys."""
+    out: list[tuple[str, str]] = []
+    for key in sorted(description, key=str):
+        value = description[key]
+        name = f"{prefix}{key}"
+        if isinstance(value, Mapping):
+            out.extend(diagnostic_values(value, prefix=f"{name}."))
+        elif isinstance(value, float):
+            out.append((name, f"{value:.4g}"))
+        else:
+            out.append((name, str(value)))
+    return out

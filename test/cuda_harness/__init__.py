@@ -1,0 +1,1 @@
+"""CPU harness that runs the CUDA kernels of ``kernels/`` unchanged (see harness.py)."""

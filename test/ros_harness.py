@@ -1,0 +1,47 @@
+"""Shared helpers of the node tests: a domain id per module and one node+client per module.
+
+The node runs as a separate process (``orin_vlm_node.ros_process.NodeProcess``) and the test talks
+to it over real DDS with ``orin_vlm_node.ros_client.VlmClient``, both with localhost-only discovery
+and a ROS_DOMAIN_ID derived from this process id and the module name, so concurrent runs on one
+machine do not hear each other.
+"""
+
+from __future__ import annotations
+
+import os
+import zlib
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from orin_vlm_node.ros_client import VlmClient
+from orin_vlm_node.ros_process import NodeProcess
+
+# Small answers keep the node tests fast; greedy so answers can be compared.
+FAST_PARAMS: dict[str, Any] = {"max_new_tokens": 12, "temperature": 0.0, "image_max_age_s": 30.0}
+
+
+def domain_id_for(salt: str) -> int:
+    """A ROS_DOMAIN_ID in 1..101 for this process and ``salt`` (the test module name), never 42 or 77
+    (the defaults of conftest and the Makefile, which other runs on this machine may use)."""
+    value = (os.getpid() * 7 + zlib.crc32(salt.encode())) % 100 + 1
+    return value + 1 if value in (42, 77) else value
+
+
+@contextmanager
+def running_node(
+    params: Mapping[str, Any], workdir: Path, salt: str, ready_timeout: float = 120.0
+) -> Iterator[tuple[NodeProcess, VlmClient]]:
+    """Start the node with ``params``, connect a client, yield both; always stop and clean up."""
+    domain = domain_id_for(salt)
+    node = NodeProcess(params, workdir, domain)  # before the client: no threads exist at fork time
+    client = None
+    try:
+        client = VlmClient(domain)
+        client.wait_until_connected(node, timeout=ready_timeout)
+        yield node, client
+    finally:
+        if client is not None:
+            client.close()
+        node.stop()

@@ -1,0 +1,126 @@
+"""The benchmark bookkeeping: statistics, alternation order, schema validation, goal evaluation and the
+Markdown report. No engine needed; results are built here from known samples."""
+
+from __future__ import annotations
+
+import copy
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parent.parent / "bench"
+sys.path.insert(0, str(BENCH))
+
+from goals import GOALS, evaluate_goals  # noqa: E402
+from report import render  # noqa: E402
+from schema import SECTIONS, SchemaError, validate_result  # noqa: E402
+from section import SectionResult, skipped  # noqa: E402
+from stats import Figure, alternate, paired_ratio  # noqa: E402
+
+
+def test_figure_reduces_samples_to_min_median_max():
+    d = Figure("s", [3.0, 1.0, 2.0, 10.0]).as_dict()
+    assert (d["min"], d["median"], d["max"], d["n"]) == (1.0, 2.5, 10.0, 4)
+    with pytest.raises(ValueError, match="no samples"):
+        Figure("s", []).as_dict()
+
+
+def test_paired_ratio_is_per_pair_and_checks_lengths():
+    assert paired_ratio([2.0, 9.0], [1.0, 3.0]) == [2.0, 3.0]
+    with pytest.raises(ValueError, match="differ in length"):
+        paired_ratio([1.0], [1.0, 2.0])
+
+
+def test_alternate_interleaves_and_flips_the_starting_side():
+    order: list[str] = []
+    out = alternate({"a": lambda: order.append("a") or len(order), "b": lambda: order.append("b") or len(order)},
+                    repeats=3, warmup=1)  # fmt: skip
+    assert order == ["a", "b", "a", "b", "b", "a", "a", "b"]  # warm-up round, then a-b, b-a, a-b
+    assert out == {"a": [3, 6, 7], "b": [4, 5, 8]}
+
+
+def _result(**section_figures) -> dict:
+    """A schema-valid result whose ok sections hold the given {key: samples} figures."""
+    sections = {}
+    for name in SECTIONS:
+        figs = section_figures.get(name)
+        if figs is None:
+            sec = skipped(name, "not selected (--sections)")
+        else:
+            sec = SectionResult(name)
+            for key, samples in figs.items():
+                sec.add(key, "x", samples)
+        sections[name] = sec.as_dict()
+    result = {
+        "schema_version": 1,
+        "mode": "test",
+        "created": "2026-01-01T00:00:00+00:00",
+        "duration_s": 1.0,
+        "machine": {k: "x" for k in ("cpu_model", "python", "torch", "transformers", "git_commit")}
+        | {"cores": 2, "ram_gib": 24.0, "cuda_device": None},
+        "config": {},
+        "sections": sections,
+    }
+    result["goals"] = evaluate_goals(result)
+    return result
+
+
+def test_valid_result_passes_and_broken_ones_name_the_problem():
+    good = _result(vs_transformers={"default.text.decode_ratio": [1.0, 2.0]})
+    validate_result(good)
+
+    bad = copy.deepcopy(good)
+    bad["sections"]["vs_transformers"]["figures"]["default.text.decode_ratio"]["max"] = 1.5
+    with pytest.raises(SchemaError, match="inconsistent"):
+        validate_result(bad)
+
+    bad = copy.deepcopy(good)
+    bad["sections"]["gpu"]["reason"] = ""
+    with pytest.raises(SchemaError, match="gpu.reason"):
+        validate_result(bad)
+
+    bad = copy.deepcopy(good)
+    del bad["sections"]["ros"]
+    with pytest.raises(SchemaError, match="sections.ros: missing"):
+        validate_result(bad)
+
+    bad = copy.deepcopy(good)
+    bad["sections"]["memory"] = SectionResult("memory").as_dict()  # ok but empty
+    with pytest.raises(SchemaError, match="at least one figure"):
+        validate_result(bad)
+
+
+def test_goals_take_the_worst_checkpoint_and_respect_direction():
+    result = _result(
+        vs_transformers={
+            "default.text.decode_ratio": [2.0, 2.2, 2.4],
+            "2b_bf16.text.decode_ratio": [1.2, 1.3, 1.4],
+            "default.text.ttft_ratio": [0.5, 0.6, 0.7],
+        },
+        prefix_cache={"image_system.ttft_cut": [0.9, 0.85, 0.95]},
+    )
+    by_id = {g["id"]: g for g in evaluate_goals(result)}
+    assert by_id["cpu_decode_vs_hf"]["status"] == "not_met"
+    assert by_id["cpu_decode_vs_hf"]["value"] == pytest.approx(1.3)
+    assert "2b_bf16" in by_id["cpu_decode_vs_hf"]["source"]
+    assert by_id["cpu_ttft_vs_hf"]["status"] == "met"
+    assert by_id["prefix_cache_ttft_cut"]["status"] == "met"
+    assert by_id["gpu_bandwidth_fraction"]["status"] == "not_measured"
+    assert "not selected" in by_id["gpu_bandwidth_fraction"]["source"]
+    assert by_id["paged_overhead_4k"]["status"] == "not_measured"
+    assert len(by_id) == len(GOALS)
+
+
+def test_report_marks_goals_and_lists_figures():
+    result = _result(
+        vs_transformers={"default.text.decode_ratio": [1.0, 1.1, 1.2]},
+        paged_vs_contiguous={"ctx4096.page16.decode_overhead": [0.01, 0.02, 0.03]},
+    )
+    text = render(result)
+    assert "| CPU decode tok/s >= 1.5x" in text
+    assert "**not met**" in text  # decode ratio 1.1 < 1.5
+    overhead_row = next(line for line in text.splitlines() if line.startswith("| Paged decode overhead"))
+    assert "2.0%" in overhead_row and "| met |" in overhead_row
+    assert "`default.text.decode_ratio`" in text
+    assert "*skipped*: not selected (--sections)" in text

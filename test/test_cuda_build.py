@@ -1,0 +1,121 @@
+"""Kernel builder: cubin cache hit/miss/corruption and clear errors, with one real nvcc compile."""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import stat
+from pathlib import Path
+
+import pytest
+
+from orin_vlm_node.cuda import build as B
+
+NVCC = shutil.which("nvcc") or ("/usr/local/bin/nvcc" if os.path.exists("/usr/local/bin/nvcc") else None)
+needs_nvcc = pytest.mark.skipif(NVCC is None, reason="nvcc not found on PATH or at /usr/local/bin/nvcc")
+
+TINY_HEADER = "#pragma once\n__device__ __forceinline__ float twice(float x) { return 2.0f * x; }\n"
+TINY_KERNEL = (
+    '#include "tiny.cuh"\nextern "C" __global__ void tiny(float* y) { y[threadIdx.x] = twice(y[threadIdx.x]); }\n'
+)
+
+
+def _tiny_kernels(tmp_path: Path) -> Path:
+    d = tmp_path / "kernels"
+    d.mkdir()
+    (d / "tiny.cuh").write_text(TINY_HEADER)
+    (d / "tiny.cu").write_text(TINY_KERNEL)
+    return d
+
+
+def _fake_nvcc(tmp_path: Path, body: str) -> str:
+    """A stand-in nvcc: answers --version, runs ``body`` for a compile, counts its compile calls."""
+    script = tmp_path / "fake_nvcc"
+    script.write_text(
+        "#!/bin/sh\n"
+        'if [ "$1" = "--version" ]; then echo "Cuda compilation tools, release 99.9, V99.9.0"; exit 0; fi\n'
+        f'echo x >> "{tmp_path}/calls"\n' + body
+    )
+    script.chmod(script.stat().st_mode | stat.S_IEXEC)
+    return str(script)
+
+
+FAKE_OK = 'out=""; while [ $# -gt 0 ]; do if [ "$1" = "-o" ]; then out="$2"; fi; shift; done\nprintf CUBIN > "$out"\n'
+
+
+def _calls(tmp_path: Path) -> int:
+    f = tmp_path / "calls"
+    return len(f.read_text().splitlines()) if f.exists() else 0
+
+
+@needs_nvcc
+def test_real_nvcc_compile_then_cache_hit(tmp_path, caplog):
+    kdir = _tiny_kernels(tmp_path)
+    cfg = B.BuildConfig(arch="sm_87", cache_dir=tmp_path / "cache", nvcc=NVCC, kernel_dir=kdir)
+    with caplog.at_level(logging.INFO, logger=B.__name__):
+        first = B.build_module("tiny", cfg)
+        second = B.build_module("tiny", cfg)
+    assert not first.cache_hit and second.cache_hit
+    assert first.cubin == second.cubin and first.cubin[:4] == b"\x7fELF"  # a real cubin is an ELF image
+    assert "compiled tiny for sm_87" in caplog.text and "kernel cache hit" in caplog.text
+
+
+def test_cache_miss_on_header_change_arch_and_flags(tmp_path):
+    kdir = _tiny_kernels(tmp_path)
+    nvcc = _fake_nvcc(tmp_path, FAKE_OK)
+    cfg = B.BuildConfig(arch="sm_87", cache_dir=tmp_path / "cache", nvcc=nvcc, kernel_dir=kdir)
+    assert not B.build_module("tiny", cfg).cache_hit
+    assert B.build_module("tiny", cfg).cache_hit
+    assert _calls(tmp_path) == 1
+    (kdir / "tiny.cuh").write_text(TINY_HEADER.replace("2.0f", "3.0f"))  # only the included header changes
+    assert not B.build_module("tiny", cfg).cache_hit
+    assert not B.build_module("tiny", B.BuildConfig("sm_80", tmp_path / "cache", nvcc, (), kdir)).cache_hit
+    assert not B.build_module("tiny", B.BuildConfig("sm_87", tmp_path / "cache", nvcc, ("-G",), kdir)).cache_hit
+    assert _calls(tmp_path) == 4
+    assert B.build_module("tiny", cfg).cache_hit
+
+
+@pytest.mark.parametrize("damage", ["truncate", "flip", "garbage", "empty"])
+def test_corrupt_cache_file_is_rebuilt(tmp_path, caplog, damage):
+    kdir = _tiny_kernels(tmp_path)
+    nvcc = _fake_nvcc(tmp_path, FAKE_OK)
+    cfg = B.BuildConfig(arch="sm_87", cache_dir=tmp_path / "cache", nvcc=nvcc, kernel_dir=kdir)
+    built = B.build_module("tiny", cfg)
+    blob = built.path.read_bytes()
+    damaged = {
+        "truncate": blob[:-2],
+        "flip": blob[:-1] + bytes([blob[-1] ^ 0xFF]),
+        "garbage": b"not a cache file",
+        "empty": b"",
+    }[damage]
+    built.path.write_bytes(damaged)
+    with caplog.at_level(logging.WARNING, logger=B.__name__):
+        again = B.build_module("tiny", cfg)
+    assert not again.cache_hit and again.cubin == b"CUBIN"
+    assert "corrupt" in caplog.text
+    assert B.build_module("tiny", cfg).cache_hit  # the rebuilt entry is intact
+    assert not list(built.path.parent.glob("*.tmp"))  # atomic writes leave no temporaries
+
+
+def test_missing_nvcc_and_compile_error_raise_kernel_build_error(tmp_path, monkeypatch):
+    kdir = _tiny_kernels(tmp_path)
+    with pytest.raises(B.KernelBuildError, match="nvcc not found"):
+        B.build_module("tiny", B.BuildConfig("sm_87", tmp_path / "c", str(tmp_path / "no-nvcc"), (), kdir))
+    monkeypatch.setenv("PATH", str(tmp_path / "empty-bin"))
+    monkeypatch.delenv("CUDA_HOME", raising=False)
+    monkeypatch.setattr(B, "NVCC_CANDIDATES", ())
+    with pytest.raises(B.KernelBuildError, match="nvcc not found"):
+        B.find_nvcc()
+    failing = _fake_nvcc(tmp_path, 'echo "tiny.cu(2): error: identifier \\"oops\\" is undefined" >&2\nexit 2\n')
+    with pytest.raises(B.KernelBuildError, match='identifier "oops" is undefined'):
+        B.build_module("tiny", B.BuildConfig("sm_87", tmp_path / "c", failing, (), kdir))
+    with pytest.raises(B.KernelBuildError, match="not found"):
+        B.build_module("missing_module", B.BuildConfig("sm_87", tmp_path / "c", failing, (), kdir))
+
+
+def test_source_closure_follows_includes_of_the_real_kernels():
+    names = {p.name for p in B.source_closure(B.KERNEL_DIR / "paged_decode_attention.cu", B.KERNEL_DIR)}
+    assert {"paged_decode_attention.cu", "attention_common.cuh", "compat.cuh"} <= names
+    assert set(B.module_names()) == {"paged_decode_attention", "paged_prefill_attention", "paged_kv_write"}
+    assert B.arch_from_capability(8, 7) == "sm_87"

@@ -1,0 +1,95 @@
+"""On a real GPU: kernels built by build.py, loaded by runtime.py, against the torch reference; CUDA-graph decode.
+
+Skipped without CUDA or PyCUDA (see kernels/README.md for running these on a Jetson).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+
+from orin_vlm_node.cuda import CudaPagedAttention, DecodeGraph, select_backend
+from orin_vlm_node.kvcache.attention import TorchPagedAttention
+from orin_vlm_node.kvcache.config import KVCacheConfig
+from orin_vlm_node.kvcache.paged import PagedKVCache
+
+pytestmark = [
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (torch.cuda.is_available() is False)"),
+    pytest.mark.skipif(importlib.util.find_spec("pycuda") is None, reason="needs PyCUDA (pip install pycuda)"),
+]
+
+
+@pytest.fixture(scope="module")
+def backend(tmp_path_factory):
+    choice = select_backend("cuda", True, True, str(tmp_path_factory.mktemp("kernels")), allow_fallback=False)
+    assert choice.kernels and isinstance(choice.attention_impl, CudaPagedAttention)
+    return choice
+
+
+def _caches(impl, dtype, page, nkv, hd, max_ctx):
+    cfg = KVCacheConfig(
+        num_layers=1,
+        num_kv_heads=nkv,
+        head_dim=hd,
+        dtype=dtype,
+        device="cuda",
+        page_size=page,
+        num_blocks=2 * (max_ctx // page) + 8,
+        max_context_tokens=max_ctx,
+        prefix_caching=False,
+    )
+    return PagedKVCache(cfg, attention_impl=impl), PagedKVCache(cfg, attention_impl=TorchPagedAttention())
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+@pytest.mark.parametrize(("hd", "nq", "nkv", "page"), [(128, 16, 8, 16), (64, 8, 1, 32), (128, 32, 4, 1)])
+def test_gpu_prefill_and_decode_match_torch(backend, dtype, hd, nq, nkv, page):
+    impl = backend.attention_impl
+    ours, ref = _caches(impl, dtype, page, nkv, hd, 2048)
+    atol = {torch.float32: 1e-4, torch.float16: 4e-3, torch.bfloat16: 3e-2}[dtype]
+    sa, sb = ours.new_sequence(), ref.new_sequence()
+    for chunk in (700, 333):
+        q = torch.randn(chunk, nq, hd, device="cuda").to(dtype)
+        k = torch.randn(chunk, nkv, hd, device="cuda").to(dtype)
+        v = torch.randn(chunk, nkv, hd, device="cuda").to(dtype)
+        torch.testing.assert_close(ours.step(sa, chunk)(0, q, k, v), ref.step(sb, chunk)(0, q, k, v), atol=atol, rtol=0)
+    ba, bb = ours.new_static_decode_buffers(), ref.new_static_decode_buffers()
+    da, db = ours.static_decode_attention(ba), ref.static_decode_attention(bb)
+    for _ in range(40):
+        ours.prepare_static_decode(sa, ba)
+        ref.prepare_static_decode(sb, bb)
+        q = torch.randn(1, nq, hd, device="cuda").to(dtype)
+        k = torch.randn(1, nkv, hd, device="cuda").to(dtype)
+        v = torch.randn(1, nkv, hd, device="cuda").to(dtype)
+        torch.testing.assert_close(da(0, q, k, v), db(0, q, k, v), atol=atol, rtol=0)
+
+
+def test_gpu_graph_decode_replays_across_page_boundaries(backend):
+    """Capture the static decode attention once; replays after host-side prepare match eager torch."""
+    impl = backend.attention_impl
+    dtype, hd, nq, nkv, page = torch.float16, 128, 16, 8, 16
+    ours, ref = _caches(impl, dtype, page, nkv, hd, 1024)
+    sa, sb = ours.new_sequence(), ref.new_sequence()
+    n = 40
+    q0 = torch.randn(n, nq, hd, device="cuda").to(dtype)
+    k0 = torch.randn(n, nkv, hd, device="cuda").to(dtype)
+    v0 = torch.randn(n, nkv, hd, device="cuda").to(dtype)
+    ours.step(sa, n)(0, q0, k0, v0)
+    ref.step(sb, n)(0, q0, k0, v0)
+    ba, bb = ours.new_static_decode_buffers(), ref.new_static_decode_buffers()
+    da, db = ours.static_decode_attention(ba), ref.static_decode_attention(bb)
+    q_in = torch.zeros(1, nq, hd, device="cuda", dtype=dtype)
+    k_in = torch.zeros(1, nkv, hd, device="cuda", dtype=dtype)
+    v_in = torch.zeros(1, nkv, hd, device="cuda", dtype=dtype)
+    runner = DecodeGraph(lambda: da(0, q_in, k_in, v_in), "cuda")
+    for _ in range(30):  # slots 40..69 cross the page boundaries at 48 and 64
+        ours.prepare_static_decode(sa, ba)
+        ref.prepare_static_decode(sb, bb)
+        q_in.normal_()
+        k_in.normal_()
+        v_in.normal_()
+        out = runner.run().clone()
+        torch.testing.assert_close(out, db(0, q_in, k_in, v_in), atol=4e-3, rtol=0)
+    assert runner.captured and runner.replays >= 29, runner.describe()

@@ -1,0 +1,181 @@
+"""The embedded default model's files and its synthetic data set.
+
+Why: the checkpoint must be a genuine Qwen3-VL (the same architecture the engine serves for real models:
+DeepStack, interleaved M-RoPE, tied embeddings), small enough to ship as package data, with the Qwen special
+tokens, a ChatML template and greedy generation defaults; and the data generator must be deterministic,
+bilingual and keep held-out samples apart from training samples.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+MODEL_DIR = REPO / "orin_vlm_node" / "default_model"
+sys.path.insert(0, str(REPO / "tools"))
+
+import synthetic_scenes as scenes  # noqa: E402
+
+QWEN_SPECIALS = (
+    "<|endoftext|>",
+    "<|im_start|>",
+    "<|im_end|>",
+    "<|vision_start|>",
+    "<|vision_end|>",
+    "<|vision_pad|>",
+    "<|image_pad|>",
+    "<|video_pad|>",
+)
+needs_checkpoint = pytest.mark.skipif(
+    not (MODEL_DIR / "model.safetensors").is_file(), reason="default model checkpoint not built"
+)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Data set
+
+
+def test_samples_are_deterministic_by_seed():
+    a = scenes.make_samples(3, 20)
+    b = scenes.make_samples(3, 20)
+    c = scenes.make_samples(4, 20)
+    for x, y in zip(a, b):
+        assert (x.question, x.answer, x.qtype, x.lang) == (y.question, y.answer, y.qtype, y.lang)
+        assert (x.image is None and y.image is None) or np.array_equal(x.image, y.image)
+    assert [s.answer for s in a] != [s.answer for s in c] or any(
+        not np.array_equal(x.image, y.image) for x, y in zip(a, c) if x.image is not None and y.image is not None
+    )
+
+
+def test_samples_cover_every_question_type_in_both_languages():
+    samples = scenes.make_samples(0, 400)
+    kinds = {(s.qtype, s.lang) for s in samples}
+    assert kinds == {(q, lang) for q in scenes.QTYPE_WEIGHTS for lang in ("en", "zh")}
+    for s in samples:
+        if s.qtype == "chat":
+            assert s.image is None
+            continue
+        assert s.image.dtype == np.uint8 and s.image.ndim == 3 and s.image.shape[2] == 3
+        assert 64 <= min(s.image.shape[:2]) and max(s.image.shape[:2]) <= 160
+        if s.lang == "zh":
+            assert all(ord(c) > 0x2E7F for c in s.answer), s.answer  # Chinese answers: CJK only
+    sizes = {s.image.shape[:2] for s in samples if s.image is not None}
+    assert len(sizes) > 100, "image sizes and aspect ratios should vary"
+
+
+def test_answers_follow_the_scene():
+    """Re-derive answers from the drawn pixels for single-shape colour questions: the shape's pixels have the
+    named colour (nearest base colour), so the label is what the image shows."""
+    checked = 0
+    rng = np.random.default_rng(5)
+    for _ in range(300):
+        s = scenes.sample(rng)
+        if s.qtype != "describe" or s.lang != "en" or " and " in s.answer:
+            continue
+        color = s.answer.split()[1]
+        img = s.image.reshape(-1, 3).astype(np.float64)
+        base = np.array(list(scenes.COLORS.values()), dtype=np.float64)
+        dist = ((img[:, None, :] - base[None]) ** 2).sum(-1)  # (pixels, colours)
+        near = dist.min(1) < 40**2  # pixels that are clearly one of the shape colours
+        assert near.sum() > 50, "the shape should cover a visible area"
+        votes = np.bincount(dist[near].argmin(1), minlength=len(base))
+        assert list(scenes.COLORS)[int(votes.argmax())] == color
+        checked += 1
+    assert checked >= 10
+
+
+def test_held_out_set_is_disjoint_from_training():
+    held = scenes.held_out_samples(50)
+    train = [scenes.sample(scenes.train_rng(0, i)) for i in range(300)]
+    train_images = {s.image.tobytes() for s in train if s.image is not None}
+    assert not any(s.image is not None and s.image.tobytes() in train_images for s in held)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Checkpoint files
+
+
+@needs_checkpoint
+def test_checkpoint_is_small_and_complete():
+    names = {p.name for p in MODEL_DIR.iterdir()}
+    for required in (
+        "config.json",
+        "model.safetensors",
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "preprocessor_config.json",
+        "generation_config.json",
+        "chat_template.jinja",
+        "README.md",
+    ):
+        assert required in names, f"{required} missing from the default model"
+    total = sum(p.stat().st_size for p in MODEL_DIR.iterdir() if p.is_file())
+    assert total <= 25 * 2**20, f"default model is {total / 2**20:.1f} MiB (limit 25)"
+
+
+@needs_checkpoint
+def test_config_is_a_real_qwen3_vl_architecture():
+    from safetensors import safe_open
+
+    cfg = json.loads((MODEL_DIR / "config.json").read_text())
+    assert cfg["architectures"] == ["Qwen3VLForConditionalGeneration"]
+    assert cfg["model_type"] == "qwen3_vl"
+    assert cfg["tie_word_embeddings"] is True
+    assert len(cfg["vision_config"]["deepstack_visual_indexes"]) == 3
+    rope = cfg["text_config"]["rope_parameters"]
+    assert rope["mrope_interleaved"] is True and sum(rope["mrope_section"]) * 2 == cfg["text_config"]["head_dim"]
+    with safe_open(str(MODEL_DIR / "model.safetensors"), "pt") as f:
+        keys = set(f.keys())
+        n_params = sum(int(np.prod(f.get_slice(k).get_shape())) for k in keys)
+        dtypes = {str(f.get_tensor(k).dtype) for k in list(keys)[:5]}
+    assert "lm_head.weight" not in keys, "tied: lm_head is the embedding"
+    assert any(k.startswith("model.visual.deepstack_merger_list.2.") for k in keys)
+    assert 1_000_000 <= n_params <= 10_000_000
+    assert dtypes <= {"torch.bfloat16", "torch.float16"}
+
+
+@needs_checkpoint
+def test_tokenizer_specials_template_and_generation_defaults():
+    from tokenizers import Tokenizer
+
+    cfg = json.loads((MODEL_DIR / "config.json").read_text())
+    tok = Tokenizer.from_file(str(MODEL_DIR / "tokenizer.json"))
+    ids = {t: tok.token_to_id(t) for t in QWEN_SPECIALS}
+    assert None not in ids.values(), ids
+    assert cfg["image_token_id"] == ids["<|image_pad|>"]
+    assert cfg["video_token_id"] == ids["<|video_pad|>"]
+    assert cfg["vision_start_token_id"] == ids["<|vision_start|>"]
+    assert cfg["vision_end_token_id"] == ids["<|vision_end|>"]
+    gen = json.loads((MODEL_DIR / "generation_config.json").read_text())
+    assert gen["eos_token_id"] == [ids["<|im_end|>"], ids["<|endoftext|>"]]
+    assert gen["do_sample"] is False
+    # Every Chinese string of the data set tokenizes into tokens that are whole characters each.
+    for text in scenes.all_texts():
+        for tid in tok.encode(text).ids:
+            assert "\ufffd" not in tok.decode([tid]), (text, tid)
+
+
+@needs_checkpoint
+def test_chat_template_renders_qwen3_vl_chatml():
+    from orin_vlm_node.processing import ChatTemplate
+
+    template = ChatTemplate.from_pretrained(MODEL_DIR)
+    assert not template.is_builtin
+    messages = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What shape is this?"}]},
+        {"role": "assistant", "content": "A star."},
+        {"role": "user", "content": "你好"},
+    ]
+    assert template.render(messages, add_generation_prompt=True) == (
+        "<|im_start|>system\nBe brief.<|im_end|>\n"
+        "<|im_start|>user\n<|vision_start|><|image_pad|><|vision_end|>What shape is this?<|im_end|>\n"
+        "<|im_start|>assistant\nA star.<|im_end|>\n"
+        "<|im_start|>user\n你好<|im_end|>\n"
+        "<|im_start|>assistant\n"
+    )

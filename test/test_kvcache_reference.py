@@ -1,0 +1,67 @@
+"""The torch reference attention against transformers' eager attention (the numerics we must match)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers.models.qwen3_vl.modeling_qwen3_vl import eager_attention_forward
+
+from orin_vlm_node.kvcache.reference import causal_attention, masked_decode_attention
+
+
+class _Module(torch.nn.Module):
+    def __init__(self, groups: int) -> None:
+        super().__init__()
+        self.num_key_value_groups = groups
+
+
+def _hf_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_start: int) -> torch.Tensor:
+    """transformers eager attention with the additive finfo.min causal mask it builds for eager."""
+    L, nq, hd = q.shape
+    T, nkv, _ = k.shape
+    allowed = torch.arange(T).unsqueeze(0) <= torch.arange(q_start, q_start + L).unsqueeze(1)
+    mask = torch.zeros((1, 1, L, T), dtype=q.dtype).masked_fill(~allowed, torch.finfo(q.dtype).min)
+    out, _ = eager_attention_forward(
+        _Module(nq // nkv),
+        q.transpose(0, 1).unsqueeze(0),
+        k.transpose(0, 1).unsqueeze(0),
+        v.transpose(0, 1).unsqueeze(0),
+        mask,
+        scaling=hd**-0.5,
+    )
+    return out[0]  # (L, nq, hd)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("nkv,group,hd,L,q_start", [(1, 1, 8, 5, 0), (2, 4, 16, 7, 9), (4, 2, 32, 1, 30)])
+def test_causal_attention_matches_transformers_eager(dtype, nkv, group, hd, L, q_start):
+    T = q_start + L
+    q = torch.randn(L, nkv * group, hd).to(dtype)
+    k = torch.randn(T, nkv, hd).to(dtype)
+    v = torch.randn(T, nkv, hd).to(dtype)
+    ours = causal_attention(q, k, v, q_start)
+    assert ours.dtype == dtype and ours.shape == (L, nkv * group, hd)
+    torch.testing.assert_close(ours, _hf_causal(q, k, v, q_start), rtol=0, atol=0)
+
+
+def test_causal_attention_ignores_slots_past_the_last_query():
+    q = torch.randn(3, 4, 8)
+    k, v = torch.randn(10, 2, 8), torch.randn(10, 2, 8)
+    k2, v2 = k.clone(), v.clone()
+    k2[6:], v2[6:] = float("nan"), float("nan")  # slots 6.. are beyond query slots 3..5
+    torch.testing.assert_close(causal_attention(q, k, v, 3), causal_attention(q, k2[:6], v2[:6], 3))
+
+
+def test_masked_decode_attention_equals_causal_for_the_last_slot():
+    q = torch.randn(1, 6, 16)
+    k, v = torch.randn(40, 3, 16), torch.randn(40, 3, 16)
+    kv_len = torch.tensor([23], dtype=torch.int32)
+    expected = causal_attention(q, k[:23], v[:23], 22)
+    torch.testing.assert_close(masked_decode_attention(q, k, v, kv_len), expected, rtol=1e-6, atol=1e-6)
+
+
+def test_reference_rejects_bad_shapes():
+    with pytest.raises(ValueError, match="multiple"):
+        causal_attention(torch.randn(2, 3, 8), torch.randn(2, 2, 8), torch.randn(2, 2, 8), 0)
+    with pytest.raises(ValueError, match="kv slots"):
+        causal_attention(torch.randn(2, 4, 8), torch.randn(2, 2, 8), torch.randn(2, 2, 8), 1)

@@ -1,0 +1,342 @@
+"""Image preprocessing against transformers' Qwen2VLImageProcessorPil (the PIL backend).
+
+Tolerance: our pixel_values are bit-identical to the reference for every size tried (resized or
+not), so the bound asserted here is max |diff| == 0 (and hence mean |diff| == 0) in normalised units.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import cv2
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from PIL import Image
+from transformers import AutoImageProcessor
+from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize as ref_smart_resize
+
+from orin_vlm_node.processing import ImageError, ImageProcessor, smart_resize
+from orin_vlm_node.processing.resize import resize_bicubic
+
+# Qwen3-VL hub preprocessor_config.json (spec §6).
+QWEN3VL_CONFIG = {
+    "size": {"shortest_edge": 65536, "longest_edge": 16777216},
+    "patch_size": 16,
+    "temporal_patch_size": 2,
+    "merge_size": 2,
+    "image_mean": [0.5, 0.5, 0.5],
+    "image_std": [0.5, 0.5, 0.5],
+    "image_processor_type": "Qwen2VLImageProcessorFast",
+}
+# Small limits (4..96 tokens) so pixel comparisons that exercise both up- and downscaling stay fast;
+# CLIP mean/std so per-channel normalisation is checked too.
+SMALL_CONFIG = {
+    "size": {"shortest_edge": 32 * 32 * 4, "longest_edge": 32 * 32 * 96},
+    "patch_size": 16,
+    "temporal_patch_size": 2,
+    "merge_size": 2,
+    "image_mean": [0.48145466, 0.4578275, 0.40821073],
+    "image_std": [0.26862954, 0.26130258, 0.27577711],
+    "image_processor_type": "Qwen2VLImageProcessorFast",
+}
+SETTINGS = settings(max_examples=60, deadline=None, derandomize=True)
+
+
+def _write(tmp: Path, cfg: dict) -> Path:
+    tmp.mkdir(parents=True, exist_ok=True)
+    (tmp / "preprocessor_config.json").write_text(json.dumps(cfg))
+    return tmp
+
+
+@pytest.fixture(scope="module")
+def qwen_dir(tmp_path_factory) -> Path:
+    return _write(tmp_path_factory.mktemp("qwen3vl"), QWEN3VL_CONFIG)
+
+
+@pytest.fixture(scope="module")
+def small_dir(tmp_path_factory) -> Path:
+    return _write(tmp_path_factory.mktemp("small"), SMALL_CONFIG)
+
+
+def _reference(path: Path):
+    ref = AutoImageProcessor.from_pretrained(str(path))
+    assert type(ref).__name__ == "Qwen2VLImageProcessorPil"  # torchvision is not installed: PIL backend
+    return ref
+
+
+def _ref_preprocess(ref, images: list[np.ndarray]):
+    out = ref.preprocess(images, return_tensors="pt", input_data_format="channels_last")
+    return out["pixel_values"], out["image_grid_thw"]
+
+
+def _image(rng: np.random.Generator, h: int, w: int, channels: int = 3) -> np.ndarray:
+    """Noise with some smooth structure: noise stresses the filter taps, gradients the rounding."""
+    noise = rng.integers(0, 256, (h, w, channels), dtype=np.uint8)
+    yy, xx = np.mgrid[0:h, 0:w]
+    ramp = ((xx * 255 // max(w - 1, 1) + yy * 97 // max(h - 1, 1)) % 256).astype(np.uint8)
+    noise[: h // 2] = ramp[: h // 2, :, None]
+    return noise
+
+
+# --------------------------------------------------------------------------------------------- sizes
+
+
+@SETTINGS
+@given(h=st.integers(1, 6000), w=st.integers(1, 6000))
+def test_smart_resize_matches_reference(h, w):
+    if max(h, w) / min(h, w) > 200:
+        with pytest.raises(ValueError):
+            ref_smart_resize(h, w, 32, 65536, 16777216)
+        with pytest.raises(ImageError, match="aspect ratio"):
+            smart_resize(h, w, 32, 65536, 16777216)
+        return
+    for lo, hi in ((65536, 16777216), (32 * 32 * 4, 32 * 32 * 96), (3136, 12845056)):
+        assert smart_resize(h, w, 32, lo, hi) == ref_smart_resize(h, w, 32, lo, hi)
+
+
+def test_smart_resize_rounds_half_to_even():
+    # 48/32 = 1.5 -> 2 and 80/32 = 2.5 -> 2 (banker's rounding), within default limits after min scaling.
+    assert smart_resize(48 * 8, 80 * 8, 32, 1, 10**9) == (384, 640)
+    assert smart_resize(48, 80, 32, 1, 10**9) == (64, 64)  # round(1.5) = 2, round(2.5) = 2
+    assert smart_resize(48, 80, 32, 1, 10**9) == ref_smart_resize(48, 80, 32, 1, 10**9)
+
+
+@SETTINGS
+@given(h=st.integers(1, 4000), w=st.integers(1, 4000))
+def test_token_count_and_grid_match_reference(qwen_dir, h, w):
+    if max(h, w) / min(h, w) > 200:
+        return
+    ours = ImageProcessor.from_pretrained(qwen_dir)
+    ref = _reference(qwen_dir)
+    patches = ref.get_number_of_image_patches(h, w)
+    assert ours.num_image_tokens(h, w) * 4 == patches
+    th, tw = ours.target_size(h, w)
+    assert (th // 16) * (tw // 16) == patches
+
+
+def test_grid_thw_matches_reference_many_sizes(small_dir):
+    """grid_thw and pixel counts from full preprocessing on a grid of sizes and aspect ratios."""
+    ours = ImageProcessor.from_pretrained(small_dir)
+    ref = _reference(small_dir)
+    rng = np.random.default_rng(1)
+    sizes = [(h, w) for h in (1, 2, 7, 31, 32, 33, 100, 257) for w in (3, 32, 64, 95, 190)]
+    sizes = [(h, w) for h, w in sizes if max(h, w) / min(h, w) <= 200]
+    images = [rng.integers(0, 256, (h, w, 3), dtype=np.uint8) for h, w in sizes]
+    batch = ours.preprocess(images)
+    ref_pv, ref_grid = _ref_preprocess(ref, images)
+    assert batch.grid_thw.dtype == torch.long and batch.grid_thw.shape == (len(images), 3)
+    assert torch.equal(batch.grid_thw, ref_grid.long())
+    assert batch.num_tokens == [int(t * h * w) // 4 for t, h, w in ref_grid.tolist()]
+    assert batch.pixel_values.dtype == torch.float32 and batch.pixel_values.shape == ref_pv.shape
+    assert torch.equal(batch.pixel_values, ref_pv)
+
+
+# --------------------------------------------------------------------------------------------- pixels
+
+
+@pytest.mark.parametrize(
+    "h,w",
+    [
+        (64, 96),  # no resize
+        (50, 70),  # upscale to the min area
+        (37, 200),  # wide, upscale
+        (300, 40),  # tall
+        (480, 640),  # downscale by ~2.3 (antialiased support)
+        (333, 555),  # odd sizes, downscale
+        (1000, 900),  # strong downscale
+        (16, 16),  # tiny
+        (5, 900),  # ratio 180
+    ],
+)
+def test_pixels_match_reference(small_dir, h, w):
+    ours = ImageProcessor.from_pretrained(small_dir)
+    ref = _reference(small_dir)
+    image = _image(np.random.default_rng(h * 1000 + w), h, w)
+    batch = ours.preprocess([image])
+    ref_pv, ref_grid = _ref_preprocess(ref, [image])
+    assert torch.equal(batch.grid_thw, ref_grid.long())
+    diff = (batch.pixel_values - ref_pv).abs()
+    assert diff.max().item() == 0.0, f"max |diff| {diff.max().item()} mean {diff.mean().item()}"
+
+
+def test_pixels_match_reference_qwen_config_and_batch(qwen_dir):
+    """Default Qwen3-VL limits: a frame that only gets rounded (360 -> 352), an upscaled small image
+    and a no-resize image, in one batch (rows concatenated in order)."""
+    ours = ImageProcessor.from_pretrained(qwen_dir)
+    ref = _reference(qwen_dir)
+    rng = np.random.default_rng(7)
+    images = [_image(rng, 360, 640), _image(rng, 100, 150), _image(rng, 256, 288)]
+    batch = ours.preprocess(images)
+    ref_pv, ref_grid = _ref_preprocess(ref, images)
+    assert batch.grid_thw.tolist() == ref_grid.tolist()
+    assert batch.grid_thw[0].tolist() == [1, 22, 40]  # 360 -> 352 (round(11.25) = 11 blocks of 32), 640 kept
+    assert batch.grid_thw[2].tolist() == [1, 16, 18]  # multiples of 32 inside the limits: not resized
+    assert batch.pixel_values.shape == (int(batch.grid_thw.prod(dim=1).sum()), 1536)
+    assert batch.num_tokens == [int(n) // 4 for n in batch.grid_thw.prod(dim=1)]
+    assert torch.equal(batch.pixel_values, ref_pv)
+
+
+@settings(max_examples=20, deadline=None, derandomize=True)
+@given(h=st.sampled_from([64, 96, 128, 160]), w=st.sampled_from([64, 160, 256, 320]), seed=st.integers(0, 2**16))
+def test_no_resize_sizes_identical(small_dir, h, w, seed):
+    ours = ImageProcessor.from_pretrained(small_dir)
+    assert ours.target_size(h, w) == (h, w)
+    image = np.random.default_rng(seed).integers(0, 256, (h, w, 3), dtype=np.uint8)
+    ref_pv, _ = _ref_preprocess(_reference(small_dir), [image])
+    assert torch.equal(ours.preprocess([image]).pixel_values, ref_pv)
+
+
+@settings(max_examples=80, deadline=None, derandomize=True)
+@given(
+    h=st.integers(1, 120),
+    w=st.integers(1, 120),
+    oh=st.integers(1, 160),
+    ow=st.integers(1, 160),
+    seed=st.integers(0, 2**16),
+)
+def test_resize_bicubic_equals_pillow(h, w, oh, ow, seed):
+    image = np.random.default_rng(seed).integers(0, 256, (h, w, 3), dtype=np.uint8)
+    want = np.asarray(Image.fromarray(image).resize((ow, oh), Image.Resampling.BICUBIC))
+    assert np.array_equal(resize_bicubic(image, oh, ow), want)
+
+
+@pytest.mark.parametrize(
+    "h,w,oh,ow",
+    [
+        (64, 64, 4, 34),  # height shrinks by exactly twice the width's shrink: horizontal pass first
+        (64, 64, 4, 35),  # ... by more than twice: vertical pass first (Pillow 13)
+        (33, 190, 32, 192),  # height shrinks, width grows: vertical first
+        (50, 50, 60, 40),  # height grows: horizontal first
+        (100, 100, 64, 64),
+        (730, 1282, 704, 1280),
+    ],
+)
+def test_resize_pass_order_matches_pillow(h, w, oh, ow):
+    image = np.random.default_rng(h * w + oh).integers(0, 256, (h, w, 3), dtype=np.uint8)
+    want = np.asarray(Image.fromarray(image).resize((ow, oh), Image.Resampling.BICUBIC))
+    assert np.array_equal(resize_bicubic(image, oh, ow), want)
+
+
+def test_cv2_bicubic_is_not_good_enough():
+    """Why resize.py exists: OpenCV's bicubic (a=-0.75, no antialiasing) is far from Pillow's."""
+    image = np.random.default_rng(3).integers(0, 256, (200, 300, 3), dtype=np.uint8)
+    want = np.asarray(Image.fromarray(image).resize((128, 96), Image.Resampling.BICUBIC)).astype(int)
+    cv = cv2.resize(image, (128, 96), interpolation=cv2.INTER_CUBIC).astype(int)
+    assert np.abs(cv - want).max() > 20
+    assert np.abs(resize_bicubic(image, 96, 128).astype(int) - want).max() == 0
+
+
+# --------------------------------------------------------------------------------------------- colour
+
+
+def test_bgr_mono_rgba_inputs(small_dir):
+    ours = ImageProcessor.from_pretrained(small_dir)
+    rng = np.random.default_rng(11)
+    rgb = _image(rng, 70, 90)
+    want = ours.preprocess([rgb]).pixel_values
+    assert torch.equal(ours.preprocess([cv2.cvtColor(rgb, cv2.COLOR_RGB2BGR)], color="bgr").pixel_values, want)
+
+    mono = rgb[:, :, 1].copy()
+    mono_rgb = ours.preprocess([np.repeat(mono[:, :, None], 3, axis=2)]).pixel_values
+    assert torch.equal(ours.preprocess([mono]).pixel_values, mono_rgb)
+    assert torch.equal(ours.preprocess([mono[:, :, None]]).pixel_values, mono_rgb)
+    assert torch.equal(ours.preprocess([mono], color="bgr").pixel_values, mono_rgb)
+
+    # RGBA: alpha composited onto white like the reference; BGRA gives the same result.
+    rgba = np.concatenate([rgb, rng.integers(0, 256, (70, 90, 1), dtype=np.uint8)], axis=2)
+    ref_pv, _ = _ref_preprocess(_reference(small_dir), [rgba])
+    assert torch.equal(ours.preprocess([rgba]).pixel_values, ref_pv)
+    bgra = cv2.cvtColor(rgba, cv2.COLOR_RGBA2BGRA)
+    assert torch.equal(ours.preprocess([bgra], color="bgr").pixel_values, ref_pv)
+
+
+def test_non_contiguous_input(small_dir):
+    ours = ImageProcessor.from_pretrained(small_dir)
+    big = _image(np.random.default_rng(5), 140, 180)
+    view = big[::2, ::2]
+    assert torch.equal(ours.preprocess([view]).pixel_values, ours.preprocess([view.copy()]).pixel_values)
+
+
+# --------------------------------------------------------------------------------------------- config
+
+
+def test_config_spellings_and_overrides(tmp_path):
+    old = {k: v for k, v in SMALL_CONFIG.items() if k != "size"}
+    old.update(min_pixels=32 * 32 * 4, max_pixels=32 * 32 * 96)
+    old_dir = _write(tmp_path / "old", old)
+    cfg = ImageProcessor.from_pretrained(old_dir).config
+    assert (cfg.min_pixels, cfg.max_pixels) == (4096, 98304)
+    assert (cfg.patch_size, cfg.merge_size, cfg.temporal_patch_size) == (16, 2, 2)
+    ref = _reference(old_dir)
+    assert (ref.size.shortest_edge, ref.size.longest_edge) == (4096, 98304)
+
+    # Explicit overrides (the node's image_min_pixels / image_max_pixels) win over the file.
+    lo, hi = 32 * 32 * 8, 32 * 32 * 20
+    proc = ImageProcessor.from_pretrained(old_dir, min_pixels=lo, max_pixels=hi)
+    assert (proc.config.min_pixels, proc.config.max_pixels) == (lo, hi)
+    for h, w in ((10, 10), (2000, 2000), (300, 40), (64, 96)):
+        want = ref.get_number_of_image_patches(h, w, {"min_pixels": lo, "max_pixels": hi}) // 4
+        assert proc.num_image_tokens(h, w) == want
+        assert 8 <= proc.num_image_tokens(h, w) <= 20
+
+
+def test_config_errors(tmp_path):
+    with pytest.raises(ImageError, match="no preprocessor_config.json"):
+        ImageProcessor.from_pretrained(tmp_path / "nowhere")
+    bad = dict(QWEN3VL_CONFIG)
+    del bad["patch_size"]
+    with pytest.raises(ImageError, match="lacks patch_size"):
+        ImageProcessor.from_pretrained(_write(tmp_path / "a", bad))
+    with pytest.raises(ImageError, match="only bicubic"):
+        ImageProcessor.from_pretrained(_write(tmp_path / "b", {**QWEN3VL_CONFIG, "resample": 2}))
+    with pytest.raises(ImageError, match="min_pixels"):
+        ImageProcessor.from_pretrained(_write(tmp_path / "c", QWEN3VL_CONFIG), min_pixels=10**9)
+    with pytest.raises(ImageError, match="invalid value"):
+        ImageProcessor.from_pretrained(_write(tmp_path / "d", {**QWEN3VL_CONFIG, "merge_size": "two"}))
+    (tmp_path / "e").mkdir()
+    (tmp_path / "e" / "preprocessor_config.json").write_text("{not json")
+    with pytest.raises(ImageError, match="cannot read"):
+        ImageProcessor.from_pretrained(tmp_path / "e")
+
+
+# --------------------------------------------------------------------------------------------- bad input
+
+
+@pytest.mark.parametrize(
+    "image,match",
+    [
+        (np.zeros((0, 10, 3), np.uint8), "empty"),
+        (np.zeros((10, 0, 3), np.uint8), "empty"),
+        (np.zeros((0, 0), np.uint8), "empty"),
+        (np.zeros((1, 400, 3), np.uint8), "aspect ratio"),
+        (np.zeros((401, 2), np.uint8), "aspect ratio"),
+        (np.zeros((32, 32, 3), np.float32), "dtype uint8"),
+        (np.zeros((32, 32, 3), np.uint16), "dtype uint8"),
+        (np.zeros((32, 32, 2), np.uint8), "shape"),
+        (np.zeros((2, 32, 32, 3), np.uint8), "shape"),
+        (np.zeros(32, np.uint8), "shape"),
+        ([[1, 2], [3, 4]], "numpy array"),
+    ],
+)
+def test_bad_images_raise(qwen_dir, image, match):
+    proc = ImageProcessor.from_pretrained(qwen_dir)
+    with pytest.raises(ImageError, match=match):
+        proc.preprocess([np.zeros((32, 32, 3), np.uint8), image])
+
+
+def test_bad_call_arguments(qwen_dir):
+    proc = ImageProcessor.from_pretrained(qwen_dir)
+    with pytest.raises(ImageError, match="list of images"):
+        proc.preprocess(np.zeros((32, 32, 3), np.uint8))
+    with pytest.raises(ImageError, match="list of images"):
+        proc.preprocess(None)  # type: ignore[arg-type]
+    with pytest.raises(ImageError, match="color"):
+        proc.preprocess([np.zeros((32, 32, 3), np.uint8)], color="hsv")
+    with pytest.raises(ImageError, match="aspect ratio"):
+        proc.num_image_tokens(1, 400)
+    empty = proc.preprocess([])
+    assert empty.pixel_values.shape == (0, 1536) and empty.grid_thw.shape == (0, 3) and empty.num_tokens == []

@@ -1,0 +1,235 @@
+"""Tiny random Qwen3-VL checkpoints written by transformers itself, for parity tests.
+
+Why: no real model can be downloaded in tests, so the reference is ``transformers``'
+``Qwen3VLForConditionalGeneration`` built from a small ``Qwen3VLConfig`` and saved with
+``save_pretrained`` — the exact file layout our loader must read. Weights are perturbed away from
+HF's init (norm weights != 1, biases != 0, weights ~ 1/sqrt(fan_in)) so every term of the math
+matters and logits are decisive enough for greedy parity.
+
+Token ids follow the tiny tokenizer (``test/tiny_tokenizer.py``): ``<|endoftext|>``=0,
+``<|im_start|>``=1, ``<|im_end|>``=2, ``<|vision_start|>``=3, ``<|vision_end|>``=4,
+``<|vision_pad|>``=5, ``<|image_pad|>``=6, ``<|video_pad|>``=7; vocab_size 1024.
+
+Usage: ``make_tiny_checkpoint(tmp_path / "ckpt", layers=2, tie=False)`` or the cached
+``cached_tiny_checkpoint(**same_kwargs)`` (one build per distinct kwargs per process).
+"""
+
+from __future__ import annotations
+
+import atexit
+import functools
+import json
+import math
+import shutil
+import tempfile
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+try:  # written by the processing helper; checkpoints get tokenizer files only when it is present
+    from tiny_tokenizer import write_tiny_tokenizer
+except ImportError:  # pragma: no cover - only while that module does not exist yet
+    write_tiny_tokenizer = None
+
+ENDOFTEXT, IM_START, IM_END, VISION_START, VISION_END, VISION_PAD, IMAGE_PAD, VIDEO_PAD = range(8)
+PATCH_DIM = 3 * 2 * 16 * 16
+
+
+def default_mrope_section(head_dim: int) -> list[int]:
+    """Qwen3-VL's [24, 20, 20] scaled to ``head_dim/2`` frequencies (e.g. [6, 5, 5] for head_dim 32)."""
+    hw = round(head_dim / 2 * 20 / 64)
+    return [head_dim // 2 - 2 * hw, hw, hw]
+
+
+def make_tiny_checkpoint(
+    path: str | Path,
+    *,
+    seed: int = 0,
+    num_heads: int = 4,
+    num_kv_heads: int = 2,
+    head_dim: int = 32,
+    hidden: int = 64,
+    intermediate: int = 128,
+    layers: int = 3,
+    deepstack: Sequence[int] = (0, 1),
+    tie: bool = True,
+    vocab_size: int = 1024,
+    rope_theta: float = 5_000_000.0,
+    mrope_section: Sequence[int] | None = None,
+    vision_depth: int = 3,
+    vision_hidden: int = 64,
+    vision_heads: int = 4,
+    vision_intermediate: int = 128,
+    num_position_embeddings: int = 64,
+    dtype: torch.dtype = torch.float32,
+    legacy_rope_keys: bool = False,
+    with_tokenizer: bool = True,
+) -> Path:
+    """Build, perturb and ``save_pretrained`` a tiny Qwen3-VL; return the directory.
+
+    ``legacy_rope_keys`` rewrites config.json's text RoPE settings in the 4.57 spelling
+    (``rope_theta`` + ``rope_scaling``) instead of 5.x ``rope_parameters``.
+    """
+    from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
+
+    out = Path(path)
+    section = list(mrope_section) if mrope_section is not None else default_mrope_section(head_dim)
+    config = Qwen3VLConfig(
+        text_config={
+            "vocab_size": vocab_size,
+            "hidden_size": hidden,
+            "intermediate_size": intermediate,
+            "num_hidden_layers": layers,
+            "num_attention_heads": num_heads,
+            "num_key_value_heads": num_kv_heads,
+            "head_dim": head_dim,
+            "rms_norm_eps": 1e-6,
+            "rope_parameters": {
+                "rope_type": "default",
+                "rope_theta": rope_theta,
+                "mrope_section": section,
+                "mrope_interleaved": True,
+            },
+            "tie_word_embeddings": tie,
+            "bos_token_id": ENDOFTEXT,
+            "eos_token_id": IM_END,
+            "pad_token_id": ENDOFTEXT,
+        },
+        vision_config={
+            "depth": vision_depth,
+            "hidden_size": vision_hidden,
+            "intermediate_size": vision_intermediate,
+            "num_heads": vision_heads,
+            "out_hidden_size": hidden,
+            "num_position_embeddings": num_position_embeddings,
+            "deepstack_visual_indexes": list(deepstack),
+            "patch_size": 16,
+            "temporal_patch_size": 2,
+            "spatial_merge_size": 2,
+        },
+        image_token_id=IMAGE_PAD,
+        video_token_id=VIDEO_PAD,
+        vision_start_token_id=VISION_START,
+        vision_end_token_id=VISION_END,
+        tie_word_embeddings=tie,
+    )
+    torch.manual_seed(seed)
+    model = Qwen3VLForConditionalGeneration(config).eval()
+    _perturb(model, seed)
+    model.to(dtype)
+    model.save_pretrained(out)
+    if legacy_rope_keys:
+        _rewrite_rope_legacy(out / "config.json")
+    _write_json(
+        out / "preprocessor_config.json",
+        {
+            "image_processor_type": "Qwen2VLImageProcessorFast",
+            "processor_class": "Qwen3VLProcessor",
+            "patch_size": 16,
+            "temporal_patch_size": 2,
+            "merge_size": 2,
+            "image_mean": [0.5, 0.5, 0.5],
+            "image_std": [0.5, 0.5, 0.5],
+            "do_convert_rgb": True,
+            "do_rescale": True,
+            "rescale_factor": 1 / 255,
+            "do_normalize": True,
+            "do_resize": True,
+            "resample": 3,
+            "size": {"shortest_edge": 32 * 32 * 4, "longest_edge": 32 * 32 * 64},
+        },
+    )
+    _write_json(
+        out / "generation_config.json",
+        {
+            "bos_token_id": ENDOFTEXT,
+            "pad_token_id": ENDOFTEXT,
+            "eos_token_id": [IM_END, ENDOFTEXT],
+            "do_sample": True,
+            "temperature": 0.7,
+            "top_p": 0.8,
+            "top_k": 20,
+        },
+    )
+    if with_tokenizer and write_tiny_tokenizer is not None:
+        write_tiny_tokenizer(out)
+    return out
+
+
+@functools.cache
+def _cached(items: tuple) -> Path:
+    kwargs = dict(items)
+    name = "ckpt_" + "_".join(f"{k}-{v}" for k, v in items).replace(" ", "").replace("torch.", "")
+    name = "".join(c if c.isalnum() or c in "-_." else "_" for c in name)[:180]
+    return make_tiny_checkpoint(_session_dir() / name, **kwargs)
+
+
+def cached_tiny_checkpoint(**kwargs) -> Path:
+    """Like :func:`make_tiny_checkpoint` under a per-process temp dir, built once per distinct kwargs.
+
+    Callers must not modify the returned directory (copy it first).
+    """
+    items = tuple(sorted((k, tuple(v) if isinstance(v, list) else v) for k, v in kwargs.items()))
+    return _cached(items)
+
+
+@functools.lru_cache(maxsize=1)
+def _session_dir() -> Path:
+    root = Path(tempfile.mkdtemp(prefix="tiny_qwen3vl_"))
+    atexit.register(shutil.rmtree, root, ignore_errors=True)
+    return root
+
+
+def random_pixel_values(grid_thw: Sequence[Sequence[int]], seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random (N, 1536) fp32 patches in [-1, 1] and the (n, 3) long grid for images of these patch grids."""
+    grid = torch.tensor([list(g) for g in grid_thw], dtype=torch.long)
+    n = int(grid.prod(-1).sum())
+    gen = torch.Generator().manual_seed(seed)
+    return torch.rand((n, PATCH_DIM), generator=gen) * 2 - 1, grid
+
+
+def image_prompt(text_ids: Sequence[Sequence[int]], grid_thw: Sequence[Sequence[int]], merge: int = 2) -> list[int]:
+    """ChatML-like prompt: text chunk, image, text chunk, image, ..., text chunk, generation prompt.
+
+    ``text_ids`` has one more entry than ``grid_thw``; each image becomes
+    ``<|vision_start|> + t*h*w/merge^2 x <|image_pad|> + <|vision_end|>``.
+    """
+    if len(text_ids) != len(grid_thw) + 1:
+        raise ValueError("need one more text chunk than images")
+    ids = [IM_START, 20, 21]
+    for chunk, (t, h, w) in zip(text_ids[:-1], grid_thw, strict=True):
+        ids += list(chunk) + [VISION_START] + [IMAGE_PAD] * (t * h * w // (merge * merge)) + [VISION_END]
+    ids += list(text_ids[-1]) + [IM_END, 22, IM_START, 23, 24]
+    return ids
+
+
+def mm_token_type_ids(ids: Sequence[int]) -> torch.Tensor:
+    """(1, L) int: 1 at image pads, 0 elsewhere (what transformers 5.x needs next to image_grid_thw)."""
+    return torch.tensor([[1 if i == IMAGE_PAD else 0 for i in ids]], dtype=torch.int32)
+
+
+def _perturb(model: torch.nn.Module, seed: int) -> None:
+    gen = torch.Generator().manual_seed(seed + 1000)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            noise = torch.randn(p.shape, generator=gen, dtype=torch.float32)
+            if p.dim() == 1 and "norm" in name and name.endswith("weight"):
+                p.copy_(1.0 + 0.2 * noise)
+            elif p.dim() == 1:
+                p.copy_(0.1 * noise)
+            else:
+                p.copy_(noise / math.sqrt(p[0].numel()))
+
+
+def _rewrite_rope_legacy(config_file: Path) -> None:
+    data = json.loads(config_file.read_text())
+    text = data["text_config"]
+    rope = text.pop("rope_parameters")
+    text["rope_theta"] = rope.pop("rope_theta")
+    text["rope_scaling"] = rope
+    _write_json(config_file, data)
+
+
+def _write_json(path: Path, data: dict) -> None:
+    path.write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")

@@ -1,0 +1,513 @@
+"""Train the embedded default model: a tiny Qwen3-VL that answers questions about synthetic shape scenes.
+
+Why this exists: the package must ship a model that runs out of the box, on any machine, without downloads,
+and that demonstrably uses the picture. Real Qwen3-VL weights cannot be bundled (size, licence, no network),
+so this script builds a few-million-parameter model with the *exact* Qwen3-VL architecture
+(``transformers.Qwen3VLForConditionalGeneration``: vision tower with DeepStack, interleaved M-RoPE, tied
+embeddings) and trains it on the CPU on ``tools/synthetic_scenes.py``. It is a DEMO model, not Qwen3-VL.
+
+Pixels are produced by the runtime's own ``orin_vlm_node.processing.ImageProcessor`` so training and
+inference see identical inputs. The result is written in Hugging Face format (config.json, model.safetensors,
+tokenizer.json, tokenizer_config.json, chat_template.jinja, preprocessor_config.json, generation_config.json).
+
+Reproduce the committed checkpoint (same seed -> same weights on the same torch build):
+    .venv/bin/python tools/train_default_model.py --out orin_vlm_node/default_model
+Evaluate a checkpoint with transformers' generate:
+    .venv/bin/python tools/train_default_model.py --eval-only --out orin_vlm_node/default_model
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from collections import defaultdict
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+TOOLS_DIR = Path(__file__).resolve().parent
+REPO_ROOT = TOOLS_DIR.parent
+sys.path.insert(0, str(TOOLS_DIR))
+sys.path.insert(0, str(REPO_ROOT))
+
+import synthetic_scenes as scenes  # noqa: E402
+
+SPECIAL_TOKENS = (
+    "<|endoftext|>",
+    "<|im_start|>",
+    "<|im_end|>",
+    "<|vision_start|>",
+    "<|vision_end|>",
+    "<|vision_pad|>",
+    "<|image_pad|>",
+    "<|video_pad|>",
+)
+# Our own ChatML template in the Qwen3-VL instruct format: no default system prompt, images and videos as
+# <|vision_start|><|image_pad|><|vision_end|> (the processor expands the pad), optional "Picture N: " ids.
+CHAT_TEMPLATE = (
+    "{%- set counter = namespace(image=0, video=0) -%}"
+    "{%- for message in messages -%}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' -}}"
+    "{%- if message['content'] is string -%}"
+    "{{- message['content'] -}}"
+    "{%- else -%}"
+    "{%- for part in message['content'] -%}"
+    "{%- if part['type'] is defined and part['type'] in ('image', 'image_url') -%}"
+    "{%- set counter.image = counter.image + 1 -%}"
+    "{%- if add_vision_id is defined and add_vision_id -%}{{- 'Picture ' ~ counter.image ~ ': ' -}}{%- endif -%}"
+    "{{- '<|vision_start|><|image_pad|><|vision_end|>' -}}"
+    "{%- elif part['type'] is defined and part['type'] == 'video' -%}"
+    "{%- set counter.video = counter.video + 1 -%}"
+    "{%- if add_vision_id is defined and add_vision_id -%}{{- 'Video ' ~ counter.video ~ ': ' -}}{%- endif -%}"
+    "{{- '<|vision_start|><|video_pad|><|vision_end|>' -}}"
+    "{%- elif part['text'] is defined -%}"
+    "{{- part['text'] -}}"
+    "{%- endif -%}"
+    "{%- endfor -%}"
+    "{%- endif -%}"
+    "{{- '<|im_end|>\\n' -}}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}"
+)
+MIN_PIXELS = 32 * 32 * 4  # 4 image tokens
+MAX_PIXELS = 32 * 32 * 16  # 16 image tokens
+
+
+@dataclass
+class TrainConfig:
+    """Everything that determines the trained weights (recorded in the model card)."""
+
+    seed: int = 0
+    steps: int = 900
+    schedule_steps: int = 0  # length of the cosine schedule; 0 = steps (stopping early = --steps K --schedule-steps H)
+    batch_size: int = 16
+    lr: float = 3e-3
+    min_lr_ratio: float = 0.05
+    warmup_steps: int = 50
+    weight_decay: float = 0.01
+    grad_clip: float = 1.0
+    vocab_size: int = 768
+    text_hidden: int = 128
+    text_layers: int = 4
+    text_heads: int = 4
+    text_kv_heads: int = 2
+    text_intermediate: int = 384
+    vision_hidden: int = 96
+    vision_depth: int = 4
+    vision_heads: int = 4
+    vision_intermediate: int = 288
+    threads: int = 2
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Tokenizer
+
+
+def build_tokenizer(cfg: TrainConfig):
+    """Byte-level BPE trained on every dataset string (weighted by how often training draws them)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=cfg.vocab_size,
+        min_frequency=2,
+        special_tokens=list(SPECIAL_TOKENS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    rng = np.random.default_rng([scenes.TRAIN_NAMESPACE, cfg.seed, 10**9])
+    corpus = scenes.all_texts() * 3
+    corpus += ["user\n", "assistant\n", "system\n", "You are a helpful assistant."] * 50
+    for _ in range(1000):  # question/answer frequencies as training draws them (images ignored)
+        s = scenes.sample(rng)
+        corpus += [s.question, s.answer]
+    # Every non-ASCII character on its own, often: its bytes merge into one token before any merge across
+    # characters, so no token ever holds a partial character.
+    chars = sorted({c for text in corpus for c in text if ord(c) > 127})
+    corpus += chars * 200
+    tok.train_from_iterator(corpus, trainer=trainer)
+    check_whole_characters(tok)
+    return tok
+
+
+def check_whole_characters(tok) -> None:
+    """Every dataset string must tokenize into tokens that each decode to whole UTF-8 characters, so Chinese
+    answers stream as whole characters even where a detokenizer emits one token at a time."""
+    for text in scenes.all_texts():
+        for tid in tok.encode(text).ids:
+            piece = tok.decode([tid])
+            if "\ufffd" in piece:
+                raise RuntimeError(f"{text!r}: token {tid} ({tok.id_to_token(tid)!r}) splits a character")
+
+
+def write_tokenizer_files(tok, out: Path) -> dict[str, int]:
+    tok.save(str(out / "tokenizer.json"))
+    ids = {t: tok.token_to_id(t) for t in SPECIAL_TOKENS}
+    added = {
+        str(ids[t]): {"content": t, "lstrip": False, "normalized": False, "rstrip": False, "single_word": False,
+                      "special": True}
+        for t in SPECIAL_TOKENS
+    }
+    tokenizer_config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "added_tokens_decoder": added,
+        "additional_special_tokens": [t for t in SPECIAL_TOKENS if t not in ("<|endoftext|>", "<|im_end|>")],
+        "bos_token": None,
+        "eos_token": "<|im_end|>",
+        "pad_token": "<|endoftext|>",
+        "unk_token": None,
+        "clean_up_tokenization_spaces": False,
+        "model_max_length": 4096,
+        "split_special_tokens": False,
+        "chat_template": CHAT_TEMPLATE,
+    }
+    (out / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2, ensure_ascii=False) + "\n")
+    (out / "chat_template.jinja").write_text(CHAT_TEMPLATE)
+    return ids
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Model
+
+
+def build_config(cfg: TrainConfig, ids: dict[str, int], vocab: int):
+    from transformers import Qwen3VLConfig
+
+    head_dim = cfg.text_hidden // cfg.text_heads  # 32 -> 16 rotary frequencies, interleaved T/H/W = 6/5/5
+    return Qwen3VLConfig(
+        text_config={
+            "vocab_size": vocab,
+            "hidden_size": cfg.text_hidden,
+            "intermediate_size": cfg.text_intermediate,
+            "num_hidden_layers": cfg.text_layers,
+            "num_attention_heads": cfg.text_heads,
+            "num_key_value_heads": cfg.text_kv_heads,
+            "head_dim": head_dim,
+            "hidden_act": "silu",
+            "rms_norm_eps": 1e-6,
+            "max_position_embeddings": 4096,
+            "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [6, 5, 5],
+                                "mrope_interleaved": True},
+            "bos_token_id": ids["<|endoftext|>"],
+            "eos_token_id": ids["<|im_end|>"],
+            "pad_token_id": ids["<|endoftext|>"],
+            "tie_word_embeddings": True,
+        },
+        vision_config={
+            "depth": cfg.vision_depth,
+            "hidden_size": cfg.vision_hidden,
+            "num_heads": cfg.vision_heads,
+            "intermediate_size": cfg.vision_intermediate,
+            "hidden_act": "gelu_pytorch_tanh",
+            "in_channels": 3,
+            "patch_size": 16,
+            "temporal_patch_size": 2,
+            "spatial_merge_size": 2,
+            "out_hidden_size": cfg.text_hidden,
+            "num_position_embeddings": 256,  # 16 x 16 table, bilinearly resampled to each grid
+            "deepstack_visual_indexes": [0, 1, 2],
+        },
+        image_token_id=ids["<|image_pad|>"],
+        video_token_id=ids["<|video_pad|>"],
+        vision_start_token_id=ids["<|vision_start|>"],
+        vision_end_token_id=ids["<|vision_end|>"],
+        tie_word_embeddings=True,
+    )
+
+
+def write_side_configs(out: Path, ids: dict[str, int]) -> None:
+    preprocessor = {
+        "image_processor_type": "Qwen2VLImageProcessor",
+        "do_convert_rgb": True,
+        "do_resize": True,
+        "do_rescale": True,
+        "rescale_factor": 1 / 255,
+        "do_normalize": True,
+        "image_mean": [0.5, 0.5, 0.5],
+        "image_std": [0.5, 0.5, 0.5],
+        "resample": 3,
+        "patch_size": 16,
+        "temporal_patch_size": 2,
+        "merge_size": 2,
+        "size": {"shortest_edge": MIN_PIXELS, "longest_edge": MAX_PIXELS},
+    }
+    (out / "preprocessor_config.json").write_text(json.dumps(preprocessor, indent=2) + "\n")
+    generation = {
+        "bos_token_id": ids["<|endoftext|>"],
+        "pad_token_id": ids["<|endoftext|>"],
+        "eos_token_id": [ids["<|im_end|>"], ids["<|endoftext|>"]],
+        "do_sample": False,
+        "max_new_tokens": 64,
+    }
+    (out / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Pixels: the runtime processor (orin_vlm_node.processing) so training sees what inference sees.
+
+
+class Pixels:
+    """Turns HWC uint8 RGB images into (pixel_values (N,1536) f32, grid_thw (n,3) long, tokens per image)."""
+
+    def __init__(self, model_dir: Path, allow_fallback: bool) -> None:
+        try:
+            from orin_vlm_node.processing import ImageProcessor
+
+            self._proc = ImageProcessor.from_pretrained(str(model_dir))
+            self.kind = "orin_vlm_node.processing.ImageProcessor"
+        except ImportError:
+            if not allow_fallback:
+                raise
+            from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+            self._hf = Qwen2VLImageProcessorPil.from_pretrained(str(model_dir))
+            self._proc = None
+            self.kind = "transformers Qwen2VLImageProcessorPil (fallback)"
+
+    def __call__(self, images: list[np.ndarray]) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+        if self._proc is not None:
+            batch = self._proc.preprocess(images, color="rgb")
+            return batch.pixel_values, batch.grid_thw, list(batch.num_tokens)
+        from PIL import Image
+
+        out = self._hf([Image.fromarray(im) for im in images], return_tensors="pt")
+        grid = out["image_grid_thw"]
+        return out["pixel_values"].float(), grid, [int(t * h * w) // 4 for t, h, w in grid.tolist()]
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Batches
+
+
+class Encoder:
+    """Prompt/answer token ids exactly as the runtime builds them (template text, then pad expansion)."""
+
+    def __init__(self, tok, ids: dict[str, int]) -> None:
+        self.tok = tok
+        self.ids = ids
+        self._cache: dict[str, list[int]] = {}
+
+    def _enc(self, text: str) -> list[int]:
+        if text not in self._cache:
+            self._cache[text] = self.tok.encode(text).ids
+        return self._cache[text]
+
+    def prompt(self, question: str, n_image_tokens: int | None) -> list[int]:
+        vision = "<|vision_start|><|image_pad|><|vision_end|>" if n_image_tokens is not None else ""
+        ids = self._enc(f"<|im_start|>user\n{vision}{question}<|im_end|>\n<|im_start|>assistant\n")
+        if n_image_tokens is None:
+            return list(ids)
+        pad = self.ids["<|image_pad|>"]
+        i = ids.index(pad)
+        return ids[:i] + [pad] * n_image_tokens + ids[i + 1 :]
+
+    def answer(self, answer: str) -> list[int]:
+        return self._enc(answer) + [self.ids["<|im_end|>"]]
+
+
+def make_batch(samples: list[scenes.Sample], enc: Encoder, pixels: Pixels) -> dict[str, torch.Tensor]:
+    images = [s.image for s in samples if s.image is not None]
+    pv, grid, ntok = pixels(images) if images else (None, None, [])
+    seqs, labels = [], []
+    k = 0
+    for s in samples:
+        n = None
+        if s.image is not None:
+            n = ntok[k]
+            k += 1
+        p = enc.prompt(s.question, n)
+        a = enc.answer(s.answer)
+        seqs.append(p + a)
+        labels.append([-100] * len(p) + a)
+    length = max(len(x) for x in seqs)
+    pad = enc.ids["<|endoftext|>"]
+    input_ids = torch.full((len(seqs), length), pad, dtype=torch.long)
+    label_t = torch.full((len(seqs), length), -100, dtype=torch.long)
+    mask = torch.zeros((len(seqs), length), dtype=torch.long)
+    for i, (x, y) in enumerate(zip(seqs, labels)):
+        input_ids[i, : len(x)] = torch.tensor(x)
+        label_t[i, : len(y)] = torch.tensor(y)
+        mask[i, : len(x)] = 1
+    batch = {
+        "input_ids": input_ids,
+        "attention_mask": mask,
+        "labels": label_t,
+        "mm_token_type_ids": (input_ids == enc.ids["<|image_pad|>"]).long(),
+    }
+    if pv is not None:
+        batch["pixel_values"] = pv
+        batch["image_grid_thw"] = grid
+    return batch
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Evaluation with transformers (the reference; the acceptance tests use our engine)
+
+
+@torch.no_grad()
+def hf_answer(model, enc: Encoder, pixels: Pixels, question: str, image: np.ndarray | None,
+              max_new_tokens: int = 32) -> str:
+    """Greedy answer from transformers' generate, decoded without special tokens."""
+    kwargs: dict[str, torch.Tensor] = {}
+    n = None
+    if image is not None:
+        pv, grid, ntok = pixels([image])
+        n = ntok[0]
+        kwargs = {"pixel_values": pv.to(model.dtype), "image_grid_thw": grid}
+    ids = torch.tensor([enc.prompt(question, n)])
+    eos = [enc.ids["<|im_end|>"], enc.ids["<|endoftext|>"]]
+    out = model.generate(
+        input_ids=ids,
+        attention_mask=torch.ones_like(ids),
+        mm_token_type_ids=(ids == enc.ids["<|image_pad|>"]).long(),
+        max_new_tokens=max_new_tokens,
+        do_sample=False,
+        eos_token_id=eos,
+        pad_token_id=enc.ids["<|endoftext|>"],
+        **kwargs,
+    )
+    new = [t for t in out[0, ids.shape[1] :].tolist() if t not in eos]
+    return enc.tok.decode(new)
+
+
+def evaluate(model, enc: Encoder, pixels: Pixels, samples: list[scenes.Sample]) -> dict[str, float]:
+    """Exact-match accuracy overall and per (qtype, lang)."""
+    model.eval()
+    hits: dict[str, list[int]] = defaultdict(list)
+    for s in samples:
+        ok = int(hf_answer(model, enc, pixels, s.question, s.image).strip() == s.answer)
+        hits["overall"].append(ok)
+        hits[f"{s.qtype}/{s.lang}"].append(ok)
+        hits[s.qtype].append(ok)
+    return {k: float(np.mean(v)) for k, v in sorted(hits.items())}
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Training
+
+
+def lr_at(step: int, cfg: TrainConfig) -> float:
+    if step < cfg.warmup_steps:
+        return cfg.lr * (step + 1) / cfg.warmup_steps
+    total = cfg.schedule_steps or cfg.steps
+    t = min(1.0, (step - cfg.warmup_steps) / max(1, total - cfg.warmup_steps))
+    return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * t)))
+
+
+def save(model, out: Path, ids: dict[str, int]) -> None:
+    """bf16 copy of the weights in HF format (the training copy stays float32)."""
+    import copy
+
+    half = copy.deepcopy(model).to(torch.bfloat16)
+    half.generation_config.do_sample = False
+    half.save_pretrained(str(out))
+    write_side_configs(out, ids)  # save_pretrained rewrites generation_config.json; keep ours
+
+
+def train(cfg: TrainConfig, out: Path, allow_fallback: bool, eval_every: int, eval_n: int,
+          save_every: int = 0) -> None:
+    from transformers import Qwen3VLForConditionalGeneration
+
+    torch.set_num_threads(cfg.threads)
+    torch.manual_seed(cfg.seed)
+    out.mkdir(parents=True, exist_ok=True)
+    t0 = time.time()
+    tok = build_tokenizer(cfg)
+    ids = write_tokenizer_files(tok, out)
+    write_side_configs(out, ids)
+    config = build_config(cfg, ids, tok.get_vocab_size())
+    config.save_pretrained(str(out))
+    pixels = Pixels(out, allow_fallback)
+    enc = Encoder(tok, ids)
+    model = Qwen3VLForConditionalGeneration(config)
+    model.config._attn_implementation = "sdpa"
+    n_params = sum(p.numel() for p in model.parameters())
+    print(f"params {n_params / 1e6:.2f} M, vocab {tok.get_vocab_size()}, pixels via {pixels.kind}", flush=True)
+    decay = [p for n, p in model.named_parameters() if p.ndim >= 2 and "embed" not in n]
+    no_decay = [p for n, p in model.named_parameters() if not (p.ndim >= 2 and "embed" not in n)]
+    opt = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=cfg.lr, betas=(0.9, 0.98), eps=1e-8,
+    )
+    eval_set = scenes.held_out_samples(eval_n)
+    ema = None
+    for step in range(cfg.steps):
+        model.train()
+        batch_samples = [scenes.sample(scenes.train_rng(cfg.seed, step * cfg.batch_size + i))
+                         for i in range(cfg.batch_size)]
+        batch = make_batch(batch_samples, enc, pixels)
+        for g in opt.param_groups:
+            g["lr"] = lr_at(step, cfg)
+        loss = model(**batch).loss
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+        opt.step()
+        ema = loss.item() if ema is None else 0.95 * ema + 0.05 * loss.item()
+        if step % 25 == 0 or step == cfg.steps - 1:
+            print(f"step {step} loss {loss.item():.4f} ema {ema:.4f} lr {lr_at(step, cfg):.2e} "
+                  f"t {time.time() - t0:.0f}s", flush=True)
+        if eval_every and step and step % eval_every == 0:
+            acc = evaluate(model, enc, pixels, eval_set)
+            print(f"eval@{step} {json.dumps(acc)}", flush=True)
+        if save_every and (step + 1) % save_every == 0:
+            snap = out.parent / f"{out.name}_step{step + 1}"
+            snap.mkdir(exist_ok=True)
+            for f in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "preprocessor_config.json"):
+                (snap / f).write_bytes((out / f).read_bytes())
+            save(model, snap, ids)
+            print(f"saved {snap} t {time.time() - t0:.0f}s", flush=True)
+    train_s = time.time() - t0
+    save(model, out, ids)
+    meta = {"train_config": asdict(cfg), "train_seconds": round(train_s, 1), "params": n_params,
+            "pixels": pixels.kind, "torch": torch.__version__}
+    print(json.dumps(meta), flush=True)
+    (Path("/tmp") / "default_model_train_meta.json").write_text(json.dumps(meta, indent=2))
+
+
+def eval_checkpoint(out: Path, n: int, allow_fallback: bool) -> dict[str, float]:
+    """Load the saved (bf16) checkpoint in float32, as the engine does on the CPU, and score it."""
+    from tokenizers import Tokenizer
+    from transformers import Qwen3VLForConditionalGeneration
+
+    tok = Tokenizer.from_file(str(out / "tokenizer.json"))
+    ids = {t: tok.token_to_id(t) for t in SPECIAL_TOKENS}
+    model = Qwen3VLForConditionalGeneration.from_pretrained(str(out), dtype=torch.float32)
+    acc = evaluate(model, Encoder(tok, ids), Pixels(out, allow_fallback), scenes.held_out_samples(n))
+    print(f"checkpoint eval (n={n}) {json.dumps(acc)}", flush=True)
+    return acc
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", type=Path, default=REPO_ROOT / "orin_vlm_node" / "default_model")
+    ap.add_argument("--seed", type=int, default=TrainConfig.seed)
+    ap.add_argument("--steps", type=int, default=TrainConfig.steps)
+    ap.add_argument("--schedule-steps", type=int, default=0, help="cosine schedule length (0: --steps)")
+    ap.add_argument("--save-every", type=int, default=0, help="also save <out>_step<N> snapshots every N steps")
+    ap.add_argument("--batch-size", type=int, default=TrainConfig.batch_size)
+    ap.add_argument("--lr", type=float, default=TrainConfig.lr)
+    ap.add_argument("--threads", type=int, default=TrainConfig.threads)
+    ap.add_argument("--eval-every", type=int, default=0, help="score on held-out samples every N steps (0: off)")
+    ap.add_argument("--eval-n", type=int, default=200)
+    ap.add_argument("--eval-only", action="store_true", help="only score the checkpoint in --out")
+    ap.add_argument("--allow-hf-pixels", action="store_true",
+                    help="fall back to transformers' PIL image processor if orin_vlm_node.processing is missing")
+    args = ap.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    if not args.eval_only:
+        cfg = TrainConfig(seed=args.seed, steps=args.steps, schedule_steps=args.schedule_steps,
+                          batch_size=args.batch_size, lr=args.lr, threads=args.threads)
+        train(cfg, args.out, args.allow_hf_pixels, args.eval_every, args.eval_n, args.save_every)
+    eval_checkpoint(args.out, args.eval_n, args.allow_hf_pixels)
+
+
+if __name__ == "__main__":
+    main()
