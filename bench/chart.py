@@ -123,8 +123,21 @@ def _memory(ax, result):
     figs = _figs(result, "memory")
     if not figs:
         return _reason(ax, result, "memory", "memory")
-    items = [(k.replace("_mb", ""), f) for k, f in figs.items() if f["unit"] == "MB"]
-    _bars(ax, items, "memory (MB)", "MB")
+    # The 2B projection shows the paged/contiguous contrast at realistic sizes; measured tiny-model KV and
+    # the RSS figures are orders of magnitude apart, so they go in as text.
+    items = [
+        (k.replace("projected.Qwen3-VL-2B-Instruct.", "2B ").replace("_mb", ""), f)
+        for k, f in figs.items()
+        if k.startswith("projected.Qwen3-VL-2B") and k.endswith(("paged_mb", "contiguous_mb"))
+    ]
+    if items:
+        _bars(ax, items, "KV held per conversation, Qwen3-VL-2B (MB)", "MB")
+        ax.set_yscale("log")
+    else:
+        ax.set_title("memory", fontsize=9)
+    rss = figs.get("engine.peak_rss_mb")
+    if rss:
+        ax.text(0.02, 0.95, f"engine peak RSS {rss['median']:.0f} MB", transform=ax.transAxes, fontsize=7, va="top")
 
 
 def _gpu(ax, result):

@@ -137,9 +137,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     print(f"{'tokens':>7} {'tokens need':>12} {'paged':>10} {'contiguous':>11} {'paged/contig':>13} {'paged frag':>11}")
     for r in rows:
+        need, paged, contig = (r[k] / MB for k in ("tokens_kv_bytes", "paged_kv_bytes", "contiguous_kv_bytes"))
         print(
-            f"{r['tokens']:>7} {r['tokens_kv_bytes'] / MB:>9.2f} MB {r['paged_kv_bytes'] / MB:>7.2f} MB "
-            f"{r['contiguous_kv_bytes'] / MB:>8.2f} MB {r['paged_over_contiguous']:>12.1%} {r['paged_fragmentation']:>10.1%}"
+            f"{r['tokens']:>7} {need:>9.2f} MB {paged:>7.2f} MB {contig:>8.2f} MB "
+            f"{r['paged_over_contiguous']:>12.1%} {r['paged_fragmentation']:>10.1%}"
         )
     return 0
 

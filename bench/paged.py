@@ -46,6 +46,7 @@ def run(ctx: BenchContext) -> SectionResult:
         max_context_tokens=max_ctx,
         kv_pool_mb=pool_mb,
         repeats=cfg.paged_repeats,
+        engine="CPU, use_cuda_graph=False (dynamic decode step), prefix caching off",
     )
     variants = {"contiguous": {"use_paged_attention": False}}
     for ps in cfg.page_sizes:
@@ -120,7 +121,7 @@ def run(ctx: BenchContext) -> SectionResult:
     res.setup["prompt_tokens"] = {str(k): v for k, v in prompt_tokens.items()}
     res.setup["summary"] = (
         f"Model: {res.setup['model']} (2B KV shape, few layers to keep time down). Prompt lengths "
-        f"{list(cfg.context_lengths)}, then {cfg.paged_decode_tokens} greedy decode tokens; prefix caching off; "
-        f"{cfg.paged_repeats} alternating repeats. Overhead > 0 means paged is slower."
+        f"{list(cfg.context_lengths)}, then {cfg.paged_decode_tokens} greedy decode tokens; dynamic decode step, "
+        f"prefix caching off; {cfg.paged_repeats} alternating repeats. Overhead > 0 means paged is slower."
     )
     return res

@@ -44,6 +44,7 @@ from .engine.events import Finished, Request, TextDelta, Turn
 from .ros_image import ImageConversionError, ImageConverter, stamp_seconds
 from .ros_params import (
     RUNTIME_ENGINE_FIELDS,
+    SAMPLING_FIELDS,
     check_changes,
     declare_parameters,
     engine_config,
@@ -102,6 +103,8 @@ class VlmNode(Node):
             raise StartupError(f"invalid parameter value: {reason}")
         model_dir = Path(model_path_of(self._values))
         if not (model_dir / "config.json").is_file():
+            if not self._values["model_path"]:
+                raise StartupError(f"the embedded default model is missing at {model_dir} (reinstall the package)")
             raise StartupError(
                 f"model_path {str(model_dir)!r} is not a Hugging Face model directory (no config.json there); "
                 "pass -p model_path:=/path/to/Qwen3-VL-... or leave it empty for the embedded default model"
@@ -176,6 +179,8 @@ class VlmNode(Node):
         now = time.monotonic()
         if now - self._image_errors.get(error, -1e9) < IMAGE_ERROR_INTERVAL_S:
             return
+        if len(self._image_errors) > 64:  # error texts carry sizes: keep the throttle table small
+            self._image_errors = {k: t for k, t in self._image_errors.items() if now - t < IMAGE_ERROR_INTERVAL_S}
         self._image_errors[error] = now
         self.get_logger().warning(error)
         self._publish_status("error", None, error=error, image_stamp=stamp)
@@ -250,9 +255,12 @@ class VlmNode(Node):
         engine_changes = {
             name: value for name, value in engine_kwargs(after, RUNTIME_ENGINE_FIELDS).items() if name in changes
         }
-        if engine_changes:
+        to_validate: dict[str, Any] = {**pending, **engine_changes}
+        if changes.keys() & set(SAMPLING_FIELDS):
+            to_validate["sampling"] = sampling_params(after)  # checked now, used per request
+        if to_validate:
             try:
-                self._engine.validate_changes(**{**pending, **engine_changes})
+                self._engine.validate_changes(**to_validate)
             except ValueError as exc:
                 return SetParametersResult(successful=False, reason=str(exc))
         with self._lock:
@@ -452,7 +460,8 @@ def main(args: list[str] | None = None) -> int:
             return 0
         if not isinstance(exc, (StartupError, EngineError, ValueError)):
             raise
-        rclpy.logging.get_logger(NODE_NAME).fatal(f"cannot start: {exc}")
+        message = str(exc) if isinstance(exc, EngineError) else f"cannot start: {exc}"
+        rclpy.logging.get_logger(NODE_NAME).fatal(message)
         rclpy.try_shutdown()
         return 1
     executor = MultiThreadedExecutor(num_threads=4)
@@ -472,6 +481,7 @@ def main(args: list[str] | None = None) -> int:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
+
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -34,6 +34,8 @@ class VlmClient:
         node_name: str = NODE_NAME,
         namespace: str = "",
         on_token: Callable[[str], None] | None = None,
+        image_topic: str = "image",
+        prompt_topic: str = "prompt",
     ) -> None:
         import rclpy
         from rclpy.executors import SingleThreadedExecutor
@@ -46,16 +48,17 @@ class VlmClient:
         self.context = rclpy.Context()
         rclpy.init(context=self.context, domain_id=domain_id, signal_handler_options=SignalHandlerOptions.NO)
         self.node = rclpy.create_node(f"vlm_client_{os.getpid()}", context=self.context, namespace=namespace)
-        self.fqn = f"{namespace.rstrip('/')}/{node_name}" if namespace else f"/{node_name}"
+        ns = namespace.strip("/")
+        self.fqn = f"/{ns}/{node_name}" if ns else f"/{node_name}"  # the node's fully qualified name
         self._cond = threading.Condition()
         self.status: list[dict[str, Any]] = []
         self.tokens: list[str] = []
         self.responses: list[str] = []
         self.diagnostics: list[Any] = []
         reliable = QoSProfile(depth=1000, reliability=ReliabilityPolicy.RELIABLE)
-        self.image_pub = self.node.create_publisher(Image, "image", 10)
-        self.compressed_pub = self.node.create_publisher(CompressedImage, "image/compressed", 10)
-        self.prompt_pub = self.node.create_publisher(String, "prompt", QoSProfile(depth=100))
+        self.image_pub = self.node.create_publisher(Image, image_topic, 10)
+        self.compressed_pub = self.node.create_publisher(CompressedImage, f"{image_topic}/compressed", 10)
+        self.prompt_pub = self.node.create_publisher(String, prompt_topic, QoSProfile(depth=100))
         self._subs = [
             self.node.create_subscription(String, "status", self._on_status, reliable),
             self.node.create_subscription(String, "tokens", self._on_token, reliable),

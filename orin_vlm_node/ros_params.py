@@ -166,6 +166,7 @@ PARAMS: tuple[ParamSpec, ...] = (
 SPECS: dict[str, ParamSpec] = {p.name: p for p in PARAMS}
 ENGINE_FIELDS: tuple[str, ...] = tuple(p.name for p in PARAMS if p.target == "engine")
 RUNTIME_ENGINE_FIELDS: tuple[str, ...] = tuple(p.name for p in PARAMS if p.target == "engine" and not p.read_only)
+SAMPLING_FIELDS: tuple[str, ...] = tuple(p.name for p in PARAMS if p.target == "sampling")
 
 
 def defaults() -> dict[str, Value]:

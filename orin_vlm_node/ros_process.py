@@ -27,16 +27,18 @@ PACKAGE_ROOT = Path(__file__).resolve().parent.parent
 
 
 def ros_env(domain_id: int, log_dir: Path, base: Mapping[str, str] | None = None) -> dict[str, str]:
-    """Environment for a ROS child: localhost discovery, its domain, private logs, this package first
-    on PYTHONPATH (the child runs the same orin_vlm_node as the parent, working tree or installed)."""
+    """Environment for a ROS child: localhost discovery, its domain, private logs and, when this
+    package runs from a source checkout, that checkout first on PYTHONPATH (the child must run the same
+    orin_vlm_node as the parent)."""
     env = dict(os.environ if base is None else base)
     env.update(
         ROS_DOMAIN_ID=str(domain_id),
         ROS_AUTOMATIC_DISCOVERY_RANGE="LOCALHOST",
         ROS_LOG_DIR=str(log_dir),
         PYTHONUNBUFFERED="1",
-        PYTHONPATH=os.pathsep.join([str(PACKAGE_ROOT), *filter(None, [env.get("PYTHONPATH")])]),
     )
+    if (PACKAGE_ROOT / "setup.py").is_file():  # a source checkout, not site-packages
+        env["PYTHONPATH"] = os.pathsep.join([str(PACKAGE_ROOT), *filter(None, [env.get("PYTHONPATH")])])
     return env
 
 
@@ -60,12 +62,12 @@ class NodeProcess:
         workdir.mkdir(parents=True, exist_ok=True)
         self.params_file = workdir / "params.yaml"
         self.params_file.write_text(yaml.safe_dump({"/**": {"ros__parameters": dict(params)}}))
+        ros_args = ["--ros-args", "--params-file", str(self.params_file)] if params else ["--ros-args"]
         self.log_path = workdir / "node_output.txt"
         self.domain_id = domain_id
         self._log = open(self.log_path, "wb")  # noqa: SIM115 - closed in stop()
-        cmd = node_command(executable) + ["--ros-args", "--params-file", str(self.params_file)]
         self.proc = subprocess.Popen(
-            cmd + (extra_args or []),
+            node_command(executable) + ros_args + (extra_args or []),
             env=ros_env(domain_id, workdir / "ros_log", env),
             stdout=self._log,
             stderr=subprocess.STDOUT,

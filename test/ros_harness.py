@@ -35,7 +35,10 @@ def running_node(
 ) -> Iterator[tuple[NodeProcess, VlmClient]]:
     """Start the node with ``params``, connect a client, yield both; always stop and clean up."""
     domain = domain_id_for(salt)
-    node = NodeProcess(params, workdir, domain)  # before the client: no threads exist at fork time
+    # One torch thread: the test machines are small and shared, and the in-process reference engine
+    # uses one thread too (same reduction order, same greedy tokens).
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    node = NodeProcess(params, workdir, domain, env=env)
     client = None
     try:
         client = VlmClient(domain)

@@ -61,9 +61,7 @@ def _setup(tmp_root: str):
             mm = torch.tensor([[1 if t == probe.model_config.image_token_id else 0 for t in ids]], dtype=torch.int32)
             kwargs.update(pixel_values=batch.pixel_values, image_grid_thw=batch.grid_thw, mm_token_type_ids=mm)
         with torch.no_grad():
-            out = hf.generate(
-                **kwargs, max_new_tokens=STEPS, do_sample=False, top_k=None, top_p=None, temperature=None
-            )
+            out = hf.generate(**kwargs, max_new_tokens=STEPS, do_sample=False, top_k=None, top_p=None, temperature=None)
         refs[name] = (ids, out[0, len(ids) :].tolist())
     used = {t for _, toks in refs.values() for t in toks}
     eos = next(t for t in range(8, 1024) if t not in used)

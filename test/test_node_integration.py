@@ -12,6 +12,7 @@ import time
 
 import numpy as np
 import pytest
+import torch
 
 pytest.importorskip("rclpy", reason="rclpy (ROS 2 wheels) is installed by `make test`")
 
@@ -53,7 +54,10 @@ def vlm(values, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def reference(values):
-    """The engine in this process, configured from the same parameter values as the node."""
+    """The engine in this process, configured from the same parameter values as the node, on one
+    torch thread like the node (ros_harness) so both reduce in the same order."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
     engine = Engine(engine_config(values))
 
     def answer(text: str, image: np.ndarray | None, **overrides) -> tuple[Finished, list[str]]:
@@ -71,7 +75,8 @@ def reference(values):
         assert final is not None and final.finish_reason in ("stop", "length"), final
         return final, deltas
 
-    return answer
+    yield answer
+    torch.set_num_threads(threads)
 
 
 def image_msg(rgb: np.ndarray = RGB) -> Image:
@@ -159,6 +164,7 @@ def test_paging_off_gives_the_same_greedy_answer(vlm, reference):
         ("kv_pool_blocks", 1, "KV pool too small"),
         ("model_path", "/somewhere/else", "read-only"),
         ("image_min_pixels", 10**7, "image_min_pixels"),
+        ("top_p", 0.0, "top_p must be in (0, 1]"),  # the engine's sampling check, at set time
     ],
 )
 def test_invalid_values_are_refused_with_a_reason(vlm, name, value, reason):

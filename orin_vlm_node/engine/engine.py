@@ -121,8 +121,8 @@ class Engine:
         )
 
     def _build_backend(self) -> None:
-        self.backend = backend_mod.select(self._config, self.device, self.dtype, self.model_config)
-        log.info("decode path: %s", self.backend.describe())
+        self.backend = backend_mod.select(self._config, self.device)
+        log.info("decode path: %s (%s)", self.backend.describe(), self.backend.choice.reason)
 
     def _kv_config(self, config: EngineConfig):
         text = self.model_config.text
@@ -272,6 +272,7 @@ class Engine:
             "decode_path": self.backend.describe(),
             "cuda_kernels": self.backend.kernels_active,
             "cuda_graphs": self.backend.graphs_active,
+            "backend": self.backend.details(),
             "sessions": len(self._sessions),
             "requests_served": self._requests_served,
             "eos_token_ids": list(self.eos_token_ids),

@@ -1,0 +1,310 @@
+"""The engine stays healthy: cancellation (before start, mid-decode, from another thread), pool
+exhaustion (prefill and decode, with idle-session eviction), bad input, failures inside the model,
+and reconfiguration (validation, lock policy, effects)."""
+
+from __future__ import annotations
+
+import queue
+import threading
+
+import numpy as np
+import pytest
+import torch
+from test_engine_streaming import SCRIPT, scripted_engine
+from tiny_checkpoint import IM_END, cached_tiny_checkpoint
+
+from orin_vlm_node.engine import Engine, EngineConfig, EngineError, Finished, Request, SamplingParams, TextDelta, Turn
+
+torch.set_num_threads(1)
+
+GREEDY = SamplingParams(temperature=0.0)
+
+
+def _finish(engine: Engine, request: Request) -> Finished:
+    events = list(engine.generate(request))
+    assert sum(isinstance(e, Finished) for e in events) == 1 and isinstance(events[-1], Finished)
+    return events[-1]
+
+
+def _healthy(engine: Engine) -> None:
+    """Only sessions hold KV blocks after a request, and a normal request still works."""
+    held = sum(len(engine.cache.block_table(engine._sessions[s].seq)) for s in engine.sessions())
+    assert engine.cache.stats()["blocks_used"] == held
+    final = _finish(engine, Request(Turn("Go."), SamplingParams(temperature=0.0, max_new_tokens=5)))
+    assert final.finish_reason == "length", final.error
+    assert final.text == "Hello, 世界！"
+
+
+@pytest.fixture
+def engine(tmp_path_factory) -> Engine:
+    return scripted_engine(tmp_path_factory)[0]
+
+
+# -- cancellation ---------------------------------------------------------------------------------
+
+
+def test_cancel_mid_decode_from_another_thread(engine):
+    request = Request(Turn("Go."), GREEDY)
+    events = engine.generate(request)
+    first = next(events)
+    assert isinstance(first, TextDelta)
+    canceller = threading.Thread(target=lambda: engine.cancel(request.request_id))
+    canceller.start()
+    canceller.join()
+    rest = list(events)
+    final = rest[-1]
+    assert final.finish_reason == "cancelled"
+    assert final.text == first.text + "".join(e.text for e in rest[:-1])
+    assert 0 < len(final.text) < len(SCRIPT)
+    assert engine.cache.stats()["blocks_used"] == 0 and engine.cache.stats()["sequences"] == 0
+    _healthy(engine)
+
+
+def test_cancel_while_consumer_thread_streams(engine):
+    request = Request(Turn("Go."), GREEDY, request_id="r-1")
+    seen: queue.Queue = queue.Queue()
+
+    def consume():
+        for event in engine.generate(request):
+            seen.put(event)
+
+    worker = threading.Thread(target=consume)
+    worker.start()
+    assert isinstance(seen.get(timeout=30), TextDelta)
+    assert engine.cancel("r-1") is True
+    worker.join(timeout=30)
+    events = []
+    while not seen.empty():
+        events.append(seen.get())
+    assert events[-1].finish_reason in ("cancelled", "stop")  # the script may have ended first
+    assert engine.cancel("r-1") is False  # finished requests are forgotten
+    _healthy(engine)
+
+
+def test_cancel_before_start_and_unknown_id(engine):
+    assert engine.cancel("nope") is False
+    request = Request(Turn("Go."), GREEDY)
+    events = engine.generate(request)
+    assert engine.cancel(request.request_id) is True
+    final = list(events)[-1]
+    assert final.finish_reason == "cancelled" and final.token_ids == () and final.text == ""
+    _healthy(engine)
+
+
+def test_cancelled_session_turn_keeps_answer_so_far(engine):
+    request = Request(Turn("Go."), GREEDY, session_id="s")
+    events = engine.generate(request)
+    next(events)
+    engine.cancel(request.request_id)
+    final = list(events)[-1]
+    assert final.finish_reason == "cancelled"
+    stream = engine.session_token_ids("s")
+    assert stream[-1] == IM_END and stream[-1 - len(final.token_ids) : -1] == list(final.token_ids)
+    follow = _finish(engine, Request(Turn("Again."), GREEDY, session_id="s"))
+    assert follow.finish_reason == "stop" and follow.text == SCRIPT
+
+
+# -- pool exhaustion ------------------------------------------------------------------------------
+
+
+def _prompt_len(engine: Engine, text: str) -> int:
+    return len(engine.renderer.first_turn(None, Turn(text), [])[0])
+
+
+def test_pool_exhaustion_in_decode_and_prefill(tmp_path_factory):
+    engine, answer = scripted_engine(tmp_path_factory, page_size=4)
+    n = _prompt_len(engine, "Go.")
+    blocks = -(-(n + 6) // 4)  # room for the prompt and a few answer tokens, not the whole answer
+    engine.reconfigure(kv_pool_blocks=blocks)
+    final = _finish(engine, Request(Turn("Go."), GREEDY))
+    assert final.finish_reason == "kv_pool_exhausted"
+    assert 0 < len(final.token_ids) < len(answer) and SCRIPT.startswith(final.text) and final.text
+    assert engine.cache.stats()["blocks_used"] == 0
+    _healthy(engine)
+
+    long_prompt = "Describe every object in the room, one by one, with its colour. " * 3
+    assert _prompt_len(engine, long_prompt) > blocks * 4
+    final = _finish(engine, Request(Turn(long_prompt), GREEDY))
+    assert final.finish_reason == "kv_pool_exhausted" and final.text == "" and final.token_ids == ()
+    _healthy(engine)
+
+
+def test_idle_sessions_are_evicted_before_exhausting(tmp_path_factory):
+    engine, answer = scripted_engine(tmp_path_factory, page_size=4)
+    n = _prompt_len(engine, "Go.")
+    engine.reconfigure(kv_pool_blocks=-(-(n + len(answer) + 2) // 4) + 1, prefix_caching=False)
+    assert _finish(engine, Request(Turn("Go."), GREEDY, session_id="old")).finish_reason == "stop"
+    assert engine.sessions() == ["old"]
+    final = _finish(engine, Request(Turn("Go."), GREEDY, session_id="new"))
+    assert final.finish_reason == "stop" and final.text == SCRIPT
+    assert engine.sessions() == ["new"]
+
+
+# -- bad input and failures -----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "request_kwargs,fragment",
+    [
+        (dict(turn=Turn("")), "empty prompt"),
+        (dict(turn=Turn("   \n")), "empty prompt"),
+        (dict(turn=Turn("Look.", (np.zeros((2, 900, 3), np.uint8),))), "image 0"),
+        (dict(turn=Turn("Look.", (np.zeros((64, 64, 3), np.float32),))), "image 0"),
+        (dict(turn=Turn("Look.", ("not an image",))), "image 0"),
+        (dict(turn=Turn("Look.", (np.zeros((64, 64, 3), np.uint8),), color="hsv")), "color"),
+        (dict(turn=Turn("Hi <|image_pad|> there")), "image placeholder"),
+        (dict(turn=Turn("Hi"), sampling=SamplingParams(top_p=0.0)), "top_p"),
+        (dict(turn=Turn("Hi"), sampling=SamplingParams(temperature=-1.0)), "temperature"),
+        (dict(turn=Turn("Hi"), sampling=SamplingParams(repetition_penalty=0.0)), "repetition_penalty"),
+        (dict(turn=Turn("Hi"), sampling=SamplingParams(max_new_tokens=0)), "max_new_tokens"),
+        (dict(turn=Turn("word " * 400)), "prompt is too long"),
+    ],
+)
+def test_bad_input_gives_clear_error_and_engine_keeps_serving(engine, request_kwargs, fragment):
+    final = _finish(engine, Request(**request_kwargs))
+    assert final.finish_reason == "error"
+    assert fragment in final.error
+    _healthy(engine)
+
+
+def test_session_turn_over_context_limit_leaves_session_intact(tmp_path_factory):
+    engine, _ = scripted_engine(tmp_path_factory, max_context_tokens=96)
+    assert _finish(engine, Request(Turn("Go."), GREEDY, session_id="s")).finish_reason == "stop"
+    before = engine.session_token_ids("s")
+    final = _finish(engine, Request(Turn("more " * 60), GREEDY, session_id="s"))
+    assert final.finish_reason == "error" and "earlier turns" in final.error and "96" in final.error
+    assert engine.session_token_ids("s") == before
+    assert _finish(engine, Request(Turn("Go."), GREEDY, session_id="s")).text == SCRIPT
+
+
+@pytest.mark.parametrize("fail_at_call", [1, 4], ids=["prefill", "decode"])
+def test_exception_inside_model_finishes_with_error(engine, monkeypatch, fail_at_call):
+    real = engine.model.forward
+    calls = {"n": 0}
+
+    def flaky(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == fail_at_call:
+            raise RuntimeError("simulated device fault")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(engine.model, "forward", flaky)
+    for session_id in (None, "s"):
+        calls["n"] = 0
+        final = _finish(engine, Request(Turn("Go."), GREEDY, session_id=session_id))
+        assert final.finish_reason == "error" and "simulated device fault" in final.error
+        assert engine.sessions() == []  # a failed first turn leaves no session behind
+    _healthy(engine)
+
+
+def test_missing_or_broken_model_directory_raises_engine_error(tmp_path):
+    with pytest.raises(EngineError, match="does not exist"):
+        Engine(EngineConfig(model_path=str(tmp_path / "missing")))
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(EngineError, match="config.json"):
+        Engine(EngineConfig(model_path=str(tmp_path / "empty")))
+    with pytest.raises(EngineError, match="dtype"):
+        Engine(
+            EngineConfig(
+                model_path=str(cached_tiny_checkpoint(layers=1, tie=False, deepstack=(0,), seed=11)), dtype="int8"
+            )
+        )
+
+
+# -- reconfiguration ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "fields,fragment",
+    [
+        (dict(page_size=3), "power of two"),
+        (dict(page_size=512), "power of two"),
+        (dict(kv_pool_blocks=1), "too small"),
+        (dict(use_paged_attention=False, kv_pool_blocks=8), "too small"),
+        (dict(kv_pool_mb=-1.0), "kv_pool_mb"),
+        (dict(device="cuda"), "CUDA is not available"),
+        (dict(device="tpu"), "device"),
+        (dict(dtype="int8"), "unknown dtype"),
+        (dict(max_context_tokens=0), "max_context_tokens"),
+        (dict(image_min_pixels=10_000, image_max_pixels=5_000), "image_min_pixels"),
+        (dict(sampling=SamplingParams(top_k=-2)), "top_k"),
+        (dict(flux_capacitor=True), "unknown engine setting"),
+    ],
+)
+def test_invalid_changes_are_rejected_with_reason(engine, fields, fragment):
+    if fields.get("device") == "cuda" and torch.cuda.is_available():
+        pytest.skip("this machine has CUDA, so device=cuda is valid here")
+    before = engine.config
+    with pytest.raises(ValueError, match=fragment):
+        engine.validate_changes(**fields)
+    with pytest.raises(ValueError, match=fragment):
+        engine.reconfigure(**fields)
+    assert engine.config == before
+    _healthy(engine)
+
+
+def test_reconfigure_applies_settings(engine):
+    engine.reconfigure(sampling=SamplingParams(max_new_tokens=3, temperature=0.0))
+    final = _finish(engine, Request(Turn("Go.")))
+    assert final.finish_reason == "length" and final.text == "Hello, "
+    tokens_before = engine.image_processor.num_image_tokens(480, 640)
+    engine.reconfigure(image_max_pixels=64 * 64 * 4)
+    assert engine.image_processor.num_image_tokens(480, 640) < tokens_before
+    engine.reconfigure(use_paged_attention=False, use_cuda_graph=False, max_context_tokens=128)
+    info = engine.describe()
+    assert info["paged_attention"] is False and info["max_context_tokens"] == 128
+    assert "dynamic" in info["decode_path"] and info["kv_cache"]["kind"] == "contiguous"
+    # The engine default (3 tokens) still applies; the request's own limit wins over it.
+    assert _finish(engine, Request(Turn("Go."), SamplingParams(max_new_tokens=64))).text == SCRIPT
+
+
+def test_reconfigure_waits_for_in_flight_request(engine):
+    events = engine.generate(Request(Turn("Go."), GREEDY))
+    next(events)  # the request now holds the engine
+    worker = threading.Thread(target=lambda: engine.reconfigure(page_size=8))
+    worker.start()
+    worker.join(timeout=0.5)
+    assert worker.is_alive(), "reconfigure must wait for the running request"
+    final = list(events)[-1]
+    assert final.finish_reason == "stop" and final.text == SCRIPT
+    worker.join(timeout=30)
+    assert not worker.is_alive() and engine.describe()["page_size"] == 8
+
+
+def test_describe_and_auto_device_dtype(engine):
+    info = engine.describe()
+    for key in (
+        "model_path",
+        "device",
+        "dtype",
+        "paged_attention",
+        "page_size",
+        "kv_blocks_total",
+        "kv_blocks_used",
+        "decode_path",
+        "cuda_kernels",
+        "cuda_graphs",
+        "sessions",
+        "last_metrics",
+        "prefix_caching",
+    ):
+        assert key in info
+    if not torch.cuda.is_available():
+        assert info["device"] == "cpu" and info["dtype"] == "float32"
+        assert info["decode_path"].startswith("torch reference") and not info["cuda_graphs"]
+    _finish(engine, Request(Turn("Go."), GREEDY))
+    metrics = engine.describe()["last_metrics"]
+    for key in (
+        "ttft_s",
+        "prefill_tokens_per_s",
+        "decode_tokens_per_s",
+        "prompt_tokens",
+        "prefill_tokens",
+        "prefix_hit_tokens",
+        "generated_tokens",
+        "blocks_in_use",
+        "peak_memory_mb",
+    ):
+        assert key in metrics
+    assert metrics["generated_tokens"] == len(engine.tokenizer.encode(SCRIPT)) + 1
+    assert metrics["decode_tokens_per_s"] > 0 and metrics["ttft_s"] > 0

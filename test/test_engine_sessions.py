@@ -1,0 +1,152 @@
+"""Sessions and prefix caching.
+
+* The token stream of a multi-turn session equals a fresh rendering of the whole conversation
+  (``build_prompt_ids`` over all messages), checked with the scripted checkpoint whose answer text is
+  known exactly.
+* Turn 2 prefills only its own tokens, and its output equals transformers ``generate`` over the whole
+  conversation (both turns' images, RoPE positions continuing after turn 1's image).
+* A new session sharing the system prompt and image reuses cached blocks and answers exactly like
+  an engine without prefix caching; a different image with the same size never hits past its start.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from test_engine_streaming import SCRIPT, scripted_engine
+from tiny_checkpoint import cached_tiny_checkpoint
+
+from orin_vlm_node.engine import Engine, EngineConfig, Request, SamplingParams, Turn
+from orin_vlm_node.processing import build_prompt_ids
+
+torch.set_num_threads(1)
+
+GREEDY = SamplingParams(temperature=0.0, max_new_tokens=12)
+CHECKPOINT = dict(layers=2, deepstack=(0, 1), tie=True, seed=21)
+
+
+def _image(h: int, w: int, seed: int) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 256, (h, w, 3), dtype=np.uint8)
+
+
+def _final(engine: Engine, request: Request):
+    events = list(engine.generate(request))
+    final = events[-1]
+    assert final.finish_reason in ("stop", "length"), final.error
+    return final
+
+
+def test_session_stream_equals_fresh_rendering_of_whole_conversation(tmp_path_factory):
+    engine, answer = scripted_engine(tmp_path_factory)
+    img1, img2 = _image(64, 96, 1), _image(96, 64, 2)
+    t1 = Turn("What is this?", (img1,))
+    t2 = Turn("And this one? 这是什么？", (img2,))
+    t3 = Turn("Thanks!")
+    r1 = _final(engine, Request(t1, GREEDY, system_prompt="You are a robot.", session_id="s"))
+    assert r1.text == SCRIPT[: len(r1.text)] and r1.finish_reason == "length"
+    _final(engine, Request(t2, SamplingParams(temperature=0.0), session_id="s"))
+    counts = [engine.image_processor.num_image_tokens(*img.shape[:2]) for img in (img1, img2)]
+    messages = [
+        {"role": "system", "content": "You are a robot."},
+        {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": t1.text}]},
+        {"role": "assistant", "content": r1.text},
+        {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": t2.text}]},
+        {"role": "assistant", "content": SCRIPT},
+    ]
+    fresh = build_prompt_ids(engine.tokenizer, engine.template, messages, counts, add_generation_prompt=False)
+    # The fresh rendering ends with "<|im_end|>\n"; the session holds up to the answer's <|im_end|>.
+    assert engine.session_token_ids("s") == fresh[:-1]
+    # A third turn (text only) continues the same way.
+    _final(engine, Request(t3, SamplingParams(temperature=0.0), session_id="s"))
+    messages += [
+        {"role": "user", "content": [{"type": "text", "text": t3.text}]},
+        {"role": "assistant", "content": SCRIPT},
+    ]
+    fresh = build_prompt_ids(engine.tokenizer, engine.template, messages, counts, add_generation_prompt=False)
+    assert engine.session_token_ids("s") == fresh[:-1]
+    engine.reset("s")
+    assert engine.sessions() == [] and engine.cache.stats()["blocks_used"] == 0
+
+
+def test_turn_two_prefills_only_new_tokens_and_matches_transformers():
+    from transformers import Qwen3VLForConditionalGeneration
+
+    path = cached_tiny_checkpoint(**CHECKPOINT)
+    engine = Engine(EngineConfig(model_path=str(path), max_context_tokens=256, page_size=4))
+    img1, img2 = _image(96, 128, 3), _image(64, 160, 4)
+    t1, t2 = Turn("Describe this image.", (img1,)), Turn("Compare it with this one.", (img2,))
+    r1 = _final(engine, Request(t1, GREEDY, session_id="s", system_prompt="Be brief."))
+    history = engine.session_token_ids("s")  # turn 1 prompt + answer + <|im_end|>
+    r2 = _final(engine, Request(t2, SamplingParams(temperature=0.0, max_new_tokens=24), session_id="s"))
+    batch = engine.image_processor.preprocess([img1, img2])
+    delta, _ = engine.renderer.next_turn(
+        [
+            {"role": "system", "content": "Be brief."},
+            {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": t1.text}]},
+        ],
+        r1.text,
+        t2,
+        batch.num_tokens[1:],
+    )
+    full = history + delta
+    cached = len(history) - 2 if r1.token_ids[-1] not in engine.eos_token_ids else len(history) - 1
+    assert r2.metrics["prefill_tokens"] == len(full) - cached
+    assert r2.metrics["prefix_hit_tokens"] == cached
+    assert r2.metrics["prompt_tokens"] == len(full)
+
+    hf = Qwen3VLForConditionalGeneration.from_pretrained(path, attn_implementation="eager", dtype=torch.float32).eval()
+    mm = torch.tensor([[1 if t == engine.model_config.image_token_id else 0 for t in full]], dtype=torch.int32)
+    with torch.no_grad():
+        out = hf.generate(
+            input_ids=torch.tensor([full]),
+            attention_mask=torch.ones(1, len(full), dtype=torch.long),
+            pixel_values=batch.pixel_values,
+            image_grid_thw=batch.grid_thw,
+            mm_token_type_ids=mm,
+            max_new_tokens=24,
+            do_sample=False,
+            top_k=None,
+            top_p=None,
+            temperature=None,
+            eos_token_id=list(engine.eos_token_ids),
+            pad_token_id=0,
+        )
+    assert list(r2.token_ids) == out[0, len(full) :].tolist()
+
+
+def test_prefix_cache_serves_new_session_with_same_system_prompt_and_image():
+    path = cached_tiny_checkpoint(**CHECKPOINT)
+    engine = Engine(EngineConfig(model_path=str(path), max_context_tokens=256, page_size=4))
+    system = "You are the robot's eyes. Answer in one sentence."
+    img, other = _image(96, 96, 5), _image(96, 96, 6)
+    first = _final(engine, Request(Turn("What is on the table?", (img,)), GREEDY, system, session_id="a"))
+    assert first.metrics["prefix_hit_tokens"] == 0
+    second_req = Request(Turn("Is there a person?", (img,)), GREEDY, system, session_id="b")
+    second = _final(engine, second_req)
+    ids_b, _ = engine.renderer.first_turn(system, second_req.turn, [engine.image_processor.num_image_tokens(96, 96)])
+    first_pad = ids_b.index(engine.model_config.image_token_id)
+    last_pad = len(ids_b) - 1 - ids_b[::-1].index(engine.model_config.image_token_id)
+    hit = second.metrics["prefix_hit_tokens"]
+    assert first_pad < hit <= last_pad + 1, "the image tokens (same image) must come from the cache"
+    assert second.metrics["prefill_tokens"] == len(ids_b) - hit
+
+    # Same size, different pixels: the cache may serve the text before the image, never the image.
+    third = _final(engine, Request(Turn("Is there a person?", (other,)), GREEDY, system, session_id="c"))
+    assert third.metrics["prefix_hit_tokens"] <= first_pad
+
+    # Reference: the same requests without prefix caching give the same tokens.
+    engine.reconfigure(prefix_caching=False)
+    assert _final(engine, Request(second_req.turn, GREEDY, system)).token_ids == second.token_ids
+    engine.reset()
+    assert engine.cache.stats()["blocks_used"] == 0
+
+
+def test_layout_change_drops_sessions_and_new_turn_starts_fresh():
+    path = cached_tiny_checkpoint(**CHECKPOINT)
+    engine = Engine(EngineConfig(model_path=str(path), max_context_tokens=256, page_size=4))
+    _final(engine, Request(Turn("Hello there."), GREEDY, session_id="s"))
+    assert engine.sessions() == ["s"] and engine.cache.stats()["blocks_used"] > 0
+    engine.reconfigure(page_size=8)
+    assert engine.sessions() == [] and engine.describe()["page_size"] == 8
+    again = _final(engine, Request(Turn("Hello there."), GREEDY, session_id="s"))
+    assert again.metrics["prefix_hit_tokens"] == 0

@@ -1,0 +1,154 @@
+"""`make demo`: start the node with the embedded default model, show it pictures, print its answers.
+
+What it does, in the order a ROS user would: starts ``vlm_node`` (the installed entry point, else
+``python -m orin_vlm_node.node``) as a child in its own process group, with DDS discovery kept on
+this machine, its own ROS_DOMAIN_ID and a temporary ROS_LOG_DIR; publishes a sample image
+(``sensor_msgs/Image``, rgb8) and a prompt (``std_msgs/String``); prints the tokens as they stream
+on ``tokens``, then the metrics from ``status``; finally stops the node with SIGINT (SIGKILL if it
+does not exit in time) and exits non-zero if anything went wrong.
+
+Sample images come from ``tools/synthetic_scenes.py`` (the scenes the default model was trained on)
+when it is there, else a few shapes are drawn with OpenCV.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def samples(count: int) -> list[tuple[np.ndarray, str, str | None]]:
+    """(RGB image, question, expected answer or None) for the demo."""
+    sys.path.insert(0, str(ROOT / "tools"))
+    try:
+        import synthetic_scenes
+    except ImportError:
+        return [(_drawn_scene(), "What shapes do you see?", None)][:count]
+    chosen, seen = [], set()
+    for s in synthetic_scenes.held_out_samples(60):
+        key = (s.qtype, s.lang)
+        if s.image is not None and key not in seen and (s.lang == "en" or len(chosen) == count - 1):
+            chosen.append((s.image, s.question, s.answer))
+            seen.add(key)
+        if len(chosen) == count:
+            break
+    return chosen
+
+
+def _drawn_scene() -> np.ndarray:
+    import cv2
+
+    img = np.full((224, 320, 3), 235, dtype=np.uint8)
+    cv2.circle(img, (90, 112), 50, (220, 30, 30), -1)  # red circle (RGB)
+    cv2.rectangle(img, (190, 62), (290, 162), (35, 75, 225), -1)  # blue square
+    return img
+
+
+def _show_runtime_parameters(client, sample, image_cls, to_msg) -> int:
+    """What `ros2 param set` does, through the same /orin_vlm/set_parameters service: an invalid value is
+    refused with a reason; paging off is applied between requests and gives the same greedy answer."""
+    rgb, question, _ = sample
+    (refused,) = client.set_params({"page_size": 24})
+    print(f"set page_size=24 -> {'accepted' if refused.successful else 'refused: ' + refused.reason}")
+    client.publish_image(to_msg(rgb, image_cls))
+    before = client.ask(question, timeout=300.0)["response"]
+    n = len(client.events(event="reconfigured"))
+    (result,) = client.set_params({"use_paged_attention": False})
+    client.wait_for(lambda: len(client.events(event="reconfigured")) > n, 120, "the node to reconfigure")
+    print(f"set use_paged_attention=false -> {client.events(event='reconfigured')[-1]['changes']}")
+    client.publish_image(to_msg(rgb, image_cls))
+    after = client.ask(question, timeout=300.0)["response"]
+    same = after == before
+    print(f"same question, contiguous KV cache: {after!r} ({'same answer' if same else 'DIFFERENT answer'})")
+    client.set_params({"use_paged_attention": True})
+    return 0 if (result.successful and not refused.successful and same) else 1
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model-path", default="", help="model directory ('' = the embedded default model)")
+    parser.add_argument("--questions", type=int, default=3, help="how many sample questions to ask")
+    parser.add_argument("--max-new-tokens", type=int, default=48)
+    parser.add_argument("--startup-timeout", type=float, default=300.0)
+    args = parser.parse_args()
+
+    # This process joins the node's private domain on localhost only; set before rclpy is imported.
+    domain = (os.getpid() * 7 + 13) % 100 + 1  # 1..100, not the Makefile's/CI's usual 77 or 42
+    domain = domain + 1 if domain in (42, 77) else domain
+    workdir = Path(tempfile.mkdtemp(prefix="orin_vlm_demo_"))
+    os.environ.update(
+        ROS_AUTOMATIC_DISCOVERY_RANGE="LOCALHOST", ROS_DOMAIN_ID=str(domain), ROS_LOG_DIR=str(workdir / "ros_log")
+    )
+    sys.path.insert(0, str(ROOT))
+    from sensor_msgs.msg import Image
+
+    from orin_vlm_node.ros_client import VlmClient
+    from orin_vlm_node.ros_image import rgb_to_image_msg
+    from orin_vlm_node.ros_process import NodeProcess
+
+    installed = Path(sys.executable).with_name("vlm_node")
+    params = {"model_path": args.model_path, "max_new_tokens": args.max_new_tokens, "temperature": 0.0}
+    print(
+        f"starting the node ({installed if installed.exists() else 'python -m orin_vlm_node.node'}), "
+        f"ROS_DOMAIN_ID={domain}, localhost discovery, logs in {workdir}",
+        flush=True,
+    )
+    t0 = time.monotonic()
+    node = NodeProcess(params, workdir, domain, executable=str(installed) if installed.exists() else None)
+    client = None
+    failures = 0
+    try:
+        streaming = {"echo": True}  # print tokens as they arrive while asking the sample questions
+        client = VlmClient(domain, on_token=lambda text: streaming["echo"] and print(text, end="", flush=True))
+        client.wait_until_connected(node, timeout=args.startup_timeout)
+        print(f"node ready after {time.monotonic() - t0:.1f} s\n", flush=True)
+        for i, (rgb, question, expected) in enumerate(samples(args.questions), 1):
+            msg = rgb_to_image_msg(rgb, Image)
+            msg.header.stamp.sec = i
+            client.publish_image(msg)
+            print(f"[{i}] image {rgb.shape[1]}x{rgb.shape[0]}  prompt: {question}\n    answer: ", end="", flush=True)
+            result = client.ask(question, timeout=300.0)
+            status = result["status"]
+            print()
+            if status["event"] != "finished":
+                failures += 1
+                print(f"    {status['event']}: {status['error'] or status['note']}")
+                continue
+            if expected is not None:
+                print(f"    expected: {expected}")
+            m = status["metrics"]
+            print(
+                f"    {int(m['generated_tokens'])} tokens, finish={status['finish_reason']}, "
+                f"TTFT {m['ttft_s'] * 1000:.0f} ms, prefill {m['prefill_tokens_per_s']:.0f} tok/s, "
+                f"decode {m['decode_tokens_per_s']:.1f} tok/s, prompt {int(m['prompt_tokens'])} tokens\n",
+                flush=True,
+            )
+        streaming["echo"] = False
+        failures += _show_runtime_parameters(client, samples(1)[0], Image, rgb_to_image_msg)
+    except AssertionError as exc:  # the client's timeouts
+        failures += 1
+        print(f"\ndemo failed: {exc}\n--- node output ---\n{node.output()[-4000:]}", file=sys.stderr)
+    finally:
+        if client is not None:
+            client.close()
+        rc, elapsed = node.stop(timeout=10.0)
+        how = f"exit code {rc}" if rc is not None else "killed after not exiting in 10 s"
+        print(f"node stopped with SIGINT in {elapsed:.2f} s ({how})")
+        if rc != 0:
+            failures += 1
+            print(node.output()[-4000:], file=sys.stderr)
+        shutil.rmtree(workdir, ignore_errors=True)
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
