@@ -35,7 +35,7 @@ class BenchConfig:
     context_lengths: tuple[int, ...] = (128, 512, 1024, 2048, 4096)
     page_sizes: tuple[int, ...] = (4, 16, 64)
     paged_decode_tokens: int = 16
-    paged_repeats: int = 2
+    paged_repeats: int = 3
     paged_layers: int = 2
     # prefix cache / sessions
     prefix_image_size: tuple[int, int] = (448, 448)

@@ -46,7 +46,7 @@ def run(ctx: BenchContext) -> SectionResult:
         max_context_tokens=max_ctx,
         kv_pool_mb=pool_mb,
         repeats=cfg.paged_repeats,
-        engine="CPU, use_cuda_graph=False (dynamic decode step), prefix caching off",
+        engine="CPU, default dynamic decode step, prefix caching off",
     )
     variants = {"contiguous": {"use_paged_attention": False}}
     for ps in cfg.page_sizes:

@@ -7,10 +7,13 @@
 2. ``multi_turn``: turn 2 of a session (history cached in the session's KV) vs a stateless request
    that recomputes a conversation of the same content (turn 1 text + the answer + turn 2 text as one
    user turn, same system prompt and image), both on the caching-off engine.
-Model: the default model (see ``setup``).
+Model: the default model (see ``setup``); in full/medium mode (1) runs on the 2B-shape random checkpoint
+(bf16) as well, where the vision tower and prefill dominate TTFT as on a real model (``2b_bf16.*``).
 """
 
 from __future__ import annotations
+
+from pathlib import Path
 
 from context import BenchContext
 from section import SectionResult
@@ -31,6 +34,74 @@ QUESTIONS = (
     "Is there anything red in the image?",
 )
 FOLLOW_UP = "And what color is it?"
+
+
+def _image_system(res: SectionResult, prefix: str, off, on, request, repeats: int, warmup: int) -> None:
+    """TTFT of the same system prompt + image with a new question, caching off vs on (primed once)."""
+    run_engine(on, request("Look at this picture."))  # fills the cache with system prompt + image
+    q = iter(QUESTIONS * 100)
+    pending: list[str] = []
+
+    def next_question() -> str:
+        # off and on of one pair must ask the same question: the first of a pair draws, the second reuses.
+        if pending:
+            return pending.pop()
+        text = next(q)
+        pending.append(text)
+        return text
+
+    runs = alternate(
+        {
+            "off": lambda: run_engine(off, request(next_question())),
+            "on": lambda: run_engine(on, request(next_question())),
+        },
+        repeats=repeats,
+        warmup=warmup,
+    )
+    o, n = runs["off"], runs["on"]
+    k = f"{prefix}image_system"
+    res.add(f"{k}.off.ttft_s", "s", [r.ttft_s for r in o], "TTFT, prefix caching off", cache="off")
+    res.add(f"{k}.on.ttft_s", "s", [r.ttft_s for r in n], "TTFT, prefix caching on (hit)", cache="on")
+    res.add(
+        f"{k}.ttft_cut",
+        "fraction",
+        [1.0 - x for x in paired_ratio([r.ttft_s for r in n], [r.ttft_s for r in o])],
+        "1 - TTFT(on) / TTFT(off) per pair",
+        cache="on",
+    )
+    res.add(
+        f"{k}.on.prefix_hit_tokens",
+        "tokens",
+        [r.extra.get("prefix_hit_tokens", 0.0) for r in n],
+        "prompt tokens served from the prefix cache",
+    )
+    res.setup[f"{k}_prompt_tokens"] = o[-1].prompt_tokens
+
+
+def _big(ctx: BenchContext, res: SectionResult, image) -> None:
+    """The same image + system prompt measurement on the 2B-shape checkpoint (bf16), where the vision
+    tower and prefill, not preprocessing, dominate TTFT as they do on a real model."""
+    from orin_vlm_node.engine.events import Request, Turn
+
+    cfg = ctx.config
+    if not cfg.big_checkpoint:
+        res.skip_part("2b_bf16.image_system", f"2B-shape checkpoint not run in {cfg.mode} mode")
+        return
+    if not Path(cfg.big_config_path).is_file():
+        res.skip_part("2b_bf16.image_system", f"2B config {cfg.big_config_path} not found")
+        return
+    big = ctx.big_checkpoint()
+    ctx.log("prefix_cache: 2B-shape checkpoint, caching off / on (bf16)")
+    off = make_engine(big, "bf16", prefix_caching=False)
+    on = make_engine(big, "bf16", prefix_caching=True)
+    ids = iter(range(10**6))
+
+    def request(text: str) -> Request:
+        return Request(turn=Turn(text=text, images=(image,)), sampling=greedy(1), system_prompt=SYSTEM_PROMPT,
+                       request_id=f"prefix-big-{next(ids)}")  # fmt: skip
+
+    _image_system(res, "2b_bf16.", off, on, request, cfg.big_repeats + 1, cfg.warmup)
+    res.setup["2b_checkpoint"] = ctx.big_checkpoint_origin
 
 
 def run(ctx: BenchContext) -> SectionResult:
@@ -57,43 +128,7 @@ def run(ctx: BenchContext) -> SectionResult:
 
     try:
         # -- 1. repeated image + system prompt -------------------------------------------------------------
-        run_engine(on, request("Look at this picture."))  # fills the cache with system prompt + image
-        q = iter(QUESTIONS * 100)
-        pending: list[str] = []
-
-        def next_question() -> str:
-            # off and on of one pair must ask the same question: the first of a pair draws, the second reuses.
-            if pending:
-                return pending.pop()
-            text = next(q)
-            pending.append(text)
-            return text
-
-        runs = alternate(
-            {
-                "off": lambda: run_engine(off, request(next_question())),
-                "on": lambda: run_engine(on, request(next_question())),
-            },
-            repeats=cfg.repeats,
-            warmup=cfg.warmup,
-        )
-        o, n = runs["off"], runs["on"]
-        res.add("image_system.off.ttft_s", "s", [r.ttft_s for r in o], "TTFT, prefix caching off", cache="off")
-        res.add("image_system.on.ttft_s", "s", [r.ttft_s for r in n], "TTFT, prefix caching on (hit)", cache="on")
-        res.add(
-            "image_system.ttft_cut",
-            "fraction",
-            [1.0 - x for x in paired_ratio([r.ttft_s for r in n], [r.ttft_s for r in o])],
-            "1 - TTFT(on) / TTFT(off) per pair",
-            cache="on",
-        )
-        res.add(
-            "image_system.on.prefix_hit_tokens",
-            "tokens",
-            [r.extra.get("prefix_hit_tokens", 0.0) for r in n],
-            "prompt tokens served from the prefix cache",
-        )
-        res.setup["image_system_prompt_tokens"] = o[-1].prompt_tokens
+        _image_system(res, "", off, on, request, cfg.repeats, cfg.warmup)
 
         # -- 2. multi-turn: session turn 2 vs recomputing the conversation ---------------------------------
         sessions = iter(range(10**6))
@@ -142,6 +177,8 @@ def run(ctx: BenchContext) -> SectionResult:
     finally:
         off.reset()
         on.reset()
+    off = on = None
+    _big(ctx, res, image)
     res.setup.update(
         model=what,
         image_hw=list(cfg.prefix_image_size),

@@ -1,5 +1,5 @@
 """Through ROS 2: prompt published -> first ``tokens`` message, and tokens/s seen by a subscriber,
-against the same engine driven directly in this process (ROS overhead).
+against the same engine alone in a process of its own (bench/engine_worker.py): the ROS overhead.
 
 The node runs as a subprocess (``orin_vlm_node.ros_process.NodeProcess``: own process group, private
 domain, localhost-only discovery, temporary ROS_LOG_DIR, stopped with SIGINT to the group and SIGKILL
@@ -7,20 +7,23 @@ as fallback; the exit status is recorded) and is driven by ``orin_vlm_node.ros_c
 Both sides are timed the same way, from the request (prompt publish / ``generate`` call) to the first
 and last non-empty text delta, so the difference is what ROS adds: DDS delivery of prompt and tokens,
 the node's queue, and its executor threads competing with generation. Engine-alone and ROS requests
-alternate. The node's own engine metrics (``status`` topic) split the overhead into "inside the node"
-and "delivery" (``delivery_overhead``).
+alternate. (Run inside this process, the engine would share the GIL with the ROS client's executor
+thread and look slower than it is.) The node's own engine metrics (``status`` topic) split the overhead
+into "inside the node" and "delivery" (``delivery_overhead``).
 """
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
+import sys
 import time
 from pathlib import Path
 
 from context import BenchContext
 from section import SectionResult, skipped
 from stats import alternate, paired_ratio
-from vs_transformers import make_engine
 
 PROMPT = "Describe the picture in one sentence."
 
@@ -57,7 +60,7 @@ def run(ctx: BenchContext) -> SectionResult:
         from orin_vlm_node.ros_process import NodeProcess
     except ImportError as exc:
         return skipped("ros", f"rclpy or the node's process helpers not importable: {exc}")
-    domain = 150 + os.getpid() % 50
+    domain = 51 + os.getpid() % 50  # Linux: domain ids above 101 collide with ephemeral ports
     model_dir, what = ctx.default_model()
     n_new = cfg.ros_max_new_tokens
     params = {
@@ -65,7 +68,6 @@ def run(ctx: BenchContext) -> SectionResult:
         "device": "cpu",
         "dtype": "fp32",
         "prefix_caching": False,
-        "use_cuda_graph": False,  # the same CPU engine config as the engine-alone side (make_engine)
         "max_new_tokens": n_new,
         "temperature": 0.0,
         "multi_turn": False,
@@ -88,29 +90,45 @@ def run(ctx: BenchContext) -> SectionResult:
     res.setup["summary"] = (
         f"{what}; node subprocess on localhost DDS (domain {domain}); greedy, max {n_new} new tokens, one "
         f"{cfg.image_size[0]}x{cfg.image_size[1]} image; {cfg.ros_repeats} alternating repeats (engine alone "
-        f"in the benchmark process vs through the node). Node stopped with SIGINT: exit {rc} in {stop_s:.1f} s."
+        f"in its own process vs through the node). Node stopped with SIGINT: exit {rc} in {stop_s:.1f} s."
     )
     return res
 
 
+def _start_worker(model_dir: Path, log_path: Path) -> subprocess.Popen:
+    """The engine alone in its own process (bench/engine_worker.py), ready to take requests."""
+    proc = subprocess.Popen(
+        [sys.executable, str(Path(__file__).with_name("engine_worker.py")), str(model_dir), "fp32"],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=open(log_path, "wb"),  # noqa: SIM115 - the child owns it; closed when the child exits
+        text=True,
+        start_new_session=True,
+    )
+    line = proc.stdout.readline().strip()
+    if line != "ready":
+        proc.kill()
+        raise RuntimeError(f"engine worker did not start ({line!r}): {log_path.read_text(errors='replace')[-1500:]}")
+    return proc
+
+
 def _measure(ctx: BenchContext, res: SectionResult, node, model_dir: Path, domain: int) -> None:
     from sensor_msgs.msg import Image
-    from vs_transformers import greedy
 
-    from orin_vlm_node.engine.events import Request, TextDelta, Turn
     from orin_vlm_node.ros_client import VlmClient
 
     cfg = ctx.config
-    image = ctx.image(*cfg.image_size, seed=3)
+    hw = list(cfg.image_size)
+    image = ctx.image(*hw, seed=3)
     arrivals: list[tuple[float, str]] = []
     client = VlmClient(domain, on_token=lambda text: arrivals.append((time.perf_counter(), text)))
-    engine = None
+    worker = None
     try:
         t_start = time.perf_counter()
         client.wait_until_connected(node, timeout=cfg.ros_startup_timeout_s)
         res.setup["node_startup_s"] = round(time.perf_counter() - t_start, 2)
-        ctx.log(f"ros: node up after {res.setup['node_startup_s']} s; loading the engine alone")
-        engine = make_engine(model_dir, "fp32", prefix_caching=False)
+        ctx.log(f"ros: node up after {res.setup['node_startup_s']} s; starting the engine-alone process")
+        worker = _start_worker(model_dir, ctx.scratch / "engine_worker.log")
         msg = Image(
             height=image.shape[0], width=image.shape[1], encoding="rgb8", is_bigendian=0, step=image.shape[1] * 3
         )
@@ -129,28 +147,28 @@ def _measure(ctx: BenchContext, res: SectionResult, node, model_dir: Path, domai
             s.texts = [text for _, text in arrivals[n:] if text]
             return s
 
-        ids = iter(range(10**6))
-
         def alone() -> _Stream:
+            job = {"text": PROMPT, "image_hw": hw, "seed": 3, "max_new_tokens": cfg.ros_max_new_tokens}
+            worker.stdin.write(json.dumps(job) + "\n")
+            worker.stdin.flush()
+            out = json.loads(worker.stdout.readline())
+            if "error" in out["metrics"] or out["first_token_s"] is None:
+                raise RuntimeError(f"engine worker failed: {out}")
             s = _Stream()
-            req = Request(
-                turn=Turn(text=PROMPT, images=(image,)),
-                sampling=greedy(cfg.ros_max_new_tokens),
-                request_id=f"alone-{next(ids)}",
-            )
-            s.t_publish = time.perf_counter()
-            for ev in engine.generate(req):
-                if isinstance(ev, TextDelta):
-                    if ev.text:
-                        s.token_times.append(time.perf_counter())
-                        s.texts.append(ev.text)
-                else:
-                    s.finished = {"metrics": dict(ev.metrics), "text": ev.text}
+            s.token_times = [out["first_token_s"], out["last_token_s"]]  # relative to its generate() call
+            s.texts = out["texts"]
+            s.finished = {"metrics": out["metrics"]}
             return s
 
         runs = alternate({"engine": alone, "ros": through_ros}, repeats=cfg.ros_repeats, warmup=cfg.warmup)
     finally:
         client.close()
+        if worker is not None:
+            worker.stdin.close()
+            try:
+                worker.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                worker.kill()
     e, r = runs["engine"], runs["ros"]
 
     def first(s: _Stream) -> float:

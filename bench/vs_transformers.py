@@ -34,18 +34,16 @@ def mem_available_bytes() -> int:
     return 0
 
 
-# On CPU the benchmarks run the engine with the dynamic decode step. With use_cuda_graph=True (the
-# default, meant for CUDA) the CPU runs the graph-capture step eagerly, and that step attends over all
-# max_context_tokens slots with a mask, so its cost grows with the context limit rather than with the
-# tokens held; vs_transformers records that configuration separately (``engine_static``).
-CPU_ENGINE = {"use_cuda_graph": False}
+# On CPU the engine's default is the dynamic decode step. The static step (what a CUDA graph captures)
+# attends over all max_context_tokens slots with a mask, so eagerly on CPU its cost grows with the context
+# limit rather than with the tokens held; vs_transformers records it separately (``engine_static``).
 
 
 def make_engine(model_dir: Path, dtype: str, **overrides):
     from orin_vlm_node.engine import Engine
     from orin_vlm_node.engine.config import EngineConfig
 
-    return Engine(EngineConfig(model_path=str(model_dir), device="cpu", dtype=dtype, **{**CPU_ENGINE, **overrides}))
+    return Engine(EngineConfig(model_path=str(model_dir), device="cpu", dtype=dtype, **overrides))
 
 
 def greedy(max_new_tokens: int):
@@ -71,7 +69,7 @@ def compare(
     ctx.log(f"vs_transformers[{name}]: loading engine and transformers ({dtype})")
     engine = make_engine(model_dir, dtype, prefix_caching=False)
     # The engine as configured by default (static decode step run eagerly), on the small model only.
-    static = make_engine(model_dir, dtype, prefix_caching=False, use_cuda_graph=True) if with_static else None
+    static = make_engine(model_dir, dtype, prefix_caching=False, static_decode="on") if with_static else None
     hf = HFRunner(str(model_dir), TORCH_DTYPES[dtype])
     res.setup.setdefault("hf_attn_implementation", hf.attn_implementation)
     image = ctx.image(*image_hw, seed=1)
@@ -110,10 +108,10 @@ def compare(
             if "engine_static" in runs:
                 st = runs["engine_static"]
                 res.add(f"{key}.engine_static.ttft_s", "s", [r.ttft_s for r in st],
-                        "engine with use_cuda_graph=True on CPU (static decode step, eager)", impl="engine_static",
+                        "engine with static_decode=on on CPU (static decode step, eager)", impl="engine_static",
                         **labels)  # fmt: skip
                 res.add(f"{key}.engine_static.decode_tok_s", "tok/s", [r.decode_tok_s for r in st],
-                        "engine with use_cuda_graph=True on CPU (static decode step, eager)", impl="engine_static",
+                        "engine with static_decode=on on CPU (static decode step, eager)", impl="engine_static",
                         **labels)  # fmt: skip
             res.add(
                 f"{key}.engine.ttft_s",
@@ -180,7 +178,7 @@ def run(ctx: BenchContext) -> SectionResult:
     cfg = ctx.config
     res = SectionResult("vs_transformers")
     res.setup["torch_threads"] = torch.get_num_threads()
-    res.setup["engine_config"] = dict(CPU_ENGINE, prefix_caching=False, device="cpu")
+    res.setup["engine_config"] = dict(prefix_caching=False, device="cpu", static_decode="auto")
     res.setup["max_new_tokens"] = {"default": cfg.max_new_tokens, "2b": cfg.big_max_new_tokens}
     model_dir, what = ctx.default_model()
     res.setup["default_model"] = what
@@ -211,7 +209,7 @@ def run(ctx: BenchContext) -> SectionResult:
         f"{what}; 2B-shape random checkpoint ({', '.join(cfg.big_dtypes) if cfg.big_checkpoint else 'not run'}); "
         f"greedy, same prompt/image both sides, {cfg.repeats} alternating repeats after {cfg.warmup} warm-up; "
         f"transformers attention: {res.setup.get('hf_attn_implementation', '?')}; "
-        f"{torch.get_num_threads()} torch threads. Engine on CPU with use_cuda_graph=False (dynamic decode step); "
-        "`*.engine_static.*` is the default use_cuda_graph=True, whose static step runs eagerly on CPU."
+        f"{torch.get_num_threads()} torch threads. Engine on CPU with its default dynamic decode step; "
+        "`*.engine_static.*` is static_decode=on, the CUDA-graph step run eagerly on CPU."
     )
     return res

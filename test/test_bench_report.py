@@ -124,3 +124,22 @@ def test_report_marks_goals_and_lists_figures():
     assert "2.0%" in overhead_row and "| met |" in overhead_row
     assert "`default.text.decode_ratio`" in text
     assert "*skipped*: not selected (--sections)" in text
+
+
+def test_decode_weight_bytes_counts_the_text_decoder_and_one_lm_head():
+    import torch
+    from gpu import decode_weight_bytes
+
+    def model(tied: bool) -> torch.nn.Module:
+        m = torch.nn.Module()
+        m.visual = torch.nn.Linear(8, 8)  # never read in decode
+        m.language_model = torch.nn.Module()
+        m.language_model.embed_tokens = torch.nn.Embedding(100, 16)  # one row read; the tied head reads all
+        m.language_model.layer = torch.nn.Linear(16, 16, bias=False)
+        if not tied:
+            m.lm_head = torch.nn.Linear(16, 100, bias=False)
+        return m
+
+    layer = 16 * 16 * 4
+    assert decode_weight_bytes(model(tied=True)) == layer + 100 * 16 * 4
+    assert decode_weight_bytes(model(tied=False)) == layer + 100 * 16 * 4  # lm_head instead of the embedding

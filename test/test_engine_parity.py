@@ -23,7 +23,14 @@ from orin_vlm_node.engine import Engine, EngineConfig, Request, SamplingParams, 
 torch.set_num_threads(1)  # tiny matrices: thread hand-off costs more than it saves on a shared CI box
 
 STEPS = 64
-CHECKPOINT = dict(layers=2, num_heads=4, num_kv_heads=2, head_dim=32, hidden=64, deepstack=(0, 1), tie=False, seed=5)
+CHECKPOINTS = {
+    "gqa2_hd32_untied": dict(
+        layers=2, num_heads=4, num_kv_heads=2, head_dim=32, hidden=64, deepstack=(0, 1), tie=False, seed=5
+    ),
+    "mqa_hd64_tied": dict(
+        layers=2, num_heads=4, num_kv_heads=1, head_dim=64, hidden=64, deepstack=(1,), tie=True, seed=6
+    ),
+}
 LAYOUTS = [
     dict(use_paged_attention=False),
     dict(use_paged_attention=True, page_size=1),
@@ -43,12 +50,12 @@ CASES = {
 }
 
 
-@functools.lru_cache(maxsize=1)
-def _setup(tmp_root: str):
+@functools.cache
+def _setup(tmp_root: str, checkpoint: str):
     """Checkpoint copy with an unreachable EOS, and the transformers reference for every case."""
     from transformers import Qwen3VLForConditionalGeneration
 
-    src = cached_tiny_checkpoint(**CHECKPOINT)
+    src = cached_tiny_checkpoint(**CHECKPOINTS[checkpoint])
     hf = Qwen3VLForConditionalGeneration.from_pretrained(src, attn_implementation="eager", dtype=torch.float32).eval()
     hf.generation_config.eos_token_id = None
     probe = Engine(EngineConfig(model_path=str(src), max_context_tokens=512))  # renders prompts + pixels
@@ -65,7 +72,7 @@ def _setup(tmp_root: str):
         refs[name] = (ids, out[0, len(ids) :].tolist())
     used = {t for _, toks in refs.values() for t in toks}
     eos = next(t for t in range(8, 1024) if t not in used)
-    dst = f"{tmp_root}/ckpt"
+    dst = f"{tmp_root}/{checkpoint}"
     shutil.copytree(src, dst)
     gen_cfg = json.loads(open(f"{dst}/generation_config.json").read())
     gen_cfg["eos_token_id"] = [eos]
@@ -75,8 +82,8 @@ def _setup(tmp_root: str):
 
 
 @pytest.fixture(scope="module")
-def setup(tmp_path_factory):
-    return _setup(str(tmp_path_factory.mktemp("engine_parity")))
+def parity_root(tmp_path_factory) -> str:
+    return str(tmp_path_factory.mktemp("engine_parity"))
 
 
 def _greedy(engine: Engine, turn: Turn):
@@ -87,9 +94,9 @@ def _greedy(engine: Engine, turn: Turn):
 
 
 @pytest.mark.parametrize("static", [True, False], ids=["static_step", "dynamic_step"])
-def test_greedy_matches_transformers_generate_all_layouts(setup, static):
-    path, refs = setup
-    engine = Engine(EngineConfig(model_path=path, max_context_tokens=256, use_cuda_graph=static))
+def test_greedy_matches_transformers_generate_all_layouts(parity_root, static):
+    path, refs = _setup(parity_root, "gqa2_hd32_untied")
+    engine = Engine(EngineConfig(model_path=path, max_context_tokens=256, static_decode="on" if static else "off"))
     assert engine.describe()["decode_path"].startswith("torch reference")
     for layout in LAYOUTS:
         engine.reconfigure(**layout)
@@ -100,3 +107,13 @@ def test_greedy_matches_transformers_generate_all_layouts(setup, static):
             assert list(final.token_ids) == ref, f"{name} {layout} static={static}"
             assert final.metrics["prompt_tokens"] == len(ids)
             assert engine.cache.stats()["blocks_used"] == 0  # the request's sequence was released
+
+
+def test_greedy_matches_transformers_generate_second_checkpoint(parity_root):
+    """MQA, head_dim 64, tied lm_head, DeepStack from a later vision block."""
+    path, refs = _setup(parity_root, "mqa_hd64_tied")
+    engine = Engine(EngineConfig(model_path=path, max_context_tokens=256))
+    for layout in (dict(use_paged_attention=True, page_size=4), dict(use_paged_attention=False, use_cuda_graph=False)):
+        engine.reconfigure(**layout)
+        for name in ("one_image", "two_images"):
+            assert list(_greedy(engine, CASES[name]).token_ids) == refs[name][1], f"{name} {layout}"

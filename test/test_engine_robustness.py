@@ -250,7 +250,7 @@ def test_reconfigure_applies_settings(engine):
     tokens_before = engine.image_processor.num_image_tokens(480, 640)
     engine.reconfigure(image_max_pixels=64 * 64 * 4)
     assert engine.image_processor.num_image_tokens(480, 640) < tokens_before
-    engine.reconfigure(use_paged_attention=False, use_cuda_graph=False, max_context_tokens=128)
+    engine.reconfigure(use_paged_attention=False, static_decode="off", max_context_tokens=128)
     info = engine.describe()
     assert info["paged_attention"] is False and info["max_context_tokens"] == 128
     assert "dynamic" in info["decode_path"] and info["kv_cache"]["kind"] == "contiguous"
@@ -261,6 +261,7 @@ def test_reconfigure_applies_settings(engine):
 def test_reconfigure_waits_for_in_flight_request(engine):
     events = engine.generate(Request(Turn("Go."), GREEDY))
     next(events)  # the request now holds the engine
+    assert engine.describe()["busy"] is True  # diagnostics still answer, from the last snapshot
     worker = threading.Thread(target=lambda: engine.reconfigure(page_size=8))
     worker.start()
     worker.join(timeout=0.5)
@@ -269,6 +270,7 @@ def test_reconfigure_waits_for_in_flight_request(engine):
     assert final.finish_reason == "stop" and final.text == SCRIPT
     worker.join(timeout=30)
     assert not worker.is_alive() and engine.describe()["page_size"] == 8
+    assert engine.describe()["busy"] is False
 
 
 def test_describe_and_auto_device_dtype(engine):
@@ -308,3 +310,11 @@ def test_describe_and_auto_device_dtype(engine):
         assert key in metrics
     assert metrics["generated_tokens"] == len(engine.tokenizer.encode(SCRIPT)) + 1
     assert metrics["decode_tokens_per_s"] > 0 and metrics["ttft_s"] > 0
+
+
+def test_closing_the_iterator_mid_stream_frees_the_request(engine):
+    events = engine.generate(Request(Turn("Go."), GREEDY))
+    assert isinstance(next(events), TextDelta)
+    events.close()
+    assert engine.cache.stats()["sequences"] == 0 and engine.cache.stats()["blocks_used"] == 0
+    _healthy(engine)  # the engine lock was released too

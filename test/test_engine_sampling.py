@@ -174,3 +174,30 @@ def test_layering_generation_config_then_engine_then_request(tmp_path):
 def test_out_of_range_values_name_the_field(field, value, fragment):
     with pytest.raises(ValueError, match=fragment):
         validate_sampling(SamplingParams(**{field: value}))
+
+
+def test_engine_sampling_reproducible_under_seed():
+    from tiny_checkpoint import cached_tiny_checkpoint
+
+    from orin_vlm_node.engine import Engine, EngineConfig, Request, Turn
+
+    torch.set_num_threads(1)
+    engine = Engine(
+        EngineConfig(
+            model_path=str(cached_tiny_checkpoint(layers=1, tie=False, deepstack=(0,), seed=11)),
+            page_size=4,
+            static_decode="on",
+        )
+    )
+
+    def run(seed: int) -> tuple[int, ...]:
+        sampling = SamplingParams(temperature=1.0, top_k=0, top_p=1.0, seed=seed, max_new_tokens=16)
+        final = list(engine.generate(Request(Turn("Tell me a story."), sampling)))[-1]
+        assert final.finish_reason in ("stop", "length"), final.error
+        return final.token_ids
+
+    first = run(42)
+    assert run(42) == first
+    assert run(43) != first
+    engine.reconfigure(use_paged_attention=False, static_decode="off")  # another KV layout and decode path
+    assert run(42) == first

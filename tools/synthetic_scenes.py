@@ -12,7 +12,7 @@ Scenes are designed so every question has exactly one correct answer:
   unambiguously "left"/"right" or "top"/"bottom" of the other;
 - descriptions list the shapes left to right in a side-by-side layout.
 
-Public API: ``sample(rng) -> Sample``, ``make_samples(seed, n)``, ``train_rng(seed, index)``,
+Public API: ``sample(rng) -> Sample``, ``sample_with_scene(rng) -> (Sample, shapes)``, ``make_samples(seed, n)``, ``train_rng(seed, index)``,
 ``held_out_samples(n)``, ``all_texts()`` (every question/answer string, for tokenizer training).
 """
 
@@ -269,6 +269,12 @@ def _shape_name(kind: str, lang: str) -> str:
 
 def sample(rng: np.random.Generator) -> Sample:
     """Draw one sample (scene, question, answer); deterministic given the generator's state."""
+    return sample_with_scene(rng)[0]
+
+
+def sample_with_scene(rng: np.random.Generator) -> tuple[Sample, list[Shape]]:
+    """Like ``sample`` (same draws, same result) but also returns the shapes drawn (empty for chat); the
+    training script uses them to pre-train the vision tower."""
     qtypes = list(QTYPE_WEIGHTS)
     qtype = qtypes[int(rng.choice(len(qtypes), p=np.array(list(QTYPE_WEIGHTS.values()))))]
     lang = "en" if rng.random() < 0.5 else "zh"
@@ -280,7 +286,7 @@ def sample(rng: np.random.Generator) -> Sample:
     if qtype == "chat":
         topic = "greet" if rng.random() < 0.5 else "ability"
         questions, answer = CHAT[lang][topic]
-        return Sample(None, pick(questions), answer, qtype, lang)
+        return Sample(None, pick(questions), answer, qtype, lang), []
 
     if qtype == "shape":
         h, w, shapes = _single(rng)
@@ -310,7 +316,7 @@ def sample(rng: np.random.Generator) -> Sample:
         answer = _describe(shapes, lang)
         question = pick(templates["describe"])
     image = render(rng, h, w, shapes)
-    return Sample(image, question, answer, qtype, lang)
+    return Sample(image, question, answer, qtype, lang), shapes
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -83,13 +83,16 @@ class TrainConfig:
     """Everything that determines the trained weights (recorded in the model card)."""
 
     seed: int = 0
-    steps: int = 900
+    steps: int = 1200
     schedule_steps: int = 0  # length of the cosine schedule; 0 = steps (stopping early = --steps K --schedule-steps H)
     batch_size: int = 16
-    lr: float = 3e-3
+    lr: float = 1e-3
     min_lr_ratio: float = 0.05
-    warmup_steps: int = 50
+    warmup_steps: int = 100
     weight_decay: float = 0.01
+    beta2: float = 0.98
+    vision_lr_scale: float = 1.0  # learning rate of the vision tower relative to --lr
+    easy_steps: int = 300  # curriculum: single-shape colour/shape/describe questions first
     grad_clip: float = 1.0
     vocab_size: int = 768
     text_hidden: int = 128
@@ -411,6 +414,24 @@ def save(model, out: Path, ids: dict[str, int]) -> None:
     write_side_configs(out, ids)  # save_pretrained rewrites generation_config.json; keep ours
 
 
+def is_easy(sample: scenes.Sample, shapes: list[scenes.Shape]) -> bool:
+    """Curriculum: scenes with a single shape asked about its colour, its kind or described."""
+    return sample.qtype in ("color", "shape", "describe") and len(shapes) == 1
+
+
+def draw(cfg: TrainConfig, step: int, i: int) -> scenes.Sample:
+    """Training sample ``i`` of ``step``: during the first ``easy_steps`` only easy ones (rejection sampling in
+    a seed range of its own), then the full mixture."""
+    index = step * cfg.batch_size + i
+    if step >= cfg.easy_steps:
+        return scenes.sample(scenes.train_rng(cfg.seed, index))
+    for j in range(1000):
+        sample, shapes = scenes.sample_with_scene(scenes.train_rng(cfg.seed, 10**9 + index * 1000 + j))
+        if is_easy(sample, shapes):
+            return sample
+    raise RuntimeError("no easy sample drawn")  # p(easy) is about 0.25: unreachable
+
+
 def train(cfg: TrainConfig, out: Path, allow_fallback: bool, eval_every: int, eval_n: int,
           save_every: int = 0) -> None:
     from transformers import Qwen3VLForConditionalGeneration
@@ -430,21 +451,22 @@ def train(cfg: TrainConfig, out: Path, allow_fallback: bool, eval_every: int, ev
     model.config._attn_implementation = "sdpa"
     n_params = sum(p.numel() for p in model.parameters())
     print(f"params {n_params / 1e6:.2f} M, vocab {tok.get_vocab_size()}, pixels via {pixels.kind}", flush=True)
-    decay = [p for n, p in model.named_parameters() if p.ndim >= 2 and "embed" not in n]
-    no_decay = [p for n, p in model.named_parameters() if not (p.ndim >= 2 and "embed" not in n)]
+    groups: dict[tuple[bool, bool], list[torch.nn.Parameter]] = defaultdict(list)
+    for n, p in model.named_parameters():
+        groups[(".visual." in f".{n}", p.ndim >= 2 and "embed_tokens" not in n)].append(p)
     opt = torch.optim.AdamW(
-        [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-        lr=cfg.lr, betas=(0.9, 0.98), eps=1e-8,
+        [{"params": ps, "weight_decay": cfg.weight_decay if decay else 0.0,
+          "lr_scale": cfg.vision_lr_scale if vision else 1.0} for (vision, decay), ps in sorted(groups.items())],
+        lr=cfg.lr, betas=(0.9, cfg.beta2), eps=1e-8,
     )
     eval_set = scenes.held_out_samples(eval_n)
     ema = None
     for step in range(cfg.steps):
         model.train()
-        batch_samples = [scenes.sample(scenes.train_rng(cfg.seed, step * cfg.batch_size + i))
-                         for i in range(cfg.batch_size)]
+        batch_samples = [draw(cfg, step, i) for i in range(cfg.batch_size)]
         batch = make_batch(batch_samples, enc, pixels)
         for g in opt.param_groups:
-            g["lr"] = lr_at(step, cfg)
+            g["lr"] = lr_at(step, cfg) * g["lr_scale"]
         loss = model(**batch).loss
         opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -453,7 +475,7 @@ def train(cfg: TrainConfig, out: Path, allow_fallback: bool, eval_every: int, ev
         ema = loss.item() if ema is None else 0.95 * ema + 0.05 * loss.item()
         if step % 25 == 0 or step == cfg.steps - 1:
             print(f"step {step} loss {loss.item():.4f} ema {ema:.4f} lr {lr_at(step, cfg):.2e} "
-                  f"t {time.time() - t0:.0f}s", flush=True)
+                  f"|patch| {model.model.visual.patch_embed.proj.weight.norm():.1f} t {time.time() - t0:.0f}s", flush=True)
         if eval_every and step and step % eval_every == 0:
             acc = evaluate(model, enc, pixels, eval_set)
             print(f"eval@{step} {json.dumps(acc)}", flush=True)
@@ -494,6 +516,11 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--save-every", type=int, default=0, help="also save <out>_step<N> snapshots every N steps")
     ap.add_argument("--batch-size", type=int, default=TrainConfig.batch_size)
     ap.add_argument("--lr", type=float, default=TrainConfig.lr)
+    ap.add_argument("--weight-decay", type=float, default=TrainConfig.weight_decay)
+    ap.add_argument("--beta2", type=float, default=TrainConfig.beta2)
+    ap.add_argument("--vision-lr-scale", type=float, default=TrainConfig.vision_lr_scale)
+    ap.add_argument("--warmup-steps", type=int, default=TrainConfig.warmup_steps)
+    ap.add_argument("--easy-steps", type=int, default=TrainConfig.easy_steps)
     ap.add_argument("--threads", type=int, default=TrainConfig.threads)
     ap.add_argument("--eval-every", type=int, default=0, help="score on held-out samples every N steps (0: off)")
     ap.add_argument("--eval-n", type=int, default=200)
@@ -504,7 +531,9 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(args.threads)
     if not args.eval_only:
         cfg = TrainConfig(seed=args.seed, steps=args.steps, schedule_steps=args.schedule_steps,
-                          batch_size=args.batch_size, lr=args.lr, threads=args.threads)
+                          batch_size=args.batch_size, lr=args.lr, threads=args.threads,
+                          weight_decay=args.weight_decay, beta2=args.beta2, vision_lr_scale=args.vision_lr_scale,
+                          warmup_steps=args.warmup_steps, easy_steps=args.easy_steps)
         train(cfg, args.out, args.allow_hf_pixels, args.eval_every, args.eval_n, args.save_every)
     eval_checkpoint(args.out, args.eval_n, args.allow_hf_pixels)
 

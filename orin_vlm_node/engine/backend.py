@@ -2,8 +2,8 @@
 
 Chosen once at startup (and again on reconfiguration) through the CUDA layer's ``select_backend`` and
 logged, so an operator can see from the node's diagnostics whether the fast path is really in use:
-"kernels+graphs" on a GPU, "torch reference" on CPU. On CPU the static-buffer decode step still runs
-(eagerly) when ``use_cuda_graph`` is set, so CI exercises the exact step design a graph captures.
+"kernels+graphs" on a GPU, "torch reference" on CPU. With ``static_decode="on"`` the static-buffer decode
+step also runs (eagerly) on CPU, so CI exercises the exact step design a graph captures.
 """
 
 from __future__ import annotations
@@ -75,4 +75,11 @@ def select(config: EngineConfig, device: torch.device) -> DecodeBackend:
     """Kernels and graphs for this device and these settings (falls back to torch with a reason)."""
     kernels = config.use_cuda_kernels and config.use_paged_attention  # the kernels serve the paged cache
     choice = select_backend(device, kernels, config.use_cuda_graph, config.kernel_cache_dir)
-    return DecodeBackend(device, static_decode=bool(config.use_cuda_graph), choice=choice)
+    return DecodeBackend(device, static_decode=uses_static_decode(config, device), choice=choice)
+
+
+def uses_static_decode(config: EngineConfig, device: torch.device) -> bool:
+    """Whether decoding goes through the static-buffer step (see ``EngineConfig.static_decode``)."""
+    if config.static_decode == "auto":
+        return device.type == "cuda" and config.use_cuda_graph
+    return config.static_decode == "on"

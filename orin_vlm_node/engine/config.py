@@ -28,6 +28,10 @@ class EngineConfig:
     # CUDA
     use_cuda_kernels: bool = True
     use_cuda_graph: bool = True
+    # Static-buffer decode step (what a CUDA graph captures): "auto" = only where a graph is captured
+    # (CUDA with use_cuda_graph); "on" = also eagerly on CPU (tests of the graph logic); "off" = never.
+    # On CPU the static step attends over the whole max-context width every token, so "auto" skips it.
+    static_decode: str = "auto"
     kernel_cache_dir: str = ""  # "" = ~/.cache/orin_vlm_node/kernels
     # limits and defaults
     max_context_tokens: int = 4096

@@ -28,6 +28,7 @@ import numpy as np
 import torch
 
 from ..kvcache import ContiguousKVCache, KVCache, PoolExhausted
+from ..kvcache.attention import TorchPagedAttention
 from ..kvcache.errors import ContextLimitExceeded
 from ..kvcache.paged import PagedKVCache
 from ..model import load_model
@@ -140,10 +141,22 @@ class Engine:
         else:
             self.cache = ContiguousKVCache(kv)
         self._sessions.clear()
+        self._stats_snapshot = self.cache.stats()
+        self._build_decode_step()
+
+    def _build_decode_step(self) -> None:
+        """Fresh static buffers (and so a fresh graph) for the current cache and backend."""
         self._static_step: StaticDecodeStep | None = None
         if self.backend.static_decode:
             self._static_step = StaticDecodeStep(self.model, self.cache, self.device)
             self.backend.attach(self._static_step)
+
+    def _swap_backend(self) -> None:
+        """Kernels/graphs changed but not the KV layout: keep the cache (and sessions), new step."""
+        self._build_backend()
+        if isinstance(self.cache, PagedKVCache):
+            self.cache.set_attention_impl(self.backend.paged_attention_impl() or TorchPagedAttention())
+        self._build_decode_step()
 
     # ------------------------------------------------------------------------------------------
     # public API
@@ -159,6 +172,13 @@ class Engine:
         A missing ``request.request_id`` is filled in (a uuid) so the caller can ``cancel`` it.
         ``Finished.token_ids`` are all sampled tokens, including the EOS token that ended generation;
         ``Finished.text`` (and the deltas) exclude special tokens and are cut before a stop string.
+
+        The request runs while the returned iterator is consumed and holds the engine until it is
+        exhausted or closed (closing it mid-stream frees the request's KV like a cancel). With a
+        ``session_id`` whose session exists, the turn continues it: ``system_prompt`` is taken from
+        the session's first turn and ignored here. A session keeps a turn that finished with stop,
+        length or cancelled (the answer so far); a turn that failed before its first token leaves the
+        session as it was; an error or pool exhaustion after that drops the session.
         """
         if request.request_id is None:
             request.request_id = uuid.uuid4().hex
@@ -219,7 +239,8 @@ class Engine:
         """Apply new settings between requests (waits for the in-flight request; see module docstring).
 
         Raises ValueError (nothing changed) for invalid values. KV layout or model changes rebuild the
-        cache and drop all sessions; backend changes re-select kernels and invalidate captured graphs;
+        cache and drop all sessions; kernel/graph changes re-select the backend and rebuild the decode
+        step (captured graphs are dropped) but keep the cache and sessions;
         ``prefix_caching`` is switched in place; sampling defaults and image limits apply to the next
         request.
         """
@@ -236,9 +257,11 @@ class Engine:
                     self._load_processing()
                 elif changed & IMAGE_FIELDS:
                     self._build_image_processor()
-                if changed & (MODEL_FIELDS | BACKEND_FIELDS | KV_LAYOUT_FIELDS):
+                if changed & (MODEL_FIELDS | KV_LAYOUT_FIELDS):
                     self._build_backend()
                     self._build_cache()
+                elif changed & BACKEND_FIELDS:
+                    self._swap_backend()
                 elif "prefix_caching" in changed:
                     self.cache.set_prefix_caching(self._config.prefix_caching and self._config.use_paged_attention)
             except Exception as exc:
@@ -253,10 +276,21 @@ class Engine:
             log.info("engine reconfigured: %s", ", ".join(f"{k}={fields[k]!r}" for k in sorted(changed)))
 
     def describe(self) -> dict:
-        """Diagnostics for the node: model, device, paging, pool usage, kernel/graph path, last metrics."""
+        """Diagnostics for the node: model, device, paging, pool usage, kernel/graph path, last metrics.
+
+        Safe to call from any thread: while a request runs (``busy``), the KV figures are those taken
+        at the end of the previous request, so the cache is never read while it changes.
+        """
         cfg = self._config
-        stats = self.cache.stats()
+        busy = not self._lock.acquire(blocking=False)
+        if not busy:
+            try:
+                self._stats_snapshot = self.cache.stats()
+            finally:
+                self._lock.release()
+        stats = dict(self._stats_snapshot)
         return {
+            "busy": busy,
             "model_path": cfg.model_path,
             "device": str(self.device),
             "dtype": str(self.dtype).replace("torch.", ""),
@@ -307,7 +341,6 @@ class Engine:
         error: str | None = None
         seq: int | None = None
         session: Session | None = None
-        new_session_id: str | None = None
         rollback: tuple | None = None  # (kv length, token_ids len, pending, messages, answer) before the turn
         prefill_done = False
         try:
@@ -365,6 +398,7 @@ class Engine:
             m.prefix_hit_tokens = history + hit
             compute_ids = new_ids[hit:]
             skip_pads = sum(1 for t in new_ids[:hit] if t == special.image_pad)
+            m.mark_prefill_start()
             vision = encode_needed(self.model, batch, skip_pads) if batch is not None else None
             if self._is_cancelled(rid):
                 raise _Cancelled()
@@ -377,7 +411,6 @@ class Engine:
             if session is None:
                 session = Session(session_id=request.session_id or "", seq=seq)
                 if request.session_id:
-                    new_session_id = request.session_id
                     self._sessions[request.session_id] = session
             session.token_ids.extend(new_ids)
             session.extra_keys.extend(new_extra)
@@ -436,6 +469,11 @@ class Engine:
                 if tail:
                     text_parts.append(tail)
                     yield TextDelta(rid, tail, tuple(delta_ids))
+        except GeneratorExit:
+            # The consumer closed the iterator mid-stream: no event can be sent, but the KV must be freed.
+            self._settle(session, seq, rollback, prefill_done, "cancelled", generated, "".join(text_parts))
+            self._stats_snapshot = self.cache.stats()
+            raise
         except _Cancelled:
             reason = "cancelled"
         except PoolExhausted as exc:
@@ -453,7 +491,7 @@ class Engine:
         m.mark_end()
         try:
             m.blocks_in_use = len(self.cache.block_table(seq)) if seq is not None else 0
-            self._settle(session, seq, rollback, prefill_done, reason, generated, text, new_session_id)
+            self._settle(session, seq, rollback, prefill_done, reason, generated, text)
         except Exception as exc:  # noqa: BLE001
             log.exception("request %s: cleanup failed; clearing the KV cache", rid)
             self._sessions.clear()
@@ -461,6 +499,7 @@ class Engine:
             if error is None:
                 reason, error = "error", f"cleanup failed: {exc}"
         m.peak_memory_mb = peak_memory_mb(self.device)
+        self._stats_snapshot = self.cache.stats()
         metrics = m.as_dict()
         self._last_metrics = metrics
         self._requests_served += 1
@@ -475,7 +514,6 @@ class Engine:
         reason: str,
         generated: list[int],
         text: str,
-        new_session_id: str | None,
     ) -> None:
         """Decide what the KV keeps after a request (see Session docstring for the invariants)."""
         if seq is None:

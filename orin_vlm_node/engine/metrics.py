@@ -27,9 +27,14 @@ class RequestMetrics:
     decode_s: float = 0.0
     _t0: float = field(default_factory=time.perf_counter, repr=False)
     _decode_t0: float | None = field(default=None, repr=False)
+    _prefill_t0: float | None = field(default=None, repr=False)
+
+    def mark_prefill_start(self) -> None:
+        """Prefill throughput counts vision encoding + the prompt forward, not rendering or validation."""
+        self._prefill_t0 = time.perf_counter()
 
     def mark_prefill_done(self) -> None:
-        self.prefill_s = time.perf_counter() - self._t0
+        self.prefill_s = time.perf_counter() - (self._t0 if self._prefill_t0 is None else self._prefill_t0)
 
     def mark_first_token(self) -> None:
         """Called when the first token is sampled; decode timing starts here."""

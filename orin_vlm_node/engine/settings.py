@@ -27,7 +27,7 @@ CONFIG_FIELDS = frozenset(f.name for f in dataclasses.fields(EngineConfig))
 # Which part of the engine a field change rebuilds.
 MODEL_FIELDS = frozenset({"model_path", "device", "dtype"})
 KV_LAYOUT_FIELDS = frozenset({"use_paged_attention", "page_size", "kv_pool_blocks", "kv_pool_mb", "max_context_tokens"})
-BACKEND_FIELDS = frozenset({"use_cuda_kernels", "use_cuda_graph", "kernel_cache_dir"})
+BACKEND_FIELDS = frozenset({"use_cuda_kernels", "use_cuda_graph", "kernel_cache_dir", "static_decode"})
 IMAGE_FIELDS = frozenset({"image_min_pixels", "image_max_pixels"})
 
 # Used when neither kv_pool_blocks nor kv_pool_mb is set on CUDA: share of the memory free after loading.
@@ -75,6 +75,8 @@ def check_fields(fields: dict) -> None:
     for name in ("use_paged_attention", "prefix_caching", "use_cuda_kernels", "use_cuda_graph"):
         if name in fields and not isinstance(fields[name], bool):
             raise ValueError(f"{name} must be true or false, got {fields[name]!r}")
+    if "static_decode" in fields and fields["static_decode"] not in ("auto", "on", "off"):
+        raise ValueError(f"static_decode must be auto, on or off, got {fields['static_decode']!r}")
     if "page_size" in fields:
         ps = fields["page_size"]
         if not is_int(ps) or ps < 1 or ps > MAX_PAGE_SIZE or ps & (ps - 1):
