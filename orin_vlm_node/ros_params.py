@@ -90,6 +90,13 @@ PARAMS: tuple[ParamSpec, ...] = (
         "use_cuda_kernels", True, "custom CUDA attention kernels (CUDA only; torch fallback otherwise)", "engine"
     ),
     ParamSpec("use_cuda_graph", True, "replay the decode step as a CUDA graph (CUDA only)", "engine"),
+    ParamSpec(
+        "static_decode",
+        "auto",
+        "static-buffer decode step: auto (where a CUDA graph captures it), on (also eagerly on CPU), off",
+        "engine",
+        choices=("auto", "on", "off"),
+    ),
     ParamSpec("kernel_cache_dir", "", "compiled kernel cache; '' = ~/.cache/orin_vlm_node/kernels", "engine"),
     ParamSpec(
         "max_context_tokens",

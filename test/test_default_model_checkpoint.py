@@ -44,11 +44,13 @@ def test_samples_are_deterministic_by_seed():
     a = scenes.make_samples(3, 20)
     b = scenes.make_samples(3, 20)
     c = scenes.make_samples(4, 20)
-    for x, y in zip(a, b):
+    for x, y in zip(a, b, strict=True):
         assert (x.question, x.answer, x.qtype, x.lang) == (y.question, y.answer, y.qtype, y.lang)
         assert (x.image is None and y.image is None) or np.array_equal(x.image, y.image)
     assert [s.answer for s in a] != [s.answer for s in c] or any(
-        not np.array_equal(x.image, y.image) for x, y in zip(a, c) if x.image is not None and y.image is not None
+        not np.array_equal(x.image, y.image)
+        for x, y in zip(a, c, strict=True)
+        if x.image is not None and y.image is not None
     )
 
 

@@ -73,12 +73,12 @@ def answers(engine: Engine, held_out: list[scenes.Sample]) -> list[str]:
 
 def test_held_out_exact_match_at_least_90_percent(held_out, answers):
     hits: dict[str, list[bool]] = defaultdict(list)
-    for s, a in zip(held_out, answers):
+    for s, a in zip(held_out, answers, strict=True):
         ok = a.strip() == s.answer
         hits["overall"].append(ok)
         hits[f"{s.qtype}/{s.lang}"].append(ok)
     report = {k: f"{np.mean(v):.2f} (n={len(v)})" for k, v in sorted(hits.items())}
-    misses = [(s.question, s.answer, a) for s, a in zip(held_out, answers) if a.strip() != s.answer][:10]
+    misses = [(s.question, s.answer, a) for s, a in zip(held_out, answers, strict=True) if a.strip() != s.answer][:10]
     assert np.mean(hits["overall"]) >= 0.90, f"accuracy {report}; first misses {misses}"
     # Every question type and language must be represented, so the number above means what it says.
     assert {s.qtype for s in held_out} == set(scenes.QTYPE_WEIGHTS)

@@ -12,8 +12,9 @@ Scenes are designed so every question has exactly one correct answer:
   unambiguously "left"/"right" or "top"/"bottom" of the other;
 - descriptions list the shapes left to right in a side-by-side layout.
 
-Public API: ``sample(rng) -> Sample``, ``sample_with_scene(rng) -> (Sample, shapes)``, ``make_samples(seed, n)``, ``train_rng(seed, index)``,
-``held_out_samples(n)``, ``all_texts()`` (every question/answer string, for tokenizer training).
+Public API: ``sample(rng) -> Sample``, ``sample_with_scene(rng) -> (Sample, shapes)``, ``make_samples(seed, n)``,
+``train_rng(seed, index)``, ``held_out_samples(n)``, ``all_texts()`` (every question/answer string, for the
+tokenizer).
 """
 
 from __future__ import annotations
@@ -54,12 +55,19 @@ WHERE_EN = {"left": "On the left.", "right": "On the right.", "top": "At the top
 WHERE_ZH = {"left": "在左边。", "right": "在右边。", "top": "在上边。", "bottom": "在下边。"}
 
 Q_EN: dict[str, tuple[str, ...]] = {
-    "shape": ("What shape is this?", "What shape is in the picture?", "Which shape do you see?",
-              "Name the shape in the image."),
+    "shape": (
+        "What shape is this?",
+        "What shape is in the picture?",
+        "Which shape do you see?",
+        "Name the shape in the image.",
+    ),
     "color": ("What color is the {shape}?", "Which color does the {shape} have?", "Tell me the color of the {shape}."),
     "count": ("How many shapes are there?", "How many shapes are in the picture?", "Count the shapes."),
-    "position": ("Where is the {shape}?", "Where is the {shape} in the image?",
-                 "Is the {shape} on the left, right, top or bottom?"),
+    "position": (
+        "Where is the {shape}?",
+        "Where is the {shape} in the image?",
+        "Is the {shape} on the left, right, top or bottom?",
+    ),
     "describe": ("Describe the image in one sentence.", "Describe this picture.", "What is in the image?"),
 }
 Q_ZH: dict[str, tuple[str, ...]] = {
@@ -167,8 +175,20 @@ def _draw(img: np.ndarray, s: Shape, rgb: tuple[int, int, int], rng: np.random.G
     elif s.kind == "cross":
         a, b = r * 0.9, r * 0.3
         pts = np.array(
-            [[x - b, y - a], [x + b, y - a], [x + b, y - b], [x + a, y - b], [x + a, y + b], [x + b, y + b],
-             [x + b, y + a], [x - b, y + a], [x - b, y + b], [x - a, y + b], [x - a, y - b], [x - b, y - b]]
+            [
+                [x - b, y - a],
+                [x + b, y - a],
+                [x + b, y - b],
+                [x + a, y - b],
+                [x + a, y + b],
+                [x + b, y + b],
+                [x + b, y + a],
+                [x - b, y + a],
+                [x - b, y + b],
+                [x - a, y + b],
+                [x - a, y - b],
+                [x - b, y - b],
+            ]
         )
     else:
         raise ValueError(f"unknown shape kind {s.kind!r}")
@@ -200,7 +220,7 @@ def _kinds_colors(rng: np.random.Generator, n: int) -> list[tuple[str, str]]:
     kinds = rng.choice(len(SHAPES), size=n, replace=False)
     colors = rng.integers(len(COLORS), size=n)  # colours may repeat: questions name the shape, not the colour
     names = list(COLORS)
-    return [(SHAPES[int(k)], names[int(c)]) for k, c in zip(kinds, colors)]
+    return [(SHAPES[int(k)], names[int(c)]) for k, c in zip(kinds, colors, strict=True)]
 
 
 def _single(rng: np.random.Generator) -> tuple[int, int, list[Shape]]:
@@ -209,7 +229,7 @@ def _single(rng: np.random.Generator) -> tuple[int, int, list[Shape]]:
     r = max(12.0, rng.uniform(0.2, 0.36) * m)
     x = rng.uniform(r + 2, w - r - 2)
     y = rng.uniform(r + 2, h - r - 2)
-    (kind, color), = _kinds_colors(rng, 1)
+    ((kind, color),) = _kinds_colors(rng, 1)
     return h, w, [Shape(kind, color, x, y, r)]
 
 
@@ -247,7 +267,7 @@ def _scatter(rng: np.random.Generator, n: int) -> tuple[int, int, list[Shape]]:
                 pts.append((x, y))
                 if len(pts) == n:
                     kc = _kinds_colors(rng, n)
-                    return h, w, [Shape(k, c, x0, y0, r) for (k, c), (x0, y0) in zip(kc, pts)]
+                    return h, w, [Shape(k, c, x0, y0, r) for (k, c), (x0, y0) in zip(kc, pts, strict=True)]
     raise RuntimeError("could not place shapes")  # unreachable with the sizes above
 
 
@@ -349,7 +369,7 @@ def all_texts() -> list[str]:
     for lang, templates in (("en", Q_EN), ("zh", Q_ZH)):
         for kind in SHAPES:
             name = _shape_name(kind, lang)
-            for qtype, qs in templates.items():
+            for qs in templates.values():
                 texts.extend(q.format(shape=name) for q in qs)
         for topic in CHAT[lang].values():
             texts.extend(topic[0])

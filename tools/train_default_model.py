@@ -154,8 +154,14 @@ def write_tokenizer_files(tok, out: Path) -> dict[str, int]:
     tok.save(str(out / "tokenizer.json"))
     ids = {t: tok.token_to_id(t) for t in SPECIAL_TOKENS}
     added = {
-        str(ids[t]): {"content": t, "lstrip": False, "normalized": False, "rstrip": False, "single_word": False,
-                      "special": True}
+        str(ids[t]): {
+            "content": t,
+            "lstrip": False,
+            "normalized": False,
+            "rstrip": False,
+            "single_word": False,
+            "special": True,
+        }
         for t in SPECIAL_TOKENS
     }
     tokenizer_config = {
@@ -196,8 +202,12 @@ def build_config(cfg: TrainConfig, ids: dict[str, int], vocab: int):
             "hidden_act": "silu",
             "rms_norm_eps": 1e-6,
             "max_position_embeddings": 4096,
-            "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [6, 5, 5],
-                                "mrope_interleaved": True},
+            "rope_parameters": {
+                "rope_type": "default",
+                "rope_theta": 10000.0,
+                "mrope_section": [6, 5, 5],
+                "mrope_interleaved": True,
+            },
             "bos_token_id": ids["<|endoftext|>"],
             "eos_token_id": ids["<|im_end|>"],
             "pad_token_id": ids["<|endoftext|>"],
@@ -334,7 +344,7 @@ def make_batch(samples: list[scenes.Sample], enc: Encoder, pixels: Pixels) -> di
     input_ids = torch.full((len(seqs), length), pad, dtype=torch.long)
     label_t = torch.full((len(seqs), length), -100, dtype=torch.long)
     mask = torch.zeros((len(seqs), length), dtype=torch.long)
-    for i, (x, y) in enumerate(zip(seqs, labels)):
+    for i, (x, y) in enumerate(zip(seqs, labels, strict=True)):
         input_ids[i, : len(x)] = torch.tensor(x)
         label_t[i, : len(y)] = torch.tensor(y)
         mask[i, : len(x)] = 1
@@ -355,8 +365,9 @@ def make_batch(samples: list[scenes.Sample], enc: Encoder, pixels: Pixels) -> di
 
 
 @torch.no_grad()
-def hf_answer(model, enc: Encoder, pixels: Pixels, question: str, image: np.ndarray | None,
-              max_new_tokens: int = 32) -> str:
+def hf_answer(
+    model, enc: Encoder, pixels: Pixels, question: str, image: np.ndarray | None, max_new_tokens: int = 32
+) -> str:
     """Greedy answer from transformers' generate, decoded without special tokens."""
     kwargs: dict[str, torch.Tensor] = {}
     n = None
@@ -432,8 +443,7 @@ def draw(cfg: TrainConfig, step: int, i: int) -> scenes.Sample:
     raise RuntimeError("no easy sample drawn")  # p(easy) is about 0.25: unreachable
 
 
-def train(cfg: TrainConfig, out: Path, allow_fallback: bool, eval_every: int, eval_n: int,
-          save_every: int = 0) -> None:
+def train(cfg: TrainConfig, out: Path, allow_fallback: bool, eval_every: int, eval_n: int, save_every: int = 0) -> None:
     from transformers import Qwen3VLForConditionalGeneration
 
     torch.set_num_threads(cfg.threads)
@@ -455,9 +465,17 @@ def train(cfg: TrainConfig, out: Path, allow_fallback: bool, eval_every: int, ev
     for n, p in model.named_parameters():
         groups[(".visual." in f".{n}", p.ndim >= 2 and "embed_tokens" not in n)].append(p)
     opt = torch.optim.AdamW(
-        [{"params": ps, "weight_decay": cfg.weight_decay if decay else 0.0,
-          "lr_scale": cfg.vision_lr_scale if vision else 1.0} for (vision, decay), ps in sorted(groups.items())],
-        lr=cfg.lr, betas=(0.9, cfg.beta2), eps=1e-8,
+        [
+            {
+                "params": ps,
+                "weight_decay": cfg.weight_decay if decay else 0.0,
+                "lr_scale": cfg.vision_lr_scale if vision else 1.0,
+            }
+            for (vision, decay), ps in sorted(groups.items())
+        ],
+        lr=cfg.lr,
+        betas=(0.9, cfg.beta2),
+        eps=1e-8,
     )
     eval_set = scenes.held_out_samples(eval_n)
     ema = None
@@ -474,8 +492,11 @@ def train(cfg: TrainConfig, out: Path, allow_fallback: bool, eval_every: int, ev
         opt.step()
         ema = loss.item() if ema is None else 0.95 * ema + 0.05 * loss.item()
         if step % 25 == 0 or step == cfg.steps - 1:
-            print(f"step {step} loss {loss.item():.4f} ema {ema:.4f} lr {lr_at(step, cfg):.2e} "
-                  f"|patch| {model.model.visual.patch_embed.proj.weight.norm():.1f} t {time.time() - t0:.0f}s", flush=True)
+            print(
+                f"step {step} loss {loss.item():.4f} ema {ema:.4f} lr {lr_at(step, cfg):.2e} "
+                f"|patch| {model.model.visual.patch_embed.proj.weight.norm():.1f} t {time.time() - t0:.0f}s",
+                flush=True,
+            )
         if eval_every and step and step % eval_every == 0:
             acc = evaluate(model, enc, pixels, eval_set)
             print(f"eval@{step} {json.dumps(acc)}", flush=True)
@@ -488,8 +509,13 @@ def train(cfg: TrainConfig, out: Path, allow_fallback: bool, eval_every: int, ev
             print(f"saved {snap} t {time.time() - t0:.0f}s", flush=True)
     train_s = time.time() - t0
     save(model, out, ids)
-    meta = {"train_config": asdict(cfg), "train_seconds": round(train_s, 1), "params": n_params,
-            "pixels": pixels.kind, "torch": torch.__version__}
+    meta = {
+        "train_config": asdict(cfg),
+        "train_seconds": round(train_s, 1),
+        "params": n_params,
+        "pixels": pixels.kind,
+        "torch": torch.__version__,
+    }
     print(json.dumps(meta), flush=True)
     (Path("/tmp") / "default_model_train_meta.json").write_text(json.dumps(meta, indent=2))
 
@@ -525,15 +551,27 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--eval-every", type=int, default=0, help="score on held-out samples every N steps (0: off)")
     ap.add_argument("--eval-n", type=int, default=200)
     ap.add_argument("--eval-only", action="store_true", help="only score the checkpoint in --out")
-    ap.add_argument("--allow-hf-pixels", action="store_true",
-                    help="fall back to transformers' PIL image processor if orin_vlm_node.processing is missing")
+    ap.add_argument(
+        "--allow-hf-pixels",
+        action="store_true",
+        help="fall back to transformers' PIL image processor if orin_vlm_node.processing is missing",
+    )
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     if not args.eval_only:
-        cfg = TrainConfig(seed=args.seed, steps=args.steps, schedule_steps=args.schedule_steps,
-                          batch_size=args.batch_size, lr=args.lr, threads=args.threads,
-                          weight_decay=args.weight_decay, beta2=args.beta2, vision_lr_scale=args.vision_lr_scale,
-                          warmup_steps=args.warmup_steps, easy_steps=args.easy_steps)
+        cfg = TrainConfig(
+            seed=args.seed,
+            steps=args.steps,
+            schedule_steps=args.schedule_steps,
+            batch_size=args.batch_size,
+            lr=args.lr,
+            threads=args.threads,
+            weight_decay=args.weight_decay,
+            beta2=args.beta2,
+            vision_lr_scale=args.vision_lr_scale,
+            warmup_steps=args.warmup_steps,
+            easy_steps=args.easy_steps,
+        )
         train(cfg, args.out, args.allow_hf_pixels, args.eval_every, args.eval_n, args.save_every)
     eval_checkpoint(args.out, args.eval_n, args.allow_hf_pixels)
 
