@@ -83,9 +83,9 @@ class TrainConfig:
     """Everything that determines the trained weights (recorded in the model card)."""
 
     seed: int = 0
-    steps: int = 1200
+    steps: int = 1500
     schedule_steps: int = 0  # length of the cosine schedule; 0 = steps (stopping early = --steps K --schedule-steps H)
-    batch_size: int = 16
+    batch_size: int = 32
     lr: float = 1e-3
     min_lr_ratio: float = 0.05
     warmup_steps: int = 100
@@ -104,7 +104,7 @@ class TrainConfig:
     vision_depth: int = 4
     vision_heads: int = 4
     vision_intermediate: int = 288
-    threads: int = 2
+    threads: int = 1  # 1: the committed run's numerics; more threads may change the last bits
 
 
 # ----------------------------------------------------------------------------------------------------------------
