@@ -134,3 +134,29 @@ def test_paged_on_cuda_matches_cpu_reference(page_size):
     out = _run(PagedKVCache(cfg), q.cuda(), k.cuda(), v.cuda()).cpu()
     for layer in range(layers):
         torch.testing.assert_close(out[layer], causal_attention(q[layer], k[layer], v[layer], 0), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("layout", ["consecutive", "shuffled"])
+def test_torch_paged_attend_reads_consecutive_and_scattered_pages_alike(layout):
+    """Consecutive block tables are read in place (no gather), scattered ones gathered: same result."""
+    from orin_vlm_node.kvcache.attention import TorchPagedAttention
+
+    gen = torch.Generator().manual_seed(5)
+    page, nkv, nq, hd, kv_len, num_q = 4, 2, 4, 8, 23, 5
+    blocks_needed = -(-kv_len // page)
+    k = torch.randn(kv_len, nkv, hd, generator=gen)
+    v = torch.randn(kv_len, nkv, hd, generator=gen)
+    q = torch.randn(num_q, nq, hd, generator=gen)
+    if layout == "consecutive":
+        table = torch.arange(3, 3 + blocks_needed, dtype=torch.int32)
+    else:
+        table = torch.randperm(12, generator=gen)[:blocks_needed].to(torch.int32)
+    k_pool = torch.full((12, page, nkv, hd), float("nan"))  # unused pages are poison
+    v_pool = torch.full((12, page, nkv, hd), float("nan"))
+    slots = (table.long()[:, None] * page + torch.arange(page)).flatten()[:kv_len]
+    impl = TorchPagedAttention()
+    impl.write_kv(k_pool, v_pool, k, v, slots)
+    # Trailing table entries past kv_len (-1: unallocated) must not be read either way.
+    padded = torch.cat([table, torch.full((3,), -1, dtype=torch.int32)])
+    out = impl.attend(q, k_pool, v_pool, padded, kv_len - num_q, kv_len)
+    torch.testing.assert_close(out, causal_attention(q, k, v, kv_len - num_q), rtol=0, atol=0)

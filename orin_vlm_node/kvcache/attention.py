@@ -92,8 +92,13 @@ class TorchPagedAttention:
     ) -> torch.Tensor:
         page = k_pool.shape[1]
         blocks = block_table[: -(-kv_len // page)].long()
-        k = k_pool[blocks].flatten(0, 1)[:kv_len].to(q.dtype)  # (kv_len, nkv, hd)
-        v = v_pool[blocks].flatten(0, 1)[:kv_len].to(q.dtype)
+        run = _consecutive_run(blocks)
+        if run is not None:  # the pages lie back to back in the pool: read them in place, no gather
+            k = k_pool[run].flatten(0, 1)[:kv_len].to(q.dtype)  # (kv_len, nkv, hd)
+            v = v_pool[run].flatten(0, 1)[:kv_len].to(q.dtype)
+        else:
+            k = k_pool[blocks].flatten(0, 1)[:kv_len].to(q.dtype)
+            v = v_pool[blocks].flatten(0, 1)[:kv_len].to(q.dtype)
         return causal_attention(q, k, v, q_start)
 
     def attend_decode(
@@ -109,3 +114,18 @@ class TorchPagedAttention:
         k = k_pool[blocks].flatten(0, 1).to(q.dtype)  # (max_blocks * page, nkv, hd)
         v = v_pool[blocks].flatten(0, 1).to(q.dtype)
         return masked_decode_attention(q, k, v, kv_len)
+
+
+def _consecutive_run(blocks: torch.Tensor) -> slice | None:
+    """``slice(b, b + n)`` when the host-side table ``blocks`` (n,) is b, b+1, ..., b+n-1, else None.
+
+    A sequence that grew in a fresh or unfragmented pool gets consecutive blocks, and reading them as a
+    view saves one copy of its whole K and V per layer and step. Only checked for CPU tables: on a GPU
+    the check would be a host sync (and the CUDA kernels read pages in place anyway).
+    """
+    if blocks.device.type != "cpu" or blocks.numel() == 0:
+        return None
+    first = int(blocks[0])
+    if blocks.numel() > 1 and not bool(torch.equal(blocks, torch.arange(first, first + blocks.numel()))):
+        return None
+    return slice(first, first + blocks.numel())
