@@ -25,6 +25,9 @@ BENCH = Path(__file__).resolve().parent
 REPO = BENCH.parent
 sys.path.insert(0, str(BENCH))
 sys.path.insert(1, str(REPO))  # measure this checkout, not an older installed copy
+# The ROS section's client runs in this process and its node in a child: both discover on this machine only,
+# also when the benchmark is started directly rather than through `make bench`.
+os.environ["ROS_AUTOMATIC_DISCOVERY_RANGE"] = "LOCALHOST"
 
 from context import BenchContext  # noqa: E402
 from goals import evaluate_goals  # noqa: E402

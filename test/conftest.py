@@ -13,7 +13,7 @@ sys.path.insert(0, str(TEST_DIR))
 sys.path.insert(1, str(TEST_DIR.parent))  # the source tree, also under a bare `pytest`
 
 # Any rclpy use in this process or its children stays on this machine (no multicast discovery).
-os.environ.setdefault("ROS_AUTOMATIC_DISCOVERY_RANGE", "LOCALHOST")
+os.environ["ROS_AUTOMATIC_DISCOVERY_RANGE"] = "LOCALHOST"  # forced: an inherited SUBNET must not leak
 os.environ.setdefault("ROS_DOMAIN_ID", "42")
 
 
