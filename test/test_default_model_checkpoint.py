@@ -91,6 +91,59 @@ def test_answers_follow_the_scene():
     assert checked >= 10
 
 
+def test_label_map_marks_the_drawn_shapes():
+    """The label map the dense vision objective learns from: pixels labelled ``i + 1`` show shape ``i``'s colour,
+    background pixels show no shape colour (up to anti-aliased edges), and the image is the one ``sample`` draws."""
+    rng = np.random.default_rng(9)
+    base = {name: np.array(rgb, dtype=np.float64) for name, rgb in scenes.COLORS.items()}
+    checked = 0
+    for _ in range(60):
+        state = rng.bit_generator.state
+        s, scene = scenes.sample_with_scene(rng)
+        rng_again = np.random.default_rng()
+        rng_again.bit_generator.state = state
+        again = scenes.sample(rng_again)
+        assert again.answer == s.answer and (s.image is None or np.array_equal(again.image, s.image))
+        if s.image is None:
+            assert scene.labels is None and scene.shapes == []
+            continue
+        assert scene.labels.shape == s.image.shape[:2] and scene.labels.max() == len(scene.shapes)
+        img = s.image.astype(np.float64)
+        for i, shape in enumerate(scene.shapes):
+            mask = scene.labels == i + 1
+            near = np.linalg.norm(img[mask] - base[shape.color], axis=1) < 60  # colour jitter + AA edges
+            assert near.mean() > 0.85, (shape, near.mean())
+        if scene.sides is not None:  # pair layouts: the sides named are where the shapes are
+            ys, xs = zip(*(np.nonzero(scene.labels == i + 1) for i in range(2)), strict=True)
+            axis = xs if scene.sides == ("left", "right") else ys
+            assert axis[0].mean() < axis[1].mean() and s.qtype in ("position", "describe")
+        background = img[scene.labels == 0]
+        colourful = np.stack([np.linalg.norm(background - c, axis=1) < 40 for c in base.values()]).any(0)
+        assert colourful.mean() < 0.02
+        checked += 1
+    assert checked >= 40
+
+
+def test_token_labels_name_the_shape_under_each_token():
+    from train_default_model import COLOR_BACKGROUND, IGNORE, SHAPE_BACKGROUND, SIDES, token_labels
+
+    star = scenes.Shape("star", "purple", 40.0, 60.0, 30.0)
+    square = scenes.Shape("square", "green", 100.0, 60.0, 14.0)
+    rng = np.random.default_rng(0)
+    _, labels = scenes.render_with_labels(rng, 128, 128, [star, square])
+    scene = scenes.Scene([star, square], labels, ("left", "right"))
+    kinds, colors, sides = token_labels(scene, [1, 8, 8])  # 4 x 4 tokens of 32 px
+    kinds, colors, sides = kinds.view(4, 4), colors.view(4, 4), sides.view(4, 4)
+    assert sides[1, 1] == SIDES.index("left") and sides[1, 3] == SIDES.index("right") and sides[3, 3] == IGNORE
+    unsided = token_labels(scenes.Scene([star, square], labels), [1, 8, 8])[2]  # not a pair layout
+    assert (unsided == IGNORE).all()
+    assert kinds[1, 1] == scenes.SHAPES.index("star") and colors[1, 1] == list(scenes.COLORS).index("purple")
+    assert kinds[1, 3] == scenes.SHAPES.index("square") and colors[1, 3] == list(scenes.COLORS).index("green")
+    assert kinds[3, 3] == SHAPE_BACKGROUND and colors[3, 3] == COLOR_BACKGROUND  # empty corner
+    assert kinds[0, 0] == SHAPE_BACKGROUND  # the star's tip grazes it: under a quarter covered
+    assert ((kinds == SHAPE_BACKGROUND) == (colors == COLOR_BACKGROUND)).all()
+
+
 def test_held_out_set_is_disjoint_from_training():
     held = scenes.held_out_samples(50)
     train = [scenes.sample(scenes.train_rng(0, i)) for i in range(300)]

@@ -12,7 +12,7 @@ Scenes are designed so every question has exactly one correct answer:
   unambiguously "left"/"right" or "top"/"bottom" of the other;
 - descriptions list the shapes left to right in a side-by-side layout.
 
-Public API: ``sample(rng) -> Sample``, ``sample_with_scene(rng) -> (Sample, shapes)``, ``make_samples(seed, n)``,
+Public API: ``sample(rng) -> Sample``, ``sample_with_scene(rng) -> (Sample, Scene)``, ``make_samples(seed, n)``,
 ``train_rng(seed, index)``, ``held_out_samples(n)``, ``all_texts()`` (every question/answer string, for the
 tokenizer).
 """
@@ -158,23 +158,22 @@ def _star_points(x: float, y: float, r: float, rot: float) -> np.ndarray:
     return np.stack([x + radii * np.cos(angles), y + radii * np.sin(angles)], axis=1)
 
 
-def _draw(img: np.ndarray, s: Shape, rgb: tuple[int, int, int], rng: np.random.Generator) -> None:
-    color = tuple(int(c) for c in rgb)
+def _outline(s: Shape, rng: np.random.Generator) -> np.ndarray | None:
+    """Polygon of ``s`` (float (k, 2) x/y points), or None for a circle (drawn with cv2.circle)."""
     x, y, r = s.x, s.y, s.r
     if s.kind == "circle":
-        cv2.circle(img, (round(x), round(y)), round(r), color, -1, cv2.LINE_AA)
-        return
+        return None
     if s.kind == "square":
         a = r * 0.85
-        pts = np.array([[x - a, y - a], [x + a, y - a], [x + a, y + a], [x - a, y + a]])
-    elif s.kind == "triangle":
+        return np.array([[x - a, y - a], [x + a, y - a], [x + a, y + a], [x - a, y + a]])
+    if s.kind == "triangle":
         ang = -np.pi / 2 + np.arange(3) * 2 * np.pi / 3
-        pts = np.stack([x + r * np.cos(ang), y + 0.15 * r + r * np.sin(ang)], axis=1)
-    elif s.kind == "star":
-        pts = _star_points(x, y, r, rng.uniform(-0.15, 0.15))
-    elif s.kind == "cross":
+        return np.stack([x + r * np.cos(ang), y + 0.15 * r + r * np.sin(ang)], axis=1)
+    if s.kind == "star":
+        return _star_points(x, y, r, rng.uniform(-0.15, 0.15))
+    if s.kind == "cross":
         a, b = r * 0.9, r * 0.3
-        pts = np.array(
+        return np.array(
             [
                 [x - b, y - a],
                 [x + b, y - a],
@@ -190,19 +189,39 @@ def _draw(img: np.ndarray, s: Shape, rgb: tuple[int, int, int], rng: np.random.G
                 [x - b, y - b],
             ]
         )
+    raise ValueError(f"unknown shape kind {s.kind!r}")
+
+
+def _fill(img: np.ndarray, s: Shape, outline: np.ndarray | None, color: tuple[int, ...], line: int) -> None:
+    if outline is None:
+        cv2.circle(img, (round(s.x), round(s.y)), round(s.r), color, -1, line)
     else:
-        raise ValueError(f"unknown shape kind {s.kind!r}")
-    cv2.fillPoly(img, [np.round(pts).astype(np.int32)], color, cv2.LINE_AA)
+        cv2.fillPoly(img, [np.round(outline).astype(np.int32)], color, line)
+
+
+def render_with_labels(
+    rng: np.random.Generator, h: int, w: int, shapes: list[Shape]
+) -> tuple[np.ndarray, np.ndarray]:
+    """Draw ``shapes`` (with slightly jittered colours) on a random background.
+
+    Returns the HWC uint8 RGB image and a (h, w) uint8 label map: 0 for background, ``i + 1`` where shape ``i``
+    is visible (later shapes cover earlier ones, as in the image). The training script's dense vision objective
+    learns from it which shape, hence which kind and colour, each image token shows.
+    """
+    img = np.ascontiguousarray(_background(rng, h, w))
+    labels = np.zeros((h, w), dtype=np.uint8)
+    for i, s in enumerate(shapes):
+        base = np.array(COLORS[s.color], dtype=np.float64)
+        rgb = np.clip(base + rng.uniform(-18, 18, size=3), 0, 255)
+        outline = _outline(s, rng)
+        _fill(img, s, outline, tuple(int(c) for c in rgb), cv2.LINE_AA)
+        _fill(labels, s, outline, (i + 1,), cv2.LINE_8)
+    return img, labels
 
 
 def render(rng: np.random.Generator, h: int, w: int, shapes: list[Shape]) -> np.ndarray:
-    """Draw ``shapes`` (with slightly jittered colours) on a random background; HWC uint8 RGB."""
-    img = np.ascontiguousarray(_background(rng, h, w))
-    for s in shapes:
-        base = np.array(COLORS[s.color], dtype=np.float64)
-        rgb = np.clip(base + rng.uniform(-18, 18, size=3), 0, 255)
-        _draw(img, s, tuple(rgb), rng)
-    return img
+    """Draw ``shapes`` on a random background; HWC uint8 RGB (``render_with_labels`` without the labels)."""
+    return render_with_labels(rng, h, w, shapes)[0]
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -287,14 +306,23 @@ def _shape_name(kind: str, lang: str) -> str:
     return kind if lang == "en" else SHAPES_ZH[kind]
 
 
+@dataclass(frozen=True)
+class Scene:
+    """What a sample's picture shows: its shapes and the (h, w) label map of ``render_with_labels``."""
+
+    shapes: list[Shape]
+    labels: np.ndarray | None  # None for text-only chat
+    sides: tuple[str, ...] | None = None  # pair layouts: where each shape is ("left", "right") / ("top", "bottom")
+
+
 def sample(rng: np.random.Generator) -> Sample:
     """Draw one sample (scene, question, answer); deterministic given the generator's state."""
     return sample_with_scene(rng)[0]
 
 
-def sample_with_scene(rng: np.random.Generator) -> tuple[Sample, list[Shape]]:
-    """Like ``sample`` (same draws, same result) but also returns the shapes drawn (empty for chat); the
-    training script uses them to pre-train the vision tower."""
+def sample_with_scene(rng: np.random.Generator) -> tuple[Sample, Scene]:
+    """Like ``sample`` (same draws, same result) but also returns what the picture shows; the training script
+    uses it for its curriculum and its dense vision objective."""
     qtypes = list(QTYPE_WEIGHTS)
     qtype = qtypes[int(rng.choice(len(qtypes), p=np.array(list(QTYPE_WEIGHTS.values()))))]
     lang = "en" if rng.random() < 0.5 else "zh"
@@ -306,8 +334,9 @@ def sample_with_scene(rng: np.random.Generator) -> tuple[Sample, list[Shape]]:
     if qtype == "chat":
         topic = "greet" if rng.random() < 0.5 else "ability"
         questions, answer = CHAT[lang][topic]
-        return Sample(None, pick(questions), answer, qtype, lang), []
+        return Sample(None, pick(questions), answer, qtype, lang), Scene([], None)
 
+    sides: tuple[str, ...] | None = None
     if qtype == "shape":
         h, w, shapes = _single(rng)
         s = shapes[0]
@@ -327,16 +356,18 @@ def sample_with_scene(rng: np.random.Generator) -> tuple[Sample, list[Shape]]:
     elif qtype == "position":
         axis = "x" if rng.random() < 0.5 else "y"
         h, w, shapes = _pair(rng, axis)
+        sides = ("left", "right") if axis == "x" else ("top", "bottom")
         i = int(rng.integers(2))
-        where = ("left", "right")[i] if axis == "x" else ("top", "bottom")[i]
+        where = sides[i]
         answer = (WHERE_EN if lang == "en" else WHERE_ZH)[where]
         question = pick(templates["position"]).format(shape=_shape_name(shapes[i].kind, lang))
     else:  # describe: one shape, or two side by side listed left to right
         h, w, shapes = _single(rng) if rng.random() < 0.4 else _pair(rng, "x")
+        sides = ("left", "right") if len(shapes) == 2 else None
         answer = _describe(shapes, lang)
         question = pick(templates["describe"])
-    image = render(rng, h, w, shapes)
-    return Sample(image, question, answer, qtype, lang), shapes
+    image, labels = render_with_labels(rng, h, w, shapes)
+    return Sample(image, question, answer, qtype, lang), Scene(shapes, labels, sides)
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -83,7 +83,12 @@ class TrainConfig:
     """Everything that determines the trained weights (recorded in the model card)."""
 
     seed: int = 0
-    steps: int = 1500
+    vision_steps: int = 1800  # stage 1: dense vision pre-training (per-token shape kind, colour, position)
+    vision_lr: float = 2e-3
+    aux_weight: float = 0.5  # stage 2: weight of the dense vision loss next to the language-model loss
+    vision_side_weight: float = 0.0  # stage 1 weight of the side label within the dense loss (>0 hurt kinds)
+    side_weight: float = 0.5  # the same in stage 2
+    steps: int = 1800  # stage 2: question answering
     schedule_steps: int = 0  # length of the cosine schedule; 0 = steps (stopping early = --steps K --schedule-steps H)
     batch_size: int = 32
     lr: float = 1e-3
@@ -92,7 +97,8 @@ class TrainConfig:
     weight_decay: float = 0.01
     beta2: float = 0.98
     vision_lr_scale: float = 1.0  # learning rate of the vision tower relative to --lr
-    easy_steps: int = 300  # curriculum: single-shape colour/shape/describe questions first
+    easy_steps: int = 200  # curriculum: single-shape colour/shape/describe questions first
+    position_every: int = 0  # stage 2: every N-th sample of a batch is a position question (0: natural mix)
     grad_clip: float = 1.0
     vocab_size: int = 768
     text_hidden: int = 128
@@ -325,6 +331,119 @@ class Encoder:
         return self._enc(answer) + [self.ids["<|im_end|>"]]
 
 
+SHAPE_BACKGROUND = len(scenes.SHAPES)  # dense label of a token that shows no shape (kind classes 0..4)
+COLOR_BACKGROUND = len(scenes.COLORS)  # (colour classes 0..5)
+MIN_COVER = 0.25  # a token is labelled with a shape when the shape covers at least this fraction of it
+SIDES = ("left", "right", "top", "bottom")
+IGNORE = -100  # cross_entropy's ignore_index: tokens without a side label
+
+
+def token_labels(scene: scenes.Scene, grid_thw: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per image token (merged 2x2 patches, raster order): the kind and colour of the shape covering most of it,
+    and, in the two-shape pair layouts, that shape's side (index into SIDES; IGNORE elsewhere).
+
+    The label map is at the picture's own resolution; area-resampling each shape's mask to the token grid gives
+    the fraction of every token that shape covers (the processor's resize maps the picture onto the same grid).
+    """
+    import cv2
+
+    th, tw = grid_thw[1] // 2, grid_thw[2] // 2
+    cover = np.stack(
+        [
+            cv2.resize((scene.labels == i + 1).astype(np.float32), (tw, th), interpolation=cv2.INTER_AREA)
+            for i in range(len(scene.shapes))
+        ]
+    )  # (n_shapes, th, tw)
+    best = cover.argmax(0).reshape(-1)
+    shown = cover.max(0).reshape(-1) >= MIN_COVER
+    kinds = np.array([scenes.SHAPES.index(s.kind) for s in scene.shapes])[best]
+    colors = np.array([list(scenes.COLORS).index(s.color) for s in scene.shapes])[best]
+    sides = np.full(best.shape, IGNORE)
+    if scene.sides is not None:
+        sides = np.array([SIDES.index(side) for side in scene.sides])[best]
+    return (
+        torch.from_numpy(np.where(shown, kinds, SHAPE_BACKGROUND)),
+        torch.from_numpy(np.where(shown, colors, COLOR_BACKGROUND)),
+        torch.from_numpy(np.where(shown, sides, IGNORE)),
+    )
+
+
+def token_centres(grid_thw: list[int]) -> torch.Tensor:
+    """(n_tokens, 2) x and y of every image token's centre, scaled to [-1, 1] across the picture (raster order)."""
+    th, tw = grid_thw[1] // 2, grid_thw[2] // 2
+    ys, xs = torch.meshgrid(
+        (torch.arange(th) + 0.5) / th * 2 - 1, (torch.arange(tw) + 0.5) / tw * 2 - 1, indexing="ij"
+    )
+    return torch.stack([xs.reshape(-1), ys.reshape(-1)], dim=1)
+
+
+@dataclass
+class DenseTargets:
+    """What every image token of a batch should tell: shape kind, colour (token_labels) and where it is."""
+
+    kinds: torch.Tensor  # (n_tokens,) long, SHAPE_BACKGROUND where no shape
+    colors: torch.Tensor  # (n_tokens,) long, COLOR_BACKGROUND where no shape
+    sides: torch.Tensor  # (n_tokens,) long, IGNORE outside shapes of pair layouts
+    centres: torch.Tensor  # (n_tokens, 2) float in [-1, 1]
+
+
+def dense_targets(scene_list: list[scenes.Scene], grid: torch.Tensor) -> DenseTargets:
+    """Targets of every pictured scene, concatenated in the order of the vision tower's tokens."""
+    pictured = [sc for sc in scene_list if sc.labels is not None]
+    grids = grid.tolist()
+    kinds, colors, sides = zip(*(token_labels(sc, g) for sc, g in zip(pictured, grids, strict=True)), strict=True)
+    return DenseTargets(
+        kinds=torch.cat(kinds),
+        colors=torch.cat(colors),
+        sides=torch.cat(sides),
+        centres=torch.cat([token_centres(g) for g in grids]),
+    )
+
+
+class DenseHeads(torch.nn.Module):
+    """Training-only linear probes on the vision tower's merged tokens (the features the decoder reads): shape
+    kind, colour, position and (in pair layouts) side of every token. They give the vision tower a gradient at
+    every token instead of the language model's few answer tokens (a plain ViT learns shapes far too slowly from
+    the latter alone), and make "where" a categorical feature of each token, like its colour: with position
+    only implicit the decoder answered every position question with one constant; not saved."""
+
+    BACKGROUND_WEIGHT = 0.25  # background tokens are many and easy; shape tokens carry the signal
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.kind = torch.nn.Linear(dim, SHAPE_BACKGROUND + 1)
+        self.color = torch.nn.Linear(dim, COLOR_BACKGROUND + 1)
+        self.where = torch.nn.Linear(dim, 2)
+        self.side = torch.nn.Linear(dim, len(SIDES))
+
+    def loss(self, tokens: torch.Tensor, t: DenseTargets, side_weight: float) -> torch.Tensor:
+        """tokens (n_tokens, dim)."""
+        ce = torch.nn.functional.cross_entropy
+        kind_w = torch.ones(SHAPE_BACKGROUND + 1)
+        kind_w[SHAPE_BACKGROUND] = self.BACKGROUND_WEIGHT
+        color_w = torch.ones(COLOR_BACKGROUND + 1)
+        color_w[COLOR_BACKGROUND] = self.BACKGROUND_WEIGHT
+        loss = (
+            ce(self.kind(tokens), t.kinds, weight=kind_w)
+            + ce(self.color(tokens), t.colors, weight=color_w)
+            + torch.nn.functional.mse_loss(self.where(tokens), t.centres)
+        )
+        if side_weight and (t.sides != IGNORE).any():  # batches without a pair layout have no side label
+            loss = loss + side_weight * ce(self.side(tokens), t.sides, ignore_index=IGNORE)
+        return loss
+
+    @torch.no_grad()
+    def accuracy(self, tokens: torch.Tensor, t: DenseTargets) -> tuple[float, float, float, float]:
+        """Kind and colour accuracy over tokens that show a shape, side accuracy over those with a side, mean
+        absolute position error."""
+        on = t.kinds != SHAPE_BACKGROUND
+        sided = t.sides != IGNORE
+        k = (self.kind(tokens[on]).argmax(-1) == t.kinds[on]).float().mean().item()
+        c = (self.color(tokens[on]).argmax(-1) == t.colors[on]).float().mean().item()
+        side = (self.side(tokens[sided]).argmax(-1) == t.sides[sided]).float().mean().item()
+        return k, c, side, (self.where(tokens) - t.centres).abs().mean().item()
+
+
 def make_batch(samples: list[scenes.Sample], enc: Encoder, pixels: Pixels) -> dict[str, torch.Tensor]:
     images = [s.image for s in samples if s.image is not None]
     pv, grid, ntok = pixels(images) if images else (None, None, [])
@@ -407,12 +526,17 @@ def evaluate(model, enc: Encoder, pixels: Pixels, samples: list[scenes.Sample]) 
 # Training
 
 
+def cosine_lr(step: int, peak: float, warmup: int, total: int, min_ratio: float) -> float:
+    """Linear warm-up to ``peak``, then cosine decay to ``min_ratio * peak`` at ``total``."""
+    if step < warmup:
+        return peak * (step + 1) / warmup
+    t = min(1.0, (step - warmup) / max(1, total - warmup))
+    return peak * (min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * t)))
+
+
 def lr_at(step: int, cfg: TrainConfig) -> float:
-    if step < cfg.warmup_steps:
-        return cfg.lr * (step + 1) / cfg.warmup_steps
-    total = cfg.schedule_steps or cfg.steps
-    t = min(1.0, (step - cfg.warmup_steps) / max(1, total - cfg.warmup_steps))
-    return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * t)))
+    """Stage 2 (question answering) learning rate."""
+    return cosine_lr(step, cfg.lr, cfg.warmup_steps, cfg.schedule_steps or cfg.steps, cfg.min_lr_ratio)
 
 
 def save(model, out: Path, ids: dict[str, int]) -> None:
@@ -425,22 +549,91 @@ def save(model, out: Path, ids: dict[str, int]) -> None:
     write_side_configs(out, ids)  # save_pretrained rewrites generation_config.json; keep ours
 
 
-def is_easy(sample: scenes.Sample, shapes: list[scenes.Shape]) -> bool:
+# Disjoint index ranges of train_rng(seed, index) for the three streams a run draws from.
+EASY_OFFSET = 10**9  # stage 2 curriculum (rejection sampling: 1,000 indices per sample)
+POSITION_OFFSET = 2 * 10**9  # stage 2 extra position questions (rejection sampling: 1,000 indices per sample)
+VISION_OFFSET = 10**12  # stage 1 pictures
+
+
+def is_easy(sample: scenes.Sample, scene: scenes.Scene) -> bool:
     """Curriculum: scenes with a single shape asked about its colour, its kind or described."""
-    return sample.qtype in ("color", "shape", "describe") and len(shapes) == 1
+    return sample.qtype in ("color", "shape", "describe") and len(scene.shapes) == 1
 
 
-def draw(cfg: TrainConfig, step: int, i: int) -> scenes.Sample:
-    """Training sample ``i`` of ``step``: during the first ``easy_steps`` only easy ones (rejection sampling in
-    a seed range of its own), then the full mixture."""
+def draw(cfg: TrainConfig, step: int, i: int) -> tuple[scenes.Sample, scenes.Scene]:
+    """Stage 2 training sample ``i`` of ``step``: during the first ``easy_steps`` only easy ones, then the full
+    mixture, with every ``position_every``-th sample a position question (each by rejection sampling in a seed
+    range of its own)."""
     index = step * cfg.batch_size + i
-    if step >= cfg.easy_steps:
-        return scenes.sample(scenes.train_rng(cfg.seed, index))
+    if step < cfg.easy_steps:
+        offset, wanted = EASY_OFFSET, is_easy
+    elif cfg.position_every and i % cfg.position_every == 0:
+        offset, wanted = POSITION_OFFSET, lambda sample, _scene: sample.qtype == "position"
+    else:
+        return scenes.sample_with_scene(scenes.train_rng(cfg.seed, index))
     for j in range(1000):
-        sample, shapes = scenes.sample_with_scene(scenes.train_rng(cfg.seed, 10**9 + index * 1000 + j))
-        if is_easy(sample, shapes):
-            return sample
-    raise RuntimeError("no easy sample drawn")  # p(easy) is about 0.25: unreachable
+        drawn = scenes.sample_with_scene(scenes.train_rng(cfg.seed, offset + index * 1000 + j))
+        if wanted(*drawn):
+            return drawn
+    raise RuntimeError("no sample of the wanted kind drawn")  # p >= 0.2 per draw: unreachable
+
+
+def draw_picture(cfg: TrainConfig, step: int, i: int) -> tuple[scenes.Sample, scenes.Scene]:
+    """Stage 1 picture ``i`` of ``step``: the training mixture's scenes (all layouts), chat skipped."""
+    index = (step * cfg.batch_size + i) * 100
+    for j in range(100):
+        drawn = scenes.sample_with_scene(scenes.train_rng(cfg.seed, VISION_OFFSET + index + j))
+        if drawn[0].image is not None:
+            return drawn
+    raise RuntimeError("no picture drawn")  # p(chat) is 0.1: unreachable
+
+
+def init_vision(visual: torch.nn.Module) -> None:
+    """Fan-in scaled normal init (std 1/sqrt(fan_in)) of the vision tower's linear and patch-embedding weights.
+
+    transformers initialises every matrix with std 0.02, which at width 96 makes each block start as a near
+    no-op; the fan-in scale learned the dense objective markedly faster in side-by-side runs.
+    """
+    for m in visual.modules():
+        if isinstance(m, (torch.nn.Linear, torch.nn.Conv3d)):
+            torch.nn.init.normal_(m.weight, std=m.weight[0].numel() ** -0.5)
+
+
+def vision_tokens(visual: torch.nn.Module, pv: torch.Tensor, grid: torch.Tensor) -> torch.Tensor:
+    """Merged image tokens (n_tokens, text_hidden) exactly as the decoder receives them."""
+    return visual(pv, grid_thw=grid).pooler_output
+
+
+def pretrain_vision(cfg: TrainConfig, model, heads: DenseHeads, pixels: Pixels, t0: float) -> None:
+    """Stage 1: train the vision tower (with the dense heads) on per-token shape kind and colour."""
+    visual = model.model.visual
+    params = list(visual.parameters()) + list(heads.parameters())
+    opt = torch.optim.AdamW(params, lr=cfg.vision_lr, betas=(0.9, cfg.beta2), weight_decay=cfg.weight_decay)
+    warmup = max(1, cfg.vision_steps // 20)
+    probe = [draw_picture(cfg, 10**6, i) for i in range(64)]  # a fixed probe batch, outside the training range
+    probe_pv, probe_grid, _ = pixels([s.image for s, _ in probe])
+    probe_targets = dense_targets([sc for _, sc in probe], probe_grid)
+    visual.train()
+    for step in range(cfg.vision_steps):
+        drawn = [draw_picture(cfg, step, i) for i in range(cfg.batch_size)]
+        pv, grid, _ = pixels([s.image for s, _ in drawn])
+        targets = dense_targets([sc for _, sc in drawn], grid)
+        for g in opt.param_groups:
+            g["lr"] = cosine_lr(step, cfg.vision_lr, warmup, cfg.vision_steps, cfg.min_lr_ratio)
+        loss = heads.loss(vision_tokens(visual, pv, grid), targets, cfg.vision_side_weight)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
+        opt.step()
+        if step % 100 == 0 or step == cfg.vision_steps - 1:
+            with torch.no_grad():
+                k, c, side, where = heads.accuracy(vision_tokens(visual, probe_pv, probe_grid), probe_targets)
+            print(
+                f"vision step {step} loss {loss.item():.4f} probe kind {k:.3f} colour {c:.3f} side {side:.3f} "
+                f"where {where:.3f} "
+                f"t {time.time() - t0:.0f}s",
+                flush=True,
+            )
 
 
 def train(cfg: TrainConfig, out: Path, allow_fallback: bool, eval_every: int, eval_n: int, save_every: int = 0) -> None:
@@ -461,9 +654,16 @@ def train(cfg: TrainConfig, out: Path, allow_fallback: bool, eval_every: int, ev
     model.config._attn_implementation = "sdpa"
     n_params = sum(p.numel() for p in model.parameters())
     print(f"params {n_params / 1e6:.2f} M, vocab {tok.get_vocab_size()}, pixels via {pixels.kind}", flush=True)
+    init_vision(model.model.visual)
+    heads = DenseHeads(cfg.text_hidden)
+    pretrain_vision(cfg, model, heads, pixels, t0)
+    # Stage 2 keeps the dense loss on the tokens the decoder reads, captured from the vision tower's forward.
+    captured: list[torch.Tensor] = []
+    model.model.visual.register_forward_hook(lambda _m, _i, out: captured.append(out.pooler_output))
     groups: dict[tuple[bool, bool], list[torch.nn.Parameter]] = defaultdict(list)
     for n, p in model.named_parameters():
         groups[(".visual." in f".{n}", p.ndim >= 2 and "embed_tokens" not in n)].append(p)
+    groups[(True, False)] += list(heads.parameters())
     opt = torch.optim.AdamW(
         [
             {
@@ -481,14 +681,19 @@ def train(cfg: TrainConfig, out: Path, allow_fallback: bool, eval_every: int, ev
     ema = None
     for step in range(cfg.steps):
         model.train()
-        batch_samples = [draw(cfg, step, i) for i in range(cfg.batch_size)]
-        batch = make_batch(batch_samples, enc, pixels)
+        drawn = [draw(cfg, step, i) for i in range(cfg.batch_size)]
+        batch = make_batch([s for s, _ in drawn], enc, pixels)
         for g in opt.param_groups:
             g["lr"] = lr_at(step, cfg) * g["lr_scale"]
+        captured.clear()
         loss = model(**batch).loss
+        if "image_grid_thw" in batch and cfg.aux_weight:
+            (tokens,) = captured
+            targets = dense_targets([sc for _, sc in drawn], batch["image_grid_thw"])
+            loss = loss + cfg.aux_weight * heads.loss(tokens, targets, cfg.side_weight)
         opt.zero_grad(set_to_none=True)
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+        torch.nn.utils.clip_grad_norm_([p for g in opt.param_groups for p in g["params"]], cfg.grad_clip)
         opt.step()
         ema = loss.item() if ema is None else 0.95 * ema + 0.05 * loss.item()
         if step % 25 == 0 or step == cfg.steps - 1:
@@ -537,7 +742,12 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=Path, default=REPO_ROOT / "orin_vlm_node" / "default_model")
     ap.add_argument("--seed", type=int, default=TrainConfig.seed)
-    ap.add_argument("--steps", type=int, default=TrainConfig.steps)
+    ap.add_argument("--vision-steps", type=int, default=TrainConfig.vision_steps, help="stage 1 steps")
+    ap.add_argument("--vision-lr", type=float, default=TrainConfig.vision_lr)
+    ap.add_argument("--aux-weight", type=float, default=TrainConfig.aux_weight)
+    ap.add_argument("--vision-side-weight", type=float, default=TrainConfig.vision_side_weight)
+    ap.add_argument("--side-weight", type=float, default=TrainConfig.side_weight)
+    ap.add_argument("--steps", type=int, default=TrainConfig.steps, help="stage 2 steps")
     ap.add_argument("--schedule-steps", type=int, default=0, help="cosine schedule length (0: --steps)")
     ap.add_argument("--save-every", type=int, default=0, help="also save <out>_step<N> snapshots every N steps")
     ap.add_argument("--batch-size", type=int, default=TrainConfig.batch_size)
@@ -547,6 +757,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--vision-lr-scale", type=float, default=TrainConfig.vision_lr_scale)
     ap.add_argument("--warmup-steps", type=int, default=TrainConfig.warmup_steps)
     ap.add_argument("--easy-steps", type=int, default=TrainConfig.easy_steps)
+    ap.add_argument("--position-every", type=int, default=TrainConfig.position_every)
     ap.add_argument("--threads", type=int, default=TrainConfig.threads)
     ap.add_argument("--eval-every", type=int, default=0, help="score on held-out samples every N steps (0: off)")
     ap.add_argument("--eval-n", type=int, default=200)
@@ -561,6 +772,11 @@ def main(argv: list[str] | None = None) -> None:
     if not args.eval_only:
         cfg = TrainConfig(
             seed=args.seed,
+            vision_steps=args.vision_steps,
+            vision_lr=args.vision_lr,
+            aux_weight=args.aux_weight,
+            vision_side_weight=args.vision_side_weight,
+            side_weight=args.side_weight,
             steps=args.steps,
             schedule_steps=args.schedule_steps,
             batch_size=args.batch_size,
@@ -571,6 +787,7 @@ def main(argv: list[str] | None = None) -> None:
             vision_lr_scale=args.vision_lr_scale,
             warmup_steps=args.warmup_steps,
             easy_steps=args.easy_steps,
+            position_every=args.position_every,
         )
         train(cfg, args.out, args.allow_hf_pixels, args.eval_every, args.eval_n, args.save_every)
     eval_checkpoint(args.out, args.eval_n, args.allow_hf_pixels)
