@@ -98,7 +98,6 @@ class TrainConfig:
     beta2: float = 0.98
     vision_lr_scale: float = 1.0  # learning rate of the vision tower relative to --lr
     easy_steps: int = 200  # curriculum: single-shape colour/shape/describe questions first
-    position_every: int = 0  # stage 2: every N-th sample of a batch is a position question (0: natural mix)
     grad_clip: float = 1.0
     vocab_size: int = 768
     text_hidden: int = 128
@@ -551,7 +550,6 @@ def save(model, out: Path, ids: dict[str, int]) -> None:
 
 # Disjoint index ranges of train_rng(seed, index) for the three streams a run draws from.
 EASY_OFFSET = 10**9  # stage 2 curriculum (rejection sampling: 1,000 indices per sample)
-POSITION_OFFSET = 2 * 10**9  # stage 2 extra position questions (rejection sampling: 1,000 indices per sample)
 VISION_OFFSET = 10**12  # stage 1 pictures
 
 
@@ -561,21 +559,16 @@ def is_easy(sample: scenes.Sample, scene: scenes.Scene) -> bool:
 
 
 def draw(cfg: TrainConfig, step: int, i: int) -> tuple[scenes.Sample, scenes.Scene]:
-    """Stage 2 training sample ``i`` of ``step``: during the first ``easy_steps`` only easy ones, then the full
-    mixture, with every ``position_every``-th sample a position question (each by rejection sampling in a seed
-    range of its own)."""
+    """Stage 2 training sample ``i`` of ``step``: during the first ``easy_steps`` only easy ones (rejection
+    sampling in a seed range of its own), then the full mixture."""
     index = step * cfg.batch_size + i
-    if step < cfg.easy_steps:
-        offset, wanted = EASY_OFFSET, is_easy
-    elif cfg.position_every and i % cfg.position_every == 0:
-        offset, wanted = POSITION_OFFSET, lambda sample, _scene: sample.qtype == "position"
-    else:
+    if step >= cfg.easy_steps:
         return scenes.sample_with_scene(scenes.train_rng(cfg.seed, index))
     for j in range(1000):
-        drawn = scenes.sample_with_scene(scenes.train_rng(cfg.seed, offset + index * 1000 + j))
-        if wanted(*drawn):
+        drawn = scenes.sample_with_scene(scenes.train_rng(cfg.seed, EASY_OFFSET + index * 1000 + j))
+        if is_easy(*drawn):
             return drawn
-    raise RuntimeError("no sample of the wanted kind drawn")  # p >= 0.2 per draw: unreachable
+    raise RuntimeError("no easy sample drawn")  # p(easy) is about 0.25: unreachable
 
 
 def draw_picture(cfg: TrainConfig, step: int, i: int) -> tuple[scenes.Sample, scenes.Scene]:
@@ -757,7 +750,6 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--vision-lr-scale", type=float, default=TrainConfig.vision_lr_scale)
     ap.add_argument("--warmup-steps", type=int, default=TrainConfig.warmup_steps)
     ap.add_argument("--easy-steps", type=int, default=TrainConfig.easy_steps)
-    ap.add_argument("--position-every", type=int, default=TrainConfig.position_every)
     ap.add_argument("--threads", type=int, default=TrainConfig.threads)
     ap.add_argument("--eval-every", type=int, default=0, help="score on held-out samples every N steps (0: off)")
     ap.add_argument("--eval-n", type=int, default=200)
@@ -787,7 +779,6 @@ def main(argv: list[str] | None = None) -> None:
             vision_lr_scale=args.vision_lr_scale,
             warmup_steps=args.warmup_steps,
             easy_steps=args.easy_steps,
-            position_every=args.position_every,
         )
         train(cfg, args.out, args.allow_hf_pixels, args.eval_every, args.eval_n, args.save_every)
     eval_checkpoint(args.out, args.eval_n, args.allow_hf_pixels)
