@@ -24,7 +24,7 @@ import math
 import sys
 import time
 from collections import defaultdict
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
 import numpy as np
@@ -410,6 +410,12 @@ class DenseHeads(torch.nn.Module):
 
     def __init__(self, dim: int) -> None:
         super().__init__()
+        kind_w = torch.ones(SHAPE_BACKGROUND + 1)
+        kind_w[SHAPE_BACKGROUND] = self.BACKGROUND_WEIGHT
+        color_w = torch.ones(COLOR_BACKGROUND + 1)
+        color_w[COLOR_BACKGROUND] = self.BACKGROUND_WEIGHT
+        self.register_buffer("kind_weight", kind_w)
+        self.register_buffer("color_weight", color_w)
         self.kind = torch.nn.Linear(dim, SHAPE_BACKGROUND + 1)
         self.color = torch.nn.Linear(dim, COLOR_BACKGROUND + 1)
         self.where = torch.nn.Linear(dim, 2)
@@ -418,13 +424,9 @@ class DenseHeads(torch.nn.Module):
     def loss(self, tokens: torch.Tensor, t: DenseTargets, side_weight: float) -> torch.Tensor:
         """tokens (n_tokens, dim)."""
         ce = torch.nn.functional.cross_entropy
-        kind_w = torch.ones(SHAPE_BACKGROUND + 1)
-        kind_w[SHAPE_BACKGROUND] = self.BACKGROUND_WEIGHT
-        color_w = torch.ones(COLOR_BACKGROUND + 1)
-        color_w[COLOR_BACKGROUND] = self.BACKGROUND_WEIGHT
         loss = (
-            ce(self.kind(tokens), t.kinds, weight=kind_w)
-            + ce(self.color(tokens), t.colors, weight=color_w)
+            ce(self.kind(tokens), t.kinds, weight=self.kind_weight)
+            + ce(self.color(tokens), t.colors, weight=self.color_weight)
             + torch.nn.functional.mse_loss(self.where(tokens), t.centres)
         )
         if side_weight and (t.sides != IGNORE).any():  # batches without a pair layout have no side label
@@ -734,23 +736,9 @@ def eval_checkpoint(out: Path, n: int, allow_fallback: bool) -> dict[str, float]
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=Path, default=REPO_ROOT / "orin_vlm_node" / "default_model")
-    ap.add_argument("--seed", type=int, default=TrainConfig.seed)
-    ap.add_argument("--vision-steps", type=int, default=TrainConfig.vision_steps, help="stage 1 steps")
-    ap.add_argument("--vision-lr", type=float, default=TrainConfig.vision_lr)
-    ap.add_argument("--aux-weight", type=float, default=TrainConfig.aux_weight)
-    ap.add_argument("--vision-side-weight", type=float, default=TrainConfig.vision_side_weight)
-    ap.add_argument("--side-weight", type=float, default=TrainConfig.side_weight)
-    ap.add_argument("--steps", type=int, default=TrainConfig.steps, help="stage 2 steps")
-    ap.add_argument("--schedule-steps", type=int, default=0, help="cosine schedule length (0: --steps)")
+    for f in fields(TrainConfig):  # one flag per recipe field: --vision-steps sets vision_steps, ...
+        ap.add_argument(f"--{f.name.replace('_', '-')}", type=type(f.default), default=f.default)
     ap.add_argument("--save-every", type=int, default=0, help="also save <out>_step<N> snapshots every N steps")
-    ap.add_argument("--batch-size", type=int, default=TrainConfig.batch_size)
-    ap.add_argument("--lr", type=float, default=TrainConfig.lr)
-    ap.add_argument("--weight-decay", type=float, default=TrainConfig.weight_decay)
-    ap.add_argument("--beta2", type=float, default=TrainConfig.beta2)
-    ap.add_argument("--vision-lr-scale", type=float, default=TrainConfig.vision_lr_scale)
-    ap.add_argument("--warmup-steps", type=int, default=TrainConfig.warmup_steps)
-    ap.add_argument("--easy-steps", type=int, default=TrainConfig.easy_steps)
-    ap.add_argument("--threads", type=int, default=TrainConfig.threads)
     ap.add_argument("--eval-every", type=int, default=0, help="score on held-out samples every N steps (0: off)")
     ap.add_argument("--eval-n", type=int, default=200)
     ap.add_argument("--eval-only", action="store_true", help="only score the checkpoint in --out")
@@ -762,24 +750,7 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     if not args.eval_only:
-        cfg = TrainConfig(
-            seed=args.seed,
-            vision_steps=args.vision_steps,
-            vision_lr=args.vision_lr,
-            aux_weight=args.aux_weight,
-            vision_side_weight=args.vision_side_weight,
-            side_weight=args.side_weight,
-            steps=args.steps,
-            schedule_steps=args.schedule_steps,
-            batch_size=args.batch_size,
-            lr=args.lr,
-            threads=args.threads,
-            weight_decay=args.weight_decay,
-            beta2=args.beta2,
-            vision_lr_scale=args.vision_lr_scale,
-            warmup_steps=args.warmup_steps,
-            easy_steps=args.easy_steps,
-        )
+        cfg = TrainConfig(**{f.name: getattr(args, f.name) for f in fields(TrainConfig)})
         train(cfg, args.out, args.allow_hf_pixels, args.eval_every, args.eval_n, args.save_every)
     eval_checkpoint(args.out, args.eval_n, args.allow_hf_pixels)
 
