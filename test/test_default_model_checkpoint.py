@@ -144,6 +144,119 @@ def test_token_labels_name_the_shape_under_each_token():
     assert ((kinds == SHAPE_BACKGROUND) == (colors == COLOR_BACKGROUND)).all()
 
 
+def test_subjects_say_which_shape_each_part_of_the_answer_is_about():
+    """Colour and position answers are about the shape the question names, a description names its shapes left
+    to right, a shape answer is about the only shape; counting and chat have no subject."""
+    rng = np.random.default_rng(21)
+    seen = set()
+    for _ in range(300):
+        s, scene = scenes.sample_with_scene(rng)
+        if s.qtype in ("count", "chat"):
+            assert scene.subjects == ()
+            continue
+        starts = [start for start, _ in scene.subjects]
+        assert starts[0] == 0 and starts == sorted(set(starts)) and all(start < len(s.answer) for start in starts)
+        parts = [s.answer[a:b] for a, b in zip(starts, starts[1:] + [len(s.answer)], strict=True)]
+        for part, (_, i) in zip(parts, scene.subjects, strict=True):
+            shape = scene.shapes[i]
+            name = scenes.shape_name(shape.kind, s.lang)
+            if s.qtype == "position":
+                assert (
+                    name in s.question
+                    and part == (scenes.WHERE_EN if s.lang == "en" else scenes.WHERE_ZH)[scene.sides[i]]
+                )
+            elif s.qtype == "color":
+                assert name in s.question and part in (
+                    f"{shape.color.capitalize()}.",
+                    f"{scenes.COLORS_ZH[shape.color]}。",
+                )
+            else:  # shape, describe: the part names the shape (and, describing, its colour)
+                assert name in part
+        if s.qtype in ("color", "position"):  # the question names no other shape
+            (i,) = [i for _, i in scene.subjects]
+            assert not any(
+                scenes.shape_name(o.kind, s.lang) in s.question for j, o in enumerate(scene.shapes) if j != i
+            )
+        seen.add((s.qtype, s.lang, len(scene.subjects), scene.subjects[-1][1]))
+    for lang in ("en", "zh"):
+        assert {("color", lang, 1, 1), ("position", lang, 1, 1), ("describe", lang, 2, 1)} <= seen
+
+
+def _training_batch(n: int):
+    """``n`` stage-2 training samples of the committed recipe as a batch, with the default model's tokenizer."""
+    from tokenizers import Tokenizer
+    from train_default_model import SPECIAL_TOKENS, Encoder, Pixels, TrainConfig, draw, make_batch
+
+    tok = Tokenizer.from_file(str(MODEL_DIR / "tokenizer.json"))
+    enc = Encoder(tok, {t: tok.token_to_id(t) for t in SPECIAL_TOKENS})
+    cfg = TrainConfig(batch_size=n)
+    drawn = [draw(cfg, cfg.easy_steps + 1, i) for i in range(n)]
+    return drawn, make_batch([s for s, _ in drawn], enc, Pixels(MODEL_DIR, False)), enc
+
+
+@needs_checkpoint
+def test_pointer_queries_look_at_the_shape_the_text_is_about():
+    from train_default_model import MIN_COVER, pointer_queries, shape_cover
+
+    drawn, batch, enc = _training_batch(40)
+    grids = batch["image_grid_thw"].tolist()
+    image_rows = [row for row, (s, _) in enumerate(drawn) if s.image is not None]
+
+    def shape_tokens(row: int, shape: int) -> list[int]:
+        cover = shape_cover(drawn[row][1], grids[image_rows.index(row)])[shape]
+        image_pos = (batch["input_ids"][row] == enc.ids["<|image_pad|>"]).nonzero().squeeze(1)
+        want = np.flatnonzero(cover >= MIN_COVER) if cover.max() >= MIN_COVER else [cover.argmax()]
+        return image_pos[list(want)].tolist()
+
+    # One query per answer token (its final <|im_end|> included), at the token before it.
+    by_row: dict[int, list] = {}
+    for q in pointer_queries(drawn, batch, enc):
+        by_row.setdefault(q.row, []).append(q)
+    about = [row for row, (s, _) in enumerate(drawn) if s.qtype in ("shape", "color", "position", "describe")]
+    assert sorted(by_row) == about
+    pairs = 0
+    for row, qs in by_row.items():
+        sample, scene = drawn[row]
+        answer_at = (batch["labels"][row] != -100).nonzero().squeeze(1).tolist()
+        assert [q.pos + 1 for q in qs] == answer_at
+        if sample.qtype in ("color", "position"):  # the named shape throughout
+            (named,) = [i for _, i in scene.subjects]
+            assert all(q.targets.tolist() == shape_tokens(row, named) for q in qs)
+        elif len(scene.shapes) == 2:  # a description: the left shape first, the right one from " and "/"和" on
+            pairs += 1
+            assert qs[0].targets.tolist() == shape_tokens(row, 0) != shape_tokens(row, 1) == qs[-1].targets.tolist()
+            switch = [i for i, q in enumerate(qs) if q.targets.tolist() == shape_tokens(row, 1)][0]
+            said = enc.tok.decode(batch["input_ids"][row, answer_at[0] : answer_at[switch]].tolist())
+            assert scenes.shape_name(scene.shapes[0].kind, sample.lang) in said
+            assert scenes.shape_name(scene.shapes[1].kind, sample.lang) not in said
+        else:
+            assert all(q.targets.tolist() == shape_tokens(row, 0) for q in qs)
+    assert pairs >= 1
+
+
+@needs_checkpoint
+def test_attention_pointer_loss_is_the_attention_mass_transformers_computes():
+    """The pointer loss re-derives one head's attention from captured layer inputs; it must equal minus the log
+    of the attention mass transformers' own eager attention puts on the targets."""
+    import torch
+    from train_default_model import AttentionPointer, pointer_queries
+    from transformers import Qwen3VLForConditionalGeneration
+
+    drawn, batch, enc = _training_batch(12)
+    model = Qwen3VLForConditionalGeneration.from_pretrained(
+        str(MODEL_DIR), dtype=torch.float32, attn_implementation="eager"
+    )
+    layer = 2
+    pointer = AttentionPointer(model.model.language_model.layers[layer].self_attn)
+    queries = pointer_queries(drawn, batch, enc)
+    with torch.no_grad():
+        out = model(**{k: v for k, v in batch.items() if k != "labels"}, output_attentions=True)
+        got = pointer.loss(queries)
+    attn = out.attentions[layer]  # (B, heads, L, L)
+    want = torch.stack([-attn[q.row, 0, q.pos, q.targets].sum().log() for q in queries]).mean()
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+
+
 def test_held_out_set_is_disjoint_from_training():
     held = scenes.held_out_samples(50)
     train = [scenes.sample(scenes.train_rng(0, i)) for i in range(300)]

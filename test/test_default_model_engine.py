@@ -71,14 +71,6 @@ def answers(engine: Engine, held_out: list[scenes.Sample]) -> list[str]:
     return [_run(engine, s.question, s.image)[1].text for s in held_out]
 
 
-# The committed checkpoint falls short of 90% (see its README: 81% through the engine; position questions
-# 45%); the target stays asserted so a better checkpoint turns this into a pass, and the gap shows in every run.
-UNDER_TRAINED = pytest.mark.xfail(
-    reason="default model under-trained: 81% held-out exact match (target 90%), position questions 45%", strict=False
-)
-
-
-@UNDER_TRAINED
 def test_held_out_exact_match_at_least_90_percent(held_out, answers):
     hits: dict[str, list[bool]] = defaultdict(list)
     for s, a in zip(held_out, answers, strict=True):

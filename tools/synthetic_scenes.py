@@ -302,7 +302,7 @@ def _describe(shapes: list[Shape], lang: str) -> str:
     return "和".join(f"一个{COLORS_ZH[s.color]}的{SHAPES_ZH[s.kind]}" for s in shapes) + "。"
 
 
-def _shape_name(kind: str, lang: str) -> str:
+def shape_name(kind: str, lang: str) -> str:
     return kind if lang == "en" else SHAPES_ZH[kind]
 
 
@@ -313,6 +313,10 @@ class Scene:
     shapes: list[Shape]
     labels: np.ndarray | None  # None for text-only chat
     sides: tuple[str, ...] | None = None  # pair layouts: where each shape is ("left", "right") / ("top", "bottom")
+    # What the answer talks about: (first character, shape index) pairs in answer order; the characters from
+    # one start to the next are about that shape (for colour and position questions: the shape the question
+    # names). Empty for counting and chat.
+    subjects: tuple[tuple[int, int], ...] = ()
 
 
 def sample(rng: np.random.Generator) -> Sample:
@@ -337,6 +341,7 @@ def sample_with_scene(rng: np.random.Generator) -> tuple[Sample, Scene]:
         return Sample(None, pick(questions), answer, qtype, lang), Scene([], None)
 
     sides: tuple[str, ...] | None = None
+    asked: int | None = None
     if qtype == "shape":
         h, w, shapes = _single(rng)
         s = shapes[0]
@@ -345,9 +350,10 @@ def sample_with_scene(rng: np.random.Generator) -> tuple[Sample, Scene]:
     elif qtype == "color":
         n = int(rng.integers(1, 4))
         h, w, shapes = _single(rng) if n == 1 else _scatter(rng, n)
-        s = shapes[int(rng.integers(len(shapes)))]
+        asked = int(rng.integers(len(shapes)))
+        s = shapes[asked]
         answer = f"{s.color.capitalize()}." if lang == "en" else f"{COLORS_ZH[s.color]}。"
-        question = pick(templates["color"]).format(shape=_shape_name(s.kind, lang))
+        question = pick(templates["color"]).format(shape=shape_name(s.kind, lang))
     elif qtype == "count":
         n = int(rng.integers(1, 4))
         h, w, shapes = _single(rng) if n == 1 else _scatter(rng, n)
@@ -357,17 +363,23 @@ def sample_with_scene(rng: np.random.Generator) -> tuple[Sample, Scene]:
         axis = "x" if rng.random() < 0.5 else "y"
         h, w, shapes = _pair(rng, axis)
         sides = ("left", "right") if axis == "x" else ("top", "bottom")
-        i = int(rng.integers(2))
-        where = sides[i]
-        answer = (WHERE_EN if lang == "en" else WHERE_ZH)[where]
-        question = pick(templates["position"]).format(shape=_shape_name(shapes[i].kind, lang))
+        asked = int(rng.integers(2))
+        answer = (WHERE_EN if lang == "en" else WHERE_ZH)[sides[asked]]
+        question = pick(templates["position"]).format(shape=shape_name(shapes[asked].kind, lang))
     else:  # describe: one shape, or two side by side listed left to right
         h, w, shapes = _single(rng) if rng.random() < 0.4 else _pair(rng, "x")
         sides = ("left", "right") if len(shapes) == 2 else None
         answer = _describe(shapes, lang)
         question = pick(templates["describe"])
+    subjects: tuple[tuple[int, int], ...] = ()
+    if asked is not None:
+        subjects = ((0, asked),)
+    elif qtype == "shape":
+        subjects = ((0, 0),)
+    elif qtype == "describe":
+        subjects = ((0, 0),) if len(shapes) == 1 else ((0, 0), (answer.index(" and " if lang == "en" else "和"), 1))
     image, labels = render_with_labels(rng, h, w, shapes)
-    return Sample(image, question, answer, qtype, lang), Scene(shapes, labels, sides)
+    return Sample(image, question, answer, qtype, lang), Scene(shapes, labels, sides, subjects)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -399,7 +411,7 @@ def all_texts() -> list[str]:
     texts: list[str] = []
     for lang, templates in (("en", Q_EN), ("zh", Q_ZH)):
         for kind in SHAPES:
-            name = _shape_name(kind, lang)
+            name = shape_name(kind, lang)
             for qs in templates.values():
                 texts.extend(q.format(shape=name) for q in qs)
         for topic in CHAT[lang].values():
