@@ -14,7 +14,7 @@ Scenes are designed so every question has exactly one correct answer:
 
 Public API: ``sample(rng) -> Sample``, ``sample_with_scene(rng) -> (Sample, Scene)``, ``make_samples(seed, n)``,
 ``train_rng(seed, index)``, ``held_out_samples(n)``, ``all_texts()`` (every question/answer string, for the
-tokenizer).
+tokenizer), ``shape_name(kind, lang)``.
 """
 
 from __future__ import annotations
@@ -308,7 +308,9 @@ def shape_name(kind: str, lang: str) -> str:
 
 @dataclass(frozen=True)
 class Scene:
-    """What a sample's picture shows: its shapes and the (h, w) label map of ``render_with_labels``."""
+    """What a sample's picture shows (its shapes, the (h, w) label map of ``render_with_labels``, the sides of a
+    pair layout) and which shape each part of the answer is about: the training script's per-token targets and
+    attention targets come from it."""
 
     shapes: list[Shape]
     labels: np.ndarray | None  # None for text-only chat
