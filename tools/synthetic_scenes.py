@@ -52,6 +52,7 @@ COLORS_ZH: dict[str, str] = {
 COUNT_EN = {1: "One.", 2: "Two.", 3: "Three."}
 COUNT_ZH = {1: "一个。", 2: "两个。", 3: "三个。"}
 WHERE_EN = {"left": "On the left.", "right": "On the right.", "top": "At the top.", "bottom": "At the bottom."}
+AND = {"en": " and ", "zh": "和"}  # joins the shapes of a description
 WHERE_ZH = {"left": "在左边。", "right": "在右边。", "top": "在上边。", "bottom": "在下边。"}
 
 Q_EN: dict[str, tuple[str, ...]] = {
@@ -219,11 +220,6 @@ def render_with_labels(
     return img, labels
 
 
-def render(rng: np.random.Generator, h: int, w: int, shapes: list[Shape]) -> np.ndarray:
-    """Draw ``shapes`` on a random background; HWC uint8 RGB (``render_with_labels`` without the labels)."""
-    return render_with_labels(rng, h, w, shapes)[0]
-
-
 # ----------------------------------------------------------------------------------------------------------------
 # Layouts
 
@@ -297,9 +293,9 @@ def _scatter(rng: np.random.Generator, n: int) -> tuple[int, int, list[Shape]]:
 def _describe(shapes: list[Shape], lang: str) -> str:
     if lang == "en":
         parts = [f"{'an' if s.color[0] in 'aeiou' else 'a'} {s.color} {s.kind}" for s in shapes]
-        text = " and ".join(parts)
+        text = AND["en"].join(parts)
         return text[0].upper() + text[1:] + "."
-    return "和".join(f"一个{COLORS_ZH[s.color]}的{SHAPES_ZH[s.kind]}" for s in shapes) + "。"
+    return AND["zh"].join(f"一个{COLORS_ZH[s.color]}的{SHAPES_ZH[s.kind]}" for s in shapes) + "。"
 
 
 def shape_name(kind: str, lang: str) -> str:
@@ -328,7 +324,7 @@ def sample(rng: np.random.Generator) -> Sample:
 
 def sample_with_scene(rng: np.random.Generator) -> tuple[Sample, Scene]:
     """Like ``sample`` (same draws, same result) but also returns what the picture shows; the training script
-    uses it for its curriculum and its dense vision objective."""
+    uses it for its curriculum, its dense vision objective and its attention targets."""
     qtypes = list(QTYPE_WEIGHTS)
     qtype = qtypes[int(rng.choice(len(qtypes), p=np.array(list(QTYPE_WEIGHTS.values()))))]
     lang = "en" if rng.random() < 0.5 else "zh"
@@ -379,7 +375,7 @@ def sample_with_scene(rng: np.random.Generator) -> tuple[Sample, Scene]:
     elif qtype == "shape":
         subjects = ((0, 0),)
     elif qtype == "describe":
-        subjects = ((0, 0),) if len(shapes) == 1 else ((0, 0), (answer.index(" and " if lang == "en" else "和"), 1))
+        subjects = ((0, 0),) if len(shapes) == 1 else ((0, 0), (answer.index(AND[lang]), 1))
     image, labels = render_with_labels(rng, h, w, shapes)
     return Sample(image, question, answer, qtype, lang), Scene(shapes, labels, sides, subjects)
 

@@ -312,12 +312,20 @@ class Encoder:
     def __init__(self, tok, ids: dict[str, int]) -> None:
         self.tok = tok
         self.ids = ids
-        self._cache: dict[str, list[int]] = {}
+        self._cache: dict[str, tuple[list[int], list[int]]] = {}  # text -> (token ids, first character of each)
+
+    def _encoded(self, text: str) -> tuple[list[int], list[int]]:
+        if text not in self._cache:
+            enc = self.tok.encode(text)
+            self._cache[text] = (enc.ids, [a for a, _ in enc.offsets])
+        return self._cache[text]
 
     def _enc(self, text: str) -> list[int]:
-        if text not in self._cache:
-            self._cache[text] = self.tok.encode(text).ids
-        return self._cache[text]
+        return self._encoded(text)[0]
+
+    def answer_starts(self, answer: str) -> list[int]:
+        """The first character of each token of ``answer(answer)``, and ``len(answer)`` for its <|im_end|>."""
+        return self._encoded(answer)[1] + [len(answer)]
 
     def prompt(self, question: str, n_image_tokens: int | None) -> list[int]:
         vision = "<|vision_start|><|image_pad|><|vision_end|>" if n_image_tokens is not None else ""
@@ -483,8 +491,7 @@ def pointer_queries(
             for c in shape_cover(scene, grid)
         ]
         first = int((batch["labels"][row] != IGNORE).nonzero()[0])  # the answer's first token
-        starts = [a for a, _ in enc.tok.encode(sample.answer).offsets] + [len(sample.answer)]  # + <|im_end|>
-        for t, char in enumerate(starts):
+        for t, char in enumerate(enc.answer_starts(sample.answer)):
             shape = [i for start, i in scene.subjects if start <= char][-1]
             queries.append(PointerQuery(row, first + t - 1, shape_tokens[shape]))
     return queries
