@@ -34,11 +34,6 @@ def mem_available_bytes() -> int:
     return 0
 
 
-# On CPU the engine's default is the dynamic decode step. The static step (what a CUDA graph captures)
-# attends over all max_context_tokens slots with a mask, so eagerly on CPU its cost grows with the context
-# limit rather than with the tokens held; vs_transformers records it separately (``engine_static``).
-
-
 def make_engine(model_dir: Path, dtype: str, **overrides):
     from orin_vlm_node.engine import Engine
     from orin_vlm_node.engine.config import EngineConfig
@@ -61,15 +56,12 @@ def compare(
     max_new_tokens: int,
     repeats: int,
     image_hw: tuple[int, int],
-    with_static: bool = False,
 ) -> None:
     """Load both implementations on ``model_dir`` and record the figures of ``name``.{text,image}."""
     from orin_vlm_node.engine.events import Request, Turn
 
     ctx.log(f"vs_transformers[{name}]: loading engine and transformers ({dtype})")
     engine = make_engine(model_dir, dtype, prefix_caching=False)
-    # The engine as configured by default (static decode step run eagerly), on the small model only.
-    static = make_engine(model_dir, dtype, prefix_caching=False, static_decode="on") if with_static else None
     hf = HFRunner(str(model_dir), TORCH_DTYPES[dtype])
     res.setup.setdefault("hf_attn_implementation", hf.attn_implementation)
     image = ctx.image(*image_hw, seed=1)
@@ -89,30 +81,11 @@ def compare(
                 return hf.run(text, images, None, max_new_tokens)
 
             sides = {"engine": eng, "hf": ref}
-            if static is not None:
-
-                def eng_static(text=text, images=images, counter=counter) -> GenTiming:
-                    req = Request(
-                        turn=Turn(text=text, images=images),
-                        sampling=greedy(max_new_tokens),
-                        request_id=f"bench-{name}-static-{next(counter)}",
-                    )
-                    return run_engine(static, req)
-
-                sides["engine_static"] = eng_static
             ctx.log(f"vs_transformers[{name}.{prompt}]: {repeats} alternating repeats")
             runs = alternate(sides, repeats=repeats, warmup=ctx.config.warmup)
             e, h = runs["engine"], runs["hf"]
             key = f"{name}.{prompt}"
             labels = {"model": name, "prompt": prompt}
-            if "engine_static" in runs:
-                st = runs["engine_static"]
-                res.add(f"{key}.engine_static.ttft_s", "s", [r.ttft_s for r in st],
-                        "engine with static_decode=on on CPU (static decode step, eager)", impl="engine_static",
-                        **labels)  # fmt: skip
-                res.add(f"{key}.engine_static.decode_tok_s", "tok/s", [r.decode_tok_s for r in st],
-                        "engine with static_decode=on on CPU (static decode step, eager)", impl="engine_static",
-                        **labels)  # fmt: skip
             res.add(
                 f"{key}.engine.ttft_s",
                 "s",
@@ -170,7 +143,7 @@ def compare(
                     f"(engine {list(e[-1].token_ids)[:12]}..., hf {list(h[-1].token_ids)[:12]}...)"
                 )
     finally:
-        engine = static = hf = None
+        engine = hf = None
         gc.collect()
 
 
@@ -178,11 +151,11 @@ def run(ctx: BenchContext) -> SectionResult:
     cfg = ctx.config
     res = SectionResult("vs_transformers")
     res.setup["torch_threads"] = torch.get_num_threads()
-    res.setup["engine_config"] = dict(prefix_caching=False, device="cpu", static_decode="auto")
+    res.setup["engine_config"] = dict(prefix_caching=False, device="cpu")
     res.setup["max_new_tokens"] = {"default": cfg.max_new_tokens, "2b": cfg.big_max_new_tokens}
     model_dir, what = ctx.default_model()
     res.setup["default_model"] = what
-    compare(ctx, res, "default", model_dir, "fp32", cfg.max_new_tokens, cfg.repeats, cfg.image_size, with_static=True)
+    compare(ctx, res, "default", model_dir, "fp32", cfg.max_new_tokens, cfg.repeats, cfg.image_size)
 
     if not cfg.big_checkpoint:
         for dt in cfg.big_dtypes:
@@ -209,7 +182,6 @@ def run(ctx: BenchContext) -> SectionResult:
         f"{what}; 2B-shape random checkpoint ({', '.join(cfg.big_dtypes) if cfg.big_checkpoint else 'not run'}); "
         f"greedy, same prompt/image both sides, {cfg.repeats} alternating repeats after {cfg.warmup} warm-up; "
         f"transformers attention: {res.setup.get('hf_attn_implementation', '?')}; "
-        f"{torch.get_num_threads()} torch threads. Engine on CPU with its default dynamic decode step; "
-        "`*.engine_static.*` is static_decode=on, the CUDA-graph step run eagerly on CPU."
+        f"{torch.get_num_threads()} torch threads. Engine on CPU (dynamic decode step)."
     )
     return res

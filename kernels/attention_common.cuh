@@ -17,9 +17,9 @@ struct Vec {
   static constexpr int kElems = 16 / static_cast<int>(sizeof(T));
 };
 
-// Load 16 bytes (read-only path) and widen to fp32. `p` must be 16-byte aligned.
+// Load 16 bytes (read-only path) and widen to fp32 into out[0 .. Vec<T>::kElems). `p` must be 16-byte aligned.
 template <typename T>
-__device__ __forceinline__ void load_vec(const T* __restrict__ p, float (&out)[Vec<T>::kElems]) {
+__device__ __forceinline__ void load_vec(const T* __restrict__ p, float* __restrict__ out) {
   const uint4 raw = __ldg(reinterpret_cast<const uint4*>(p));
   const T* e = reinterpret_cast<const T*>(&raw);
 #pragma unroll
@@ -56,3 +56,8 @@ __device__ __forceinline__ int physical_block(const int* __restrict__ table_row,
 }
 
 }  // namespace orin_vlm
+
+// The head sizes every attention kernel is instantiated for (Qwen3-VL uses 128; 32, 64 and 256 cover
+// the embedded default model and other decoders). Mirrored by SUPPORTED_HEAD_DIMS in
+// orin_vlm_node/cuda/launch.py: M(D) expands to the kernels of one head size.
+#define ORIN_FOR_EACH_HEAD_DIM(M) M(32) M(64) M(128) M(256)

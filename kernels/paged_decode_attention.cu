@@ -1,9 +1,11 @@
 // Paged DECODE attention: one query token per sequence, reading K/V through the block table.
 //
-// One thread block serves one (kv head, sequence, split): the GROUP query heads that share the kv head
-// (GQA) are processed together, so every K/V vector is loaded once per group. Inside a warp, the
-// lanes are split into sub-groups of HEAD_DIM/VEC lanes, each sub-group owning one token per step and
-// each lane 16 bytes (one vector) of that token's head. Every sub-group keeps its own online-softmax
+// One thread block serves one (kv head, group chunk, sequence, split): up to MAX_GROUP of the query heads
+// that share the kv head (GQA) are processed together, so every K/V vector is loaded once per chunk. A
+// GQA group larger than MAX_GROUP is served by several chunks (gridDim.x = num_kv_heads * chunks), so any
+// group size that divides the head count works. Inside a warp, the lanes are split into sub-groups of
+// LANES_PER_TOKEN lanes, each sub-group owning one token per step and each lane VPL 16-byte vectors of that
+// token's head (one for every head size except fp32 at 256). Every sub-group keeps its own online-softmax
 // state (running max m, sum l, unnormalized output acc); the states are merged across the warp with
 // shuffles and across warps through shared memory. Shared memory is fixed by the template parameters,
 // independent of the context length.
@@ -20,7 +22,21 @@ namespace orin_vlm {
 
 constexpr int kDecodeWarps = 4;
 
-// Grid: (num_kv_heads, batch, num_splits); block: kDecodeWarps*32 threads;
+// How one head row of HEAD_DIM elements of T is spread over the lanes of a token sub-group.
+template <typename T, int HEAD_DIM>
+struct DecodeLayout {
+  static constexpr int kVec = Vec<T>::kElems;                  // elements per 16-byte vector
+  static constexpr int kVecs = HEAD_DIM / kVec;                // vectors per head row
+  static constexpr int kLanes = kVecs < kWarpSize ? kVecs : kWarpSize;  // lanes per token
+  static constexpr int kVpl = kVecs / kLanes;                  // vectors per lane
+  static constexpr int kTokensPerWarp = kWarpSize / kLanes;
+  static_assert(HEAD_DIM % kVec == 0 && kVecs % kLanes == 0 && kWarpSize % kLanes == 0,
+                "head_dim must split into whole 16-byte vectors over a power-of-two number of lanes");
+  // First element of this lane's j-th vector: the lanes of a token read adjacent vectors (coalesced).
+  static __device__ __forceinline__ int dim(int lane_in_token, int j) { return (j * kLanes + lane_in_token) * kVec; }
+};
+
+// Grid: (num_kv_heads * group_chunks, batch, num_splits); block: kDecodeWarps*32 threads;
 // dynamic shared memory: kDecodeWarps * MAX_GROUP * (HEAD_DIM + 2) floats.
 template <typename T, int HEAD_DIM, int MAX_GROUP>
 __device__ __forceinline__ void paged_decode_attention(
@@ -34,23 +50,28 @@ __device__ __forceinline__ void paged_decode_attention(
     const int* __restrict__ seq_lens,      // [batch] tokens cached (including this step's token)
     int num_heads, int num_kv_heads, int page_size, int max_blocks_per_seq, int tokens_per_split,
     float scale) {
-  constexpr int VEC = Vec<T>::kElems;
-  constexpr int LANES_PER_TOKEN = HEAD_DIM / VEC;
-  constexpr int TOKENS_PER_WARP = kWarpSize / LANES_PER_TOKEN;
-  static_assert(HEAD_DIM % VEC == 0 && LANES_PER_TOKEN <= kWarpSize && kWarpSize % LANES_PER_TOKEN == 0,
-                "head_dim must split into whole vectors within one warp");
+  using Layout = DecodeLayout<T, HEAD_DIM>;
+  constexpr int VEC = Layout::kVec;
+  constexpr int VPL = Layout::kVpl;
+  constexpr int LANES_PER_TOKEN = Layout::kLanes;
+  constexpr int TOKENS_PER_WARP = Layout::kTokensPerWarp;
+  constexpr int REGS = VPL * VEC;  // elements of one head row this lane holds
   if (blockDim.x != kDecodeWarps * kWarpSize) KERNEL_TRAP();
   const int group = num_heads / num_kv_heads;
-  if (group > MAX_GROUP) KERNEL_TRAP();
+  const int chunks = (group + MAX_GROUP - 1) / MAX_GROUP;
+  if (static_cast<int>(gridDim.x) != num_kv_heads * chunks) KERNEL_TRAP();
 
-  const int kvh = blockIdx.x;
+  const int kvh = blockIdx.x / chunks;
+  const int g0 = (blockIdx.x % chunks) * MAX_GROUP;  // first query head of the group this block serves
+  const int heads = min(MAX_GROUP, group - g0);      // query heads of this block (<= MAX_GROUP)
+  const int head0 = kvh * group + g0;                // global index of the block's first query head
   const int b = blockIdx.y;
   const int split = blockIdx.z;
   const int num_splits = gridDim.z;
   const int warp = threadIdx.x / kWarpSize;
   const int lane = threadIdx.x % kWarpSize;
   const int sub = lane / LANES_PER_TOKEN;  // which token of the warp's step this lane works on
-  const int d0 = (lane % LANES_PER_TOKEN) * VEC;
+  const int lane_in_token = lane % LANES_PER_TOKEN;
 
   const int seq_len = __ldg(seq_lens + b);
   int t_begin = 0;
@@ -60,35 +81,39 @@ __device__ __forceinline__ void paged_decode_attention(
     t_end = min(seq_len, t_begin + tokens_per_split);
   }
 
-  // This lane's slice of the group's queries, pre-scaled into the log2 domain.
+  // This lane's slice of the block's queries, pre-scaled into the log2 domain.
   const float qscale = scale * kLog2e;
-  float qr[MAX_GROUP][VEC];
+  float qr[MAX_GROUP][REGS];
 #pragma unroll
   for (int g = 0; g < MAX_GROUP; ++g) {
-    if (g < group) {
-      load_vec(q + (static_cast<size_t>(b) * num_heads + kvh * group + g) * HEAD_DIM + d0, qr[g]);
 #pragma unroll
-      for (int i = 0; i < VEC; ++i) qr[g][i] *= qscale;
-    } else {
+    for (int j = 0; j < VPL; ++j) {
+      float* dst = qr[g] + j * VEC;
+      if (g < heads) {
+        load_vec(q + (static_cast<size_t>(b) * num_heads + head0 + g) * HEAD_DIM + Layout::dim(lane_in_token, j), dst);
 #pragma unroll
-      for (int i = 0; i < VEC; ++i) qr[g][i] = 0.0f;
+        for (int i = 0; i < VEC; ++i) dst[i] *= qscale;
+      } else {
+#pragma unroll
+        for (int i = 0; i < VEC; ++i) dst[i] = 0.0f;
+      }
     }
   }
 
   float m[MAX_GROUP];
   float l[MAX_GROUP];
-  float acc[MAX_GROUP][VEC];
+  float acc[MAX_GROUP][REGS];
 #pragma unroll
   for (int g = 0; g < MAX_GROUP; ++g) {
     m[g] = -INFINITY;
     l[g] = 0.0f;
 #pragma unroll
-    for (int i = 0; i < VEC; ++i) acc[g][i] = 0.0f;
+    for (int i = 0; i < REGS; ++i) acc[g][i] = 0.0f;
   }
 
   const int* table_row = block_tables + static_cast<size_t>(b) * max_blocks_per_seq;
   const size_t token_stride = static_cast<size_t>(num_kv_heads) * HEAD_DIM;
-  const size_t head_offset = static_cast<size_t>(kvh) * HEAD_DIM + d0;
+  const size_t head_offset = static_cast<size_t>(kvh) * HEAD_DIM;
 
   // Warp-uniform loop: every lane of the warp runs the same iterations so the shuffles stay converged.
   for (int base = t_begin + warp * TOKENS_PER_WARP; base < t_end; base += kDecodeWarps * TOKENS_PER_WARP) {
@@ -96,51 +121,57 @@ __device__ __forceinline__ void paged_decode_attention(
     const int blk = t < t_end ? physical_block(table_row, t, page_size, max_blocks_per_seq) : -1;
     const bool valid = blk >= 0;
     const size_t row = valid ? (static_cast<size_t>(blk) * page_size + t % page_size) * token_stride : 0;
-    float kv[VEC];
-    if (valid) {
-      load_vec(k_pool + row + head_offset, kv);
-    } else {
+    float kv[REGS];
 #pragma unroll
-      for (int i = 0; i < VEC; ++i) kv[i] = 0.0f;
+    for (int j = 0; j < VPL; ++j) {
+      if (valid) {
+        load_vec(k_pool + row + head_offset + Layout::dim(lane_in_token, j), kv + j * VEC);
+      } else {
+#pragma unroll
+        for (int i = 0; i < VEC; ++i) kv[j * VEC + i] = 0.0f;
+      }
     }
     float s[MAX_GROUP];
 #pragma unroll
     for (int g = 0; g < MAX_GROUP; ++g) {
       float dot = 0.0f;
 #pragma unroll
-      for (int i = 0; i < VEC; ++i) dot += qr[g][i] * kv[i];
+      for (int i = 0; i < REGS; ++i) dot += qr[g][i] * kv[i];
       s[g] = dot;
     }
 #pragma unroll
     for (int off = LANES_PER_TOKEN / 2; off > 0; off >>= 1) {
 #pragma unroll
       for (int g = 0; g < MAX_GROUP; ++g) {
-        if (g < group) s[g] += __shfl_xor_sync(kFullMask, s[g], off);
+        if (g < heads) s[g] += __shfl_xor_sync(kFullMask, s[g], off);
       }
     }
     if (valid) {
-      load_vec(v_pool + row + head_offset, kv);
+#pragma unroll
+      for (int j = 0; j < VPL; ++j) {
+        load_vec(v_pool + row + head_offset + Layout::dim(lane_in_token, j), kv + j * VEC);
+      }
 #pragma unroll
       for (int g = 0; g < MAX_GROUP; ++g) {
-        if (g < group) {
+        if (g < heads) {
           const float m_new = fmaxf(m[g], s[g]);
           const float alpha = exp2_diff(m[g], m_new);
           const float p = exp2f(s[g] - m_new);
           l[g] = l[g] * alpha + p;
 #pragma unroll
-          for (int i = 0; i < VEC; ++i) acc[g][i] = acc[g][i] * alpha + p * kv[i];
+          for (int i = 0; i < REGS; ++i) acc[g][i] = acc[g][i] * alpha + p * kv[i];
           m[g] = m_new;
         }
       }
     }
   }
 
-  // Merge the sub-groups of the warp (lanes with the same d0, different tokens).
+  // Merge the sub-groups of the warp (lanes with the same dims, different tokens).
 #pragma unroll
   for (int off = LANES_PER_TOKEN; off < kWarpSize; off <<= 1) {
 #pragma unroll
     for (int g = 0; g < MAX_GROUP; ++g) {
-      if (g < group) {
+      if (g < heads) {
         const float m_o = __shfl_xor_sync(kFullMask, m[g], off);
         const float l_o = __shfl_xor_sync(kFullMask, l[g], off);
         const float m_new = fmaxf(m[g], m_o);
@@ -148,7 +179,7 @@ __device__ __forceinline__ void paged_decode_attention(
         const float c = exp2_diff(m_o, m_new);
         l[g] = l[g] * a + l_o * c;
 #pragma unroll
-        for (int i = 0; i < VEC; ++i) {
+        for (int i = 0; i < REGS; ++i) {
           const float acc_o = __shfl_xor_sync(kFullMask, acc[g][i], off);
           acc[g][i] = acc[g][i] * a + acc_o * c;
         }
@@ -165,9 +196,14 @@ __device__ __forceinline__ void paged_decode_attention(
   if (sub == 0) {
 #pragma unroll
     for (int g = 0; g < MAX_GROUP; ++g) {
-      if (g < group) {
+      if (g < heads) {
 #pragma unroll
-        for (int i = 0; i < VEC; ++i) smem_acc[(warp * MAX_GROUP + g) * HEAD_DIM + d0 + i] = acc[g][i];
+        for (int j = 0; j < VPL; ++j) {
+#pragma unroll
+          for (int i = 0; i < VEC; ++i) {
+            smem_acc[(warp * MAX_GROUP + g) * HEAD_DIM + Layout::dim(lane_in_token, j) + i] = acc[g][j * VEC + i];
+          }
+        }
         if (lane == 0) {
           smem_m[warp * MAX_GROUP + g] = m[g];
           smem_l[warp * MAX_GROUP + g] = l[g];
@@ -177,7 +213,7 @@ __device__ __forceinline__ void paged_decode_attention(
   }
   __syncthreads();
 
-  for (int idx = threadIdx.x; idx < group * HEAD_DIM; idx += blockDim.x) {
+  for (int idx = threadIdx.x; idx < heads * HEAD_DIM; idx += blockDim.x) {
     const int g = idx / HEAD_DIM;
     const int d = idx % HEAD_DIM;
     float m_all = -INFINITY;
@@ -192,7 +228,7 @@ __device__ __forceinline__ void paged_decode_attention(
       o_all += smem_acc[(w * MAX_GROUP + g) * HEAD_DIM + d] * wgt;
     }
     const float o = l_all > 0.0f ? o_all / l_all : 0.0f;
-    const size_t head_row = static_cast<size_t>(b) * num_heads + kvh * group + g;
+    const size_t head_row = static_cast<size_t>(b) * num_heads + head0 + g;
     if (num_splits == 1) {
       out[head_row * HEAD_DIM + d] = from_float<T>(o);
     } else {
@@ -252,16 +288,13 @@ __device__ __forceinline__ void paged_decode_reduce(T* __restrict__ out,        
     orin_vlm::paged_decode_reduce<T, D>(out, partial_out, partial_lse, num_heads, num_splits);         \
   }
 
-ORIN_DECODE_KERNELS_FOR(f32, float, 64)
-ORIN_DECODE_KERNELS_FOR(f32, float, 128)
-ORIN_DECODE_KERNELS_FOR(f16, __half, 64)
-ORIN_DECODE_KERNELS_FOR(f16, __half, 128)
-ORIN_DECODE_KERNELS_FOR(bf16, __nv_bfloat16, 64)
-ORIN_DECODE_KERNELS_FOR(bf16, __nv_bfloat16, 128)
+// Every storage type for one head size (the list of head sizes is ORIN_FOR_EACH_HEAD_DIM in attention_common.cuh).
+#define ORIN_DECODE_FOR_HEAD_DIM(D)              \
+  ORIN_DECODE_KERNELS_FOR(f32, float, D)         \
+  ORIN_DECODE_KERNELS_FOR(f16, __half, D)        \
+  ORIN_DECODE_KERNELS_FOR(bf16, __nv_bfloat16, D) \
+  ORIN_REDUCE_KERNEL(f32, float, D)              \
+  ORIN_REDUCE_KERNEL(f16, __half, D)             \
+  ORIN_REDUCE_KERNEL(bf16, __nv_bfloat16, D)
 
-ORIN_REDUCE_KERNEL(f32, float, 64)
-ORIN_REDUCE_KERNEL(f32, float, 128)
-ORIN_REDUCE_KERNEL(f16, __half, 64)
-ORIN_REDUCE_KERNEL(f16, __half, 128)
-ORIN_REDUCE_KERNEL(bf16, __nv_bfloat16, 64)
-ORIN_REDUCE_KERNEL(bf16, __nv_bfloat16, 128)
+ORIN_FOR_EACH_HEAD_DIM(ORIN_DECODE_FOR_HEAD_DIM)

@@ -6,21 +6,29 @@
 // seq_lens[b] cached tokens including its chunk, so query i of the chunk sits at slot
 // seq_lens[b] - q_len + i and attends to slots 0 .. that slot.
 //
-// One thread block serves one tile of kPrefillBlockQ query rows of one head of one sequence. K/V are
-// streamed through shared memory in tiles of kPrefillBlockK tokens (vectorized 16-byte loads, widened
-// to fp32); each warp owns kPrefillBlockQ/kPrefillWarps rows with an online softmax, a lane per key
-// for the scores and a lane per head dimension (strided by 32) for the output. Shared memory is fixed
-// by HEAD_DIM, independent of context length. Tiles past the last row's causal limit are skipped.
+// One thread block serves one tile of BLOCK_Q query rows of one head of one sequence. K and then V of a
+// tile of kPrefillBlockK tokens pass through one shared buffer (vectorized 16-byte loads, widened to
+// fp32): first the scores of every row against the K tile (a lane per key, online softmax per row, the
+// probabilities kept in shared memory), then the V tile is loaded over the K tile and accumulated (a lane
+// per head dimension, strided by 32). Sharing the buffer keeps head_dim 256 within the 48 KiB every
+// GPU grants without opt-in. Shared memory is fixed by HEAD_DIM, independent of context length. Tiles
+// past the last row's causal limit are skipped.
 #include "attention_common.cuh"
 
 namespace orin_vlm {
 
 constexpr int kPrefillWarps = 4;
-constexpr int kPrefillBlockQ = 16;
 constexpr int kPrefillBlockK = 32;  // one key per lane
 
-// Grid: (ceil(max_q_len / kPrefillBlockQ), num_heads, batch); block: kPrefillWarps*32 threads;
-// dynamic shared memory (floats): BlockQ*D + BlockK*(D+1) + BlockK*D + Warps*BlockK + BlockK.
+// Query rows per block: 16, or 8 at head_dim 256 so the tiles fit in 48 KiB.
+template <int HEAD_DIM>
+struct PrefillTile {
+  static constexpr int kBlockQ = HEAD_DIM > 128 ? 8 : 16;
+  static constexpr int kRowsPerWarp = kBlockQ / kPrefillWarps;
+};
+
+// Grid: (ceil(max_q_len / BLOCK_Q), num_heads, batch); block: kPrefillWarps*32 threads;
+// dynamic shared memory (floats): BLOCK_Q*D + BlockK*(D+1) + BLOCK_Q*BlockK + BlockK.
 template <typename T, int HEAD_DIM>
 __device__ __forceinline__ void paged_prefill_attention(
     T* __restrict__ out,                   // [num_tokens, num_heads, HEAD_DIM]
@@ -33,9 +41,10 @@ __device__ __forceinline__ void paged_prefill_attention(
     int num_heads, int num_kv_heads, int page_size, int max_blocks_per_seq, float scale) {
   constexpr int VEC = Vec<T>::kElems;
   constexpr int CHUNKS = HEAD_DIM / VEC;  // vectors per head row
-  constexpr int ROWS = kPrefillBlockQ / kPrefillWarps;
+  constexpr int BLOCK_Q = PrefillTile<HEAD_DIM>::kBlockQ;
+  constexpr int ROWS = PrefillTile<HEAD_DIM>::kRowsPerWarp;
   constexpr int DPL = HEAD_DIM / kWarpSize;  // output dims per lane
-  constexpr int K_STRIDE = HEAD_DIM + 1;     // padded: lanes read different keys at the same d
+  constexpr int STRIDE = HEAD_DIM + 1;       // padded: lanes read different keys at the same d
   static_assert(HEAD_DIM % kWarpSize == 0, "head_dim must be a multiple of 32");
   if (blockDim.x != kPrefillWarps * kWarpSize) KERNEL_TRAP();
 
@@ -44,12 +53,12 @@ __device__ __forceinline__ void paged_prefill_attention(
   const int b = blockIdx.z;
   const int q_begin = __ldg(cu_q_lens + b);
   const int q_len = __ldg(cu_q_lens + b + 1) - q_begin;
-  const int row0 = tile * kPrefillBlockQ;
+  const int row0 = tile * BLOCK_Q;
   if (row0 >= q_len) return;  // block-uniform: this sequence's chunk is shorter than the grid
   const int kv_len = __ldg(seq_lens + b);
   const int ctx = kv_len - q_len;  // slots cached before the chunk
   const int kvh = h / (num_heads / num_kv_heads);
-  const int rows_here = min(kPrefillBlockQ, q_len - row0);
+  const int rows_here = min(BLOCK_Q, q_len - row0);
   const int kv_hi = min(kv_len, ctx + row0 + rows_here);  // keys any row of this tile may see
 
   const int tid = threadIdx.x;
@@ -57,14 +66,13 @@ __device__ __forceinline__ void paged_prefill_attention(
   const int lane = tid % kWarpSize;
 
   DYNAMIC_SHARED(float, smem);
-  float* q_s = smem;                                   // [BlockQ][D], log2-domain scaled
-  float* k_s = q_s + kPrefillBlockQ * HEAD_DIM;        // [BlockK][D + 1]
-  float* v_s = k_s + kPrefillBlockK * K_STRIDE;        // [BlockK][D]
-  float* p_s = v_s + kPrefillBlockK * HEAD_DIM;        // [Warps][BlockK] probabilities of a row
-  float* ok_s = p_s + kPrefillWarps * kPrefillBlockK;  // [BlockK] 1 = key backed by an allocated block
+  float* q_s = smem;                           // [BLOCK_Q][D], log2-domain scaled
+  float* kv_s = q_s + BLOCK_Q * HEAD_DIM;      // [BlockK][D + 1]: the K tile, then the V tile
+  float* p_s = kv_s + kPrefillBlockK * STRIDE;  // [BLOCK_Q][BlockK] probabilities of each row
+  float* ok_s = p_s + BLOCK_Q * kPrefillBlockK;  // [BlockK] 1 = key backed by an allocated block
 
   const float qscale = scale * kLog2e;
-  for (int c = tid; c < kPrefillBlockQ * CHUNKS; c += blockDim.x) {
+  for (int c = tid; c < BLOCK_Q * CHUNKS; c += blockDim.x) {
     const int r = c / CHUNKS;
     const int d0 = (c % CHUNKS) * VEC;
     float x[VEC];
@@ -80,6 +88,8 @@ __device__ __forceinline__ void paged_prefill_attention(
 
   float m[ROWS];
   float l[ROWS];
+  float alpha[ROWS];
+  bool seen[ROWS];  // warp-uniform: some key of the current tile is visible to the row
   float acc[ROWS][DPL];
 #pragma unroll
   for (int i = 0; i < ROWS; ++i) {
@@ -91,30 +101,25 @@ __device__ __forceinline__ void paged_prefill_attention(
 
   const int* table_row = block_tables + static_cast<size_t>(b) * max_blocks_per_seq;
   const size_t token_stride = static_cast<size_t>(num_kv_heads) * HEAD_DIM;
+  const size_t head_offset = static_cast<size_t>(kvh) * HEAD_DIM;
 
   for (int kt = 0; kt < kv_hi; kt += kPrefillBlockK) {
-    __syncthreads();  // the previous tile is consumed (and q_s is complete before the first)
+    // -- K tile -> scores and probabilities of every row.
+    __syncthreads();  // the previous V tile is consumed (and q_s is complete before the first tile)
     for (int c = tid; c < kPrefillBlockK * CHUNKS; c += blockDim.x) {
       const int j = c / CHUNKS;
       const int d0 = (c % CHUNKS) * VEC;
       const int t = kt + j;
       const int blk = t < kv_hi ? physical_block(table_row, t, page_size, max_blocks_per_seq) : -1;
-      float kx[VEC];
-      float vx[VEC];
+      float x[VEC];
       if (blk >= 0) {
-        const size_t off = (static_cast<size_t>(blk) * page_size + t % page_size) * token_stride +
-                           static_cast<size_t>(kvh) * HEAD_DIM + d0;
-        load_vec(k_pool + off, kx);
-        load_vec(v_pool + off, vx);
+        load_vec(k_pool + (static_cast<size_t>(blk) * page_size + t % page_size) * token_stride + head_offset + d0, x);
       } else {
 #pragma unroll
-        for (int i = 0; i < VEC; ++i) kx[i] = vx[i] = 0.0f;
+        for (int i = 0; i < VEC; ++i) x[i] = 0.0f;
       }
 #pragma unroll
-      for (int i = 0; i < VEC; ++i) {
-        k_s[j * K_STRIDE + d0 + i] = kx[i];
-        v_s[j * HEAD_DIM + d0 + i] = vx[i];
-      }
+      for (int i = 0; i < VEC; ++i) kv_s[j * STRIDE + d0 + i] = x[i];
       if (d0 == 0) ok_s[j] = blk >= 0 ? 1.0f : 0.0f;
     }
     __syncthreads();
@@ -122,6 +127,8 @@ __device__ __forceinline__ void paged_prefill_attention(
 #pragma unroll
     for (int i = 0; i < ROWS; ++i) {
       const int r = warp * ROWS + i;
+      seen[i] = false;
+      alpha[i] = 1.0f;
       if (r < rows_here) {  // warp-uniform
         const int q_slot = ctx + row0 + r;
         const int j = kt + lane;
@@ -129,26 +136,51 @@ __device__ __forceinline__ void paged_prefill_attention(
         float s = -INFINITY;
         if (valid) {
           float dot = 0.0f;
-          for (int d = 0; d < HEAD_DIM; ++d) dot += q_s[r * HEAD_DIM + d] * k_s[lane * K_STRIDE + d];
+          for (int d = 0; d < HEAD_DIM; ++d) dot += q_s[r * HEAD_DIM + d] * kv_s[lane * STRIDE + d];
           s = dot;
         }
         const float tile_max = warp_max(s);
         if (tile_max != -INFINITY) {  // warp-uniform: some key of this tile is visible to row r
           const float m_new = fmaxf(m[i], tile_max);
-          const float alpha = exp2_diff(m[i], m_new);
+          alpha[i] = exp2_diff(m[i], m_new);
           const float p = valid ? exp2f(s - m_new) : 0.0f;
-          l[i] = l[i] * alpha + warp_sum(p);
+          l[i] = l[i] * alpha[i] + warp_sum(p);
           m[i] = m_new;
-          p_s[warp * kPrefillBlockK + lane] = p;
-          __syncwarp();
+          p_s[r * kPrefillBlockK + lane] = p;
+          seen[i] = true;
+        }
+      }
+    }
+
+    // -- V tile (over the K tile) -> output accumulators.
+    __syncthreads();  // every warp is done with the K tile
+    for (int c = tid; c < kPrefillBlockK * CHUNKS; c += blockDim.x) {
+      const int j = c / CHUNKS;
+      const int d0 = (c % CHUNKS) * VEC;
+      float x[VEC];
+      if (ok_s[j] != 0.0f) {
+        const int t = kt + j;
+        const int blk = physical_block(table_row, t, page_size, max_blocks_per_seq);
+        load_vec(v_pool + (static_cast<size_t>(blk) * page_size + t % page_size) * token_stride + head_offset + d0, x);
+      } else {
 #pragma unroll
-          for (int c = 0; c < DPL; ++c) acc[i][c] *= alpha;
-          for (int kk = 0; kk < kPrefillBlockK; ++kk) {
-            const float pk = p_s[warp * kPrefillBlockK + kk];
+        for (int i = 0; i < VEC; ++i) x[i] = 0.0f;
+      }
 #pragma unroll
-            for (int c = 0; c < DPL; ++c) acc[i][c] += pk * v_s[kk * HEAD_DIM + lane + c * kWarpSize];
-          }
-          __syncwarp();  // p_s is rewritten by the next row
+      for (int i = 0; i < VEC; ++i) kv_s[j * STRIDE + d0 + i] = x[i];
+    }
+    __syncthreads();
+
+#pragma unroll
+    for (int i = 0; i < ROWS; ++i) {
+      if (seen[i]) {  // warp-uniform
+        const int r = warp * ROWS + i;
+#pragma unroll
+        for (int c = 0; c < DPL; ++c) acc[i][c] *= alpha[i];
+        for (int kk = 0; kk < kPrefillBlockK; ++kk) {
+          const float pk = p_s[r * kPrefillBlockK + kk];
+#pragma unroll
+          for (int c = 0; c < DPL; ++c) acc[i][c] += pk * kv_s[kk * STRIDE + lane + c * kWarpSize];
         }
       }
     }
@@ -178,9 +210,9 @@ __device__ __forceinline__ void paged_prefill_attention(
                                             num_heads, num_kv_heads, page_size, max_blocks_per_seq, scale);    \
   }
 
-ORIN_PREFILL_KERNEL(f32, float, 64)
-ORIN_PREFILL_KERNEL(f32, float, 128)
-ORIN_PREFILL_KERNEL(f16, __half, 64)
-ORIN_PREFILL_KERNEL(f16, __half, 128)
-ORIN_PREFILL_KERNEL(bf16, __nv_bfloat16, 64)
-ORIN_PREFILL_KERNEL(bf16, __nv_bfloat16, 128)
+#define ORIN_PREFILL_FOR_HEAD_DIM(D)     \
+  ORIN_PREFILL_KERNEL(f32, float, D)     \
+  ORIN_PREFILL_KERNEL(f16, __half, D)    \
+  ORIN_PREFILL_KERNEL(bf16, __nv_bfloat16, D)
+
+ORIN_FOR_EACH_HEAD_DIM(ORIN_PREFILL_FOR_HEAD_DIM)

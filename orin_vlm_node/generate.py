@@ -2,7 +2,9 @@
 
 The same engine the ROS node runs, without ROS: useful to check a model directory, a board's speed
 or a settings change before launching the node. Text streams to stdout as it is generated; with
-``--json`` one JSON object ``{"text", "token_ids", "finish_reason", "metrics"}`` is printed instead.
+``--json`` one JSON object ``{"text", "token_ids", "finish_reason", "metrics", "backend"}`` is printed
+instead; ``backend`` says which attention path ran (``kernels: on (...)`` / ``kernels: off (<reason>)``),
+the decode path and the KV pool size and why.
 Exit status: 0 for every finish reason except ``error``; errors go to stderr with status 1 (bad
 input, failed generation) or 2 (bad command line, from argparse).
 """
@@ -41,9 +43,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-paged", action="store_true", help="contiguous KV cache instead of paged")
     p.add_argument("--page-size", type=int, default=16, metavar="P", help="tokens per KV block (power of two)")
     p.add_argument("--pool-blocks", type=int, default=0, metavar="B", help="KV pool size in blocks (0 = automatic)")
+    p.add_argument("--kv-pool-mb", type=float, default=0.0, metavar="MB", help="KV pool size in MB (0 = automatic)")
     p.add_argument("--max-context", type=int, default=4096, metavar="N", help="max tokens of prompt + answer")
     p.add_argument("--no-cuda-graph", action="store_true", help="eager decode step instead of a CUDA graph")
     p.add_argument("--no-cuda-kernels", action="store_true", help="torch attention instead of CUDA kernels")
+    p.add_argument("--kernel-dir", default="", metavar="DIR", help="CUDA kernel sources (default: the installed ones)")
+    p.add_argument("--kernel-cache-dir", default="", metavar="DIR", help="compiled kernel cache directory")
+    p.add_argument(
+        "--no-kernel-fallback", action="store_true", help="fail instead of using torch attention when kernels are off"
+    )
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     p.add_argument("--dtype", choices=("auto", "fp32", "bf16", "fp16"), default="auto")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
@@ -90,14 +98,23 @@ def main(argv: Sequence[str] | None = None) -> int:
             use_paged_attention=not args.no_paged,
             page_size=args.page_size,
             kv_pool_blocks=args.pool_blocks,
+            kv_pool_mb=args.kv_pool_mb,
+            max_sessions=0,  # one request, no conversation to keep
             max_context_tokens=args.max_context,
             use_cuda_graph=not args.no_cuda_graph,
             use_cuda_kernels=not args.no_cuda_kernels,
+            kernel_dir=args.kernel_dir,
+            kernel_cache_dir=args.kernel_cache_dir,
+            allow_kernel_fallback=not args.no_kernel_fallback,
         )
         engine = Engine(config)
     except (ValueError, EngineError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
+    described = engine.describe()
+    backend = {k: described[k] for k in ("device", "dtype", "kernels", "decode_path", "kv_pool")}
+    if described["kernels_degraded"]:
+        print(f"warning: {described['kernels']}", file=sys.stderr)
     request = Request(Turn(args.prompt, tuple(images), color="bgr"), sampling=sampling, system_prompt=args.system)
     final: Finished | None = None
     for event in engine.generate(request):
@@ -114,6 +131,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "token_ids": list(final.token_ids),
             "finish_reason": final.finish_reason,
             "metrics": final.metrics,
+            "backend": backend,
         }
         if final.error:
             out["error"] = final.error
@@ -127,8 +145,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         m = final.metrics
         print(
             f"[{final.finish_reason}] {int(m['prompt_tokens'])} prompt tokens, {int(m['generated_tokens'])} generated, "
-            f"ttft {m['ttft_s'] * 1000:.0f} ms, decode {m['decode_tokens_per_s']:.1f} tok/s "
-            f"({engine.describe()['decode_path']})",
+            f"ttft {m['ttft_s'] * 1000:.0f} ms, decode {m['decode_tokens_per_s']:.1f} tok/s; "
+            f"{backend['kernels']}; decode: {backend['decode_path']}; KV pool: {backend['kv_pool']}",
             file=sys.stderr,
         )
     return 0

@@ -45,6 +45,7 @@ from .ros_image import ImageConversionError, ImageConverter, stamp_seconds
 from .ros_params import (
     RUNTIME_ENGINE_FIELDS,
     SAMPLING_FIELDS,
+    SPECS,
     check_changes,
     declare_parameters,
     engine_config,
@@ -150,10 +151,13 @@ class VlmNode(Node):
         self._worker = threading.Thread(target=self._worker_loop, name="orin_vlm_worker", daemon=True)
         self._worker.start()
         described = self._describe()
-        self.get_logger().info(
+        backend = self._backend_summary(described)
+        log = self.get_logger().warning if described.get("kernels_degraded") else self.get_logger().info
+        log(
             f"ready in {time.monotonic() - t0:.1f} s: model {model_dir}, device {described.get('device', '?')}, "
-            f"dtype {described.get('dtype', '?')}, images via {self._converter.backend}"
+            f"dtype {described.get('dtype', '?')}, images via {self._converter.backend}; {backend}"
         )
+        self._publish_status("ready", None, note=backend)
 
     # ---------------------------------------------------------------- inputs (executor threads)
 
@@ -252,8 +256,10 @@ class VlmNode(Node):
         if reason:
             return SetParametersResult(successful=False, reason=reason)
         after = {**current, **changes}
+        before_kw, after_kw = engine_kwargs(current, RUNTIME_ENGINE_FIELDS), engine_kwargs(after, RUNTIME_ENGINE_FIELDS)
+        # Fields that follow from a changed parameter (max_sessions from multi_turn) change with it.
         engine_changes = {
-            name: value for name, value in engine_kwargs(after, RUNTIME_ENGINE_FIELDS).items() if name in changes
+            name: value for name, value in after_kw.items() if name in changes or value != before_kw[name]
         }
         to_validate: dict[str, Any] = {**pending, **engine_changes}
         if changes.keys() & set(SAMPLING_FIELDS):
@@ -317,11 +323,11 @@ class VlmNode(Node):
             return
         self._engine_applied.update(changes)
         self.get_logger().info(f"reconfigured: {changes}")
-        self._publish_status("reconfigured", None, changes=changes)
+        self._publish_status("reconfigured", None, changes=changes, note=self._backend_summary(self._describe()))
 
     def _revert(self, changes: Mapping[str, Any]) -> None:
         """Put the parameters of a failed reconfiguration back to what the engine really runs."""
-        names = [n for n in changes if n in self._engine_applied]
+        names = [n for n in changes if n in self._engine_applied and n in SPECS]
         revert = [Parameter(n, value=self._raw_value(n, self._engine_applied[n])) for n in names]
         if revert:
             self.set_parameters(revert)
@@ -394,6 +400,14 @@ class VlmNode(Node):
     def _publish_dropped(self, item: PendingPrompt, why: str) -> None:
         self._publish_status("dropped", item.request_id, note=why, image_stamp=item.image_stamp)
 
+    @staticmethod
+    def _backend_summary(described: Mapping[str, Any]) -> str:
+        """``kernels: on|off (...); decode: ...; KV pool: ...`` -- what the ready/reconfigured events say."""
+        return (
+            f"{described.get('kernels', 'kernels: unknown')}; decode: {described.get('decode_path', '?')}; "
+            f"KV pool: {described.get('kv_pool', '?')}"
+        )
+
     def _describe(self) -> dict[str, Any]:
         try:
             return dict(self._engine.describe())
@@ -413,6 +427,9 @@ class VlmNode(Node):
         described = self._describe()
         if "describe_error" in described:
             status.level = DiagnosticStatus.WARN
+        elif described.get("kernels_degraded"):
+            status.level = DiagnosticStatus.WARN
+            status.message += f"; {described['kernels']}"
         values = [
             ("state", state),
             ("queue_waiting", str(waiting)),

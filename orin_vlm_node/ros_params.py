@@ -72,7 +72,7 @@ PARAMS: tuple[ParamSpec, ...] = (
     ParamSpec(
         "kv_pool_mb",
         0,
-        "KV pool size in MB (0 = sized from free memory / max context)",
+        "KV pool size in MB; 0 = sized by need (contexts held + prefix share, capped by free memory)",
         "engine",
         min_value=0,
         max_value=262144,
@@ -85,18 +85,33 @@ PARAMS: tuple[ParamSpec, ...] = (
         min_value=0,
         max_value=16_777_216,
     ),
-    ParamSpec("prefix_caching", True, "reuse the KV blocks of an identical prompt prefix", "engine"),
     ParamSpec(
-        "use_cuda_kernels", True, "custom CUDA attention kernels (CUDA only; torch fallback otherwise)", "engine"
-    ),
-    ParamSpec("use_cuda_graph", True, "replay the decode step as a CUDA graph (CUDA only)", "engine"),
-    ParamSpec(
-        "static_decode",
-        "auto",
-        "static-buffer decode step: auto (where a CUDA graph captures it), on (also eagerly on CPU), off",
+        "kv_prefix_share",
+        0.25,
+        "automatic KV pool size: extra share for cached prefixes (0.25 = a quarter more blocks)",
         "engine",
-        choices=("auto", "on", "off"),
+        min_value=0.0,
+        max_value=4.0,
     ),
+    ParamSpec(
+        "kv_memory_reserve_mb",
+        1024,
+        "automatic KV pool size: memory (MB) left free for the rest of the robot",
+        "engine",
+        min_value=0,
+        max_value=1_048_576,
+    ),
+    ParamSpec("prefix_caching", True, "reuse the KV blocks of an identical prompt prefix", "engine"),
+    ParamSpec("use_cuda_kernels", True, "custom CUDA attention kernels (CUDA only)", "engine"),
+    ParamSpec("use_cuda_graph", True, "replay the decode step as CUDA graphs (CUDA only)", "engine"),
+    ParamSpec(
+        "allow_kernel_fallback",
+        True,
+        "true: run torch attention (reported as 'kernels: off') when the CUDA kernels cannot be used; "
+        "false: that is a startup error",
+        "engine",
+    ),
+    ParamSpec("kernel_dir", "", "CUDA kernel sources; '' = the ones installed with the package", "engine"),
     ParamSpec("kernel_cache_dir", "", "compiled kernel cache; '' = ~/.cache/orin_vlm_node/kernels", "engine"),
     ParamSpec(
         "max_context_tokens",
@@ -239,15 +254,20 @@ def model_path_of(values: Mapping[str, Any]) -> str:
 
 
 def engine_kwargs(values: Mapping[str, Any], names: tuple[str, ...] | None = None) -> dict[str, Any]:
-    """Parameter values -> ``EngineConfig`` field values (types the engine expects)."""
+    """Parameter values -> ``EngineConfig`` field values (types the engine expects).
+
+    ``max_sessions`` is not a parameter: the node keeps one conversation when ``multi_turn`` is on and
+    none otherwise, and the engine sizes its KV pool for exactly that.
+    """
     out: dict[str, Any] = {}
     for name in names if names is not None else ENGINE_FIELDS:
         value = values[name]
         if name == "model_path":
             value = model_path_of(values)
-        elif name == "kv_pool_mb":
+        elif name in ("kv_pool_mb", "kv_prefix_share"):
             value = float(value)
         out[name] = value
+    out["max_sessions"] = 1 if values["multi_turn"] else 0
     return out
 
 

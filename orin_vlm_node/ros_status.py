@@ -4,9 +4,11 @@ Why JSON on a ``std_msgs/String``: it needs no custom message package (which can
 ROS wheels CI uses), any language can read it, and ``ros2 topic echo`` shows it as is.
 
 Every status message is one JSON object with the same keys, so consumers never test for presence:
-``event`` (accepted | started | finished | error | dropped | reconfigured), ``request_id``,
+``event`` (ready | accepted | started | finished | error | dropped | reconfigured), ``request_id``,
 ``finish_reason``, ``error``, ``metrics``, ``image_stamp``, plus ``note`` (a human-readable remark,
-e.g. why an image was not used) and ``changes`` (the applied parameter values of a ``reconfigured``).
+e.g. why an image was not used; for ``ready`` and ``reconfigured`` the attention path:
+``kernels: on (...)`` or ``kernels: off (<reason>)``, the decode path and the KV pool size and why) and
+``changes`` (the applied parameter values of a ``reconfigured``).
 Each prompt ends with exactly one of ``finished``, ``dropped`` or ``error``.
 """
 
@@ -17,7 +19,7 @@ import math
 from collections.abc import Mapping
 from typing import Any, Literal
 
-EventName = Literal["accepted", "started", "finished", "error", "dropped", "reconfigured"]
+EventName = Literal["ready", "accepted", "started", "finished", "error", "dropped", "reconfigured"]
 TERMINAL_EVENTS = frozenset({"finished", "dropped", "error"})
 
 

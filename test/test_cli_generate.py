@@ -52,8 +52,12 @@ def test_image_prompt_json_matches_engine(image_file):
     proc = _cli(*args)
     assert proc.returncode == 0, proc.stderr
     out = json.loads(proc.stdout)
-    assert set(out) == {"text", "token_ids", "finish_reason", "metrics"}
+    assert set(out) == {"text", "token_ids", "finish_reason", "metrics", "backend"}
     assert out["finish_reason"] in ("stop", "length") and 0 < len(out["token_ids"]) <= 16
+    # Which attention path ran, and the KV pool's size and why (one request, no kept conversation).
+    assert out["backend"]["kernels"] == "kernels: off (cpu device)"
+    assert out["backend"]["decode_path"] == "torch reference (dynamic step)"
+    assert "(auto: 1 x 4096-token context + 25% prefix-cache share)" in out["backend"]["kv_pool"]
     assert out["metrics"]["prompt_tokens"] > 20  # the image's tokens are in the prompt
     # Same request through the engine with the RGB image: the CLI's BGR read path gives the same ids.
     rgb = cv2.cvtColor(cv2.imread(str(image_file)), cv2.COLOR_BGR2RGB)

@@ -1,6 +1,6 @@
 """``CudaPagedAttention`` (the kvcache PagedAttentionImpl of the CUDA layer) driven through a real
 ``PagedKVCache``, with the kernels running in the CPU harness, against the torch implementation.
-Also the CPU behaviour of ``select_backend`` and ``DecodeGraph``."""
+Also the shape check and CPU behaviour of ``select_backend``, and ``DecodeGraph`` on the CPU."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 import torch
 from cuda_harness.harness import Harness, build
 
-from orin_vlm_node.cuda import CudaPagedAttention, DecodeGraph, select_backend
+from orin_vlm_node.cuda import AttentionShape, CudaPagedAttention, DecodeGraph, KernelsUnavailable, select_backend
 from orin_vlm_node.kvcache.attention import TorchPagedAttention
 from orin_vlm_node.kvcache.config import KVCacheConfig
 from orin_vlm_node.kvcache.paged import PagedKVCache
@@ -57,42 +57,62 @@ def test_prefill_chunks_and_static_decode_match_torch_impl(harness, dtype, page,
             v = torch.randn(chunk, nkv, hd, generator=gen).to(dtype)
             torch.testing.assert_close(step_a(layer, q, k, v), step_b(layer, q, k, v), atol=atol, rtol=0)
     buf_a, buf_b = ours.new_static_decode_buffers(), ref.new_static_decode_buffers()
-    dec_a, dec_b = ours.static_decode_attention(buf_a), ref.static_decode_attention(buf_b)
-    assert impl.decode_plan(buf_a.block_table.numel() * page, nkv)[0] > 1
+    # The full row and a 32-token context bucket (the static step's widths) both attend correctly.
+    widths = (None, 32)
+    dec_a = {w: ours.static_decode_attention(buf_a, w) for w in widths}
+    dec_b = {w: ref.static_decode_attention(buf_b, w) for w in widths}
+    assert impl.decode_plan(buf_a.block_table.numel() * page, nq, nkv)[0] > 1
     # Slots 13..24 cross page boundaries; the host half runs before each step, as before a graph replay.
-    for _ in range(12):
+    for i in range(12):
         ours.prepare_static_decode(sa, buf_a)
         ref.prepare_static_decode(sb, buf_b)
+        width = widths[i % 2]
         for layer in range(2):
             q = torch.randn(1, nq, hd, generator=gen).to(dtype)
             k = torch.randn(1, nkv, hd, generator=gen).to(dtype)
             v = torch.randn(1, nkv, hd, generator=gen).to(dtype)
-            torch.testing.assert_close(dec_a(layer, q, k, v), dec_b(layer, q, k, v), atol=atol, rtol=0)
+            out = dec_a[width](layer, q, k, v)
+            torch.testing.assert_close(out, dec_b[width](layer, q, k, v), atol=atol, rtol=0)
     assert torch.equal(ours.kv_storage, ref.kv_storage)  # the write kernel placed every token identically
 
 
-def test_unsupported_head_dim_uses_torch_path(harness, caplog):
-    impl = CudaPagedAttention(harness)
-    ours, ref = _caches(impl, torch.float32, 8, nkv=1, hd=32)
-    sa, sb = ours.new_sequence(), ref.new_sequence()
-    q, k, v = torch.randn(5, 2, 32), torch.randn(5, 1, 32), torch.randn(5, 1, 32)
-    with caplog.at_level("WARNING"):
-        out = ours.step(sa, 5)(0, q, k, v)
-    torch.testing.assert_close(out, ref.step(sb, 5)(0, q, k, v))
-    assert "do not cover this shape" in caplog.text
+@pytest.mark.parametrize(
+    ("dtype", "hd", "nq", "nkv", "problem"),
+    [
+        (torch.float16, 128, 16, 8, None),
+        (torch.bfloat16, 32, 4, 2, None),
+        (torch.float32, 256, 16, 1, None),  # group 16: two chunks of 8 query heads
+        (torch.float16, 48, 4, 2, "head_dim 48"),
+        (torch.float16, 64, 6, 4, "multiple"),
+        (torch.int8, 64, 4, 2, "dtype"),
+    ],
+)
+def test_attention_shape_coverage_is_checked_once_with_a_reason(dtype, hd, nq, nkv, problem):
+    reason = AttentionShape(dtype, hd, nq, nkv).unsupported()
+    assert reason is None if problem is None else problem in reason
 
 
-def test_select_backend_on_cpu():
-    choice = select_backend("cpu", use_cuda_kernels=True, use_cuda_graph=True, kernel_cache_dir="")
-    assert (choice.kernels, choice.graphs, choice.reason, choice.attention_impl) == (False, False, "cpu device", None)
+SHAPE = AttentionShape(torch.float16, 128, 16, 8)
+
+
+def test_select_backend_on_cpu_and_when_disabled():
+    choice = select_backend("cpu", True, SHAPE)
+    assert (choice.kernels, choice.status, choice.attention_impl, choice.degraded) == (
+        False,
+        "kernels: off (cpu device)",
+        None,
+        False,
+    )
+    assert select_backend("cuda", False, SHAPE).status == "kernels: off (disabled by use_cuda_kernels)"
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU fallback")
-def test_select_backend_cuda_without_gpu_falls_back_or_raises():
-    choice = select_backend("cuda", True, True, "")
-    assert not choice.kernels and not choice.graphs and "no GPU" in choice.reason
-    with pytest.raises(RuntimeError, match="no GPU"):
-        select_backend("cuda", True, True, "", allow_fallback=False)
+def test_select_backend_cuda_without_gpu_reports_off_or_raises():
+    choice = select_backend("cuda", True, SHAPE)
+    assert not choice.kernels and choice.degraded
+    assert choice.status.startswith("kernels: off (CUDA requested but torch sees no GPU")
+    with pytest.raises(KernelsUnavailable, match="no GPU"):
+        select_backend("cuda", True, SHAPE, allow_fallback=False)
 
 
 def test_decode_graph_is_eager_on_cpu():
@@ -100,5 +120,4 @@ def test_decode_graph_is_eager_on_cpu():
     runner = DecodeGraph(lambda: calls.append(1) or torch.ones(2), "cpu")
     assert torch.equal(runner.run(), torch.ones(2)) and torch.equal(runner(), torch.ones(2))
     assert len(calls) == 2 and not runner.captured and runner.describe()["eager_reason"] == "cpu device"
-    runner.invalidate()
     assert runner.eager

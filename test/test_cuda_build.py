@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from orin_vlm_node.cuda import build as B
+from orin_vlm_node.cuda.sources import find_kernel_sources
 
 NVCC = shutil.which("nvcc") or ("/usr/local/bin/nvcc" if os.path.exists("/usr/local/bin/nvcc") else None)
 needs_nvcc = pytest.mark.skipif(NVCC is None, reason="nvcc not found on PATH or at /usr/local/bin/nvcc")
@@ -70,8 +71,8 @@ def test_cache_miss_on_header_change_arch_and_flags(tmp_path):
     assert _calls(tmp_path) == 1
     (kdir / "tiny.cuh").write_text(TINY_HEADER.replace("2.0f", "3.0f"))  # only the included header changes
     assert not B.build_module("tiny", cfg).cache_hit
-    assert not B.build_module("tiny", B.BuildConfig("sm_80", tmp_path / "cache", nvcc, (), kdir)).cache_hit
-    assert not B.build_module("tiny", B.BuildConfig("sm_87", tmp_path / "cache", nvcc, ("-G",), kdir)).cache_hit
+    assert not B.build_module("tiny", B.BuildConfig("sm_80", kdir, tmp_path / "cache", nvcc)).cache_hit
+    assert not B.build_module("tiny", B.BuildConfig("sm_87", kdir, tmp_path / "cache", nvcc, ("-G",))).cache_hit
     assert _calls(tmp_path) == 4
     assert B.build_module("tiny", cfg).cache_hit
 
@@ -101,7 +102,7 @@ def test_corrupt_cache_file_is_rebuilt(tmp_path, caplog, damage):
 def test_missing_nvcc_and_compile_error_raise_kernel_build_error(tmp_path, monkeypatch):
     kdir = _tiny_kernels(tmp_path)
     with pytest.raises(B.KernelBuildError, match="nvcc not found"):
-        B.build_module("tiny", B.BuildConfig("sm_87", tmp_path / "c", str(tmp_path / "no-nvcc"), (), kdir))
+        B.build_module("tiny", B.BuildConfig("sm_87", kdir, tmp_path / "c", str(tmp_path / "no-nvcc")))
     monkeypatch.setenv("PATH", str(tmp_path / "empty-bin"))
     monkeypatch.delenv("CUDA_HOME", raising=False)
     monkeypatch.setattr(B, "NVCC_CANDIDATES", ())
@@ -109,13 +110,14 @@ def test_missing_nvcc_and_compile_error_raise_kernel_build_error(tmp_path, monke
         B.find_nvcc()
     failing = _fake_nvcc(tmp_path, 'echo "tiny.cu(2): error: identifier \\"oops\\" is undefined" >&2\nexit 2\n')
     with pytest.raises(B.KernelBuildError, match='identifier "oops" is undefined'):
-        B.build_module("tiny", B.BuildConfig("sm_87", tmp_path / "c", failing, (), kdir))
+        B.build_module("tiny", B.BuildConfig("sm_87", kdir, tmp_path / "c", failing))
     with pytest.raises(B.KernelBuildError, match="not found"):
-        B.build_module("missing_module", B.BuildConfig("sm_87", tmp_path / "c", failing, (), kdir))
+        B.build_module("missing_module", B.BuildConfig("sm_87", kdir, tmp_path / "c", failing))
 
 
 def test_source_closure_follows_includes_of_the_real_kernels():
-    names = {p.name for p in B.source_closure(B.KERNEL_DIR / "paged_decode_attention.cu", B.KERNEL_DIR)}
+    kernels = find_kernel_sources().directory
+    names = {p.name for p in B.source_closure(kernels / "paged_decode_attention.cu", kernels)}
     assert {"paged_decode_attention.cu", "attention_common.cuh", "compat.cuh"} <= names
-    assert set(B.module_names()) == {"paged_decode_attention", "paged_prefill_attention", "paged_kv_write"}
+    assert set(B.module_names(kernels)) == {"paged_decode_attention", "paged_prefill_attention", "paged_kv_write"}
     assert B.arch_from_capability(8, 7) == "sm_87"

@@ -72,13 +72,15 @@ def _decode(harness: Harness, q, pool: PagedPool, nh: int, nkv: int, hd: int, sp
     return out
 
 
-@pytest.mark.parametrize("hd", [64, 128])
+@pytest.mark.parametrize("hd", L.SUPPORTED_HEAD_DIMS)
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).removeprefix("torch."))
 def test_decode_matches_reference(harness, dtype, hd):
     rng = random.Random(f"decode-{dtype}-{hd}")
+    # Groups past the largest bucket (8) run as several chunks per kv head; 3, 6 and 12 leave chunks part-full.
+    groups = [1, 2, 3, 4, 6, 8, 12, 16]
     for trial in range(3):
         nkv = rng.choice([1, 2])
-        group = [1, 2, 3, 4, 8][(trial + hd // 64) % 5]
+        group = groups[(trial * 3 + L.SUPPORTED_HEAD_DIMS.index(hd)) % len(groups)]
         nh = nkv * group
         page = rng.choice(PAGE_SIZES)
         batch = rng.randint(1, 3)
@@ -120,12 +122,12 @@ def test_decode_split_past_sequence_end_and_empty_sequence(harness):
     assert torch.equal(out[0], torch.zeros(nh, hd))
 
 
-@pytest.mark.parametrize("hd", [64, 128])
+@pytest.mark.parametrize("hd", L.SUPPORTED_HEAD_DIMS)
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).removeprefix("torch."))
 def test_prefill_matches_reference(harness, dtype, hd):
     rng = random.Random(f"prefill-{dtype}-{hd}")
     nkv = rng.choice([1, 2])
-    nh = nkv * rng.choice([1, 2, 4])
+    nh = nkv * rng.choice([1, 2, 4, 12])
     page = rng.choice(PAGE_SIZES)
     batch = 2
     q_lens = [rng.randint(1, 40), rng.randint(1, 20)]

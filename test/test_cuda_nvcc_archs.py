@@ -16,6 +16,7 @@ import pytest
 
 from orin_vlm_node.cuda import build as B
 from orin_vlm_node.cuda.launch import KERNEL_MODULES
+from orin_vlm_node.cuda.sources import find_kernel_sources
 
 NVCC = shutil.which("nvcc") or ("/usr/local/bin/nvcc" if os.path.exists("/usr/local/bin/nvcc") else None)
 ARCHS = ["sm_87", "sm_80", "sm_90"]
@@ -24,12 +25,13 @@ pytestmark = pytest.mark.skipif(NVCC is None, reason="nvcc not found on PATH or 
 
 
 def test_all_kernels_compile_for_all_archs_without_warnings(tmp_path):
-    jobs = [(arch, module) for arch in ARCHS for module in B.module_names()]
+    kernels = find_kernel_sources().directory
+    jobs = [(arch, module) for arch in ARCHS for module in B.module_names(kernels)]
     assert {m for _, m in jobs} == set(KERNEL_MODULES)
 
     def compile_one(job):
         arch, module = job
-        cfg = B.BuildConfig(arch=arch, cache_dir=tmp_path, nvcc=NVCC, extra_flags=B.STRICT_FLAGS)
+        cfg = B.BuildConfig(arch=arch, kernel_dir=kernels, cache_dir=tmp_path, nvcc=NVCC, extra_flags=B.STRICT_FLAGS)
         t0 = time.perf_counter()
         cubin = B.compile_cubin(module, cfg, NVCC)
         (tmp_path / f"{module}-{arch}.cubin").write_bytes(cubin)

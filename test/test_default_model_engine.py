@@ -58,7 +58,7 @@ def _run(engine: Engine, question: str, image: np.ndarray | None) -> tuple[list[
 @pytest.fixture(scope="module")
 def engine() -> Engine:
     torch.set_num_threads(1)
-    return Engine(EngineConfig(model_path=str(MODEL_DIR), device="cpu", kv_pool_blocks=64))
+    return Engine(EngineConfig(model_path=str(MODEL_DIR), device="cpu", kv_pool_blocks=64, max_context_tokens=1024))
 
 
 @pytest.fixture(scope="module")

@@ -111,33 +111,48 @@ def _prompt_len(engine: Engine, text: str) -> int:
     return len(engine.renderer.first_turn(None, Turn(text), [])[0])
 
 
-def test_pool_exhaustion_in_decode_and_prefill(tmp_path_factory):
+def test_a_pool_that_cannot_hold_one_context_is_refused_and_a_full_one_serves_the_limit(tmp_path_factory):
     engine, answer = scripted_engine(tmp_path_factory, page_size=4)
     n = _prompt_len(engine, "Go.")
     blocks = -(-(n + 6) // 4)  # room for the prompt and a few answer tokens, not the whole answer
-    engine.reconfigure(kv_pool_blocks=blocks)
+    with pytest.raises(ValueError, match="cannot hold one max_context_tokens=256 sequence"):
+        engine.validate_changes(kv_pool_blocks=blocks)
+    with pytest.raises(ValueError, match=f"{blocks} blocks x 4 tokens = {blocks * 4} tokens"):
+        engine.reconfigure(kv_pool_blocks=blocks)
+    assert engine.config.kv_pool_blocks == 0
+    # Pool and context limit agree: a long answer stops at the limit, never in the middle of the pool.
+    engine.reconfigure(kv_pool_blocks=blocks, max_context_tokens=blocks * 4)
     final = _finish(engine, Request(Turn("Go."), GREEDY))
-    assert final.finish_reason == "kv_pool_exhausted"
-    assert 0 < len(final.token_ids) < len(answer) and SCRIPT.startswith(final.text) and final.text
+    assert final.finish_reason == "length" and 0 < len(final.token_ids) < len(answer)
+    assert SCRIPT.startswith(final.text) and final.text
     assert engine.cache.stats()["blocks_used"] == 0
-    _healthy(engine)
-
     long_prompt = "Describe every object in the room, one by one, with its colour. " * 3
-    assert _prompt_len(engine, long_prompt) > blocks * 4
     final = _finish(engine, Request(Turn(long_prompt), GREEDY))
-    assert final.finish_reason == "kv_pool_exhausted" and final.text == "" and final.token_ids == ()
+    assert final.finish_reason == "error" and "prompt is too long" in final.error
     _healthy(engine)
 
 
 def test_idle_sessions_are_evicted_before_exhausting(tmp_path_factory):
     engine, answer = scripted_engine(tmp_path_factory, page_size=4)
     n = _prompt_len(engine, "Go.")
-    engine.reconfigure(kv_pool_blocks=-(-(n + len(answer) + 2) // 4) + 1, prefix_caching=False)
+    blocks = -(-(n + len(answer) + 2) // 4) + 1
+    engine.reconfigure(kv_pool_blocks=blocks, max_context_tokens=blocks * 4, prefix_caching=False, max_sessions=2)
     assert _finish(engine, Request(Turn("Go."), GREEDY, session_id="old")).finish_reason == "stop"
     assert engine.sessions() == ["old"]
     final = _finish(engine, Request(Turn("Go."), GREEDY, session_id="new"))
     assert final.finish_reason == "stop" and final.text == SCRIPT
     assert engine.sessions() == ["new"]
+
+
+def test_sessions_beyond_max_sessions_are_dropped_least_recent_first(tmp_path_factory):
+    engine, _ = scripted_engine(tmp_path_factory, page_size=4)
+    engine.reconfigure(max_sessions=2)
+    for sid in ("a", "b", "c"):
+        assert _finish(engine, Request(Turn("Go."), GREEDY, session_id=sid)).finish_reason == "stop"
+    assert sorted(engine.sessions()) == ["b", "c"]
+    engine.reconfigure(max_sessions=0)  # the KV layout changes: every session goes, and none is kept
+    assert _finish(engine, Request(Turn("Go."), GREEDY, session_id="d")).finish_reason == "stop"
+    assert engine.sessions() == [] and engine.cache.stats()["blocks_used"] == 0
 
 
 # -- bad input and failures -----------------------------------------------------------------------
@@ -250,7 +265,7 @@ def test_reconfigure_applies_settings(engine):
     tokens_before = engine.image_processor.num_image_tokens(480, 640)
     engine.reconfigure(image_max_pixels=64 * 64 * 4)
     assert engine.image_processor.num_image_tokens(480, 640) < tokens_before
-    engine.reconfigure(use_paged_attention=False, static_decode="off", max_context_tokens=128)
+    engine.reconfigure(use_paged_attention=False, max_context_tokens=128)
     info = engine.describe()
     assert info["paged_attention"] is False and info["max_context_tokens"] == 128
     assert "dynamic" in info["decode_path"] and info["kv_cache"]["kind"] == "contiguous"
@@ -284,8 +299,9 @@ def test_describe_and_auto_device_dtype(engine):
         "kv_blocks_total",
         "kv_blocks_used",
         "decode_path",
-        "cuda_kernels",
-        "cuda_graphs",
+        "kernels",
+        "kv_pool",
+        "decode",
         "sessions",
         "last_metrics",
         "prefix_caching",
@@ -293,7 +309,9 @@ def test_describe_and_auto_device_dtype(engine):
         assert key in info
     if not torch.cuda.is_available():
         assert info["device"] == "cpu" and info["dtype"] == "float32"
-        assert info["decode_path"].startswith("torch reference") and not info["cuda_graphs"]
+        assert info["decode_path"] == "torch reference (dynamic step)"
+        assert info["kernels"] == "kernels: off (cpu device)" and not info["kernels_degraded"]
+        assert "auto: 2 x 256-token context" in info["kv_pool"]  # the request + max_sessions=1
     _finish(engine, Request(Turn("Go."), GREEDY))
     metrics = engine.describe()["last_metrics"]
     for key in (

@@ -186,7 +186,6 @@ def test_engine_sampling_reproducible_under_seed():
         EngineConfig(
             model_path=str(cached_tiny_checkpoint(layers=1, tie=False, deepstack=(0,), seed=11)),
             page_size=4,
-            static_decode="on",
         )
     )
 
@@ -199,5 +198,5 @@ def test_engine_sampling_reproducible_under_seed():
     first = run(42)
     assert run(42) == first
     assert run(43) != first
-    engine.reconfigure(use_paged_attention=False, static_decode="off")  # another KV layout and decode path
+    engine.reconfigure(use_paged_attention=False)  # another KV layout
     assert run(42) == first

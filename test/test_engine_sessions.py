@@ -143,11 +143,11 @@ def test_prefix_cache_serves_new_session_with_same_system_prompt_and_image():
 
 def test_layout_change_drops_sessions_and_new_turn_starts_fresh():
     path = cached_tiny_checkpoint(**CHECKPOINT)
-    engine = Engine(EngineConfig(model_path=str(path), max_context_tokens=256, page_size=4, static_decode="on"))
+    engine = Engine(EngineConfig(model_path=str(path), max_context_tokens=256, page_size=4))
     _final(engine, Request(Turn("Hello there."), GREEDY, session_id="s"))
     assert engine.sessions() == ["s"] and engine.cache.stats()["blocks_used"] > 0
     # Switching the decode path keeps the cache: the session continues with only its new tokens.
-    engine.reconfigure(static_decode="off")
+    engine.reconfigure(use_cuda_graph=False)
     assert engine.sessions() == ["s"]
     cached = len(engine.session_token_ids("s"))
     turn2 = _final(engine, Request(Turn("And now?"), GREEDY, session_id="s"))

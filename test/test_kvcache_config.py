@@ -1,4 +1,5 @@
-"""Pool sizing and config validation: explicit sizes, memory fraction, warnings and refusals."""
+"""Pool sizing and config validation: explicit sizes, sizing by need capped by free memory (discrete and
+integrated GPUs faked), refusals with their numbers."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import logging
 import pytest
 import torch
 
-import orin_vlm_node.kvcache.config as kv_config
+import orin_vlm_node.kvcache.memory as kv_memory
 from orin_vlm_node.kvcache import ContiguousKVCache, KVCache, KVCacheConfig, PagedKVCache, plan_pool
 
 # 2 layers * 2 (K,V) * 2 heads * 8 dims * 4 bytes = 256 bytes per token
@@ -22,37 +23,110 @@ def test_bytes_per_token_and_block():
     assert bf16.bytes_per_token == 28 * 2 * 8 * 128 * 2
 
 
-def test_sizing_priority_blocks_then_mb_then_fraction(monkeypatch):
-    monkeypatch.setattr(kv_config, "available_memory_bytes", lambda device: 10 * 2**20)
+GIB = 2**30
+
+
+def _free(monkeypatch, free_bytes: int, total_bytes: int = 16 * GIB) -> None:
+    """Pretend the CPU has ``free_bytes`` available (what /proc/meminfo's MemAvailable would say)."""
+    monkeypatch.setattr(kv_memory, "meminfo", lambda path=kv_memory.MEMINFO: (free_bytes, total_bytes))
+
+
+def test_sizing_priority_blocks_then_mb_then_need(monkeypatch):
+    _free(monkeypatch, 10 * 2**20)
     both = KVCacheConfig(**SHAPE, page_size=16, num_blocks=7, pool_mb=1.0, max_context_tokens=64)
     assert plan_pool(both).num_blocks == 7 and plan_pool(both).source == "num_blocks"
     mb = KVCacheConfig(**SHAPE, page_size=16, pool_mb=1.0, max_context_tokens=64)
     assert plan_pool(mb).num_blocks == 2**20 // (16 * 256)
-    frac = KVCacheConfig(**SHAPE, page_size=16, memory_fraction=0.5, max_context_tokens=64)
-    plan = plan_pool(frac)
-    assert plan.num_blocks == (5 * 2**20) // (16 * 256) and plan.source == "memory_fraction"
-    default = KVCacheConfig(**SHAPE, page_size=16, max_context_tokens=100)
-    assert plan_pool(default).num_blocks == 7  # ceil(100 / 16): one full context
+    need = KVCacheConfig(**SHAPE, page_size=16, max_context_tokens=100)
+    assert plan_pool(need).num_blocks == 7  # ceil(100 / 16): one context, no prefix share by default
+    shared = KVCacheConfig(**SHAPE, page_size=16, max_context_tokens=100, sequences=3, prefix_share=0.25)
+    plan = plan_pool(shared)
+    assert plan.num_blocks == 3 * 7 + 6 and plan.source == "auto"  # 21 blocks + ceil(21 * 0.25)
+    assert "auto: 3 x 100-token context + 25% prefix-cache share" in plan.describe()
+    contiguous = plan_pool(shared, contiguous=True)
+    assert contiguous.num_blocks == 21  # slabs never serve prefixes: no share
+
+
+def test_need_is_capped_by_free_memory_minus_the_reserve(monkeypatch):
+    # 256 B per token, 4 KiB per block of 16; a 4096-token context is 256 blocks = 1 MiB.
+    _free(monkeypatch, 3 * 2**20 + 2**19)
+    cfg = KVCacheConfig(**SHAPE, page_size=16, max_context_tokens=4096, sequences=4, reserve_mb=1.0)
+    plan = plan_pool(cfg)
+    assert plan.source == "auto, capped by free memory" and plan.num_blocks == (2 * 2**20 + 2**19) // 4096
+    assert "needs 4 MB, capped to 4 of" in plan.describe() and "reserve 1 MB" in plan.describe()
+    # The pool being replaced is freed first: it counts as free.
+    assert plan_pool(cfg, released_bytes=2**20).num_blocks == (3 * 2**20 + 2**19) // 4096
+    strict = KVCacheConfig(**SHAPE, page_size=16, max_context_tokens=4096, reserve_mb=3.0, require_full_context=True)
+    with pytest.raises(ValueError, match="cannot hold one max_context_tokens=4096 sequence"):
+        plan_pool(strict)
+
+
+def test_explicit_size_larger_than_free_memory_is_refused_with_the_numbers(monkeypatch):
+    _free(monkeypatch, 50 * 2**20, 64 * 2**20)
+    with pytest.raises(ValueError, match=r"KV pool of 64 MB \(kv_pool_mb=64\) does not fit: 50 of 64 MB free"):
+        plan_pool(KVCacheConfig(**SHAPE, page_size=16, pool_mb=64.0))
+    with pytest.raises(ValueError, match="kv_pool_blocks=20000"):
+        plan_pool(KVCacheConfig(**SHAPE, page_size=16, num_blocks=20_000))
+    assert plan_pool(KVCacheConfig(**SHAPE, page_size=16, pool_mb=64.0), released_bytes=16 * 2**20).num_blocks > 0
+
+
+def test_integrated_gpu_sizes_from_system_memory_not_device_memory(monkeypatch):
+    """A Jetson: is_integrated, so the pool is sized from MemAvailable (shared with the whole robot)."""
+
+    class Props:
+        is_integrated = True
+
+    _free(monkeypatch, 3 * GIB, 8 * GIB)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda index: Props())
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda index: 300 * 2**20)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda index: 100 * 2**20)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda index: pytest.fail("cudaMemGetInfo is the wrong figure"))
+    reading = kv_memory.device_memory(torch.device("cuda"))
+    assert reading.free_bytes == 3 * GIB + 200 * 2**20 and reading.total_bytes == 8 * GIB
+    assert "integrated GPU shares system memory" in reading.source
+    # Qwen3-VL-2B fp16: 28 layers x 8 kv heads x 128 dims, 112 KiB per token; 8192 tokens = 896 MiB.
+    cfg = KVCacheConfig(
+        num_layers=28, num_kv_heads=8, head_dim=128, dtype=torch.float16, device="cuda", max_context_tokens=8192,
+        sequences=1, prefix_share=0.25, reserve_mb=1024,
+    )  # fmt: skip
+    plan = plan_pool(cfg)
+    assert plan.bytes == 1120 * 2**20 and plan.source == "auto"  # one context x 1.25, well under 3 GB - 1 GB
+    _free(monkeypatch, 1536 * 2**20, 8 * GIB)  # the robot's other software took the rest
+    capped = plan_pool(cfg)
+    assert capped.source == "auto, capped by free memory"
+    block_mb = cfg.bytes_per_block / 2**20
+    assert 1536 + 200 - 1024 - block_mb < capped.bytes / 2**20 <= 1536 + 200 - 1024
+
+
+def test_discrete_gpu_sizes_from_cuda_free_memory(monkeypatch):
+    class Props:
+        is_integrated = False
+
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda index: Props())
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda index: 0)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda index: 0)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda index: (70 * GIB, 80 * GIB))
+    reading = kv_memory.device_memory(torch.device("cuda", 0))
+    assert (reading.free_bytes, reading.total_bytes, reading.source) == (70 * GIB, 80 * GIB, "cudaMemGetInfo")
 
 
 def test_cpu_available_memory_comes_from_meminfo():
-    free = kv_config.available_memory_bytes(torch.device("cpu"))
+    reading = kv_memory.device_memory(torch.device("cpu"))
     with open("/proc/meminfo") as f:
-        total_kb = int(next(line for line in f if line.startswith("MemTotal:")).split()[1])
-    assert 0 < free <= total_kb * 1024
+        lines = {line.split(":")[0]: int(line.split()[1]) * 1024 for line in f}
+    assert reading.total_bytes == lines["MemTotal"] and 0 < reading.free_bytes <= reading.total_bytes
     with pytest.raises(ValueError, match="not supported on device meta"):
-        kv_config.available_memory_bytes(torch.device("meta"))
+        kv_memory.device_memory(torch.device("meta"))
 
 
-def test_chosen_size_is_logged_and_small_pool_warns_with_both_numbers(caplog):
+def test_chosen_size_is_logged_with_its_reason(caplog):
     cfg = KVCacheConfig(**SHAPE, page_size=16, num_blocks=4, max_context_tokens=4096)
     with caplog.at_level(logging.INFO, logger="orin_vlm_node.kvcache.config"):
         cache = PagedKVCache(cfg)
-    text = caplog.text
-    assert "4 blocks x 16 tokens = 64 tokens, 0.0 MB" in text
-    assert "64 tokens" in text and "max_context_tokens=4096" in text
-    assert any(r.levelno == logging.WARNING for r in caplog.records)
+    assert "4 blocks x 16 tokens = 64 tokens, 0.0 MB (kv_pool_blocks=4)" in caplog.text
     assert cache.stats()["pool_bytes"] == 4 * cfg.bytes_per_block
+    assert cache.stats()["pool"] == cache.plan.describe()
 
 
 def test_pool_below_two_blocks_is_refused_with_reason():
@@ -71,7 +145,9 @@ def test_pool_below_two_blocks_is_refused_with_reason():
         ("page_size", 512, "power of two"),
         ("page_size", 0, "power of two"),
         ("num_layers", 0, "positive int"),
-        ("memory_fraction", 1.5, r"\[0, 1\]"),
+        ("prefix_share", -0.5, "prefix_share"),
+        ("reserve_mb", float("inf"), "reserve_mb"),
+        ("sequences", 0, "positive int"),
         ("pool_mb", -1.0, "non-negative"),
         ("num_blocks", -2, "non-negative"),
         ("dtype", torch.int32, "floating"),

@@ -42,7 +42,8 @@ def load_params(path: Path) -> dict:
 
 
 def test_engine_parameters_cover_engine_config_one_to_one():
-    config_fields = {f.name for f in dataclasses.fields(EngineConfig)} - {"sampling"}
+    # max_sessions follows from multi_turn (the node keeps one conversation or none), it is no parameter.
+    config_fields = {f.name for f in dataclasses.fields(EngineConfig)} - {"sampling", "max_sessions"}
     assert set(ENGINE_FIELDS) == config_fields
     sampling_fields = {f.name for f in dataclasses.fields(SamplingParams)} - {"stop"}
     assert {p.name for p in PARAMS if p.target == "sampling"} == sampling_fields
@@ -121,7 +122,11 @@ def test_mapping_onto_engine_config_and_sampling():
         max_new_tokens=128,
     )
     assert sampling_params({**values, "seed": 7}).seed == 7
-    assert engine_kwargs({**values, "model_path": "/models/x"}, ("model_path",)) == {"model_path": "/models/x"}
+    assert engine_kwargs({**values, "model_path": "/models/x"}, ("model_path",)) == {
+        "model_path": "/models/x",
+        "max_sessions": 0,  # multi_turn off: the pool is sized for the running request alone
+    }
+    assert engine_kwargs({**values, "multi_turn": True}, ())["max_sessions"] == 1
 
 
 def test_declared_descriptors_enforce_ranges_and_read_only(tmp_path, monkeypatch):

@@ -1,31 +1,40 @@
-"""CUDA layer: kernels built at startup, launched in torch's context, and CUDA-graph decode.
+"""CUDA layer: kernels found and built at startup, launched in torch's context, and CUDA-graph decode.
 
 Public API (the engine uses these names):
 
-* ``select_backend(device, use_cuda_kernels, use_cuda_graph, kernel_cache_dir="", allow_fallback=True)
-  -> BackendChoice(kernels, graphs, reason, attention_impl, arch, build_seconds)``. ``attention_impl``
-  is a kvcache ``PagedAttentionImpl`` (``CudaPagedAttention``) to pass to
-  ``PagedKVCache.set_attention_impl``; None means keep the torch implementation.
-* ``DecodeGraph(fn, device, enabled=True, warmup=2)``: ``run()`` / ``invalidate()`` / ``describe()``.
+* ``select_backend(device, use_cuda_kernels, shape, kernel_dir="", kernel_cache_dir="", allow_fallback=True)
+  -> BackendChoice`` (``kernels``, ``reason``, ``status`` = ``"kernels: on (...)"`` / ``"kernels: off
+  (...)"``, ``attention_impl``): ``attention_impl`` is a kvcache ``PagedAttentionImpl``
+  (``CudaPagedAttention``) or None for the torch one. ``KernelsUnavailable`` when kernels are required
+  but cannot be used.
+* ``DecodeGraph(fn, device, enabled=True, warmup=2, pool=None)``: ``run()`` / ``describe()``.
 * ``CudaPagedAttention(launcher, sm_count=16)``: write_kv / attend / attend_decode.
+* ``find_kernel_sources(kernel_dir="")``: where the ``.cu`` files are in this install.
 * ``KernelBuildError`` (build failures), ``CudaRuntimeError`` (driver failures).
 
-Layout: ``build.py`` (nvcc + cubin cache), ``launch.py`` (grid/block/shared sizes, pure),
-``runtime.py`` (PyCUDA context + launches), ``attention.py``, ``graph.py``, ``backend.py``. Importing this
-package imports neither pycuda nor anything that needs a GPU. See ``kernels/README.md``.
+Layout: ``sources.py`` (finding ``kernels/`` in every install layout), ``build.py`` (nvcc + cubin cache),
+``launch.py`` (grid/block/shared sizes, pure), ``runtime.py`` (PyCUDA context + launches),
+``attention.py``, ``graph.py``, ``backend.py``, ``diagnostics.py`` (``python -m orin_vlm_node.cuda``).
+Importing this package imports neither pycuda nor anything that needs a GPU. See ``kernels/README.md``.
 """
 
 from .attention import CudaPagedAttention
-from .backend import BackendChoice, select_backend
+from .backend import AttentionShape, BackendChoice, KernelsUnavailable, select_backend
 from .build import KernelBuildError
 from .graph import DecodeGraph
 from .runtime import CudaRuntimeError
+from .sources import KernelSources, KernelSourcesNotFound, find_kernel_sources
 
 __all__ = [
+    "AttentionShape",
     "BackendChoice",
     "CudaPagedAttention",
     "CudaRuntimeError",
     "DecodeGraph",
     "KernelBuildError",
+    "KernelSources",
+    "KernelSourcesNotFound",
+    "KernelsUnavailable",
+    "find_kernel_sources",
     "select_backend",
 ]

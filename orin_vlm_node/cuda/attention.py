@@ -5,27 +5,23 @@ anything with ``launch(cfg, args)``: the PyCUDA :class:`~.runtime.KernelRuntime`
 harness in the tests, which runs these exact calls (shapes, dtypes, launch plans) through the kernels
 on the CPU.
 
-Shapes it does not have kernels for (head_dim other than 64/128, GQA groups above 8, non-float dtypes)
-go to the torch implementation, logged once per shape, so a new model degrades to slower, never wrong.
+The shape (dtype, head_dim, GQA group) is checked once, when the backend is chosen
+(``backend.AttentionShape``); a shape the kernels do not cover never gets this implementation.
 """
 
 from __future__ import annotations
 
-import logging
-
 import torch
 
-from ..kvcache.attention import TorchPagedAttention
 from . import launch as L
-
-_log = logging.getLogger(__name__)
 
 
 class CudaPagedAttention:
     """Paged attention through the kernels of ``kernels/`` (one sequence per call, batch 1 launches).
 
-    ``sm_count`` sizes the split-K plan of decode; the plan depends only on the block-table width
-    (capacity), never on the current length, so a captured decode graph stays valid as the sequence grows.
+    ``sm_count`` sizes the split-K plan of decode; the plan depends only on the width of the block-table
+    row it is given (the capacity of the decode step's context bucket), never on the current length, so a
+    captured decode graph stays valid as the sequence grows within its bucket.
     """
 
     name = "cuda"
@@ -34,8 +30,6 @@ class CudaPagedAttention:
         self.launcher = launcher
         self.sm_count = sm_count
         self.min_tokens_per_split = min_tokens_per_split
-        self._fallback = TorchPagedAttention()
-        self._unsupported_logged: set[tuple] = set()
         self._workspaces: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
 
     # -- protocol ---------------------------------------------------------------------------------
@@ -43,8 +37,8 @@ class CudaPagedAttention:
         self, k_pool: torch.Tensor, v_pool: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor
     ) -> None:
         nkv, hd = k_pool.shape[2], k_pool.shape[3]
-        if not self._supported(k_pool, hd, nkv, nkv) or k.shape[1:] != (nkv, hd) or v.shape != k.shape:
-            return self._fallback.write_kv(k_pool, v_pool, k, v, slot_mapping)
+        if k.shape[1:] != (nkv, hd) or v.shape != k.shape:
+            raise ValueError(f"k/v of shape {tuple(k.shape)}/{tuple(v.shape)} do not fit a pool of ({nkv}, {hd}) rows")
         n = k.shape[0]
         if slot_mapping.shape != (n,):
             raise ValueError(f"slot_mapping must have shape ({n},), got {tuple(slot_mapping.shape)}")
@@ -68,8 +62,6 @@ class CudaPagedAttention:
     ) -> torch.Tensor:
         num_q, nq, hd = q.shape
         page, nkv = k_pool.shape[1], k_pool.shape[2]
-        if not self._supported(k_pool, hd, nq, nkv):
-            return self._fallback.attend(q, k_pool, v_pool, block_table, q_start, kv_len)
         if q_start < 0 or q_start + num_q > kv_len:
             raise ValueError(f"queries at slots {q_start}..{q_start + num_q - 1} need kv_len >= {q_start + num_q}")
         table = self._table(block_table, q.device)
@@ -98,15 +90,13 @@ class CudaPagedAttention:
         page, nkv = k_pool.shape[1], k_pool.shape[2]
         if q.shape[0] != 1:
             raise ValueError(f"attend_decode takes one query (1, nq, hd), got {tuple(q.shape)}")
-        if not self._supported(k_pool, hd, nq, nkv):
-            return self._fallback.attend_decode(q, k_pool, v_pool, block_table, kv_len)
         table = self._table(block_table, q.device)
         seq_lens = kv_len.reshape(1)
         if seq_lens.dtype != torch.int32 or not seq_lens.is_contiguous():
             seq_lens = seq_lens.to(torch.int32).contiguous()
         qc = q.to(k_pool.dtype).contiguous()
         out = torch.empty_like(qc)
-        splits, tokens_per_split = self.decode_plan(table.numel() * page, nkv)
+        splits, tokens_per_split = self.decode_plan(table.numel() * page, nq, nkv)
         cfg = L.decode_launch(1, nq, nkv, hd, k_pool.dtype, splits)
         tail = [qc, k_pool, v_pool, table, seq_lens, nq, nkv, page, table.numel(), tokens_per_split, hd**-0.5]
         if splits == 1:
@@ -118,25 +108,12 @@ class CudaPagedAttention:
         return out.to(q.dtype)
 
     # -- helpers ----------------------------------------------------------------------------------
-    def decode_plan(self, capacity_tokens: int, num_kv_heads: int) -> tuple[int, int]:
-        """(num_splits, tokens_per_split) for a sequence that can hold ``capacity_tokens``."""
+    def decode_plan(self, capacity_tokens: int, num_heads: int, num_kv_heads: int) -> tuple[int, int]:
+        """(num_splits, tokens_per_split) for a table row that can hold ``capacity_tokens``."""
+        blocks = num_kv_heads * L.group_chunks(num_heads, num_kv_heads)
         return L.choose_decode_splits(
-            max(1, capacity_tokens), 1, num_kv_heads, self.sm_count, min_tokens_per_split=self.min_tokens_per_split
+            max(1, capacity_tokens), 1, blocks, self.sm_count, min_tokens_per_split=self.min_tokens_per_split
         )
-
-    def _supported(self, k_pool: torch.Tensor, hd: int, nq: int, nkv: int) -> bool:
-        try:
-            L.dtype_name(k_pool.dtype)
-            L.check_head_dim(hd)
-            L.group_bucket(nq, nkv)
-            L.check_kv_row(nkv, hd, k_pool.dtype)
-            return k_pool.is_contiguous()
-        except L.UnsupportedShape as exc:
-            key = (k_pool.dtype, hd, nq, nkv)
-            if key not in self._unsupported_logged:
-                self._unsupported_logged.add(key)
-                _log.warning("CUDA attention kernels do not cover this shape (%s); using the torch path", exc)
-            return False
 
     @staticmethod
     def _table(block_table: torch.Tensor, device: torch.device) -> torch.Tensor:

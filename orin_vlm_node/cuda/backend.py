@@ -1,4 +1,10 @@
-"""Startup choice of the compute backend: CUDA kernels and/or CUDA graphs, or the torch path, and why."""
+"""Startup choice of the attention backend: the CUDA kernels, or the torch path, and always why.
+
+Nothing here falls back silently: every outcome is one line, ``kernels: on (...)`` or ``kernels: off
+(<reason>)``, that the engine logs, the node publishes in ``/diagnostics`` and its ``ready`` status event,
+and the CLI prints with ``--json``. With ``allow_fallback=False`` a requested but unavailable kernel path
+is an error instead (a robot that must not run slowly refuses to start).
+"""
 
 from __future__ import annotations
 
@@ -7,71 +13,114 @@ from dataclasses import dataclass
 
 import torch
 
+from . import launch as L
 from .build import KernelBuildError
 
 _log = logging.getLogger(__name__)
 
 
+class KernelsUnavailable(RuntimeError):
+    """The CUDA kernels were required (``allow_fallback=False``) but cannot be used; the message says why."""
+
+
+@dataclass(frozen=True)
+class AttentionShape:
+    """What the kernels must cover for one model: storage dtype, head size and head counts."""
+
+    dtype: torch.dtype
+    head_dim: int
+    num_heads: int
+    num_kv_heads: int
+
+    def unsupported(self) -> str | None:
+        """Why the kernels do not cover this shape, or None."""
+        try:
+            L.dtype_name(self.dtype)
+            L.check_head_dim(self.head_dim)
+            L.gqa_group(self.num_heads, self.num_kv_heads)
+            L.check_kv_row(self.num_kv_heads, self.head_dim, self.dtype)
+        except L.UnsupportedShape as exc:
+            return str(exc)
+        return None
+
+
 @dataclass
 class BackendChoice:
-    """What the engine will use. ``attention_impl`` is a ``PagedAttentionImpl`` (None = the torch one).
+    """The attention implementation the engine will use and the one-line reason.
 
-    ``reason`` is one human-readable line for logs and ``engine.describe()``.
+    ``attention_impl`` is a kvcache ``PagedAttentionImpl`` (None = the torch one); ``requested`` says
+    whether kernels were wanted on this device, so "off" can be told apart from "not asked for".
     """
 
     kernels: bool
-    graphs: bool
     reason: str
+    requested: bool = False
     attention_impl: object | None = None
     arch: str = ""
     build_seconds: float = 0.0
+
+    @property
+    def status(self) -> str:
+        """``kernels: on (...)`` or ``kernels: off (...)`` -- the line every report carries."""
+        return f"kernels: {'on' if self.kernels else 'off'} ({self.reason})"
+
+    @property
+    def degraded(self) -> bool:
+        """Kernels were requested on a GPU and are not in use (the node reports this as a warning)."""
+        return self.requested and not self.kernels
 
 
 def select_backend(
     device: str | torch.device,
     use_cuda_kernels: bool,
-    use_cuda_graph: bool,
+    shape: AttentionShape,
+    kernel_dir: str = "",
     kernel_cache_dir: str = "",
     allow_fallback: bool = True,
 ) -> BackendChoice:
-    """Decide kernels/graphs for ``device``; build and load the kernels when asked to.
+    """Decide whether the kernels serve attention on ``device``; build and load them when they do.
 
-    CPU: torch path, reason "cpu device". CUDA: kernels are compiled (or taken from the cache in
-    ``kernel_cache_dir``, "" = ~/.cache/orin_vlm_node/kernels) and loaded; any failure (no nvcc, compile
-    error, no pycuda, driver error) falls back to the torch attention with the reason, or raises when
-    ``allow_fallback`` is False. Graphs do not need the kernels (the torch decode path is capturable too).
+    CPU: off ("cpu device"). CUDA with ``use_cuda_kernels``: the shape is checked, the sources found
+    (``kernel_dir`` or the install, see ``sources``), compiled or taken from ``kernel_cache_dir`` and
+    loaded. Any failure (shape not covered, sources, nvcc, PyCUDA, driver) gives "off" with the reason, or
+    raises :class:`KernelsUnavailable` when ``allow_fallback`` is False.
     """
     dev = torch.device(device)
     if dev.type != "cuda":
-        return BackendChoice(False, False, "cpu device")
+        return BackendChoice(False, "cpu device")
+    if not use_cuda_kernels:
+        return BackendChoice(False, "disabled by use_cuda_kernels")
     if not torch.cuda.is_available():
-        reason = "CUDA requested but torch sees no GPU"
-        if not allow_fallback:
-            raise RuntimeError(reason)
-        return BackendChoice(False, False, reason)
+        return _unavailable("CUDA requested but torch sees no GPU", allow_fallback)
     if dev.index is None:
         dev = torch.device("cuda", torch.cuda.current_device())
-    reasons = []
-    impl = None
-    arch = ""
-    seconds = 0.0
-    if use_cuda_kernels:
-        try:
-            from .attention import CudaPagedAttention
-            from .runtime import load_runtime
+    problem = shape.unsupported()
+    if problem:
+        return _unavailable(f"this model's attention is not covered: {problem}", allow_fallback)
+    try:
+        from .attention import CudaPagedAttention
+        from .runtime import load_runtime
 
-            runtime, seconds = load_runtime(dev, kernel_cache_dir)
-            impl = CudaPagedAttention(runtime, sm_count=runtime.sm_count)
-            arch = runtime.arch
-            reasons.append(f"CUDA kernels for {arch} ready in {seconds:.1f} s")
-        except (KernelBuildError, ImportError, OSError, RuntimeError) as exc:
-            if not allow_fallback:
-                raise
-            reasons.append(f"CUDA kernels unavailable, using torch attention: {exc}")
-            _log.warning("CUDA kernels unavailable, using torch attention: %s", exc)
-    else:
-        reasons.append("CUDA kernels disabled by use_cuda_kernels")
-    reasons.append("CUDA graphs on" if use_cuda_graph else "CUDA graphs disabled by use_cuda_graph")
-    choice = BackendChoice(impl is not None, bool(use_cuda_graph), "; ".join(reasons), impl, arch, seconds)
-    _log.info("backend: %s", choice.reason)
+        loaded = load_runtime(dev, kernel_dir, kernel_cache_dir)
+    except (KernelBuildError, ImportError, OSError, RuntimeError) as exc:
+        reason = f"{type(exc).__name__}: {exc}" if isinstance(exc, ImportError) else str(exc)
+        return _unavailable(reason, allow_fallback)
+    runtime = loaded.runtime
+    choice = BackendChoice(
+        True,
+        loaded.describe(),
+        requested=True,
+        attention_impl=CudaPagedAttention(runtime, sm_count=runtime.sm_count),
+        arch=runtime.arch,
+        build_seconds=loaded.seconds,
+    )
+    _log.info("%s", choice.status)
+    return choice
+
+
+def _unavailable(reason: str, allow_fallback: bool) -> BackendChoice:
+    if not allow_fallback:
+        raise KernelsUnavailable(f"CUDA kernels required (allow_kernel_fallback is false) but unavailable: {reason}")
+    choice = BackendChoice(False, f"{reason}; using torch attention", requested=True)
+    _log.warning("%s", choice.status)
     return choice

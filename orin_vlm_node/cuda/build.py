@@ -26,8 +26,6 @@ from pathlib import Path
 
 _log = logging.getLogger(__name__)
 
-KERNEL_DIR = Path(__file__).resolve().parent.parent.parent / "kernels"
-DEFAULT_CACHE_DIR = Path("~/.cache/orin_vlm_node/kernels")
 BASE_FLAGS: tuple[str, ...] = ("-O3", "-std=c++17")
 # Used by the tests on every architecture we support: any warning fails the build.
 STRICT_FLAGS: tuple[str, ...] = ("--Werror", "all-warnings", "-Xptxas", "-Werror")
@@ -42,15 +40,23 @@ class KernelBuildError(RuntimeError):
     """The kernels could not be built (no nvcc, a compile error, an unwritable cache); the message says which."""
 
 
+def default_cache_dir() -> Path:
+    """``$XDG_CACHE_HOME/orin_vlm_node/kernels``, else ``~/.cache/orin_vlm_node/kernels``."""
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path("~/.cache").expanduser())
+    return Path(base) / "orin_vlm_node" / "kernels"
+
+
 @dataclass(frozen=True)
 class BuildConfig:
-    """How to build: target arch (e.g. ``sm_87``), cache directory, nvcc to use ("" = search), extra flags."""
+    """How to build: target arch (e.g. ``sm_87``), the directory of the ``.cu`` sources (found by
+    ``sources.find_kernel_sources``), cache directory ("" = :func:`default_cache_dir`), nvcc to use
+    ("" = search) and extra flags."""
 
     arch: str
+    kernel_dir: Path
     cache_dir: str | Path = ""
     nvcc: str = ""
     extra_flags: tuple[str, ...] = ()
-    kernel_dir: Path = KERNEL_DIR
 
     @property
     def flags(self) -> tuple[str, ...]:
@@ -58,7 +64,7 @@ class BuildConfig:
 
     @property
     def cache_path(self) -> Path:
-        return Path(self.cache_dir or DEFAULT_CACHE_DIR).expanduser()
+        return Path(self.cache_dir).expanduser() if self.cache_dir else default_cache_dir()
 
 
 @dataclass(frozen=True)
@@ -114,7 +120,7 @@ def nvcc_version(nvcc: str) -> str:
     return (release or lines or ["unknown"])[-1] + " | " + (lines[-1] if lines else "")
 
 
-def module_names(kernel_dir: Path = KERNEL_DIR) -> list[str]:
+def module_names(kernel_dir: Path) -> list[str]:
     return sorted(p.stem for p in Path(kernel_dir).glob("*.cu"))
 
 
@@ -179,6 +185,44 @@ def _atomic_write(path: Path, data: bytes) -> None:
         raise
 
 
+def _read_cached(path: Path) -> bytes | None:
+    """A verified cache entry's cubin; None when absent, unreadable or corrupt (the last two are logged)."""
+    try:
+        if not path.is_file():
+            return None
+        payload = _unpack(path.read_bytes())
+    except OSError as exc:
+        _log.warning("kernel cache file %s cannot be read (%s); rebuilding", path, exc)
+        return None
+    if payload is None:
+        _log.warning("kernel cache file %s is corrupt (bad header, size or hash); rebuilding", path)
+        try:
+            path.unlink(missing_ok=True)
+        except OSError:
+            pass  # a read-only cache: the rebuilt cubin is simply not written back
+    return payload
+
+
+def cached_cubins(cache_dir: Path) -> list[Path]:
+    """Cache entries (``<module>-<arch>-<key>.cubin``) in ``cache_dir``, for diagnostics."""
+    try:
+        return sorted(cache_dir.glob("*.cubin"))
+    except OSError:
+        return []
+
+
+def cache_writable(cache_dir: Path) -> str | None:
+    """None when cubins can be written to ``cache_dir`` (created if needed), else the reason they cannot."""
+    try:
+        cache_dir.mkdir(parents=True, exist_ok=True)
+        fd, probe = tempfile.mkstemp(dir=cache_dir, prefix=".probe.", suffix=".tmp")
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return None
+
+
 def compile_cubin(module: str, cfg: BuildConfig, nvcc: str) -> bytes:
     """Run nvcc on ``kernels/<module>.cu`` for ``cfg.arch`` and return the cubin bytes (no cache)."""
     src = Path(cfg.kernel_dir) / f"{module}.cu"
@@ -200,13 +244,10 @@ def build_module(module: str, cfg: BuildConfig) -> CompiledModule:
     nvcc = find_nvcc(cfg.nvcc)
     key = cache_key(module, cfg, nvcc)
     path = cfg.cache_path / f"{module}-{cfg.arch}-{key[:24]}.cubin"
-    if path.is_file():
-        payload = _unpack(path.read_bytes())
-        if payload is not None:
-            _log.info("kernel cache hit: %s (%s) from %s", module, cfg.arch, path)
-            return CompiledModule(module, cfg.arch, payload, path, cache_hit=True)
-        _log.warning("kernel cache file %s is corrupt (bad header, size or hash); rebuilding", path)
-        path.unlink(missing_ok=True)
+    payload = _read_cached(path)
+    if payload is not None:
+        _log.info("kernel cache hit: %s (%s) from %s", module, cfg.arch, path)
+        return CompiledModule(module, cfg.arch, payload, path, cache_hit=True)
     t0 = time.perf_counter()
     cubin = compile_cubin(module, cfg, nvcc)
     seconds = time.perf_counter() - t0

@@ -8,6 +8,10 @@ page-boundary bug of the original C++ engine). Warm-up runs the callable eagerly
 idempotent for fixed buffer contents (writing the same K/V to the same slot again is).
 
 If capture fails (an op that is not capturable, a host sync), the runner logs why and stays eager.
+
+Several graphs (one per context bucket of the decode step) can share one memory pool
+(``torch.cuda.graph_pool_handle()``): they never replay at the same time, and each graph's output is
+consumed before the next replay.
 """
 
 from __future__ import annotations
@@ -25,18 +29,26 @@ class DecodeGraph:
     """Replays ``fn`` from a CUDA graph once captured; eager on CPU, when disabled, or after a failed capture.
 
     ``run()`` returns ``fn``'s output (the graph's static output tensor(s) once captured: copy or consume
-    them before the next ``run()``). ``invalidate()`` drops the graph, e.g. after the model, the static
-    buffers or the KV pools were reallocated; the next ``run()`` captures again.
+    them before the next ``run()``). A graph is bound to the tensors ``fn`` read when it was captured:
+    whoever reallocates the model, the static buffers or the KV pools builds new ``DecodeGraph``s.
+    ``pool``: a graph memory pool to share with other graphs (None: this graph gets its own).
     """
 
-    def __init__(self, fn: Callable[[], Any], device: str | torch.device, enabled: bool = True, warmup: int = 2):
+    def __init__(
+        self,
+        fn: Callable[[], Any],
+        device: str | torch.device,
+        enabled: bool = True,
+        warmup: int = 2,
+        pool: Any = None,
+    ):
         self.fn = fn
         self.device = torch.device(device)
         self.enabled = enabled
         self.warmup = warmup
         self._graph: torch.cuda.CUDAGraph | None = None
         self._output: Any = None
-        self._pool = None
+        self._pool = pool
         self.fallback_reason = ""
         if self.device.type != "cuda":
             self.fallback_reason = "cpu device"
@@ -66,13 +78,6 @@ class DecodeGraph:
         return self._output
 
     __call__ = run
-
-    def invalidate(self) -> None:
-        """Forget the captured graph (next ``run()`` recaptures); also clears a previous capture failure."""
-        self._graph = None
-        self._output = None
-        if self.fallback_reason.startswith("capture failed"):
-            self.fallback_reason = ""
 
     def describe(self) -> dict:
         return {

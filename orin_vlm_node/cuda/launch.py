@@ -14,13 +14,14 @@ from dataclasses import dataclass
 # Mirrors of the kernel constants (kernels/paged_decode_attention.cu, paged_prefill_attention.cu).
 DECODE_WARPS = 4
 PREFILL_WARPS = 4
-PREFILL_BLOCK_Q = 16
 PREFILL_BLOCK_K = 32
 KV_WRITE_THREADS = 128
 WARP_SIZE = 32
 
-SUPPORTED_HEAD_DIMS = (64, 128)
-GROUP_BUCKETS = (1, 2, 4, 8)  # GQA group sizes the decode kernel is instantiated for (upper bounds)
+SUPPORTED_HEAD_DIMS = (32, 64, 128, 256)  # ORIN_FOR_EACH_HEAD_DIM in kernels/attention_common.cuh
+# Query heads one decode block serves (upper bounds it is instantiated for). A larger GQA group is split
+# into chunks of the largest bucket, one block each (the kernel reads K/V once per chunk).
+GROUP_BUCKETS = (1, 2, 4, 8)
 MAX_DYNAMIC_SHARED_BYTES = 48 * 1024  # the per-block default on every GPU we target; no opt-in needed
 DEFAULT_MIN_TOKENS_PER_SPLIT = 256
 
@@ -104,15 +105,22 @@ def check_head_dim(head_dim: int) -> None:
         raise UnsupportedShape(f"no kernels for head_dim {head_dim}; supported: {SUPPORTED_HEAD_DIMS}")
 
 
-def group_bucket(num_heads: int, num_kv_heads: int) -> int:
-    """Smallest instantiated GQA group size that holds ``num_heads / num_kv_heads``."""
+def gqa_group(num_heads: int, num_kv_heads: int) -> int:
+    """Query heads per kv head; any group that divides the head count is served."""
     if num_kv_heads < 1 or num_heads < 1 or num_heads % num_kv_heads:
         raise UnsupportedShape(f"num_heads {num_heads} must be a positive multiple of num_kv_heads {num_kv_heads}")
-    group = num_heads // num_kv_heads
-    for bucket in GROUP_BUCKETS:
-        if group <= bucket:
-            return bucket
-    raise UnsupportedShape(f"GQA group size {group} exceeds the largest instantiated group {GROUP_BUCKETS[-1]}")
+    return num_heads // num_kv_heads
+
+
+def group_bucket(num_heads: int, num_kv_heads: int) -> int:
+    """Query heads per decode block: the smallest instantiated bucket that holds the group, else the largest."""
+    group = gqa_group(num_heads, num_kv_heads)
+    return next((bucket for bucket in GROUP_BUCKETS if group <= bucket), GROUP_BUCKETS[-1])
+
+
+def group_chunks(num_heads: int, num_kv_heads: int) -> int:
+    """Decode blocks per kv head: 1 up to the largest bucket, more for larger GQA groups."""
+    return math.ceil(gqa_group(num_heads, num_kv_heads) / group_bucket(num_heads, num_kv_heads))
 
 
 def decode_kernel_name(dtype: object, head_dim: int, num_heads: int, num_kv_heads: int) -> str:
@@ -129,19 +137,20 @@ def decode_shared_bytes(head_dim: int, group: int) -> int:
 def choose_decode_splits(
     max_seq_len: int,
     batch: int,
-    num_kv_heads: int,
+    blocks_per_seq: int,
     sm_count: int,
     min_tokens_per_split: int = DEFAULT_MIN_TOKENS_PER_SPLIT,
 ) -> tuple[int, int]:
     """Split-K plan ``(num_splits, tokens_per_split)`` for sequences of up to ``max_seq_len`` tokens.
 
-    Splitting pays when ``batch * num_kv_heads`` blocks would leave SMs idle (batch 1 on an Orin with
-    8-16 SMs); each split keeps at least ``min_tokens_per_split`` tokens so the reduce stays cheap.
-    For a CUDA graph pass the capacity (max context), not the current length: the plan must stay fixed.
+    ``blocks_per_seq`` is the decode grid's x size (kv heads x group chunks). Splitting pays when
+    ``batch * blocks_per_seq`` blocks would leave SMs idle (batch 1 on an Orin with 8-16 SMs); each split
+    keeps at least ``min_tokens_per_split`` tokens so the reduce stays cheap. For a CUDA graph pass the
+    capacity of the table row (not the current length): the plan must stay fixed while the graph replays.
     """
-    if max_seq_len < 1 or batch < 1 or num_kv_heads < 1 or sm_count < 1:
+    if max_seq_len < 1 or batch < 1 or blocks_per_seq < 1 or sm_count < 1:
         raise ValueError("choose_decode_splits needs positive sizes")
-    blocks = batch * num_kv_heads
+    blocks = batch * blocks_per_seq
     wanted = math.ceil(2 * sm_count / blocks)
     by_length = max(1, max_seq_len // min_tokens_per_split)
     splits = max(1, min(wanted, by_length))
@@ -155,7 +164,7 @@ def choose_decode_splits(
 def decode_launch(
     batch: int, num_heads: int, num_kv_heads: int, head_dim: int, dtype: object, num_splits: int = 1
 ) -> LaunchConfig:
-    """Grid (num_kv_heads, batch, num_splits), DECODE_WARPS warps, merge buffer in dynamic shared memory."""
+    """Grid (num_kv_heads * group chunks, batch, num_splits), DECODE_WARPS warps, merge buffer in shared memory."""
     if batch < 1 or num_splits < 1:
         raise ValueError(f"decode launch needs batch >= 1 and num_splits >= 1, got {batch}, {num_splits}")
     kernel = decode_kernel_name(dtype, head_dim, num_heads, num_kv_heads)
@@ -163,7 +172,7 @@ def decode_launch(
     return _checked(
         LaunchConfig(
             kernel=kernel,
-            grid=(num_kv_heads, batch, num_splits),
+            grid=(num_kv_heads * group_chunks(num_heads, num_kv_heads), batch, num_splits),
             block=(DECODE_WARPS * WARP_SIZE, 1, 1),
             shared_bytes=decode_shared_bytes(head_dim, group),
         )
@@ -177,32 +186,31 @@ def decode_reduce_launch(batch: int, num_heads: int, head_dim: int, dtype: objec
     return _checked(LaunchConfig(f"paged_decode_reduce_{tag}_d{head_dim}", (num_heads, batch, 1), (head_dim, 1, 1), 0))
 
 
+def prefill_block_q(head_dim: int) -> int:
+    """Query rows per prefill block (``PrefillTile`` in the kernel): 8 at head_dim 256, else 16."""
+    return 8 if head_dim > 128 else 16
+
+
 def prefill_shared_bytes(head_dim: int) -> int:
-    """q tile + padded K tile + V tile + per-warp probabilities + key-valid flags, fp32."""
-    floats = (
-        PREFILL_BLOCK_Q * head_dim
-        + PREFILL_BLOCK_K * (head_dim + 1)
-        + PREFILL_BLOCK_K * head_dim
-        + PREFILL_WARPS * PREFILL_BLOCK_K
-        + PREFILL_BLOCK_K
-    )
+    """q tile + one padded K-then-V tile + per-row probabilities + key-valid flags, fp32."""
+    block_q = prefill_block_q(head_dim)
+    floats = block_q * head_dim + PREFILL_BLOCK_K * (head_dim + 1) + block_q * PREFILL_BLOCK_K + PREFILL_BLOCK_K
     return floats * 4
 
 
 def prefill_launch(
     batch: int, max_q_len: int, num_heads: int, num_kv_heads: int, head_dim: int, dtype: object
 ) -> LaunchConfig:
-    """Grid (ceil(max_q_len / PREFILL_BLOCK_Q), num_heads, batch), PREFILL_WARPS warps."""
+    """Grid (ceil(max_q_len / block_q), num_heads, batch), PREFILL_WARPS warps."""
     check_head_dim(head_dim)
-    if num_heads % num_kv_heads:
-        raise UnsupportedShape(f"num_heads {num_heads} must be a multiple of num_kv_heads {num_kv_heads}")
+    gqa_group(num_heads, num_kv_heads)
     if batch < 1 or max_q_len < 1:
         raise ValueError(f"prefill launch needs batch >= 1 and max_q_len >= 1, got {batch}, {max_q_len}")
     tag = DTYPE_TAGS[dtype_name(dtype)]
     return _checked(
         LaunchConfig(
             kernel=f"paged_prefill_attention_{tag}_d{head_dim}",
-            grid=(math.ceil(max_q_len / PREFILL_BLOCK_Q), num_heads, batch),
+            grid=(math.ceil(max_q_len / prefill_block_q(head_dim)), num_heads, batch),
             block=(PREFILL_WARPS * WARP_SIZE, 1, 1),
             shared_bytes=prefill_shared_bytes(head_dim),
         )

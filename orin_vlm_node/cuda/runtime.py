@@ -19,12 +19,15 @@ from __future__ import annotations
 import ctypes
 import logging
 import threading
+import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
 from .build import BuildConfig, CompiledModule, arch_from_capability, build_all
 from .launch import ARG_KINDS, LaunchConfig
+from .sources import KernelSources, find_kernel_sources
 
 _log = logging.getLogger(__name__)
 
@@ -116,6 +119,14 @@ class KernelRuntime:
         self.sm_count = torch.cuda.get_device_properties(device).multi_processor_count
         _log.info("loaded %d CUDA kernels (%s, %d SMs)", len(self._functions), self.arch, self.sm_count)
 
+    @property
+    def num_kernels(self) -> int:
+        return len(self._functions)
+
+    def kernels(self) -> list[str]:
+        """Names of the loaded kernels (diagnostics)."""
+        return sorted(self._functions)
+
     def _ensure_context(self) -> None:
         """Make the primary context current on this thread (torch usually has; a fresh thread may not)."""
         if self._driver.current_context() != self._ctx_handle:
@@ -156,11 +167,44 @@ def detect_arch(device: torch.device) -> str:
     return arch_from_capability(major, minor)
 
 
-def load_runtime(device: torch.device, cache_dir: str = "", nvcc: str = "") -> tuple[KernelRuntime, float]:
-    """Build (or load from cache) every kernel for ``device``'s arch and load them. Returns (runtime, seconds)."""
-    import time
+def load_runtime(device: torch.device, kernel_dir: str = "", cache_dir: str = "", nvcc: str = "") -> LoadedKernels:
+    """Find the sources, build (or take from the cache) every kernel for ``device``'s arch, load them.
 
+    A cached cubin that passes its hash check but fails to load (a driver change the key did not see) is
+    deleted and rebuilt once. Raises KernelBuildError (sources, nvcc, compile) or CudaRuntimeError (driver).
+    """
     t0 = time.perf_counter()
-    modules = build_all(BuildConfig(arch=detect_arch(device), cache_dir=cache_dir, nvcc=nvcc))
-    runtime = KernelRuntime(modules, device)
-    return runtime, time.perf_counter() - t0
+    sources = find_kernel_sources(kernel_dir)
+    cfg = BuildConfig(arch=detect_arch(device), kernel_dir=sources.directory, cache_dir=cache_dir, nvcc=nvcc)
+    modules = build_all(cfg, list(sources.modules))
+    try:
+        runtime = KernelRuntime(modules, device)
+    except CudaRuntimeError as exc:
+        stale = [m for m in modules.values() if m.cache_hit]
+        if not stale:
+            raise
+        _log.warning("a cached kernel failed to load (%s); rebuilding %s", exc, ", ".join(m.name for m in stale))
+        for m in stale:
+            m.path.unlink(missing_ok=True)
+        modules = build_all(cfg, list(sources.modules))
+        runtime = KernelRuntime(modules, device)
+    cached = sum(m.cache_hit for m in modules.values())
+    return LoadedKernels(runtime, sources, time.perf_counter() - t0, cached, len(modules) - cached)
+
+
+@dataclass(frozen=True)
+class LoadedKernels:
+    """The loaded runtime and how it came to be (for the startup log and diagnostics)."""
+
+    runtime: KernelRuntime
+    sources: KernelSources
+    seconds: float
+    cached: int
+    compiled: int
+
+    def describe(self) -> str:
+        r = self.runtime
+        return (
+            f"{r.arch}, {r.num_kernels} kernels from {self.sources.directory} ({self.sources.found_by}), "
+            f"{self.compiled} compiled + {self.cached} cached in {self.seconds:.1f} s"
+        )

@@ -23,15 +23,16 @@ class EngineConfig:
     use_paged_attention: bool = True
     page_size: int = 16  # tokens per block, power of two in 1..256
     kv_pool_blocks: int = 0  # > 0 sizes the pool in blocks (wins over kv_pool_mb)
-    kv_pool_mb: float = 0.0  # > 0 sizes the pool in MB; both 0: a fraction of free memory / max context
+    kv_pool_mb: float = 0.0  # > 0 sizes the pool in MB; both 0: sized by need (see kvcache.config)
+    kv_prefix_share: float = 0.25  # automatic size: extra share of blocks for cached prefixes
+    kv_memory_reserve_mb: int = 1024  # automatic size: memory left free for the rest of the system
+    max_sessions: int = 1  # conversations kept between requests (LRU beyond); sizes the pool too
     prefix_caching: bool = True
     # CUDA
     use_cuda_kernels: bool = True
     use_cuda_graph: bool = True
-    # Static-buffer decode step (what a CUDA graph captures): "auto" = only where a graph is captured
-    # (CUDA with use_cuda_graph); "on" = also eagerly on CPU (tests of the graph logic); "off" = never.
-    # On CPU the static step attends over the whole max-context width every token, so "auto" skips it.
-    static_decode: str = "auto"
+    allow_kernel_fallback: bool = True  # False: kernels requested but unavailable is a startup error
+    kernel_dir: str = ""  # "" = the kernel sources of this install (see cuda.sources)
     kernel_cache_dir: str = ""  # "" = ~/.cache/orin_vlm_node/kernels
     # limits and defaults
     max_context_tokens: int = 4096

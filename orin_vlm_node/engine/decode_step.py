@@ -1,66 +1,155 @@
-"""The decode step, split so a CUDA graph can replay it: ``prepare`` on the host, ``run`` on the device.
+"""The decode step: one token in, (1, vocab) logits out, split into a host half and a device half.
 
-Why the split: a captured graph replays fixed kernels on fixed addresses. Everything that changes from
-one token to the next (the input token, the RoPE position, the KV slot, the block table when the
-sequence crosses a page boundary) must therefore live in tensors allocated once, and must be written
-*before* the replay, by ordinary host code. Forgetting the block allocation there is the classic
-"garbage after the first page boundary" bug of paged attention under graphs: here ``prepare`` always
-goes through ``KVCache.prepare_static_decode``, which allocates the block and uploads the table row.
+``prepare(seq, token, rope_delta)`` is the host half: it reserves the next KV slot (may raise
+PoolExhausted before any change, so the engine can evict and retry) and stages the inputs. ``run()`` is
+the device half. Two implementations, chosen in one place (:func:`build_decode_step`):
 
-``run`` only reads the fixed buffers: the model forward for one token with the cache's static
-attention. On CPU it executes eagerly (the same code path, so tests check the design without a GPU);
-on CUDA the engine hands it to the graph runner, which captures it once and replays it per token.
+* :class:`DynamicDecodeStep` (CPU): fresh tensors and the cache's ordinary ``step`` every token; its work
+  follows the tokens held.
+* :class:`StaticDecodeStep` (CUDA): everything that changes from one token to the next (input token, RoPE
+  position, KV slot, block-table row) lives in tensors allocated once and refilled in place by
+  ``prepare``, so ``run`` can be captured as a CUDA graph and replayed. Forgetting the block allocation
+  in the host half is the classic "garbage after the first page boundary" bug of paged attention under
+  graphs: ``prepare`` always goes through ``KVCache.prepare_static_decode``, which allocates the block
+  and uploads the table row before any replay.
+
+A graph has fixed shapes, so one graph attending over the whole ``max_context_tokens`` would cost every
+token as much as the longest conversation. The static step therefore keeps one attention (and one
+graph) per *context bucket*: widths of 256, 512, 1024, ... tokens up to the context limit. ``prepare``
+picks the smallest bucket that holds the sequence, so a token's attention work is proportional to the
+tokens held (within a factor of two). Graphs are captured lazily, the first time a bucket is used, and
+share one memory pool.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import functools
+from typing import Protocol
 
 import torch
 
+from ..cuda import DecodeGraph
 from ..kvcache import KVCache
 from ..model.positions import decode_positions
 
+SMALLEST_BUCKET = 256  # tokens
+
+
+def context_buckets(max_context_tokens: int, smallest: int = SMALLEST_BUCKET) -> tuple[int, ...]:
+    """Attention widths in tokens: powers of two from ``smallest`` below the limit, then the limit."""
+    widths = []
+    width = smallest
+    while width < max_context_tokens:
+        widths.append(width)
+        width *= 2
+    widths.append(max_context_tokens)
+    return tuple(widths)
+
+
+class DecodeStep(Protocol):
+    """What the engine's decode loop calls for every generated token."""
+
+    def prepare(self, seq: int, token_id: int, rope_delta: int) -> None:
+        """Host half: reserve KV slot ``length(seq)`` for ``token_id`` at RoPE position slot + rope_delta."""
+        ...
+
+    def run(self) -> torch.Tensor:
+        """Device half: (1, vocab) logits of the prepared token."""
+        ...
+
+    def describe(self) -> dict:
+        """How decoding runs (for diagnostics)."""
+        ...
+
+
+class DynamicDecodeStep:
+    """The ordinary decode step: ``cache.step`` and fresh input tensors every token."""
+
+    def __init__(self, model: torch.nn.Module, cache: KVCache):
+        self.model = model
+        self.cache = cache
+        self._staged: tuple[torch.Tensor, torch.Tensor, object] | None = None
+
+    def prepare(self, seq: int, token_id: int, rope_delta: int) -> None:
+        slot = self.cache.length(seq)
+        attn = self.cache.step(seq, 1)
+        device = self.model.device
+        ids = torch.tensor([token_id], dtype=torch.long, device=device)
+        self._staged = (ids, decode_positions(slot, rope_delta, device=device), attn)
+
+    def run(self) -> torch.Tensor:
+        if self._staged is None:
+            raise RuntimeError("run() without prepare()")
+        ids, positions, attn = self._staged
+        self._staged = None
+        return self.model.forward(ids, positions, attn)
+
+    def describe(self) -> dict:
+        return {"step": "dynamic"}
+
 
 class StaticDecodeStep:
-    """Fixed buffers + the two halves of a one-token decode step for one KV cache."""
+    """Fixed buffers, one attention per context bucket, and the bucket's graph runner.
 
-    def __init__(self, model: torch.nn.Module, cache: KVCache, device: torch.device):
+    With ``use_graphs`` on a CUDA device each bucket's forward is captured once and replayed; otherwise
+    (CPU, graphs disabled, a failed capture) it runs eagerly over the same buffers.
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        cache: KVCache,
+        device: torch.device,
+        use_graphs: bool,
+        buckets: tuple[int, ...] | None = None,
+    ):
         self.model = model
         self.cache = cache
         self.device = device
+        self.buckets = buckets or context_buckets(cache.config.max_context_tokens)
         self.buffers = cache.new_static_decode_buffers()
         self.input_ids = torch.zeros(1, dtype=torch.long, device=device)  # (1,)
         self.positions = torch.zeros((3, 1), dtype=torch.long, device=device)  # (3, 1)
-        self.attention = cache.static_decode_attention(self.buffers)
-        self.graph: Callable[[], torch.Tensor] | None = None  # replay function once captured
+        self._attention = {w: cache.static_decode_attention(self.buffers, w) for w in self.buckets}
+        graphs = use_graphs and device.type == "cuda"
+        pool = torch.cuda.graph_pool_handle() if graphs else None
+        self._runners = {
+            w: DecodeGraph(functools.partial(self.forward, w), device, enabled=graphs, pool=pool) for w in self.buckets
+        }
+        self.width = self.buckets[0]
 
     def prepare(self, seq: int, token_id: int, rope_delta: int) -> None:
-        """Host half: reserve the next slot (may raise PoolExhausted before any change) and fill buffers.
-
-        The token goes to KV slot ``s = length(seq)`` and RoPE position ``s + rope_delta`` (all three
-        M-RoPE streams), so positions keep running behind slots after an image.
-        """
+        """The token goes to KV slot ``s = length(seq)`` and RoPE position ``s + rope_delta`` (all three
+        M-RoPE streams), so positions keep running behind slots after an image."""
         slot = self.cache.length(seq)
         self.cache.prepare_static_decode(seq, self.buffers)
         self.input_ids.fill_(token_id)
         self.positions.fill_(slot + rope_delta)
+        self.width = next(w for w in self.buckets if w > slot)
 
-    def forward(self) -> torch.Tensor:
-        """Device half, eager: (1, vocab) logits; reads only the fixed buffers (what a graph captures)."""
-        return self.model.forward(self.input_ids, self.positions, self.attention)
+    def forward(self, width: int) -> torch.Tensor:
+        """Device half, eager, over the first ``width`` slots: reads only the fixed buffers."""
+        return self.model.forward(self.input_ids, self.positions, self._attention[width])
 
     def run(self) -> torch.Tensor:
-        """Replay the captured graph if there is one, else run eagerly. Returns (1, vocab) logits; with
-        a graph the tensor is the graph's static output, valid until the next replay."""
-        return self.graph() if self.graph is not None else self.forward()
+        """Logits of the prepared token; with a graph this is the graph's static output, valid until the
+        next ``run()``."""
+        return self._runners[self.width].run()
+
+    def describe(self) -> dict:
+        graphs = {w: r.describe() for w, r in self._runners.items()}
+        eager = {g["eager_reason"] for g in graphs.values() if g["eager_reason"]}
+        return {
+            "step": "static",
+            "buckets": list(self.buckets),
+            "graphs": "off (" + "; ".join(sorted(eager)) + ")" if eager else "on",
+            "graphs_captured": sum(g["captured"] for g in graphs.values()),
+        }
 
 
-def dynamic_decode(model: torch.nn.Module, cache: KVCache, seq: int, token_id: int, rope_delta: int) -> torch.Tensor:
-    """The ordinary decode step (fresh tensors, ``cache.step``): the reference the static step must match."""
-    slot = cache.length(seq)
-    attn = cache.step(seq, 1)
-    device = model.device
-    ids = torch.tensor([token_id], dtype=torch.long, device=device)
-    positions = decode_positions(slot, rope_delta, device=device)
-    return model.forward(ids, positions, attn)
+def build_decode_step(model: torch.nn.Module, cache: KVCache, device: torch.device, use_graphs: bool) -> DecodeStep:
+    """The one place that decides how decode runs: the static step on CUDA (CUDA graphs when
+    ``use_graphs``), the dynamic step on CPU (where a graph gains nothing)."""
+    if device.type == "cuda":
+        return StaticDecodeStep(model, cache, device, use_graphs)
+    return DynamicDecodeStep(model, cache)

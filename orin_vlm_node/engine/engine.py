@@ -18,6 +18,7 @@ drops every session, because their KV lives in the cache being replaced.
 from __future__ import annotations
 
 import dataclasses
+import gc
 import logging
 import threading
 import uuid
@@ -27,19 +28,18 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..kvcache import ContiguousKVCache, KVCache, PoolExhausted
-from ..kvcache.attention import TorchPagedAttention
+from ..cuda import KernelsUnavailable
+from ..kvcache import ContiguousKVCache, KVCache, PagedKVCache, PoolExhausted, TorchPagedAttention, plan_pool
 from ..kvcache.errors import ContextLimitExceeded
-from ..kvcache.paged import PagedKVCache
 from ..model import load_model
 from ..model.config import ModelConfig
 from ..model.errors import CheckpointError
 from ..model.positions import mrope_positions
 from ..processing import ChatTemplate, ImageProcessor, IncrementalDetokenizer, ProcessingError, Tokenizer
-from . import backend as backend_mod
+from .backend import decode_path, select_attention
 from .config import EngineConfig
 from .conversation import ConversationRenderer
-from .decode_step import StaticDecodeStep, dynamic_decode
+from .decode_step import build_decode_step
 from .events import Event, Finished, Request, TextDelta
 from .images import encode_needed, image_keys, token_extra_keys
 from .metrics import RequestMetrics, peak_memory_mb, reset_peak_memory
@@ -51,7 +51,6 @@ from .settings import (
     KV_LAYOUT_FIELDS,
     MODEL_FIELDS,
     check_fields,
-    check_pool,
     kv_cache_config,
     resolve_device,
     resolve_dtype,
@@ -87,7 +86,7 @@ class Engine:
             self._load_processing()
             self._build_backend()
             self._build_cache()
-        except (CheckpointError, ProcessingError, ValueError, OSError) as exc:
+        except (CheckpointError, ProcessingError, KernelsUnavailable, ValueError, OSError) as exc:
             raise EngineError(f"cannot start the engine: {exc}") from exc
 
     # ------------------------------------------------------------------------------------------
@@ -122,8 +121,8 @@ class Engine:
         )
 
     def _build_backend(self) -> None:
-        self.backend = backend_mod.select(self._config, self.device)
-        log.info("decode path: %s (%s)", self.backend.describe(), self.backend.choice.reason)
+        self.attention = select_attention(self._config, self.model_config, self.dtype, self.device)
+        log.log(logging.WARNING if self.attention.degraded else logging.INFO, "%s", self.attention.status)
 
     def _kv_config(self, config: EngineConfig):
         text = self.model_config.text
@@ -132,30 +131,35 @@ class Engine:
         )
 
     def _build_cache(self) -> None:
+        """A new KV cache (sessions dropped). The old pool is freed first, so both never coexist."""
         cfg = self._config
+        self._sessions.clear()
+        self.cache: KVCache | None = None
+        self._decode_step = None
+        self._free_device_memory()
         kv = self._kv_config(cfg)
-        check_pool(kv, cfg.use_paged_attention)
-        self.cache: KVCache
         if cfg.use_paged_attention:
-            self.cache = PagedKVCache(kv, attention_impl=self.backend.paged_attention_impl())
+            self.cache = PagedKVCache(kv, attention_impl=self.attention.attention_impl)
         else:
             self.cache = ContiguousKVCache(kv)
-        self._sessions.clear()
         self._stats_snapshot = self.cache.stats()
         self._build_decode_step()
 
+    def _free_device_memory(self) -> None:
+        gc.collect()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
     def _build_decode_step(self) -> None:
-        """Fresh static buffers (and so a fresh graph) for the current cache and backend."""
-        self._static_step: StaticDecodeStep | None = None
-        if self.backend.static_decode:
-            self._static_step = StaticDecodeStep(self.model, self.cache, self.device)
-            self.backend.attach(self._static_step)
+        """The decode step for the current cache and backend (new buffers, graphs captured afresh)."""
+        self._decode_step = build_decode_step(self.model, self.cache, self.device, self._config.use_cuda_graph)
+        log.info("decode path: %s", decode_path(self.attention, self._decode_step))
 
     def _swap_backend(self) -> None:
         """Kernels/graphs changed but not the KV layout: keep the cache (and sessions), new step."""
         self._build_backend()
         if isinstance(self.cache, PagedKVCache):
-            self.cache.set_attention_impl(self.backend.paged_attention_impl() or TorchPagedAttention())
+            self.cache.set_attention_impl(self.attention.attention_impl or TorchPagedAttention())
         self._build_decode_step()
 
     # ------------------------------------------------------------------------------------------
@@ -233,7 +237,9 @@ class Engine:
             text = self.model_config.text
         if fields.keys() & (KV_LAYOUT_FIELDS | MODEL_FIELDS):
             kv = kv_cache_config(new, text.num_hidden_layers, text.num_key_value_heads, text.head_dim, dtype, device)
-            check_pool(kv, new.use_paged_attention)
+            # The current pool is freed before the new one is allocated: its bytes count as free.
+            released = self._stats_snapshot.get("pool_bytes", 0) if device == self.device else 0
+            plan_pool(kv, contiguous=not new.use_paged_attention, released_bytes=released)
 
     def reconfigure(self, **fields) -> None:
         """Apply new settings between requests (waits for the in-flight request; see module docstring).
@@ -303,10 +309,11 @@ class Engine:
             "prefix_caching": stats.get("prefix_caching", False),
             "prefix_hit_rate": stats.get("prefix_hit_rate", 0.0),
             "max_context_tokens": cfg.max_context_tokens,
-            "decode_path": self.backend.describe(),
-            "cuda_kernels": self.backend.kernels_active,
-            "cuda_graphs": self.backend.graphs_active,
-            "backend": self.backend.details(),
+            "kv_pool": stats.get("pool"),
+            "decode_path": decode_path(self.attention, self._decode_step),
+            "kernels": self.attention.status,
+            "kernels_degraded": self.attention.degraded,
+            "decode": self._decode_step.describe(),
             "sessions": len(self._sessions),
             "requests_served": self._requests_served,
             "eos_token_ids": list(self.eos_token_ids),
@@ -492,6 +499,7 @@ class Engine:
         try:
             m.blocks_in_use = len(self.cache.block_table(seq)) if seq is not None else 0
             self._settle(session, seq, rollback, prefill_done, reason, generated, text)
+            self._trim_sessions()
         except Exception as exc:  # noqa: BLE001
             log.exception("request %s: cleanup failed; clearing the KV cache", rid)
             self._sessions.clear()
@@ -575,9 +583,7 @@ class Engine:
 
     def _decode(self, seq: int, token: int, rope_delta: int, keep: Session | None) -> torch.Tensor:
         """Feed one token; (1, vocab) logits. PoolExhausted (after evicting idle sessions) if no block."""
-        step = self._static_step
-        if step is None:
-            return self._with_eviction(lambda: dynamic_decode(self.model, self.cache, seq, token, rope_delta), keep)
+        step = self._decode_step
         self._with_eviction(lambda: step.prepare(seq, token, rope_delta), keep)
         return step.run()
 
@@ -593,6 +599,14 @@ class Engine:
                 victim = min(victims, key=lambda s: s.last_used)
                 log.warning("KV pool full: dropping idle session %r to make room", victim.session_id)
                 self._drop_session(victim.session_id)
+
+    def _trim_sessions(self) -> None:
+        """Keep at most ``max_sessions`` conversations (the pool is sized for that many): drop the least
+        recently used beyond it."""
+        while len(self._sessions) > self._config.max_sessions:
+            victim = min(self._sessions.values(), key=lambda s: s.last_used)
+            log.info("more than max_sessions=%d sessions: dropping %r", self._config.max_sessions, victim.session_id)
+            self._drop_session(victim.session_id)
 
     def _drop_session(self, session_id: str) -> None:
         session = self._sessions.pop(session_id, None)

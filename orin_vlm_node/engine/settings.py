@@ -8,6 +8,7 @@ import math
 
 import torch
 
+from ..cuda.sources import check_kernel_dir
 from ..kvcache import KVCacheConfig
 from ..kvcache.config import MAX_PAGE_SIZE
 from .config import EngineConfig
@@ -26,12 +27,22 @@ CONFIG_FIELDS = frozenset(f.name for f in dataclasses.fields(EngineConfig))
 
 # Which part of the engine a field change rebuilds.
 MODEL_FIELDS = frozenset({"model_path", "device", "dtype"})
-KV_LAYOUT_FIELDS = frozenset({"use_paged_attention", "page_size", "kv_pool_blocks", "kv_pool_mb", "max_context_tokens"})
-BACKEND_FIELDS = frozenset({"use_cuda_kernels", "use_cuda_graph", "kernel_cache_dir", "static_decode"})
+KV_LAYOUT_FIELDS = frozenset(
+    {
+        "use_paged_attention",
+        "page_size",
+        "kv_pool_blocks",
+        "kv_pool_mb",
+        "kv_prefix_share",
+        "kv_memory_reserve_mb",
+        "max_sessions",
+        "max_context_tokens",
+    }
+)
+BACKEND_FIELDS = frozenset(
+    {"use_cuda_kernels", "use_cuda_graph", "allow_kernel_fallback", "kernel_dir", "kernel_cache_dir"}
+)
 IMAGE_FIELDS = frozenset({"image_min_pixels", "image_max_pixels"})
-
-# Used when neither kv_pool_blocks nor kv_pool_mb is set on CUDA: share of the memory free after loading.
-DEFAULT_CUDA_POOL_FRACTION = 0.3
 
 
 def resolve_device(name: str) -> torch.device:
@@ -72,11 +83,22 @@ def check_fields(fields: dict) -> None:
     def is_int(v) -> bool:
         return isinstance(v, int) and not isinstance(v, bool)
 
-    for name in ("use_paged_attention", "prefix_caching", "use_cuda_kernels", "use_cuda_graph"):
+    for name in (
+        "use_paged_attention",
+        "prefix_caching",
+        "use_cuda_kernels",
+        "use_cuda_graph",
+        "allow_kernel_fallback",
+    ):
         if name in fields and not isinstance(fields[name], bool):
             raise ValueError(f"{name} must be true or false, got {fields[name]!r}")
-    if "static_decode" in fields and fields["static_decode"] not in ("auto", "on", "off"):
-        raise ValueError(f"static_decode must be auto, on or off, got {fields['static_decode']!r}")
+    for name in ("max_sessions", "kv_memory_reserve_mb"):
+        if name in fields and (not is_int(fields[name]) or fields[name] < 0):
+            raise ValueError(f"{name} must be an integer >= 0, got {fields[name]!r}")
+    if "kv_prefix_share" in fields:
+        share = fields["kv_prefix_share"]
+        if isinstance(share, bool) or not isinstance(share, (int, float)) or not 0 <= share <= 4:
+            raise ValueError(f"kv_prefix_share must be a number in 0..4 (share of the pool), got {share!r}")
     if "page_size" in fields:
         ps = fields["page_size"]
         if not is_int(ps) or ps < 1 or ps > MAX_PAGE_SIZE or ps & (ps - 1):
@@ -109,17 +131,18 @@ def check_fields(fields: dict) -> None:
         resolve_dtype(fields["dtype"], torch.device("cpu"), None)
     if "model_path" in fields and not isinstance(fields["model_path"], str):
         raise ValueError(f"model_path must be a string, got {fields['model_path']!r}")
-    if "kernel_cache_dir" in fields and not isinstance(fields["kernel_cache_dir"], str):
-        raise ValueError(f"kernel_cache_dir must be a string, got {fields['kernel_cache_dir']!r}")
+    for name in ("kernel_dir", "kernel_cache_dir"):
+        if name in fields and not isinstance(fields[name], str):
+            raise ValueError(f"{name} must be a string, got {fields[name]!r}")
+    if fields.get("kernel_dir"):
+        check_kernel_dir(fields["kernel_dir"])  # a typo in an explicit path is refused, not ignored
 
 
 def kv_cache_config(
     config: EngineConfig, num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device
 ) -> KVCacheConfig:
-    """The KV cache settings an engine config implies (pool sizing: blocks, then MB, then default)."""
-    fraction = None
-    if not config.kv_pool_blocks and not config.kv_pool_mb and device.type == "cuda":
-        fraction = DEFAULT_CUDA_POOL_FRACTION
+    """The KV cache settings an engine config implies: explicit sizes, or sized by need for the running
+    request plus ``max_sessions`` kept conversations (see ``kvcache.config.plan_pool``)."""
     return KVCacheConfig(
         num_layers=num_layers,
         num_kv_heads=num_kv_heads,
@@ -129,25 +152,10 @@ def kv_cache_config(
         page_size=config.page_size,
         num_blocks=config.kv_pool_blocks or None,
         pool_mb=float(config.kv_pool_mb) or None,
-        memory_fraction=fraction,
+        sequences=1 + config.max_sessions,
+        prefix_share=float(config.kv_prefix_share),
+        reserve_mb=float(config.kv_memory_reserve_mb),
         max_context_tokens=config.max_context_tokens,
         prefix_caching=config.prefix_caching and config.use_paged_attention,
+        require_full_context=True,
     )
-
-
-def check_pool(kv: KVCacheConfig, paged: bool) -> None:
-    """Raise ValueError when the pool an explicit size gives cannot serve one request."""
-    if kv.num_blocks is None and kv.pool_mb is None:
-        return  # sized from max context or free memory at build time
-    blocks = kv.num_blocks if kv.num_blocks is not None else int(kv.pool_mb * 2**20) // kv.bytes_per_block
-    tokens = blocks * kv.page_size
-    if paged and blocks < 2:
-        raise ValueError(
-            f"KV pool too small: {blocks} block(s) of {kv.page_size} tokens ({kv.bytes_per_block} bytes each); "
-            "it must hold at least 2 blocks"
-        )
-    if not paged and tokens < kv.max_context_tokens:
-        raise ValueError(
-            f"KV pool too small for the contiguous cache: {tokens} tokens cannot hold one "
-            f"max_context_tokens={kv.max_context_tokens} sequence"
-        )

@@ -8,9 +8,10 @@ block tables, prefix caching, copy-on-write) and :class:`ContiguousKVCache` (one
 Build::
 
     cfg = KVCacheConfig(num_layers, num_kv_heads, head_dim, dtype=torch.bfloat16, device="cuda",
-                        page_size=16, num_blocks=None, pool_mb=None, memory_fraction=0.3,
+                        page_size=16, num_blocks=None, pool_mb=None,        # explicit sizes, or automatic:
+                        sequences=2, prefix_share=0.25, reserve_mb=1024,    # contexts held + prefix share
                         max_context_tokens=4096, prefix_caching=True)
-    cache = PagedKVCache(cfg)            # or ContiguousKVCache(cfg); sizing logged, ValueError if < 2 blocks
+    cache = PagedKVCache(cfg)            # or ContiguousKVCache(cfg); plan_pool sizes and logs it
 
 Per request (``seq`` is an int handle)::
 
@@ -36,7 +37,9 @@ change); ``set_prefix_caching(bool)`` (runtime switch, returns the effective sta
 contiguous); ``block_table(seq)``; ``stats()`` (blocks used/free/cached, tokens stored, internal
 fragmentation, ``kv_bytes_in_use`` vs ``pool_bytes``, prefix hits/misses). Paged only:
 ``blocks_needed(seq, new_len)``, ``device_block_table(seq)``, ``set_attention_impl(impl)``,
-``k_pool(layer)``/``v_pool(layer)``/``kv_storage``, ``plan`` (the chosen :class:`PoolPlan`).
+``k_pool(layer)``/``v_pool(layer)``/``kv_storage``. Both: ``plan`` (the chosen :class:`PoolPlan`, with the
+reason for its size). :func:`~.memory.device_memory` says how much memory a pool may take on a device
+(``MemAvailable`` on a Jetson, whose GPU shares system memory).
 
 Static (CUDA-graph) decode: the engine keeps its own token/position tensors and one
 :class:`StaticDecodeBuffers` (slot, kv_len, block-table row) from ``new_static_decode_buffers()``; the

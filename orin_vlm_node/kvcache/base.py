@@ -121,8 +121,13 @@ class KVCache(ABC):
         """
 
     @abstractmethod
-    def static_decode_attention(self, buffers: StaticDecodeBuffers) -> StepAttention:
-        """Decode attention that reads slot, kv_len and the table row only from ``buffers`` tensors."""
+    def static_decode_attention(self, buffers: StaticDecodeBuffers, width: int | None = None) -> StepAttention:
+        """Decode attention that reads slot, kv_len and the table row only from ``buffers`` tensors.
+
+        It attends over the first ``width`` token slots of the sequence (None: ``max_context_tokens``), so
+        its work is proportional to that width: the caller picks a width that holds the sequence (one
+        captured graph per width) instead of paying for the whole context limit every token.
+        """
 
     # -- introspection ---------------------------------------------------------------------------
     @abstractmethod

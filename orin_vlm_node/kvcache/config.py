@@ -1,8 +1,12 @@
 """KV-cache configuration and pool sizing.
 
 One dataclass holds every setting of the cache; :func:`plan_pool` turns it into a concrete number of
-blocks. Sizing is explicit so a node on an 8 GB Orin (CPU and GPU share the same DRAM) does not grab
-memory it needs elsewhere: the operator gives blocks, megabytes, or a fraction of what is free now.
+blocks and says why. On a Jetson the KV pool lives in the robot's RAM, next to the camera drivers and
+everything else, so the automatic size is what the workload needs, never a share of whatever is free:
+blocks for ``max_context_tokens`` times the sequences held at once (the running request plus the
+conversations kept), plus a share for cached prefixes, capped by the free memory minus a reserve for the
+rest of the system. An explicit size (blocks or MB) is taken as given, but refused when it is larger
+than the memory free for it.
 """
 
 from __future__ import annotations
@@ -13,6 +17,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .memory import device_memory
+
 _log = logging.getLogger(__name__)
 
 MAX_PAGE_SIZE = 256
@@ -22,9 +28,11 @@ MAX_PAGE_SIZE = 256
 class KVCacheConfig:
     """Shape, placement and sizing of a KV cache (paged or contiguous).
 
-    Pool size, first match wins: ``num_blocks`` (> 0), ``pool_mb`` (> 0), ``memory_fraction`` (> 0, of
-    the device memory free right now: ``torch.cuda.mem_get_info`` on CUDA, ``MemAvailable`` of
-    /proc/meminfo on CPU); none set: exactly enough blocks for one ``max_context_tokens`` sequence.
+    Pool size, first match wins: ``num_blocks`` (> 0), ``pool_mb`` (> 0), else automatic: ``sequences``
+    full ``max_context_tokens`` sequences plus ``prefix_share`` of that for cached prefixes (paged with
+    prefix caching only), capped by the device's free memory (:mod:`.memory`) minus ``reserve_mb``.
+    ``require_full_context``: refuse a pool that cannot hold one ``max_context_tokens`` sequence (the
+    engine sets it; the cache itself can run smaller pools, e.g. to test exhaustion).
     """
 
     num_layers: int
@@ -35,12 +43,15 @@ class KVCacheConfig:
     page_size: int = 16
     num_blocks: int | None = None
     pool_mb: float | None = None
-    memory_fraction: float | None = None
+    sequences: int = 1
+    prefix_share: float = 0.0
+    reserve_mb: float = 0.0
     max_context_tokens: int = 4096
     prefix_caching: bool = True
+    require_full_context: bool = False
 
     def __post_init__(self) -> None:
-        for name in ("num_layers", "num_kv_heads", "head_dim", "max_context_tokens"):
+        for name in ("num_layers", "num_kv_heads", "head_dim", "max_context_tokens", "sequences"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"KVCacheConfig.{name} must be a positive int, got {value!r}")
@@ -53,8 +64,10 @@ class KVCacheConfig:
             raise ValueError(f"num_blocks must be a non-negative int, got {self.num_blocks!r}")
         if self.pool_mb is not None and not (self.pool_mb >= 0 and math.isfinite(self.pool_mb)):
             raise ValueError(f"pool_mb must be a non-negative finite number, got {self.pool_mb!r}")
-        if self.memory_fraction is not None and not (0.0 <= self.memory_fraction <= 1.0):
-            raise ValueError(f"memory_fraction must be in [0, 1], got {self.memory_fraction!r}")
+        for name in ("prefix_share", "reserve_mb"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < math.inf:
+                raise ValueError(f"KVCacheConfig.{name} must be a finite number >= 0, got {value!r}")
         torch.device(self.device)  # raises on a malformed device string
 
     @property
@@ -78,12 +91,13 @@ class KVCacheConfig:
 
 @dataclass(frozen=True)
 class PoolPlan:
-    """The pool size :func:`plan_pool` chose, and why."""
+    """The pool size :func:`plan_pool` chose, and why (``reason`` is one line for logs and diagnostics)."""
 
     num_blocks: int
     page_size: int
     bytes_per_block: int
-    source: str  # "num_blocks" | "pool_mb" | "memory_fraction" | "max_context"
+    source: str  # "num_blocks" | "pool_mb" | "auto" | "auto, capped by free memory"
+    reason: str = ""
 
     @property
     def tokens(self) -> int:
@@ -96,54 +110,75 @@ class PoolPlan:
     def describe(self) -> str:
         return (
             f"{self.num_blocks} blocks x {self.page_size} tokens = {self.tokens} tokens, "
-            f"{self.bytes / 2**20:.1f} MB (sized by {self.source})"
+            f"{self.bytes / 2**20:.1f} MB ({self.reason or self.source})"
         )
 
 
-def available_memory_bytes(device: torch.device) -> int:
-    """Bytes the pool may still take on ``device``: free CUDA memory, or MemAvailable on CPU."""
-    if device.type == "cuda":
-        free, _total = torch.cuda.mem_get_info(device)
-        return int(free)
-    if device.type == "cpu":
-        try:
-            with open("/proc/meminfo", encoding="ascii") as f:
-                for line in f:
-                    if line.startswith("MemAvailable:"):
-                        return int(line.split()[1]) * 1024  # the value is in kB
-        except OSError as exc:
-            raise ValueError(f"cannot read /proc/meminfo to size the KV pool by memory_fraction: {exc}") from exc
-        raise ValueError("/proc/meminfo has no MemAvailable line; size the KV pool by num_blocks or pool_mb")
-    raise ValueError(f"memory_fraction sizing is not supported on device {device}; use num_blocks or pool_mb")
+def _mb(n_bytes: float) -> str:
+    return f"{n_bytes / 2**20:.0f} MB"
 
 
-def plan_pool(config: KVCacheConfig, min_blocks: int = 2) -> PoolPlan:
-    """Choose the pool size in blocks; log it; warn if it is smaller than one full context.
+def _auto_blocks(config: KVCacheConfig, contiguous: bool, released_bytes: int) -> tuple[int, str, str]:
+    """Blocks the workload needs, capped by free memory: (blocks, source, reason)."""
+    bpb = config.bytes_per_block
+    context = config.max_blocks_per_sequence
+    need = context * config.sequences
+    share = math.ceil(need * config.prefix_share) if config.prefix_caching and not contiguous else 0
+    why = f"auto: {config.sequences} x {config.max_context_tokens}-token context"
+    why += f" + {config.prefix_share:.0%} prefix-cache share" if share else ""
+    if config.torch_device.type == "meta":  # shape-only caches (tests, planning): nothing to cap by
+        return need + share, "auto", why
+    memory = device_memory(config.torch_device)
+    budget = memory.free_bytes + released_bytes - int(config.reserve_mb * 2**20)
+    if (need + share) * bpb <= budget:
+        return need + share, "auto", why
+    capped = max(0, budget) // bpb
+    return (
+        capped,
+        "auto, capped by free memory",
+        f"{why} needs {_mb((need + share) * bpb)}, capped to {memory.describe()} - reserve {config.reserve_mb:g} MB",
+    )
 
-    Raises ValueError when the pool could not hold ``min_blocks`` blocks (a pool that small would
-    thrash on every page boundary and usually means a unit mistake, e.g. pool_mb given in GB).
+
+def plan_pool(config: KVCacheConfig, contiguous: bool = False, released_bytes: int = 0) -> PoolPlan:
+    """Choose the pool size in blocks and log it (``contiguous``: for :class:`ContiguousKVCache` slabs).
+
+    ``released_bytes``: memory that will be freed before this pool is allocated (the pool it replaces),
+    counted as free. Raises ValueError, with the numbers, when an explicit size does not fit the free
+    memory; when a paged pool could not hold 2 blocks (a pool that small would thrash on every page
+    boundary and usually means a unit mistake, e.g. pool_mb given in GB); when a contiguous pool cannot
+    hold one ``max_context_tokens`` slab; or, with ``require_full_context``, when a paged pool cannot hold
+    one ``max_context_tokens`` sequence.
     """
+    min_blocks = 1 if contiguous else 2
     bpb = config.bytes_per_block
     if config.num_blocks:
-        num_blocks, source = config.num_blocks, "num_blocks"
+        num_blocks, source, reason = config.num_blocks, "num_blocks", f"kv_pool_blocks={config.num_blocks}"
     elif config.pool_mb:
         num_blocks, source = int(config.pool_mb * 2**20) // bpb, "pool_mb"
-    elif config.memory_fraction:
-        free = available_memory_bytes(config.torch_device)
-        num_blocks, source = int(free * config.memory_fraction) // bpb, "memory_fraction"
+        reason = f"kv_pool_mb={config.pool_mb:g}"
     else:
-        num_blocks, source = config.max_blocks_per_sequence, "max_context"
-    plan = PoolPlan(num_blocks=num_blocks, page_size=config.page_size, bytes_per_block=bpb, source=source)
+        num_blocks, source, reason = _auto_blocks(config, contiguous, released_bytes)
+    plan = PoolPlan(
+        num_blocks=num_blocks, page_size=config.page_size, bytes_per_block=bpb, source=source, reason=reason
+    )
+    if source in ("num_blocks", "pool_mb") and config.torch_device.type != "meta":
+        memory = device_memory(config.torch_device)
+        if plan.bytes > memory.free_bytes + released_bytes:
+            raise ValueError(
+                f"KV pool of {_mb(plan.bytes)} ({reason}) does not fit: {memory.describe()}"
+                + (f", {_mb(released_bytes)} more once the current pool is freed" if released_bytes else "")
+            )
     if num_blocks < min_blocks:
         raise ValueError(
             f"KV pool too small: {plan.describe()}; it must hold at least {min_blocks} blocks "
             f"({min_blocks * bpb / 2**20:.2f} MB at {bpb} bytes per block)"
         )
-    _log.info("KV pool: %s", plan.describe())
-    if plan.tokens < config.max_context_tokens:
-        _log.warning(
-            "KV pool holds %d tokens, fewer than max_context_tokens=%d: long conversations will hit PoolExhausted",
-            plan.tokens,
-            config.max_context_tokens,
+    if (contiguous or config.require_full_context) and plan.tokens < config.max_context_tokens:
+        what = "slab of the contiguous cache" if contiguous else "sequence"
+        raise ValueError(
+            f"KV pool too small: {plan.describe()} cannot hold one max_context_tokens="
+            f"{config.max_context_tokens} {what}; lower max_context_tokens or enlarge the pool"
         )
+    _log.info("KV pool: %s", plan.describe())
     return plan

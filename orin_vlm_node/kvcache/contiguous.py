@@ -35,13 +35,8 @@ class ContiguousKVCache(KVCache):
 
     def __init__(self, config: KVCacheConfig) -> None:
         super().__init__(config)
-        plan = plan_pool(config, min_blocks=1)
-        self.num_slabs = plan.tokens // config.max_context_tokens
-        if self.num_slabs < 1:
-            raise ValueError(
-                f"KV pool too small for a contiguous cache: {plan.tokens} tokens cannot hold one "
-                f"max_context_tokens={config.max_context_tokens} slab"
-            )
+        self.plan = plan_pool(config, contiguous=True)
+        self.num_slabs = self.plan.tokens // config.max_context_tokens
         if config.prefix_caching:
             _log.info("ContiguousKVCache: prefix caching requested but not supported; disabled")
         C, nkv, hd = config.max_context_tokens, config.num_kv_heads, config.head_dim
@@ -150,8 +145,9 @@ class ContiguousKVCache(KVCache):
         buffers.block_table.fill_(s.slab)
         s.length += 1
 
-    def static_decode_attention(self, buffers: StaticDecodeBuffers):
-        return _ContiguousStaticDecode(self, buffers)
+    def static_decode_attention(self, buffers: StaticDecodeBuffers, width: int | None = None):
+        limit = self.config.max_context_tokens
+        return _ContiguousStaticDecode(self, buffers, limit if width is None else max(1, min(width, limit)))
 
     # -- introspection ---------------------------------------------------------------------------
     def stats(self) -> dict:
@@ -174,6 +170,7 @@ class ContiguousKVCache(KVCache):
             "kv_bytes_in_use": reserved * cfg.bytes_per_token,
             "kv_bytes_tokens": tokens * cfg.bytes_per_token,
             "pool_bytes": self._kv.numel() * self._kv.element_size(),
+            "pool": self.plan.describe(),
             "prefix_caching": False,
             "prefix_queries": 0,
             "prefix_hit_blocks": 0,
@@ -200,10 +197,11 @@ class _ContiguousStep:
 
 
 class _ContiguousStaticDecode:
-    """Decode attention reading only the static buffers (slot, kv_len, slab index)."""
+    """Decode attention reading only the static buffers (slot, kv_len, slab index), over the first
+    ``width`` slots of the slab."""
 
-    def __init__(self, cache: ContiguousKVCache, buffers: StaticDecodeBuffers) -> None:
-        self._cache, self._buf = cache, buffers
+    def __init__(self, cache: ContiguousKVCache, buffers: StaticDecodeBuffers, width: int) -> None:
+        self._cache, self._buf, self._width = cache, buffers, width
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         check_step_shapes(1, q, k, v, self._cache.config)
@@ -212,6 +210,6 @@ class _ContiguousStaticDecode:
         kv[0, layer].view(-1, nkv, hd).index_copy_(0, self._buf.slot_mapping, k.to(kv.dtype))
         kv[1, layer].view(-1, nkv, hd).index_copy_(0, self._buf.slot_mapping, v.to(kv.dtype))
         slab = self._buf.block_table.long()
-        k_all = kv[0, layer].index_select(0, slab)[0].to(q.dtype)  # (max_context, nkv, hd)
-        v_all = kv[1, layer].index_select(0, slab)[0].to(q.dtype)
+        k_all = kv[0, layer, :, : self._width].index_select(0, slab)[0].to(q.dtype)  # (width, nkv, hd)
+        v_all = kv[1, layer, :, : self._width].index_select(0, slab)[0].to(q.dtype)
         return masked_decode_attention(q, k_all, v_all, self._buf.kv_len)

@@ -50,7 +50,7 @@ class PagedKVCache(KVCache):
 
     def __init__(self, config: KVCacheConfig, attention_impl: PagedAttentionImpl | None = None) -> None:
         super().__init__(config)
-        self.plan = plan_pool(config, min_blocks=2)
+        self.plan = plan_pool(config)
         self.page_size = config.page_size
         self.num_blocks = self.plan.num_blocks
         self.pool = BlockPool(self.num_blocks)
@@ -339,8 +339,11 @@ class PagedKVCache(KVCache):
         buffers.kv_len.fill_(pos + 1)
         buffers.block_table.copy_(s.dev_table)  # device-to-device, already up to date
 
-    def static_decode_attention(self, buffers: StaticDecodeBuffers) -> _PagedStaticDecode:
-        return _PagedStaticDecode(self, buffers)
+    def static_decode_attention(self, buffers: StaticDecodeBuffers, width: int | None = None) -> _PagedStaticDecode:
+        blocks = self.config.max_blocks_per_sequence
+        if width is not None:
+            blocks = min(blocks, max(1, -(-width // self.page_size)))
+        return _PagedStaticDecode(self, buffers, blocks)
 
     # -- introspection ---------------------------------------------------------------------------
     def stats(self) -> dict:
@@ -370,6 +373,7 @@ class PagedKVCache(KVCache):
             "kv_bytes_in_use": used * self.config.bytes_per_block,
             "kv_bytes_tokens": tokens * bpt,
             "pool_bytes": self.kv_storage.numel() * self.kv_storage.element_size(),
+            "pool": self.plan.describe(),
             "prefix_caching": self._prefix_enabled,
             "prefix_queries": self._prefix_queries,
             "prefix_hit_blocks": self._prefix_hit_blocks,
@@ -403,14 +407,16 @@ class _PagedStep:
 
 
 class _PagedStaticDecode:
-    """Decode StepAttention reading slot, kv_len and the table row from the static buffers only."""
+    """Decode StepAttention reading slot, kv_len and the first ``blocks`` table entries from the static
+    buffers only (a prefix view of the row: the same tensor whatever the sequence does)."""
 
-    def __init__(self, cache: PagedKVCache, buffers: StaticDecodeBuffers) -> None:
+    def __init__(self, cache: PagedKVCache, buffers: StaticDecodeBuffers, blocks: int) -> None:
         self._cache, self._buf = cache, buffers
+        self._table = buffers.block_table[:blocks]
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         cache, buf = self._cache, self._buf
         check_step_shapes(1, q, k, v, cache.config)
         kp, vp = cache.k_pool(layer), cache.v_pool(layer)
         cache.attention_impl.write_kv(kp, vp, k, v, buf.slot_mapping)
-        return cache.attention_impl.attend_decode(q, kp, vp, buf.block_table, buf.kv_len)
+        return cache.attention_impl.attend_decode(q, kp, vp, self._table, buf.kv_len)

@@ -1,0 +1,199 @@
+"""``python -m orin_vlm_node.cuda``: what the CUDA path will use on this machine, checked where it runs.
+
+Run it on the robot after installing (pip or colcon) to see, without starting the node: where the kernel
+sources are and which modules they hold, which nvcc (and version) compiles them, the GPU and its
+architecture (or "no CUDA device"), PyCUDA's version, the cubin cache directory and what it holds. On a
+machine with a GPU it also builds (or takes from the cache) and loads every module and lists the kernels
+that loaded. Exit status: 0 when the kernel sources are found (also without a GPU) and, on a GPU, every
+module built and loaded; 2 when no kernel sources are found; 1 when a module fails to build or load.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.metadata
+import json
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from . import build as B
+from .launch import KERNEL_MODULES
+from .sources import KernelSourcesNotFound, find_kernel_sources
+
+EXIT_OK, EXIT_BUILD_FAILED, EXIT_NO_SOURCES = 0, 1, 2
+
+
+def _nvcc() -> dict[str, Any]:
+    try:
+        path = B.find_nvcc()
+    except B.KernelBuildError as exc:
+        return {"path": None, "error": str(exc)}
+    try:
+        return {"path": path, "version": B.nvcc_version(path)}
+    except B.KernelBuildError as exc:
+        return {"path": path, "error": str(exc)}
+
+
+def _gpu() -> dict[str, Any]:
+    if not torch.cuda.is_available():
+        return {"available": False, "reason": f"no CUDA device (torch {torch.__version__}: cuda not available)"}
+    props = torch.cuda.get_device_properties(0)
+    return {
+        "available": True,
+        "name": props.name,
+        "arch": B.arch_from_capability(props.major, props.minor),
+        "sm_count": props.multi_processor_count,
+        "memory_gib": round(props.total_memory / 2**30, 1),
+        "integrated": bool(getattr(props, "is_integrated", False)),
+    }
+
+
+def _pycuda() -> str | None:
+    try:
+        return importlib.metadata.version("pycuda")
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def _cache(cache_dir: str) -> dict[str, Any]:
+    path = Path(cache_dir).expanduser() if cache_dir else B.default_cache_dir()
+    problem = B.cache_writable(path)
+    return {
+        "directory": str(path),
+        "writable": problem is None,
+        "problem": problem,
+        "cubins": [p.name for p in B.cached_cubins(path)],
+    }
+
+
+def _build_and_load(kernel_dir: Path, arch: str, cache_dir: str) -> tuple[dict[str, Any], bool]:
+    """Build every module, load them all in torch's context; (per-module report, all ok)."""
+    cfg = B.BuildConfig(arch=arch, kernel_dir=kernel_dir, cache_dir=cache_dir)
+    report: dict[str, Any] = {}
+    built = {}
+    ok = True
+    for module in sorted(KERNEL_MODULES):
+        t0 = time.perf_counter()
+        try:
+            built[module] = compiled = B.build_module(module, cfg)
+        except B.KernelBuildError as exc:
+            report[module] = {"built": False, "error": str(exc)}
+            ok = False
+            continue
+        report[module] = {
+            "built": True,
+            "cached": compiled.cache_hit,
+            "seconds": round(time.perf_counter() - t0, 2),
+            "cubin_bytes": len(compiled.cubin),
+        }
+    if not built:
+        return report, False
+    try:
+        from .runtime import KernelRuntime
+
+        runtime = KernelRuntime(built, torch.device("cuda", 0))
+    except (ImportError, OSError, RuntimeError) as exc:
+        for module in built:
+            report[module].update(loaded=0, error=f"loading failed: {type(exc).__name__}: {exc}")
+        return report, False
+    loaded = set(runtime.kernels())
+    for module in built:
+        names = KERNEL_MODULES[module]
+        report[module]["loaded"] = sum(name in loaded for name in names)
+        report[module]["expected"] = len(names)
+        ok = ok and report[module]["loaded"] == len(names)
+    return report, ok
+
+
+def collect(kernel_dir: str = "", cache_dir: str = "", build: bool = True) -> tuple[dict[str, Any], int]:
+    """Everything the command reports, as a dict, and the exit status."""
+    info: dict[str, Any] = {"python": sys.version.split()[0], "torch": torch.__version__}
+    status = EXIT_OK
+    try:
+        sources = find_kernel_sources(kernel_dir)
+        info["kernel_sources"] = {
+            "directory": str(sources.directory),
+            "found_by": sources.found_by,
+            "modules": [f"{m}.cu" for m in sources.modules],
+        }
+    except KernelSourcesNotFound as exc:
+        sources = None
+        info["kernel_sources"] = {"directory": None, "error": str(exc)}
+        status = EXIT_NO_SOURCES
+    info["nvcc"] = _nvcc()
+    info["gpu"] = _gpu()
+    info["pycuda"] = _pycuda()
+    info["cache"] = _cache(cache_dir)
+    if sources is None:
+        info["kernels"] = "not built: no kernel sources"
+    elif not info["gpu"]["available"]:
+        info["kernels"] = "not built: no CUDA device"
+    elif not build:
+        info["kernels"] = "not built: --no-build"
+    else:
+        report, ok = _build_and_load(sources.directory, info["gpu"]["arch"], cache_dir)
+        info["kernels"] = report
+        if not ok:
+            status = EXIT_BUILD_FAILED
+    return info, status
+
+
+def render(info: dict[str, Any]) -> str:
+    """The human-readable report."""
+    src = info["kernel_sources"]
+    lines = ["orin_vlm_node CUDA diagnostics", f"python {info['python']}, torch {info['torch']}"]
+    if src["directory"]:
+        lines.append(f"kernel sources : {src['directory']} ({src['found_by']})")
+        lines.append(f"  modules      : {', '.join(src['modules'])}")
+    else:
+        lines.append(f"kernel sources : NOT FOUND: {src['error']}")
+    nvcc = info["nvcc"]
+    lines.append(
+        f"nvcc           : {nvcc['path']} ({nvcc['version']})" if "version" in nvcc else f"nvcc : {nvcc['error']}"
+    )
+    gpu = info["gpu"]
+    if gpu["available"]:
+        kind = "integrated, shares system memory" if gpu["integrated"] else "discrete"
+        lines.append(
+            f"GPU            : {gpu['name']} ({gpu['arch']}, {gpu['sm_count']} SMs, {gpu['memory_gib']} GiB, {kind})"
+        )
+    else:
+        lines.append(f"GPU            : {gpu['reason']}")
+    lines.append(f"PyCUDA         : {info['pycuda'] or 'not installed (pip install pycuda)'}")
+    cache = info["cache"]
+    state = "writable" if cache["writable"] else f"NOT writable ({cache['problem']}); cubins are rebuilt every start"
+    lines.append(f"kernel cache   : {cache['directory']} ({state}), {len(cache['cubins'])} cubin(s) cached")
+    lines.extend(f"  {name}" for name in cache["cubins"])
+    kernels = info["kernels"]
+    if isinstance(kernels, str):
+        lines.append(f"kernels        : {kernels}")
+    else:
+        for module, r in kernels.items():
+            if not r["built"]:
+                lines.append(f"{module:24s}: BUILD FAILED: {r['error']}")
+                continue
+            how = "from cache" if r["cached"] else f"compiled in {r['seconds']} s"
+            loaded = f"{r.get('loaded', 0)}/{r.get('expected', len(KERNEL_MODULES[module]))} kernels loaded"
+            lines.append(f"{module:24s}: {how}, {loaded}" + (f" ({r['error']})" if "error" in r else ""))
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m orin_vlm_node.cuda", description=__doc__.splitlines()[0])
+    ap.add_argument("--kernel-dir", default="", help="kernel sources to use instead of the installed ones")
+    ap.add_argument("--kernel-cache-dir", default="", help="cubin cache (default: ~/.cache/orin_vlm_node/kernels)")
+    ap.add_argument("--no-build", action="store_true", help="on a GPU, do not build and load the kernels")
+    ap.add_argument("--json", action="store_true", help="print one JSON object instead of the report")
+    args = ap.parse_args(argv)
+    info, status = collect(args.kernel_dir, args.kernel_cache_dir, build=not args.no_build)
+    sys.stdout.write(json.dumps(info, indent=1) + "\n" if args.json else render(info))
+    if status == EXIT_NO_SOURCES:
+        print(f"error: {info['kernel_sources']['error']}", file=sys.stderr)
+    elif status == EXIT_BUILD_FAILED:
+        print("error: some kernel modules failed to build or load (see above)", file=sys.stderr)
+    return status
