@@ -14,7 +14,17 @@ export ROS_AUTOMATIC_DISCOVERY_RANGE := LOCALHOST
 export ROS_DOMAIN_ID ?= 77
 export PYTHONUNBUFFERED := 1
 
-.PHONY: venv install test lint demo bench bench-quick clean
+# The GPU check (see tools/gpu_check.py): gpu-wheels runs where a package index is reachable and fills
+# $(GPU_WHEELS_DIR) with what a bare CUDA machine lacks; gpu-check runs there with its own python3 (torch).
+GPU_PYTHON ?= python3
+GPU_PY_VERSION ?= 3.12
+GPU_PLATFORMS ?= manylinux_2_28_x86_64 manylinux_2_27_x86_64 manylinux_2_17_x86_64 manylinux2014_x86_64
+GPU_WHEELS_DIR ?= .gpu-wheels
+GPU_BIG_CONFIG ?= ../shared/model-configs/Qwen3-VL-2B-Instruct.config.json
+PYCUDA_VERSION := 2026.1
+GPU_WHEELS := pytools==2026.1.1 platformdirs==4.14.7 mako==1.4.3 siphash24==1.9 transformers==5.23.0
+
+.PHONY: venv install test lint demo bench bench-quick gpu-wheels gpu-check clean
 
 $(VENV)/bin/python:
 	$(PYTHON) -m venv $(VENV)
@@ -47,5 +57,19 @@ bench: install
 bench-quick: install
 	$(PY) bench/run.py --quick
 
+gpu-wheels: venv
+	@test -f $(GPU_BIG_CONFIG) || { echo "gpu-wheels: $(GPU_BIG_CONFIG) not found (set GPU_BIG_CONFIG to a Qwen3-VL-2B config.json)" >&2; exit 1; }
+	rm -rf $(GPU_WHEELS_DIR) && mkdir -p $(GPU_WHEELS_DIR)
+	$(PY) -m pip download -q --disable-pip-version-check --no-deps --no-binary=:all: --no-build-isolation \
+		-d $(GPU_WHEELS_DIR) pycuda==$(PYCUDA_VERSION)
+	$(PY) -m pip download -q --disable-pip-version-check --no-deps --only-binary=:all: \
+		--python-version $(GPU_PY_VERSION) --implementation cp $(addprefix --platform ,$(GPU_PLATFORMS)) \
+		-d $(GPU_WHEELS_DIR) $(GPU_WHEELS)
+	install -m 0644 $(GPU_BIG_CONFIG) $(GPU_WHEELS_DIR)/Qwen3-VL-2B-Instruct.config.json
+	@ls -l $(GPU_WHEELS_DIR)
+
+gpu-check:
+	$(GPU_PYTHON) tools/gpu_check.py --wheels $(GPU_WHEELS_DIR)
+
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) build *.egg-info gpu-check-out

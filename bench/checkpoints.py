@@ -51,7 +51,7 @@ def kv_shape_checkpoint(out: Path, num_layers: int) -> Path:
     )
 
 
-def big_checkpoint(out: Path, config: dict[str, Any]) -> Path:
+def big_checkpoint(out: Path, config: dict[str, Any], device: str = "cpu") -> Path:
     text, vision = config["text_config"], config["vision_config"]
     if vision["out_hidden_size"] != text["hidden_size"]:
         raise ValueError("2B config: vision out_hidden_size differs from the text hidden_size")
@@ -75,5 +75,6 @@ def big_checkpoint(out: Path, config: dict[str, Any]) -> Path:
             vision_intermediate=vision["intermediate_size"],
             num_position_embeddings=vision["num_position_embeddings"],
             dtype=torch.bfloat16,
+            device=device,
         )
     )

@@ -45,6 +45,13 @@ class BenchConfig:
     ros_max_new_tokens: int = 32
     ros_repeats: int = 5
     ros_startup_timeout_s: float = 120.0
+    # GPU (CUDA only)
+    gpu_dtypes: tuple[str, ...] = ("fp16", "bf16")
+    gpu_max_new_tokens: int = 128  # fixed-length answers (ignore_eos), long enough for steady decode
+    gpu_repeats: int = 3
+    gpu_kernel_contexts: tuple[int, ...] = (1024, 4096, 16384)
+    gpu_kernel_pages: tuple[int, ...] = (16, 64)
+    gpu_startup_context: int = 8192  # max_context_tokens of the startup/memory probe (the 2B preset's)
     # sections to run (all by default)
     sections: tuple[str, ...] = field(
         default=("vs_transformers", "paged_vs_contiguous", "prefix_cache", "memory", "ros", "gpu")

@@ -82,9 +82,12 @@ class BenchContext:
                 self.big_checkpoint_origin = f"reused from {out} (built earlier by bench/checkpoints.py)"
                 self.log(f"2B-shape checkpoint: {self.big_checkpoint_origin}")
             else:
-                self.log(f"building 2B-shape random checkpoint from {path} into {out} (bf16, once)")
+                import torch
+
+                device = "cuda" if torch.cuda.is_available() else "cpu"  # seconds on a GPU, minutes on 2 cores
+                self.log(f"building 2B-shape random checkpoint from {path} into {out} (bf16, on {device}, once)")
                 t0 = time.perf_counter()
-                big_checkpoint(out, json.loads(path.read_text()))
+                big_checkpoint(out, json.loads(path.read_text()), device=device)
                 self.big_checkpoint_origin = f"built in {time.perf_counter() - t0:.0f} s into {out}"
                 self.log(f"2B-shape checkpoint {self.big_checkpoint_origin}")
             self._checkpoints["big"] = out

@@ -1,73 +1,228 @@
-"""GPU: kernel timings, decode with CUDA graphs vs eager, and decode speed against the memory-bandwidth bound.
+"""GPU: decode speed against the memory-bandwidth bound, the paged kernel against contiguous attention,
+TTFT with an image, startup to ready, and GPU memory -- all side by side in one run on one device.
 
-Only with CUDA (else the section is ``skipped`` with reason "no CUDA device"). Batch-1 decode reads
-every decoder weight once per token, so ``weight bytes per token / peak bandwidth`` is the fastest a
-token can come; ``bandwidth_fraction = measured tok/s / (peak bandwidth / bytes per token)``. Bytes per
-token are the text decoder's parameters (the vision tower does not run in decode; of the embedding
-only one row is read, but the tied LM head reads the whole matrix) plus the KV read at that context.
-Model: the 2B-shape random checkpoint in fp16 when the shared config is present (what the goal is
-stated for), else the default model.
+Only with CUDA (else the section is ``skipped``: "no CUDA device"). Model: a random checkpoint with
+every dimension of Qwen3-VL-2B (built on the device from the shared 2B config; the default model when
+that config is absent), batch 1, greedy, answers of a fixed length (``ignore_eos`` / ``min_new_tokens``).
+
+* ``bandwidth``: a device-to-device copy of 1 GiB, bytes read + written per second: the speed the memory
+  system really delivers, measured in this run (not the datasheet).
+* ``decode.<dtype>.<path>``: tokens/s for the engine with kernels + CUDA graphs (``graphs``), kernels
+  without graphs (``kernels_eager``), the torch attention with graphs (``torch``: what a model the kernels
+  do not cover gets) and transformers ``generate`` with SDPA (``hf``); alternating repeats. Each also as
+  a fraction of its bound: copy bandwidth / bytes read per token (every text-decoder weight once, the
+  tied LM head included, plus the KV of the context).
+* ``kernels.ctx<N>.page<P>``: the paged decode kernel on a shuffled block table (a pool after churn)
+  against torch SDPA over contiguous K/V (GQA without copies), one layer of the 2B's attention shape.
+* ``ttft_448.<dtype>``: an image of 448x448 and a short question: vision tower + prefill + first token.
+* ``startup.cold_s`` / ``warm_s``: a fresh process from start to a ready engine (fp16), with an empty
+  kernel cache and again with the cache it filled; its GPU memory at 8192 context (``memory.*``) and the
+  default model's.
 """
 
 from __future__ import annotations
 
+import gc
 import json
 import subprocess
 import sys
+import tempfile
+import time
 from pathlib import Path
 
 from context import BenchContext
 from section import SectionResult, skipped
 from stats import alternate, paired_ratio
-from timing import run_engine
-from vs_transformers import greedy
+from timing import HFRunner, run_engine
 
-BENCH = Path(__file__).resolve().parent
+from config import REPO
+
 PROMPT = "Describe what a robot arm does when it picks up the red cube and places it on the table."
+PATHS = {  # engine settings of each decode path
+    "graphs": dict(use_cuda_kernels=True, use_cuda_graph=True),
+    "kernels_eager": dict(use_cuda_kernels=True, use_cuda_graph=False),
+    "torch": dict(use_cuda_kernels=False, use_cuda_graph=True),
+}
+MB = 2**20
+
+
+def copy_bandwidth_gbs(torch, size_bytes: int = 2**30, iters: int = 20) -> float:
+    """Bytes read + written per second by a device-to-device copy (GB/s)."""
+    src = torch.empty(size_bytes, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    ms = _cuda_ms(torch, lambda: dst.copy_(src), iters=iters, warmup=3)
+    return 2 * size_bytes / (ms * 1e-3) / 1e9
+
+
+def _cuda_ms(torch, fn, iters: int = 200, warmup: int = 20) -> float:
+    for _ in range(warmup):
+        fn()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(iters):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / iters
 
 
 def decode_weight_bytes(model) -> int:
-    """Bytes one decode step reads from weights: every text-decoder parameter except the embedding
-    table, plus the LM head (the embedding matrix itself when tied)."""
+    """Bytes one decode step reads from weights: every text-decoder parameter except the embedding table
+    (one row is read), plus the LM head (the embedding matrix itself when tied)."""
     total = 0
-    embed = None
-    head = None
+    embed = head = None
     for name, p in model.named_parameters():
-        if "visual" in name or "vision" in name:
+        if name.startswith("visual."):
             continue
         if "embed_tokens" in name:
             embed = p
             continue
-        if "lm_head" in name:
+        if name.startswith("lm_head"):
             head = p
         total += p.numel() * p.element_size()
-    if head is None and embed is not None:  # tied: the LM head is the embedding matrix
+    if head is None and embed is not None:
         total += embed.numel() * embed.element_size()
     return total
 
 
-def _kernels(res: SectionResult) -> float | None:
-    """Run bench/gpu_kernels.py (the CUDA helper's decode-kernel benchmark) and record its figures;
-    return the device's peak bandwidth in GB/s (None when it could not be read)."""
-    out = subprocess.run(
-        [sys.executable, str(BENCH / "gpu_kernels.py")], cwd=BENCH.parent, capture_output=True, text=True, timeout=600
-    )
+def _kernels(torch, ctx: BenchContext, res: SectionResult) -> None:
+    """Paged decode kernel (shuffled table) vs contiguous SDPA, 2B attention shape, fp16."""
+    import torch.nn.functional as F
+
+    from orin_vlm_node.cuda import AttentionShape, select_backend
+
+    cfg = ctx.config
+    nq, nkv, hd, dtype = 16, 8, 128, torch.float16
+    cache_dir = tempfile.mkdtemp(prefix="bench_kernels_", dir=ctx.scratch)
+    choice = select_backend("cuda", True, AttentionShape(dtype, hd, nq, nkv), kernel_cache_dir=cache_dir)
+    if not choice.kernels:
+        res.skip_part("kernels", choice.status)
+        return
+    impl = choice.attention_impl
+    res.setup["kernels"] = {"status": choice.status, "shape": dict(heads=nq, kv_heads=nkv, head_dim=hd, dtype="fp16")}
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    for context in cfg.gpu_kernel_contexts:
+        q = torch.randn(1, nq, hd, device="cuda", generator=gen).to(dtype)
+        kc = torch.randn(1, nkv, context, hd, device="cuda", generator=gen).to(dtype)  # contiguous K/V
+        vc = torch.randn_like(kc)
+        qs = q.transpose(0, 1).unsqueeze(0)  # (1, nq, 1, hd)
+        kv_bytes = 2 * context * nkv * hd * 2
+        sdpa = [
+            1e3 * _cuda_ms(torch, lambda k=kc, v=vc, q=qs: F.scaled_dot_product_attention(q, k, v, enable_gqa=True))
+            for _ in range(cfg.gpu_repeats)
+        ]
+        res.add(f"kernels.ctx{context}.sdpa_us", "us", sdpa, "torch SDPA over contiguous K/V (GQA)", context=context)
+        kv_len = torch.tensor([context], dtype=torch.int32, device="cuda")
+        for page in cfg.gpu_kernel_pages:
+            blocks = context // page
+            k_pool = kc[0].transpose(0, 1).reshape(blocks, page, nkv, hd).contiguous()
+            v_pool = vc[0].transpose(0, 1).reshape(blocks, page, nkv, hd).contiguous()
+            order = torch.randperm(blocks, device="cuda", generator=gen)
+            table = torch.empty(blocks, dtype=torch.int32, device="cuda")
+            table[order] = torch.arange(blocks, dtype=torch.int32, device="cuda")
+            k_pool, v_pool = k_pool[order].contiguous(), v_pool[order].contiguous()  # scattered, same content
+            paged = [
+                1e3
+                * _cuda_ms(torch, lambda q=q, k=k_pool, v=v_pool, t=table, n=kv_len: impl.attend_decode(q, k, v, t, n))
+                for _ in range(cfg.gpu_repeats)
+            ]
+            key = f"kernels.ctx{context}.page{page}"
+            res.add(f"{key}.paged_us", "us", paged, "paged decode kernel, shuffled block table", context=context)
+            res.add(f"{key}.overhead", "fraction", [p / s - 1 for p, s in zip(paged, sdpa, strict=True)],
+                    "paged kernel time / contiguous SDPA time - 1", context=context, page=page)  # fmt: skip
+            res.add(f"{key}.gbs", "GB/s", [kv_bytes / (p * 1e-6) / 1e9 for p in paged], "paged kernel K/V read rate")
+
+
+def _engine(model_dir: Path, dtype: str, cache_dir: str, **overrides):
+    from orin_vlm_node.engine import Engine, EngineConfig
+
+    config = dict(
+        model_path=str(model_dir), device="cuda", dtype=dtype, prefix_caching=False, max_sessions=0,
+        kernel_cache_dir=cache_dir, max_context_tokens=4096,
+    )  # fmt: skip
+    return Engine(EngineConfig(**(config | overrides)))
+
+
+def _decode(torch, ctx: BenchContext, res: SectionResult, model_dir: Path, dtype: str, bandwidth: float) -> None:
+    from orin_vlm_node.engine import Request, SamplingParams, Turn
+
+    cfg = ctx.config
+    n = cfg.gpu_max_new_tokens
+    cache_dir = str(ctx.scratch / "kernel_cache")
+    engines = {name: _engine(model_dir, dtype, cache_dir, **kw) for name, kw in PATHS.items()}
+    res.setup.setdefault("decode_paths", {})[dtype] = {k: e.describe()["decode_path"] for k, e in engines.items()}
+    hf = HFRunner(str(model_dir), {"fp16": torch.float16, "bf16": torch.bfloat16}[dtype], device="cuda")
+    res.setup.setdefault("hf_attn_implementation", hf.attn_implementation)
+    ids = iter(range(10**6))
+    sampling = SamplingParams(temperature=0.0, max_new_tokens=n, ignore_eos=True)
+
+    def eng(name):
+        return lambda: run_engine(engines[name], Request(Turn(PROMPT), sampling, request_id=f"gpu-{next(ids)}"))
+
+    sides = {name: eng(name) for name in engines} | {"hf": lambda: hf.run(PROMPT, (), None, n, ignore_eos=True)}
+    ctx.log(f"gpu decode {dtype}: {cfg.gpu_repeats} alternating repeats of {n} tokens over {list(sides)}")
+    runs = alternate(sides, repeats=cfg.gpu_repeats, warmup=1)
+    model = engines["graphs"].model
+    prompt_tokens = runs["graphs"][-1].prompt_tokens
+    kv_per_token = engines["graphs"].cache.config.bytes_per_token
+    kv_read = kv_per_token * (prompt_tokens + n / 2)  # the context grows over the answer: its mean
+    weight_bytes = decode_weight_bytes(model)
+    bound = bandwidth * 1e9 / (weight_bytes + kv_read)
+    res.setup.setdefault("bound", {})[dtype] = {
+        "weight_bytes_per_token": weight_bytes,
+        "kv_bytes_per_token": kv_read,
+        "bound_tok_s": bound,
+    }
+    for name, timings in runs.items():
+        rates = [t.decode_tok_s for t in timings]
+        lengths = {len(t.token_ids) for t in timings}
+        if lengths != {n}:
+            res.notes.append(f"decode.{dtype}.{name}: answers of {sorted(lengths)} tokens, expected {n}")
+        res.add(f"decode.{dtype}.{name}.tok_s", "tok/s", rates, f"batch-1 decode, {n}-token answers", path=name)
+        res.add(f"decode.{dtype}.{name}.bound_fraction", "fraction", [r / bound for r in rates],
+                "decode tok/s / (copy bandwidth / bytes read per token)", path=name)  # fmt: skip
+    graphs = [t.decode_tok_s for t in runs["graphs"]]
+    res.add(f"decode.{dtype}.graphs_vs_hf", "x", paired_ratio(graphs, [t.decode_tok_s for t in runs["hf"]]),
+            "kernels + graphs tok/s / transformers generate tok/s (per pair)")  # fmt: skip
+    res.add(f"decode.{dtype}.graphs_vs_torch", "x", paired_ratio(graphs, [t.decode_tok_s for t in runs["torch"]]),
+            "kernels + graphs tok/s / torch attention + graphs tok/s (per pair)")  # fmt: skip
+    if dtype == cfg.gpu_dtypes[0]:
+        image = ctx.image(448, 448, seed=3)
+        engine = engines["graphs"]
+        ttft = []
+        for i in range(cfg.gpu_repeats):
+            req = Request(Turn("What is in this picture?", (image,)), SamplingParams(temperature=0.0, max_new_tokens=1),
+                          request_id=f"gpu-ttft-{i}")  # fmt: skip
+            ttft.append(run_engine(engine, req).ttft_s)
+        res.add(f"ttft_448.{dtype}.s", "s", ttft, "448x448 image + question: vision tower, prefill, first token")
+
+
+def _probe(model_dir: Path, dtype: str, cache_dir: Path, max_context: int) -> dict:
+    cmd = [sys.executable, str(REPO / "bench" / "startup_probe.py"), str(model_dir), dtype, str(cache_dir),
+           str(max_context), repr(time.time())]  # fmt: skip
+    out = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
     if out.returncode != 0:
-        res.skip_part("kernels", f"bench/gpu_kernels.py exited {out.returncode}: {out.stderr.strip()[-300:]}")
-        return None
-    report = json.loads(out.stdout)
-    res.setup["kernels"] = {k: report.get(k) for k in ("device", "arch", "kernel_build_s", "shape")}
-    for row in report["results"]:
-        c = row["context"]
-        res.add(f"kernels.ctx{c}.paged_us", "us", [row["paged_us"]], "paged decode kernel, shuffled block table")
-        res.add(f"kernels.ctx{c}.contiguous_table_us", "us", [row["contiguous_table_us"]],
-                "same kernel, identity block table")  # fmt: skip
-        res.add(f"kernels.ctx{c}.torch_sdpa_us", "us", [row["torch_sdpa_contiguous_us"]], "torch SDPA, contiguous K/V")
-        res.add(f"kernels.ctx{c}.paged_gbs", "GB/s", [row["paged_GBps"]], "paged kernel achieved bandwidth")
-    peak = report.get("peak_GBps")
-    if peak:
-        res.add("peak_bandwidth_gbs", "GB/s", [float(peak)], "2 x memory clock x bus width (driver, via PyCUDA)")
-    return float(peak) if peak else None
+        raise RuntimeError(f"startup_probe failed ({out.returncode}): {out.stderr[-1500:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def _startup_and_memory(ctx: BenchContext, res: SectionResult, model_dir: Path, default_dir: Path) -> None:
+    cache = Path(tempfile.mkdtemp(prefix="bench_startup_cache_", dir=ctx.scratch))
+    context = ctx.config.gpu_startup_context
+    cold = _probe(model_dir, "fp16", cache, context)
+    warm = _probe(model_dir, "fp16", cache, context)
+    res.setup["startup"] = {"cold": cold, "warm": warm}
+    res.add("startup.cold_s", "s", [cold["ready_s"]], "process start to ready engine, empty kernel cache (fp16)")
+    res.add("startup.warm_s", "s", [warm["ready_s"]], "process start to ready engine, kernels cached (fp16)")
+    limit_mb = warm["weight_mb"] + 1.25 * warm["kv_context_mb"] + 1024
+    res.add("memory.2b_fp16.used_mb", "MB", [warm["device_used_mb"]],
+            f"GPU memory in use after an image request at {context} context (CUDA context included)")  # fmt: skip
+    res.add("memory.2b_fp16.used_vs_limit", "x", [warm["device_used_mb"] / limit_mb],
+            "used / (weights + 1.25 x one context of KV + 1 GB)")  # fmt: skip
+    small = _probe(default_dir, "fp32", cache, 4096)
+    res.setup["default_model_probe"] = small
+    res.add("memory.default_model.used_mb", "MB", [small["device_used_mb"]],
+            "default model: GPU memory in use after an image request (CUDA context included)")  # fmt: skip
 
 
 def run(ctx: BenchContext) -> SectionResult:
@@ -78,54 +233,28 @@ def run(ctx: BenchContext) -> SectionResult:
     cfg = ctx.config
     res = SectionResult("gpu")
     props = torch.cuda.get_device_properties(0)
-    res.setup["device"] = props.name
-
-    peak_gbs = _kernels(res)
-    if cfg.big_checkpoint and Path(cfg.big_config_path).is_file():
-        model_dir, what = ctx.big_checkpoint(), "2B-shape random checkpoint, fp16"
+    res.setup.update(device=props.name, sm_count=props.multi_processor_count, memory_gib=props.total_memory / 2**30)
+    bandwidth = copy_bandwidth_gbs(torch)
+    res.add("bandwidth.copy_gbs", "GB/s", [bandwidth], "device-to-device copy, bytes read + written per second")
+    _kernels(torch, ctx, res)
+    default_dir, _ = ctx.default_model()
+    if Path(cfg.big_config_path).is_file():
+        model_dir, what = ctx.big_checkpoint(), "2B-shape random checkpoint"
     else:
-        model_dir, what = ctx.default_model()
+        model_dir, what = default_dir, "default model (the 2B config was not found)"
+        res.notes.append(f"{cfg.big_config_path} not found: decode figures are for the default model")
     res.setup["model"] = what
-    from orin_vlm_node.engine import Engine, EngineConfig, Request, Turn
-
-    engines = {
-        mode: Engine(EngineConfig(model_path=str(model_dir), device="cuda", dtype="fp16", prefix_caching=False,
-                                  use_cuda_graph=(mode == "graphs")))
-        for mode in ("graphs", "eager")
-    }  # fmt: skip
-    res.setup["decode_path"] = {m: e.describe().get("decode_path") for m, e in engines.items()}
-    ids = iter(range(10**6))
-
-    def go(mode: str):
-        req = Request(
-            turn=Turn(text=PROMPT), sampling=greedy(cfg.ros_max_new_tokens * 4), request_id=f"gpu-{next(ids)}"
-        )
-        return run_engine(engines[mode], req)
-
-    runs = alternate({m: (lambda m=m: go(m)) for m in engines}, repeats=cfg.repeats, warmup=cfg.warmup)
-    g, e = runs["graphs"], runs["eager"]
-    res.add("graphs.decode_tok_s", "tok/s", [r.decode_tok_s for r in g], "decode with CUDA graphs", mode="graphs")
-    res.add("eager.decode_tok_s", "tok/s", [r.decode_tok_s for r in e], "decode without graphs", mode="eager")
-    res.add("graphs_speedup", "x", paired_ratio([r.decode_tok_s for r in g], [r.decode_tok_s for r in e]),
-            "graphs tok/s / eager tok/s (per pair)")  # fmt: skip
-    res.add("graphs.ttft_s", "s", [r.ttft_s for r in g], "TTFT (graphs engine)", mode="graphs")
-
-    engine = engines["graphs"]
-    weight_bytes = decode_weight_bytes(engine.model)
-    text = engine.model_config.text
-    kv_bytes = 2 * text.num_hidden_layers * text.num_key_value_heads * text.head_dim * 2 * g[-1].prompt_tokens
-    res.setup.update(weight_bytes_per_token=weight_bytes, kv_bytes_per_token=kv_bytes)
-    if peak_gbs is None:
-        res.skip_part("bandwidth_fraction", "peak bandwidth unknown (bench/gpu_kernels.py did not report it)")
-        res.setup["summary"] = f"{props.name}; {what}; batch 1, greedy; peak bandwidth unknown."
-        return res
-    bound = peak_gbs * 1e9 / (weight_bytes + kv_bytes)
-    res.setup["bound_tok_s"] = bound
-    res.add("bandwidth_bound_tok_s", "tok/s", [bound], "peak bandwidth / bytes read per decode token")
-    res.add("graphs.bandwidth_fraction", "fraction", [r.decode_tok_s / bound for r in g],
-            "graphs decode tok/s / bandwidth bound")  # fmt: skip
+    for dtype in cfg.gpu_dtypes:
+        _decode(torch, ctx, res, model_dir, dtype, bandwidth)
+        gc.collect()  # the dtype's engines and transformers model go before the next ones load
+        torch.cuda.empty_cache()
+    _startup_and_memory(ctx, res, model_dir, default_dir)
+    first = cfg.gpu_dtypes[0]
+    bound = res.setup["bound"][first]["bound_tok_s"]
+    rate = res.figures[f"decode.{first}.graphs.tok_s"].as_dict()["median"]
     res.setup["summary"] = (
-        f"{props.name}; {what}; batch 1, greedy; bound = {peak_gbs:.0f} GB/s / "
-        f"{(weight_bytes + kv_bytes) / 1e9:.2f} GB per token = {bound:.1f} tok/s."
+        f"{props.name}; {what}; batch 1, greedy, {cfg.gpu_max_new_tokens}-token answers; copy bandwidth "
+        f"{bandwidth:.0f} GB/s; {first} kernels+graphs {rate:.0f} tok/s = {rate / bound:.0%} of the "
+        f"{bound:.0f} tok/s bound."
     )
     return res

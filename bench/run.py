@@ -86,6 +86,11 @@ def main(argv: list[str] | None = None) -> int:
         help="directory to keep the 2B-shape random checkpoint in and reuse across runs (default: temp dir)",
     )
     ap.add_argument(
+        "--big-config",
+        default="",
+        help="config.json giving the 2B-shape checkpoint's dimensions (default: ../shared/model-configs/...)",
+    )
+    ap.add_argument(
         "--threads",
         type=int,
         default=0,
@@ -109,9 +114,11 @@ def main(argv: list[str] | None = None) -> int:
         # Child processes (the ROS node, the RSS probe) start with the same thread count.
         os.environ["OMP_NUM_THREADS"] = str(args.threads)
     config = replace(config, threads=args.threads, checkpoint_cache=args.checkpoint_cache)
+    if args.big_config:
+        config = replace(config, big_config_path=args.big_config)
 
     started = time.perf_counter()
-    created = dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
+    created = dt.datetime.now(dt.UTC).isoformat(timespec="seconds")
     sections: dict[str, SectionResult] = {}
     with tempfile.TemporaryDirectory(prefix="orin_vlm_bench_") as scratch:
         ctx = BenchContext(config, Path(scratch))

@@ -96,13 +96,14 @@ class HFRunner:
     ``mm_token_type_ids``.
     """
 
-    def __init__(self, model_dir: str, dtype: torch.dtype) -> None:
+    def __init__(self, model_dir: str, dtype: torch.dtype, device: str = "cpu") -> None:
         from transformers import AutoTokenizer, Qwen3VLForConditionalGeneration
         from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
         self.image_processor = Qwen2VLImageProcessorPil.from_pretrained(model_dir)
-        self.model = Qwen3VLForConditionalGeneration.from_pretrained(model_dir, dtype=dtype).eval()
+        self.model = Qwen3VLForConditionalGeneration.from_pretrained(model_dir, dtype=dtype).to(device).eval()
+        self.device = torch.device(device)
         self.image_token_id = int(self.model.config.image_token_id)
         self.image_token = self.tokenizer.convert_ids_to_tokens(self.image_token_id)
         self.merge = int(self.image_processor.merge_size)
@@ -135,17 +136,30 @@ class HFRunner:
         inputs["attention_mask"] = enc["attention_mask"]
         if images:
             inputs["mm_token_type_ids"] = (enc["input_ids"] == self.image_token_id).to(torch.int32)
-        return inputs
+        return {k: v.to(self.device) for k, v in inputs.items()}
 
     def run(
-        self, text: str, images: tuple[np.ndarray, ...], system_prompt: str | None, max_new_tokens: int
+        self,
+        text: str,
+        images: tuple[np.ndarray, ...],
+        system_prompt: str | None,
+        max_new_tokens: int,
+        ignore_eos: bool = False,
     ) -> GenTiming:
+        """``ignore_eos``: exactly ``max_new_tokens`` tokens (``min_new_tokens``), like the engine's option."""
         clock = _TokenClock()
         t0 = time.perf_counter()
         inputs = self.prepare(text, images, system_prompt)
+        extra = {"min_new_tokens": max_new_tokens} if ignore_eos else {}
         with torch.inference_mode():
             out = self.model.generate(
-                **inputs, max_new_tokens=max_new_tokens, do_sample=False, streamer=clock, top_k=None, top_p=None
+                **inputs,
+                max_new_tokens=max_new_tokens,
+                do_sample=False,
+                streamer=clock,
+                top_k=None,
+                top_p=None,
+                **extra,
             )
         total = time.perf_counter() - t0
         if not clock.times:

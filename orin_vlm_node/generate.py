@@ -40,6 +40,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--presence-penalty", type=float, default=None, metavar="R")
     p.add_argument("--stop", action="append", default=[], metavar="TEXT", help="stop string; repeat for several")
     p.add_argument("--seed", type=int, default=None, metavar="S")
+    p.add_argument("--ignore-eos", action="store_true", help="do not stop at EOS (fixed-length answers for timing)")
     p.add_argument("--no-paged", action="store_true", help="contiguous KV cache instead of paged")
     p.add_argument("--page-size", type=int, default=16, metavar="P", help="tokens per KV block (power of two)")
     p.add_argument("--pool-blocks", type=int, default=0, metavar="B", help="KV pool size in blocks (0 = automatic)")
@@ -89,6 +90,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             seed=args.seed,
             max_new_tokens=args.max_new_tokens,
             stop=tuple(args.stop),
+            ignore_eos=args.ignore_eos or None,
         )
         validate_sampling(sampling)  # before the model loads: a typo should not cost a load
         config = EngineConfig(

@@ -106,10 +106,35 @@ def test_goals_take_the_worst_checkpoint_and_respect_direction():
     assert "2b_bf16" in by_id["cpu_decode_vs_hf"]["source"]
     assert by_id["cpu_ttft_vs_hf"]["status"] == "met"
     assert by_id["prefix_cache_ttft_cut"]["status"] == "met"
-    assert by_id["gpu_bandwidth_fraction"]["status"] == "not_measured"
-    assert "not selected" in by_id["gpu_bandwidth_fraction"]["source"]
+    assert by_id["gpu_graphs_bound"]["status"] == "not_measured"
+    assert "not selected" in by_id["gpu_graphs_bound"]["source"]
     assert by_id["paged_overhead_4k"]["status"] == "not_measured"
     assert len(by_id) == len(GOALS)
+
+
+def test_gpu_goals_take_the_worst_dtype_and_name_the_device():
+    result = _result(
+        gpu={
+            "decode.fp16.graphs.bound_fraction": [0.81, 0.82, 0.80],
+            "decode.bf16.graphs.bound_fraction": [0.66, 0.68, 0.67],
+            "decode.fp16.graphs_vs_hf": [2.0, 2.1, 1.9],
+            "kernels.ctx4096.page16.overhead": [0.03, 0.02, 0.04],
+            "kernels.ctx4096.page64.overhead": [0.01, 0.0, 0.02],
+            "startup.warm_s": [7.5],
+            "memory.default_model.used_mb": [812.0],
+            "memory.2b_fp16.used_vs_limit": [1.08],
+        }
+    )
+    result["sections"]["gpu"]["setup"]["device"] = "NVIDIA H100 80GB HBM3"
+    by_id = {g["id"]: g for g in evaluate_goals(result)}
+    bound = by_id["gpu_graphs_bound"]
+    assert bound["status"] == "not_met" and bound["value"] == pytest.approx(0.67)
+    assert "decode.bf16.graphs.bound_fraction" in bound["source"] and "NVIDIA H100" in bound["source"]
+    assert by_id["gpu_graphs_vs_hf"]["status"] == "met"
+    assert by_id["gpu_paged_kernel_4k"]["value"] == pytest.approx(0.03)  # page 16 is the stated goal
+    assert by_id["gpu_warm_startup"]["status"] == "met"
+    assert by_id["gpu_memory_default_model"]["status"] == "met"
+    assert by_id["gpu_memory_2b"]["status"] == "not_met"
 
 
 def test_report_marks_goals_and_lists_figures():

@@ -121,3 +121,27 @@ def test_source_closure_follows_includes_of_the_real_kernels():
     assert {"paged_decode_attention.cu", "attention_common.cuh", "compat.cuh"} <= names
     assert set(B.module_names(kernels)) == {"paged_decode_attention", "paged_prefill_attention", "paged_kv_write"}
     assert B.arch_from_capability(8, 7) == "sm_87"
+
+
+def test_unwritable_cache_still_builds_and_says_why(tmp_path, caplog):
+    """A read-only or impossible cache directory (here: below a regular file, which fails for root too)
+    costs a rebuild at every start, never the kernels."""
+    kdir = _tiny_kernels(tmp_path)
+    blocker = tmp_path / "not_a_dir"
+    blocker.write_text("x")
+    cache = blocker / "kernels"
+    cfg = B.BuildConfig("sm_87", kdir, cache, _fake_nvcc(tmp_path, FAKE_OK))
+    with caplog.at_level(logging.WARNING, logger=B.__name__):
+        first = B.build_module("tiny", cfg)
+        second = B.build_module("tiny", cfg)
+    assert first.cubin == second.cubin == b"CUBIN" and not second.cache_hit
+    assert "could not write kernel cache" in caplog.text
+    assert B.cache_writable(cache) is not None and B.cached_cubins(cache) == []
+    assert B.cache_writable(tmp_path / "fresh" / "kernels") is None  # created on demand
+
+
+def test_default_cache_dir_follows_xdg_cache_home(monkeypatch, tmp_path):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    assert B.default_cache_dir() == tmp_path / "orin_vlm_node" / "kernels"
+    monkeypatch.delenv("XDG_CACHE_HOME")
+    assert B.default_cache_dir() == Path("~/.cache/orin_vlm_node/kernels").expanduser()

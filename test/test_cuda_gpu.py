@@ -10,7 +10,7 @@ import importlib.util
 import pytest
 import torch
 
-from orin_vlm_node.cuda import CudaPagedAttention, DecodeGraph, select_backend
+from orin_vlm_node.cuda import AttentionShape, CudaPagedAttention, DecodeGraph, select_backend
 from orin_vlm_node.kvcache.attention import TorchPagedAttention
 from orin_vlm_node.kvcache.config import KVCacheConfig
 from orin_vlm_node.kvcache.paged import PagedKVCache
@@ -23,7 +23,10 @@ pytestmark = [
 
 @pytest.fixture(scope="module")
 def backend(tmp_path_factory):
-    choice = select_backend("cuda", True, True, str(tmp_path_factory.mktemp("kernels")), allow_fallback=False)
+    shape = AttentionShape(torch.float16, 128, 16, 8)
+    choice = select_backend(
+        "cuda", True, shape, kernel_cache_dir=str(tmp_path_factory.mktemp("kernels")), allow_fallback=False
+    )
     assert choice.kernels and isinstance(choice.attention_impl, CudaPagedAttention)
     return choice
 
@@ -44,7 +47,9 @@ def _caches(impl, dtype, page, nkv, hd, max_ctx):
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
-@pytest.mark.parametrize(("hd", "nq", "nkv", "page"), [(128, 16, 8, 16), (64, 8, 1, 32), (128, 32, 4, 1)])
+@pytest.mark.parametrize(
+    ("hd", "nq", "nkv", "page"), [(128, 16, 8, 16), (64, 8, 1, 32), (128, 32, 4, 1), (32, 8, 2, 16), (256, 16, 1, 64)]
+)
 def test_gpu_prefill_and_decode_match_torch(backend, dtype, hd, nq, nkv, page):
     impl = backend.attention_impl
     ours, ref = _caches(impl, dtype, page, nkv, hd, 2048)
@@ -93,3 +98,36 @@ def test_gpu_graph_decode_replays_across_page_boundaries(backend):
         out = runner.run().clone()
         torch.testing.assert_close(out, db(0, q_in, k_in, v_in), atol=4e-3, rtol=0)
     assert runner.captured and runner.replays >= 29, runner.describe()
+
+
+def _tiny(tmp_path_factory, head_dim: int):
+    from tiny_checkpoint import make_tiny_checkpoint
+
+    return make_tiny_checkpoint(
+        tmp_path_factory.mktemp(f"gpu_ckpt_hd{head_dim}"), layers=2, num_heads=8, num_kv_heads=2,
+        head_dim=head_dim, hidden=128, tie=False, seed=7,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("head_dim", [32, 64, 128, 256])
+def test_gpu_engine_kernels_and_graphs_match_the_torch_path_across_context_buckets(tmp_path_factory, head_dim):
+    """fp32, 300 greedy tokens from a 1024-token limit: the static step moves from the 256 to the 512
+    bucket (a second graph) and crosses many pages; tokens equal the eager torch path's."""
+    from orin_vlm_node.engine import Engine, EngineConfig, Request, SamplingParams, Turn
+
+    path = str(_tiny(tmp_path_factory, head_dim))
+    cache = str(tmp_path_factory.mktemp("kernel_cache"))
+    common = dict(model_path=path, device="cuda", dtype="fp32", max_context_tokens=1024, kernel_cache_dir=cache)
+    fast = Engine(EngineConfig(**common, allow_kernel_fallback=False))
+    slow = Engine(EngineConfig(**common, use_cuda_kernels=False, use_cuda_graph=False))
+    info = fast.describe()
+    assert info["kernels"].startswith("kernels: on") and info["decode_path"] == "kernels+graphs (static step)"
+    assert slow.describe()["decode_path"] == "torch reference (static step)"
+    sampling = SamplingParams(temperature=0.0, max_new_tokens=300, ignore_eos=True)
+    turn = Turn("Tell the robot what to do next, step by step.")
+    a = list(fast.generate(Request(turn, sampling)))[-1]
+    b = list(slow.generate(Request(turn, sampling)))[-1]
+    assert a.finish_reason == b.finish_reason == "length"
+    assert a.token_ids == b.token_ids
+    decode = fast.describe()["decode"]
+    assert decode["graphs"] == "on" and decode["graphs_captured"] >= 2, decode

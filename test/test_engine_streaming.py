@@ -112,3 +112,19 @@ def test_max_new_tokens_finishes_with_length(tmp_path_factory):
     assert list(final.token_ids) == answer[:5]
     assert "".join(d.text for d in deltas) == final.text == "Hello, 世界！"
     assert final.metrics["generated_tokens"] == 5
+
+
+def test_ignore_eos_generates_exactly_max_new_tokens(tmp_path_factory):
+    """Benchmarks need answers of a fixed length: with ignore_eos the EOS token is generated and passed
+    over (it carries no text), and the answer ends at max_new_tokens."""
+    engine, answer = scripted_engine(tmp_path_factory)
+    n = len(answer) + 6
+    events = list(
+        engine.generate(Request(Turn("Go."), SamplingParams(temperature=0.0, max_new_tokens=n, ignore_eos=True)))
+    )
+    final = events[-1]
+    assert final.finish_reason == "length" and len(final.token_ids) == n
+    assert list(final.token_ids[: len(answer) + 1]) == [*answer, IM_END]
+    assert final.text.startswith(SCRIPT) and "".join(e.text for e in events[:-1]) == final.text
+    stopped = list(engine.generate(Request(Turn("Go."), SamplingParams(temperature=0.0, max_new_tokens=n))))[-1]
+    assert stopped.finish_reason == "stop" and list(stopped.token_ids) == [*answer, IM_END]

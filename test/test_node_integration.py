@@ -162,6 +162,8 @@ def test_paging_off_gives_the_same_greedy_answer(vlm, reference):
         ("dtype", "int8", "dtype must be one of auto, bf16, fp16, fp32"),
         ("device", "tpu", "device must be one of auto, cuda, cpu"),
         ("kv_pool_blocks", 1, "KV pool too small"),
+        ("kv_pool_mb", 262144, "does not fit"),  # more than this machine's free memory, refused when set
+        ("kernel_dir", "/nonexistent/kernels", "kernel_dir '/nonexistent/kernels' does not exist"),
         ("model_path", "/somewhere/else", "read-only"),
         ("image_min_pixels", 10**7, "image_min_pixels"),
         ("top_p", 0.0, "top_p must be in (0, 1]"),  # the engine's sampling check, at set time
@@ -357,7 +359,7 @@ def test_bad_prompts_give_error_events_and_the_node_keeps_answering(vlm, text, e
 
 
 def test_diagnostics_report_the_engine(vlm):
-    _, client = vlm
+    node, client = vlm
     client.subscribe_diagnostics()
     array = client.wait_for(lambda: client.diagnostics[-1] if client.diagnostics else None, 10, "/diagnostics")
     (status,) = [s for s in array.status if s.name.startswith("orin_vlm")]
@@ -367,6 +369,11 @@ def test_diagnostics_report_the_engine(vlm):
     assert int(values["requests_completed"]) >= 1 and float(values["last_ttft_s"]) > 0
     for key in ("engine.kv_blocks_total", "engine.kv_blocks_used", "engine.decode_path", "last_decode_tokens_per_s"):
         assert key in values
+    # The attention path and the pool size, with their reasons, here and in the startup log.
+    assert values["engine.kernels"] == "kernels: off (cpu device)" and status.level == status.OK
+    assert "(auto: 1 x 4096-token context + 25% prefix-cache share)" in values["engine.kv_pool"]
+    ready = next(line for line in node.output().splitlines() if "ready in" in line)
+    assert "kernels: off (cpu device); decode: torch reference (dynamic step); KV pool:" in ready
 
 
 def test_sigint_stops_the_node_within_5_s_even_while_generating(vlm):

@@ -27,11 +27,11 @@ def test_discovery_is_localhost_only():
 
 def test_two_processes_exchange_image_and_string(tmp_path):
     domain = str(100 + os.getpid() % 100)
-    env = dict(os.environ, ROS_DOMAIN_ID=domain, ROS_LOG_DIR=str(tmp_path),
-               ROS_AUTOMATIC_DISCOVERY_RANGE="LOCALHOST")
+    env = dict(os.environ, ROS_DOMAIN_ID=domain, ROS_LOG_DIR=str(tmp_path), ROS_AUTOMATIC_DISCOVERY_RANGE="LOCALHOST")
     os.environ["ROS_DOMAIN_ID"] = domain  # this process joins the same private domain
-    peer = subprocess.Popen([sys.executable, str(PEER)], env=env, stdout=subprocess.PIPE, text=True,
-                            start_new_session=True)
+    peer = subprocess.Popen(
+        [sys.executable, str(PEER)], env=env, stdout=subprocess.PIPE, text=True, start_new_session=True
+    )
     try:
         assert peer.stdout.readline().strip() == "ready"
         rclpy.init()

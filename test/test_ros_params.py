@@ -45,7 +45,8 @@ def test_engine_parameters_cover_engine_config_one_to_one():
     # max_sessions follows from multi_turn (the node keeps one conversation or none), it is no parameter.
     config_fields = {f.name for f in dataclasses.fields(EngineConfig)} - {"sampling", "max_sessions"}
     assert set(ENGINE_FIELDS) == config_fields
-    sampling_fields = {f.name for f in dataclasses.fields(SamplingParams)} - {"stop"}
+    # stop strings and ignore_eos are per-request options (CLI, benchmarks), not settings of a robot node
+    sampling_fields = {f.name for f in dataclasses.fields(SamplingParams)} - {"stop", "ignore_eos"}
     assert {p.name for p in PARAMS if p.target == "sampling"} == sampling_fields
 
 

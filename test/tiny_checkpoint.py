@@ -65,11 +65,14 @@ def make_tiny_checkpoint(
     dtype: torch.dtype = torch.float32,
     legacy_rope_keys: bool = False,
     with_tokenizer: bool = True,
+    device: str = "cpu",
 ) -> Path:
     """Build, perturb and ``save_pretrained`` a tiny Qwen3-VL; return the directory.
 
     ``legacy_rope_keys`` rewrites config.json's text RoPE settings in the 4.57 spelling
-    (``rope_theta`` + ``rope_scaling``) instead of 5.x ``rope_parameters``.
+    (``rope_theta`` + ``rope_scaling``) instead of 5.x ``rope_parameters``. ``device``: where the weights
+    are made ("cuda" builds a 2B-shape checkpoint in seconds instead of minutes; the values then differ
+    from a CPU build with the same seed).
     """
     from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
 
@@ -115,7 +118,8 @@ def make_tiny_checkpoint(
         tie_word_embeddings=tie,
     )
     torch.manual_seed(seed)
-    model = Qwen3VLForConditionalGeneration(config).eval()
+    with torch.device(device):
+        model = Qwen3VLForConditionalGeneration(config).eval()
     _perturb(model, seed)
     model.to(dtype)
     model.save_pretrained(out)
@@ -210,10 +214,11 @@ def mm_token_type_ids(ids: Sequence[int]) -> torch.Tensor:
 
 
 def _perturb(model: torch.nn.Module, seed: int) -> None:
-    gen = torch.Generator().manual_seed(seed + 1000)
+    device = next(model.parameters()).device
+    gen = torch.Generator(device=device).manual_seed(seed + 1000)
     with torch.no_grad():
         for name, p in model.named_parameters():
-            noise = torch.randn(p.shape, generator=gen, dtype=torch.float32)
+            noise = torch.randn(p.shape, generator=gen, dtype=torch.float32, device=device)
             if p.dim() == 1 and "norm" in name and name.endswith("weight"):
                 p.copy_(1.0 + 0.2 * noise)
             elif p.dim() == 1:

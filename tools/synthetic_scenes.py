@@ -200,9 +200,7 @@ def _fill(img: np.ndarray, s: Shape, outline: np.ndarray | None, color: tuple[in
         cv2.fillPoly(img, [np.round(outline).astype(np.int32)], color, line)
 
 
-def render_with_labels(
-    rng: np.random.Generator, h: int, w: int, shapes: list[Shape]
-) -> tuple[np.ndarray, np.ndarray]:
+def render_with_labels(rng: np.random.Generator, h: int, w: int, shapes: list[Shape]) -> tuple[np.ndarray, np.ndarray]:
     """Draw ``shapes`` (with slightly jittered colours) on a random background.
 
     Returns the HWC uint8 RGB image and a (h, w) uint8 label map: 0 for background, ``i + 1`` where shape ``i``

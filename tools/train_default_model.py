@@ -385,9 +385,7 @@ def token_labels(scene: scenes.Scene, grid_thw: list[int]) -> tuple[torch.Tensor
 def token_centres(grid_thw: list[int]) -> torch.Tensor:
     """(n_tokens, 2) x and y of every image token's centre, scaled to [-1, 1] across the picture (raster order)."""
     th, tw = grid_thw[1] // 2, grid_thw[2] // 2
-    ys, xs = torch.meshgrid(
-        (torch.arange(th) + 0.5) / th * 2 - 1, (torch.arange(tw) + 0.5) / tw * 2 - 1, indexing="ij"
-    )
+    ys, xs = torch.meshgrid((torch.arange(th) + 0.5) / th * 2 - 1, (torch.arange(tw) + 0.5) / tw * 2 - 1, indexing="ij")
     return torch.stack([xs.reshape(-1), ys.reshape(-1)], dim=1)
 
 

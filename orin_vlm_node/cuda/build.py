@@ -21,6 +21,7 @@ import shutil
 import subprocess
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -260,10 +261,15 @@ def build_module(module: str, cfg: BuildConfig) -> CompiledModule:
 
 
 def build_all(cfg: BuildConfig, modules: list[str] | None = None) -> dict[str, CompiledModule]:
-    """Every kernel module (default: all ``kernels/*.cu``), compiled or loaded from the cache."""
+    """Every kernel module (default: all ``.cu`` in ``cfg.kernel_dir``), compiled or loaded from the cache.
+
+    Modules compile in parallel (one nvcc process each): a cold start on a Jetson then costs the slowest
+    module, not the sum of all.
+    """
     names = modules if modules is not None else module_names(Path(cfg.kernel_dir))
     t0 = time.perf_counter()
-    built = {name: build_module(name, cfg) for name in names}
+    with ThreadPoolExecutor(max_workers=max(1, min(len(names), os.cpu_count() or 1))) as pool:
+        built = dict(zip(names, pool.map(lambda name: build_module(name, cfg), names), strict=True))
     hits = sum(m.cache_hit for m in built.values())
     _log.info(
         "kernels ready for %s in %.2f s (%d cached, %d compiled)",

@@ -16,6 +16,7 @@ import json
 import sys
 import time
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -71,26 +72,30 @@ def _cache(cache_dir: str) -> dict[str, Any]:
     }
 
 
+def _build_one(module: str, cfg: B.BuildConfig) -> tuple[dict[str, Any], B.CompiledModule | None]:
+    t0 = time.perf_counter()
+    try:
+        compiled = B.build_module(module, cfg)
+    except B.KernelBuildError as exc:
+        return {"built": False, "error": str(exc)}, None
+    report = {
+        "built": True,
+        "cached": compiled.cache_hit,
+        "seconds": round(time.perf_counter() - t0, 2),
+        "cubin_bytes": len(compiled.cubin),
+    }
+    return report, compiled
+
+
 def _build_and_load(kernel_dir: Path, arch: str, cache_dir: str) -> tuple[dict[str, Any], bool]:
-    """Build every module, load them all in torch's context; (per-module report, all ok)."""
+    """Build every module (in parallel, as the node does), load them all in torch's context; (report, all ok)."""
     cfg = B.BuildConfig(arch=arch, kernel_dir=kernel_dir, cache_dir=cache_dir)
-    report: dict[str, Any] = {}
-    built = {}
-    ok = True
-    for module in sorted(KERNEL_MODULES):
-        t0 = time.perf_counter()
-        try:
-            built[module] = compiled = B.build_module(module, cfg)
-        except B.KernelBuildError as exc:
-            report[module] = {"built": False, "error": str(exc)}
-            ok = False
-            continue
-        report[module] = {
-            "built": True,
-            "cached": compiled.cache_hit,
-            "seconds": round(time.perf_counter() - t0, 2),
-            "cubin_bytes": len(compiled.cubin),
-        }
+    modules = sorted(KERNEL_MODULES)
+    with ThreadPoolExecutor(max_workers=len(modules)) as pool:
+        results = dict(zip(modules, pool.map(lambda m: _build_one(m, cfg), modules), strict=True))
+    report = {m: r for m, (r, _) in results.items()}
+    built = {m: c for m, (_, c) in results.items() if c is not None}
+    ok = len(built) == len(modules)
     if not built:
         return report, False
     try:

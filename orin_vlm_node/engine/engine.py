@@ -445,7 +445,7 @@ class Engine:
                 if not generated:
                     m.mark_first_token()
                 generated.append(token)
-                if token in eos:
+                if token in eos and not params.ignore_eos:
                     reason = "stop"
                     break
                 delta_ids.append(token)

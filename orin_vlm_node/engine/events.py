@@ -27,6 +27,7 @@ class SamplingParams:
     seed: int | None = None
     max_new_tokens: int | None = None
     stop: tuple[str, ...] = ()
+    ignore_eos: bool | None = None  # True: an EOS token does not end the answer (benchmarks: fixed lengths)
 
 
 @dataclass(frozen=True)

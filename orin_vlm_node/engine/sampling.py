@@ -39,6 +39,7 @@ class ResolvedSampling:
     seed: int
     max_new_tokens: int
     stop: tuple[str, ...]
+    ignore_eos: bool
 
     @property
     def greedy(self) -> bool:
@@ -123,6 +124,8 @@ def validate_sampling(p: SamplingParams) -> None:
         not isinstance(p.max_new_tokens, int) or isinstance(p.max_new_tokens, bool) or p.max_new_tokens < 1
     ):
         raise ValueError(f"max_new_tokens must be an integer >= 1, got {p.max_new_tokens!r}")
+    if p.ignore_eos is not None and not isinstance(p.ignore_eos, bool):
+        raise ValueError(f"ignore_eos must be true or false, got {p.ignore_eos!r}")
     if not isinstance(p.stop, tuple) or any(not isinstance(s, str) or not s for s in p.stop):
         raise ValueError(f"stop must be a tuple of non-empty strings, got {p.stop!r}")
 
@@ -143,6 +146,7 @@ def resolve_sampling(*layers: SamplingParams) -> ResolvedSampling:
         seed=secrets.randbits(63) if m.seed is None else int(m.seed),
         max_new_tokens=DEFAULT_MAX_NEW_TOKENS if m.max_new_tokens is None else int(m.max_new_tokens),
         stop=tuple(m.stop),
+        ignore_eos=bool(m.ignore_eos),
     )
 
 

@@ -8,7 +8,7 @@ import math
 
 import torch
 
-from ..cuda.sources import check_kernel_dir
+from ..cuda.sources import KernelSourcesNotFound, check_kernel_dir
 from ..kvcache import KVCacheConfig
 from ..kvcache.config import MAX_PAGE_SIZE
 from .config import EngineConfig
@@ -135,7 +135,10 @@ def check_fields(fields: dict) -> None:
         if name in fields and not isinstance(fields[name], str):
             raise ValueError(f"{name} must be a string, got {fields[name]!r}")
     if fields.get("kernel_dir"):
-        check_kernel_dir(fields["kernel_dir"])  # a typo in an explicit path is refused, not ignored
+        try:
+            check_kernel_dir(fields["kernel_dir"])  # a typo in an explicit path is refused, not ignored
+        except KernelSourcesNotFound as exc:
+            raise ValueError(str(exc)) from None
 
 
 def kv_cache_config(

@@ -1,0 +1,73 @@
+"""Startup to ready and GPU memory of the engine alone, in a fresh process, as a robot starts the node.
+
+The parent passes its wall-clock time just before starting this process, so ``ready_s`` counts what an
+operator waits for: interpreter and torch import, model load, kernel build (or cache hit), KV pool and
+CUDA-graph setup. Then one short image request runs and the process reports the GPU memory in use: the
+device's used memory (``total - free``: the CUDA context included, this being the only process on the
+GPU) and torch's peak reservation. Prints one JSON object.
+
+Usage: ``python bench/startup_probe.py MODEL_DIR DTYPE KERNEL_CACHE_DIR MAX_CONTEXT_TOKENS PARENT_START``.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+
+def main() -> int:
+    model_dir, dtype, cache_dir, max_context, parent_start = sys.argv[1:6]
+    import numpy as np
+    import torch
+
+    from orin_vlm_node.engine import Engine, EngineConfig, Finished, Request, SamplingParams, Turn
+
+    imported = time.time() - float(parent_start)
+    t0 = time.perf_counter()
+    config = EngineConfig(
+        model_path=model_dir,
+        device="cuda",
+        dtype=dtype,
+        kernel_cache_dir=cache_dir,
+        max_context_tokens=int(max_context),
+        max_sessions=0,
+    )
+    engine = Engine(config)
+    torch.cuda.synchronize()
+    ready = time.time() - float(parent_start)
+    load = time.perf_counter() - t0
+    image = np.random.default_rng(0).integers(0, 256, size=(448, 448, 3), dtype=np.uint8)
+    request = Request(Turn("Describe this image.", (image,)), SamplingParams(temperature=0.0, max_new_tokens=8))
+    final = [e for e in engine.generate(request) if isinstance(e, Finished)][0]
+    torch.cuda.synchronize()
+    free, total = torch.cuda.mem_get_info()
+    described = engine.describe()
+    weights = sum(p.numel() * p.element_size() for p in engine.model.parameters())
+    print(
+        json.dumps(
+            {
+                "import_s": imported,
+                "engine_s": load,
+                "ready_s": ready,
+                "finish_reason": final.finish_reason,
+                "error": final.error,
+                "device_used_mb": (total - free) / 2**20,
+                "torch_peak_reserved_mb": torch.cuda.max_memory_reserved() / 2**20,
+                "weight_mb": weights / 2**20,
+                "kv_pool_mb": described["kv_cache"]["pool_bytes"] / 2**20,
+                "kv_context_mb": engine.cache.config.bytes_per_token * int(max_context) / 2**20,
+                "kernels": described["kernels"],
+                "kv_pool": described["kv_pool"],
+                "decode_path": described["decode_path"],
+            }
+        )
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,88 @@
+"""``make gpu-wheels`` and ``tools/gpu_check.py`` on a machine without a GPU: the download, and every step
+up to the first GPU call, which must fail with a clear reason and leave a complete report behind.
+
+The download needs the package index (as ``make test`` itself does); the wheels are fetched for this
+interpreter's Python so the install step can run here. PyCUDA's build is not run: it cannot link here
+(no libcuda), and takes minutes on two cores.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+CONFIG_2B = REPO.parent / "shared" / "model-configs" / "Qwen3-VL-2B-Instruct.config.json"
+
+
+@pytest.fixture(scope="module")
+def wheels(tmp_path_factory) -> Path:
+    if not CONFIG_2B.is_file():
+        pytest.skip(f"{CONFIG_2B} not found (the 2B config travels with the wheels)")
+    out = tmp_path_factory.mktemp("gpu") / "wheels"
+    version = f"{sys.version_info.major}.{sys.version_info.minor}"
+    proc = subprocess.run(
+        [
+            "make",
+            "-s",
+            "gpu-wheels",
+            f"GPU_WHEELS_DIR={out}",
+            f"GPU_PY_VERSION={version}",
+            f"GPU_BIG_CONFIG={CONFIG_2B}",
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return out
+
+
+def test_gpu_wheels_holds_what_a_bare_cuda_machine_lacks(wheels):
+    names = sorted(p.name for p in wheels.iterdir())
+    assert any(n.startswith("pycuda-") and n.endswith(".tar.gz") for n in names), names
+    for package in ("pytools", "platformdirs", "mako", "siphash24", "transformers-5.23.0"):
+        assert any(n.startswith(package) and n.endswith(".whl") for n in names), (package, names)
+    assert json.loads((wheels / "Qwen3-VL-2B-Instruct.config.json").read_text())["text_config"]["num_hidden_layers"]
+
+
+def test_gpu_check_runs_up_to_the_first_gpu_call_and_reports(wheels, tmp_path):
+    out = tmp_path / "out"
+    proc = subprocess.run(
+        [sys.executable, "tools/gpu_check.py", "--wheels", str(wheels), "--out", str(out),
+         "--steps", "preflight,wheels,device,diagnostics,bench"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )  # fmt: skip
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    report = json.loads((out / "gpu_check.json").read_text())
+    steps = report["steps"]
+    assert steps["preflight"]["status"] == "ok" and steps["preflight"]["nvcc"]
+    assert steps["wheels"]["status"] == "ok" and len(steps["wheels"]["installed"]) == 5
+    assert steps["device"]["status"] == "failed"
+    assert "no CUDA device" in steps["device"]["reason"]
+    assert steps["diagnostics"]["status"] == "skipped" and "needs pycuda, device" in steps["diagnostics"]["reason"]
+    assert steps["bench"]["status"] == "skipped" and report["ok"] is False
+    log = (out / "gpu_check.log").read_text()
+    assert "device: failed" in log and "FAILED in" in log
+
+
+def test_gpu_check_without_the_wheels_says_how_to_get_them(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, "tools/gpu_check.py", "--wheels", str(tmp_path / "none"), "--out", str(tmp_path / "out"),
+         "--steps", "preflight"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 1
+    reason = json.loads((tmp_path / "out" / "gpu_check.json").read_text())["steps"]["preflight"]["reason"]
+    assert "make gpu-wheels" in reason and "PyCUDA sdist" in reason
