@@ -59,6 +59,9 @@ from .ros_status import diagnostic_values, status_json
 NODE_NAME = "orin_vlm"
 # Identical image errors (a broken camera at 30 Hz) are reported at most this often.
 IMAGE_ERROR_INTERVAL_S = 1.0
+# Subscribers that exist when the node comes up match its new publishers within milliseconds on one
+# machine; announcing `ready` a moment later lets them receive it.
+READY_ANNOUNCE_DELAY_S = 0.5
 
 
 class StartupError(RuntimeError):
@@ -157,7 +160,13 @@ class VlmNode(Node):
             f"ready in {time.monotonic() - t0:.1f} s: model {model_dir}, device {described.get('device', '?')}, "
             f"dtype {described.get('dtype', '?')}, images via {self._converter.backend}; {backend}"
         )
-        self._publish_status("ready", None, note=backend)
+        self._ready_note = backend
+        self._ready_timer = self.create_timer(READY_ANNOUNCE_DELAY_S, self._announce_ready)
+
+    def _announce_ready(self) -> None:
+        """The first status event: the node serves, and which attention path and KV pool it runs with."""
+        self.destroy_timer(self._ready_timer)
+        self._publish_status("ready", None, note=self._ready_note)
 
     # ---------------------------------------------------------------- inputs (executor threads)
 

@@ -50,16 +50,18 @@ def test_model_dir_without_weights_exits_1(tmp_path):
 def test_ros_run_style_start_with_namespace_and_remap_then_sigint(tmp_path):
     checkpoint = cached_tiny_checkpoint()
     args = ["-p", f"model_path:={checkpoint}", "-p", "max_new_tokens:=4", "-p", "device:=cpu"]
+    client = VlmClient(domain_id_for(__name__), namespace="robot7", prompt_topic="question")  # listening first
     node = start(tmp_path, *args, "-r", "__ns:=/robot7", "-r", "prompt:=question")
-    client = None
     try:
-        client = VlmClient(node.domain_id, namespace="robot7", prompt_topic="question")
         client.wait_until_connected(node, timeout=120)
+        # The first status event says the node serves, on which attention path, with which KV pool.
+        ready = client.wait_for(lambda: client.events(event="ready"), 10, "the ready event")[0]
+        assert ready["note"].startswith("kernels: off (cpu device); decode: torch reference (dynamic step); KV pool:")
+        assert client.status[0]["event"] == "ready"
         result = client.ask("Hello?")
         assert result["status"]["event"] == "finished" and result["status"]["metrics"]["generated_tokens"] <= 4
     finally:
-        if client is not None:
-            client.close()
+        client.close()
         rc, elapsed = node.stop(timeout=5.0)
     assert rc == 0, node.output()
     assert elapsed < 5.0
