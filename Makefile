@@ -6,8 +6,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 REQS := requirements.txt requirements-ros.txt requirements-test.txt
 STAMP := $(VENV)/.installed
-RUFF_FLAGS := --line-length 120 --target-version py310 --select E,F,W,I,B,UP
-LINT_PATHS := orin_vlm_node test tools bench launch setup.py
+LINT_PATHS := orin_vlm_node support test tools bench launch setup.py
 
 # Every process started from here that touches ROS discovers peers on this machine only.
 export ROS_AUTOMATIC_DISCOVERY_RANGE := LOCALHOST
@@ -40,8 +39,10 @@ venv: $(STAMP)
 install: venv
 	$(PY) -m pip install --disable-pip-version-check -q --no-deps --no-build-isolation .
 
+# Settings in pyproject.toml; formatting is checked as strictly as the rules.
 lint: venv
-	$(VENV)/bin/ruff check $(RUFF_FLAGS) $(LINT_PATHS)
+	$(VENV)/bin/ruff check $(LINT_PATHS)
+	$(VENV)/bin/ruff format --check $(LINT_PATHS)
 
 # pytest exits 5 when it collected nothing: that is a failure here, never a pass.
 test: lint install
@@ -49,13 +50,13 @@ test: lint install
 	if [ $$rc -eq 5 ]; then echo "make test: pytest collected no tests" >&2; fi; exit $$rc
 
 demo: install
-	$(PY) tools/demo.py
+	$(PY) -m tools.demo
 
 bench: install
-	$(PY) bench/run.py
+	$(PY) -m bench.run
 
 bench-quick: install
-	$(PY) bench/run.py --quick
+	$(PY) -m bench.run --quick
 
 gpu-wheels: venv
 	@test -f $(GPU_BIG_CONFIG) || { echo "gpu-wheels: $(GPU_BIG_CONFIG) not found (set GPU_BIG_CONFIG to a Qwen3-VL-2B config.json)" >&2; exit 1; }
@@ -69,7 +70,7 @@ gpu-wheels: venv
 	@ls -l $(GPU_WHEELS_DIR)
 
 gpu-check:
-	$(GPU_PYTHON) tools/gpu_check.py --wheels $(GPU_WHEELS_DIR)
+	$(GPU_PYTHON) -m tools.gpu_check --wheels $(GPU_WHEELS_DIR)
 
 clean:
 	rm -rf $(VENV) build *.egg-info gpu-check-out

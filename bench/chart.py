@@ -1,7 +1,7 @@
 """One PNG summarising a result file (matplotlib, headless): medians as bars/lines, min..max as error bars,
 goal thresholds as dashed lines, and the reason in place of a panel whose section did not run.
 
-Usage: ``python bench/chart.py bench/results/latest.json [out.png]`` (run.py calls :func:`write_chart`).
+Usage: ``python -m bench.chart bench/results/latest.json [out.png]`` (run.py calls :func:`write_chart`).
 """
 
 from __future__ import annotations

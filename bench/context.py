@@ -14,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
-from config import REPO, BenchConfig
+from bench.config import REPO, BenchConfig
 
 DEFAULT_MODEL_DIR = REPO / "orin_vlm_node" / "default_model"
 
@@ -50,16 +50,16 @@ class BenchContext:
 
     def tiny_checkpoint(self) -> Path:
         if "tiny" not in self._checkpoints:
-            from checkpoints import tiny_checkpoint
+            from support.checkpoints import make_tiny_checkpoint
 
-            self._checkpoints["tiny"] = tiny_checkpoint(self.scratch / "tiny")
+            self._checkpoints["tiny"] = make_tiny_checkpoint(self.scratch / "tiny")
         return self._checkpoints["tiny"]
 
     def kv_shape_checkpoint(self, num_layers: int) -> Path:
         """A small random model whose attention has the 2B's KV shape (16 q heads, 8 kv heads, head_dim 128)."""
         key = f"kvshape{num_layers}"
         if key not in self._checkpoints:
-            from checkpoints import kv_shape_checkpoint
+            from support.checkpoints import kv_shape_checkpoint
 
             self._checkpoints[key] = kv_shape_checkpoint(self.scratch / key, num_layers)
         return self._checkpoints[key]
@@ -69,7 +69,7 @@ class BenchContext:
         kept in ``config.checkpoint_cache`` (``--checkpoint-cache``) and reused by later runs, since
         building it takes minutes on 2 cores. ``big_checkpoint_origin`` says which happened."""
         if "big" not in self._checkpoints:
-            from checkpoints import big_checkpoint
+            from support.checkpoints import big_checkpoint
 
             path = Path(self.config.big_config_path)
             if self.config.checkpoint_cache:
@@ -79,7 +79,7 @@ class BenchContext:
             if all(
                 (out / f).is_file() for f in ("config.json", "model.safetensors", "tokenizer.json")
             ):  # tokenizer: written last
-                self.big_checkpoint_origin = f"reused from {out} (built earlier by bench/checkpoints.py)"
+                self.big_checkpoint_origin = f"reused from {out} (built earlier by support.checkpoints)"
                 self.log(f"2B-shape checkpoint: {self.big_checkpoint_origin}")
             else:
                 import torch

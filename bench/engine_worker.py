@@ -17,15 +17,10 @@ import sys
 import time
 from pathlib import Path
 
-BENCH = Path(__file__).resolve().parent
-sys.path.insert(0, str(BENCH))
-sys.path.insert(1, str(BENCH.parent))
-
 
 def main() -> int:
-    from context import BenchContext
-    from vs_transformers import greedy, make_engine
-
+    from bench.context import BenchContext
+    from bench.vs_transformers import greedy, make_engine
     from orin_vlm_node.engine import Request, TextDelta, Turn
 
     model_dir, dtype = sys.argv[1], sys.argv[2]

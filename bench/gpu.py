@@ -30,12 +30,11 @@ import tempfile
 import time
 from pathlib import Path
 
-from context import BenchContext
-from section import SectionResult, skipped
-from stats import alternate, paired_ratio
-from timing import HFRunner, run_engine
-
-from config import REPO
+from bench.config import REPO
+from bench.context import BenchContext
+from bench.section import SectionResult, skipped
+from bench.stats import alternate, paired_ratio
+from bench.timing import HFRunner, run_engine
 
 PROMPT = "Describe what a robot arm does when it picks up the red cube and places it on the table."
 PATHS = {  # engine settings of each decode path
@@ -198,7 +197,7 @@ def _decode(torch, ctx: BenchContext, res: SectionResult, model_dir: Path, dtype
 
 
 def _probe(model_dir: Path, dtype: str, cache_dir: Path, max_context: int) -> dict:
-    cmd = [sys.executable, str(REPO / "bench" / "startup_probe.py"), str(model_dir), dtype, str(cache_dir),
+    cmd = [sys.executable, "-m", "bench.startup_probe", str(model_dir), dtype, str(cache_dir),
            str(max_context), repr(time.time())]  # fmt: skip
     out = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
     if out.returncode != 0:

@@ -1,6 +1,6 @@
 """KV bytes a conversation holds: paged vs contiguous, on the real Qwen3-VL shapes.
 
-    python bench/kv_memory.py [--json] [--config PATH] [--page-size 16] [--max-context 4096]
+    python -m bench.kv_memory [--json] [--config PATH] [--page-size 16] [--max-context 4096]
 
 Figures come from the real cache objects (:class:`PagedKVCache`, :class:`ContiguousKVCache`) with
 their pools on the ``meta`` device: the bookkeeping (blocks allocated step by step while the
@@ -22,11 +22,9 @@ from pathlib import Path
 
 import torch
 
-REPO = Path(__file__).resolve().parent.parent
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
+from orin_vlm_node.kvcache import ContiguousKVCache, KVCacheConfig, PagedKVCache
 
-from orin_vlm_node.kvcache import ContiguousKVCache, KVCacheConfig, PagedKVCache  # noqa: E402
+REPO = Path(__file__).resolve().parent.parent
 
 MODEL_CONFIGS = REPO.parent / "shared" / "model-configs"
 DEFAULT_CONFIG = MODEL_CONFIGS / "Qwen3-VL-2B-Instruct.config.json"

@@ -16,12 +16,11 @@ import subprocess
 import sys
 from pathlib import Path
 
-from context import BenchContext
-from section import SectionResult
-from timing import run_engine
-from vs_transformers import greedy, make_engine
-
-from config import REPO
+from bench.config import REPO
+from bench.context import BenchContext
+from bench.section import SectionResult
+from bench.timing import run_engine
+from bench.vs_transformers import greedy, make_engine
 
 MB = 2**20
 # (name, number of user turns, image on the first turn)
@@ -59,7 +58,7 @@ def _measured(ctx: BenchContext, res: SectionResult, model_dir: Path) -> None:
 
 def _projected(res: SectionResult) -> None:
     try:
-        import kv_memory  # the KV cache helper's calculator (bench/kv_memory.py)
+        from bench import kv_memory  # the KV cache helper's calculator (bench/kv_memory.py)
     except ImportError as exc:
         res.skip_part("projected_real_models", f"bench/kv_memory.py not importable: {exc}")
         return
@@ -73,7 +72,7 @@ def _projected(res: SectionResult) -> None:
 
 def _peak_rss(ctx: BenchContext, res: SectionResult, model_dir: Path) -> None:
     h, w = ctx.config.image_size
-    cmd = [sys.executable, str(REPO / "bench" / "rss_probe.py"), str(model_dir), str(h), str(w),
+    cmd = [sys.executable, "-m", "bench.rss_probe", str(model_dir), str(h), str(w),
            str(ctx.config.max_new_tokens), "fp32"]  # fmt: skip
     out = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
     if out.returncode != 0:

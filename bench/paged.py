@@ -13,12 +13,12 @@ from __future__ import annotations
 import gc
 import math
 
-from context import BenchContext
-from prompts import text_of_tokens
-from section import SectionResult
-from stats import alternate
-from timing import GenTiming, run_engine
-from vs_transformers import greedy, make_engine
+from bench.context import BenchContext
+from bench.prompts import text_of_tokens
+from bench.section import SectionResult
+from bench.stats import alternate
+from bench.timing import GenTiming, run_engine
+from bench.vs_transformers import greedy, make_engine
 
 
 def _prefill_s(t: GenTiming) -> float:

@@ -15,11 +15,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from context import BenchContext
-from section import SectionResult
-from stats import alternate, paired_ratio
-from timing import GenTiming, run_engine
-from vs_transformers import greedy, make_engine
+from bench.context import BenchContext
+from bench.section import SectionResult
+from bench.stats import alternate, paired_ratio
+from bench.timing import GenTiming, run_engine
+from bench.vs_transformers import greedy, make_engine
 
 SYSTEM_PROMPT = (
     "You are the vision assistant of a mobile robot working in a warehouse. Answer briefly and precisely, "

@@ -1,6 +1,6 @@
 """Render a benchmark result file as Markdown: the goals table, then every section's figures.
 
-Usage: ``python bench/report.py bench/results/latest.json [--goals-only]``. Goals are re-evaluated
+Usage: ``python -m bench.report bench/results/latest.json [--goals-only]``. Goals are re-evaluated
 from the figures in the file (see goals.py), so the table always agrees with the numbers under it.
 """
 
@@ -12,10 +12,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from goals import evaluate_goals  # noqa: E402
-from schema import SECTIONS, validate_result  # noqa: E402
+from bench.goals import evaluate_goals
+from bench.schema import SECTIONS, validate_result
 
 STATUS_MARK = {"met": "met", "not_met": "**not met**", "not_measured": "not measured"}
 TITLES = {

@@ -1,9 +1,9 @@
 """Through ROS 2: prompt published -> first ``tokens`` message, and tokens/s seen by a subscriber,
 against the same engine alone in a process of its own (bench/engine_worker.py): the ROS overhead.
 
-The node runs as a subprocess (``orin_vlm_node.ros_process.NodeProcess``: own process group, private
+The node runs as a subprocess (``support.node_process.NodeProcess``: own process group, private
 domain, localhost-only discovery, temporary ROS_LOG_DIR, stopped with SIGINT to the group and SIGKILL
-as fallback; the exit status is recorded) and is driven by ``orin_vlm_node.ros_client.VlmClient``.
+as fallback; the exit status is recorded) and is driven by ``support.node_client.VlmClient``.
 Both sides are timed the same way, from the request (prompt publish / ``generate`` call) to the first
 and last non-empty text delta, so the difference is what ROS adds: DDS delivery of prompt and tokens,
 the node's queue, and its executor threads competing with generation. Engine-alone and ROS requests
@@ -21,9 +21,9 @@ import sys
 import time
 from pathlib import Path
 
-from context import BenchContext
-from section import SectionResult, skipped
-from stats import alternate, paired_ratio
+from bench.context import BenchContext
+from bench.section import SectionResult, skipped
+from bench.stats import alternate, paired_ratio
 
 PROMPT = "Describe the picture in one sentence."
 
@@ -56,8 +56,8 @@ def run(ctx: BenchContext) -> SectionResult:
     try:
         import rclpy  # noqa: F401
 
-        from orin_vlm_node.ros_client import VlmClient  # noqa: F401
-        from orin_vlm_node.ros_process import NodeProcess
+        from support.node_client import VlmClient  # noqa: F401
+        from support.node_process import NodeProcess
     except ImportError as exc:
         return skipped("ros", f"rclpy or the node's process helpers not importable: {exc}")
     domain = 51 + os.getpid() % 50  # Linux: domain ids above 101 collide with ephemeral ports
@@ -98,7 +98,7 @@ def run(ctx: BenchContext) -> SectionResult:
 def _start_worker(model_dir: Path, log_path: Path) -> subprocess.Popen:
     """The engine alone in its own process (bench/engine_worker.py), ready to take requests."""
     proc = subprocess.Popen(
-        [sys.executable, str(Path(__file__).with_name("engine_worker.py")), str(model_dir), "fp32"],
+        [sys.executable, "-m", "bench.engine_worker", str(model_dir), "fp32"],
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         stderr=open(log_path, "wb"),  # noqa: SIM115 - the child owns it; closed when the child exits
@@ -115,7 +115,7 @@ def _start_worker(model_dir: Path, log_path: Path) -> subprocess.Popen:
 def _measure(ctx: BenchContext, res: SectionResult, node, model_dir: Path, domain: int) -> None:
     from sensor_msgs.msg import Image
 
-    from orin_vlm_node.ros_client import VlmClient
+    from support.node_client import VlmClient
 
     cfg = ctx.config
     hw = list(cfg.image_size)

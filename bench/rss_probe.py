@@ -4,7 +4,7 @@ prompt, and prints its peak RSS (VmHWM) as JSON on stdout.
 Why a separate process: the benchmark process also holds transformers models and other engines, so
 its own peak says nothing about what a robot needs for the node's engine.
 
-Usage: ``python bench/rss_probe.py MODEL_DIR HEIGHT WIDTH MAX_NEW_TOKENS DTYPE``.
+Usage: ``python -m bench.rss_probe MODEL_DIR HEIGHT WIDTH MAX_NEW_TOKENS DTYPE``.
 """
 
 from __future__ import annotations
@@ -12,8 +12,6 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 
 def vm_kib(field: str) -> int:

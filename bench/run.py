@@ -1,7 +1,8 @@
 """Run the benchmarks and write ``bench/results/latest.json`` + ``latest.png``.
 
-Usage: ``python bench/run.py [--quick | --medium] [--out PATH] [--sections a,b] [--no-chart]``
-(``make bench`` / ``make bench-quick``). Every section runs in this process, one after another; a
+Usage: ``python -m bench.run [--quick | --medium] [--out PATH] [--sections a,b] [--no-chart]``
+(``make bench`` / ``make bench-quick``), from the repository root so this checkout's ``orin_vlm_node`` is the
+one measured, never an older installed copy. Every section runs in this process, one after another; a
 section that cannot run records ``skipped`` with its reason, one that crashes records ``error`` with
 the exception, and the run still writes a complete, schema-valid file. Goals are evaluated at the end
 and printed as a Markdown table (``bench/report.py`` prints the whole report from the JSON later).
@@ -21,21 +22,14 @@ import traceback
 from dataclasses import replace
 from pathlib import Path
 
+from bench.config import PRESETS
+from bench.context import BenchContext
+from bench.goals import evaluate_goals
+from bench.machine import machine_info
+from bench.schema import SCHEMA_VERSION, SECTIONS, validate_result
+from bench.section import SectionResult, skipped
+
 BENCH = Path(__file__).resolve().parent
-REPO = BENCH.parent
-sys.path.insert(0, str(BENCH))
-sys.path.insert(1, str(REPO))  # measure this checkout, not an older installed copy
-# The ROS section's client runs in this process and its node in a child: both discover on this machine only,
-# also when the benchmark is started directly rather than through `make bench`.
-os.environ["ROS_AUTOMATIC_DISCOVERY_RANGE"] = "LOCALHOST"
-
-from context import BenchContext  # noqa: E402
-from goals import evaluate_goals  # noqa: E402
-from machine import machine_info  # noqa: E402
-from schema import SCHEMA_VERSION, SECTIONS, validate_result  # noqa: E402
-from section import SectionResult, skipped  # noqa: E402
-
-from config import PRESETS  # noqa: E402
 
 # section name -> module holding ``run(ctx) -> SectionResult``
 MODULES = {
@@ -52,7 +46,7 @@ def run_section(name: str, ctx: BenchContext) -> SectionResult:
     t0 = time.perf_counter()
     ctx.log(f"section {name}: start")
     try:
-        result = importlib.import_module(MODULES[name]).run(ctx)
+        result = importlib.import_module(f"bench.{MODULES[name]}").run(ctx)
     except Exception as exc:  # noqa: BLE001 - one broken section must not lose the others' figures
         tb = traceback.format_exc()
         print(tb, file=sys.stderr)
@@ -73,6 +67,9 @@ def run_section(name: str, ctx: BenchContext) -> SectionResult:
 
 
 def main(argv: list[str] | None = None) -> int:
+    # The ROS section's client runs in this process and its node in a child: both discover on this machine
+    # only, also when the benchmark is started directly rather than through `make bench`.
+    os.environ["ROS_AUTOMATIC_DISCOVERY_RANGE"] = "LOCALHOST"
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     mode = ap.add_mutually_exclusive_group()
     mode.add_argument("--quick", action="store_true", help="CI smoke mode: tiny checkpoint, few repeats (< 3 min)")
@@ -146,12 +143,12 @@ def main(argv: list[str] | None = None) -> int:
     os.replace(tmp, args.out)
     print(f"wrote {args.out}", file=sys.stderr)
     if not args.no_chart:
-        from chart import write_chart
+        from bench.chart import write_chart
 
         png = args.out.with_suffix(".png")
         write_chart(result, png)
         print(f"wrote {png}", file=sys.stderr)
-    from report import render
+    from bench.report import render
 
     sys.stdout.write(render(result, goals_only=True))
     return 0

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from stats import Figure
+from bench.stats import Figure
 
 Status = Literal["ok", "skipped", "error"]
 

@@ -6,7 +6,7 @@ CUDA-graph setup. Then one short image request runs and the process reports the 
 device's used memory (``total - free``: the CUDA context included, this being the only process on the
 GPU) and torch's peak reservation. Prints one JSON object.
 
-Usage: ``python bench/startup_probe.py MODEL_DIR DTYPE KERNEL_CACHE_DIR MAX_CONTEXT_TOKENS PARENT_START``.
+Usage: ``python -m bench.startup_probe MODEL_DIR DTYPE KERNEL_CACHE_DIR MAX_CONTEXT_TOKENS PARENT_START``.
 """
 
 from __future__ import annotations
@@ -14,9 +14,6 @@ from __future__ import annotations
 import json
 import sys
 import time
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 
 def main() -> int:

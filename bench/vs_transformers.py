@@ -14,10 +14,11 @@ import gc
 from pathlib import Path
 
 import torch
-from context import BenchContext
-from section import SectionResult
-from stats import alternate, paired_ratio
-from timing import GenTiming, HFRunner, run_engine
+
+from bench.context import BenchContext
+from bench.section import SectionResult
+from bench.stats import alternate, paired_ratio
+from bench.timing import GenTiming, HFRunner, run_engine
 
 TEXT_PROMPT = "Describe what a robot arm does when it picks up the red cube and places it on the table."
 IMAGE_PROMPT = "Describe this image in detail."

@@ -1,7 +1,7 @@
 """Shared helpers of the node tests: a domain id per module and one node+client per module.
 
-The node runs as a separate process (``orin_vlm_node.ros_process.NodeProcess``) and the test talks
-to it over real DDS with ``orin_vlm_node.ros_client.VlmClient``, both with localhost-only discovery
+The node runs as a separate process (``support.node_process.NodeProcess``) and the test talks
+to it over real DDS with ``support.node_client.VlmClient``, both with localhost-only discovery
 and a ROS_DOMAIN_ID derived from this process id and the module name, so concurrent runs on one
 machine do not hear each other.
 """
@@ -15,8 +15,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from orin_vlm_node.ros_client import VlmClient
-from orin_vlm_node.ros_process import NodeProcess
+from support.node_client import VlmClient
+from support.node_process import NodeProcess
 
 # Small answers keep the node tests fast; greedy so answers can be compared.
 FAST_PARAMS: dict[str, Any] = {"max_new_tokens": 12, "temperature": 0.0, "image_max_age_s": 30.0}

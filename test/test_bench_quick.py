@@ -1,4 +1,4 @@
-"""CI smoke test of the benchmarks: ``bench/run.py --quick`` runs end to end into a temporary path and
+"""CI smoke test of the benchmarks: ``python -m bench.run --quick`` runs end to end into a temporary path and
 writes a schema-valid result, a chart and a report. Numbers are not checked (performance goals live in
 bench/, never in timed tests); what is checked is that every section either measured something or
 says why it did not."""
@@ -13,12 +13,10 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parent.parent
-BENCH = REPO / "bench"
-sys.path.insert(0, str(BENCH))
+from bench.report import TITLES
+from bench.schema import SECTIONS, validate_result
 
-from report import TITLES  # noqa: E402
-from schema import SECTIONS, validate_result  # noqa: E402
+REPO = Path(__file__).resolve().parent.parent
 
 
 @pytest.mark.timeout(400)
@@ -31,7 +29,7 @@ def test_quick_benchmark_writes_a_valid_result(tmp_path):
         PYTHONUNBUFFERED="1",
     )
     proc = subprocess.run(
-        [sys.executable, str(BENCH / "run.py"), "--quick", "--threads", "1", "--out", str(out)],
+        [sys.executable, "-m", "bench.run", "--quick", "--threads", "1", "--out", str(out)],
         cwd=REPO,
         env=env,
         capture_output=True,
@@ -57,7 +55,7 @@ def test_quick_benchmark_writes_a_valid_result(tmp_path):
     assert "| Goal | Target | Measured | Status |" in proc.stdout
 
     report = subprocess.run(
-        [sys.executable, str(BENCH / "report.py"), str(out)], capture_output=True, text=True, timeout=60
+        [sys.executable, "-m", "bench.report", str(out)], cwd=REPO, capture_output=True, text=True, timeout=60
     )
     assert report.returncode == 0, report.stderr
     for name in SECTIONS:

@@ -4,19 +4,14 @@ Markdown report. No engine needed; results are built here from known samples."""
 from __future__ import annotations
 
 import copy
-import sys
-from pathlib import Path
 
 import pytest
 
-BENCH = Path(__file__).resolve().parent.parent / "bench"
-sys.path.insert(0, str(BENCH))
-
-from goals import GOALS, evaluate_goals  # noqa: E402
-from report import render  # noqa: E402
-from schema import SECTIONS, SchemaError, validate_result  # noqa: E402
-from section import SectionResult, skipped  # noqa: E402
-from stats import Figure, alternate, paired_ratio  # noqa: E402
+from bench.goals import GOALS, evaluate_goals
+from bench.report import render
+from bench.schema import SECTIONS, SchemaError, validate_result
+from bench.section import SectionResult, skipped
+from bench.stats import Figure, alternate, paired_ratio
 
 
 def test_figure_reduces_samples_to_min_median_max():
@@ -153,7 +148,8 @@ def test_report_marks_goals_and_lists_figures():
 
 def test_decode_weight_bytes_counts_the_text_decoder_and_one_lm_head():
     import torch
-    from gpu import decode_weight_bytes
+
+    from bench.gpu import decode_weight_bytes
 
     def model(tied: bool) -> torch.nn.Module:
         m = torch.nn.Module()

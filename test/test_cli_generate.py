@@ -13,10 +13,10 @@ import numpy as np
 import pytest
 import torch
 from test_engine_streaming import SCRIPT, _scripted
-from tiny_checkpoint import cached_tiny_checkpoint
 
 from orin_vlm_node.engine import Engine, EngineConfig, Request, SamplingParams, Turn
 from orin_vlm_node.generate import main
+from support.checkpoints import cached_tiny_checkpoint
 
 torch.set_num_threads(1)
 

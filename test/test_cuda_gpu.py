@@ -101,7 +101,7 @@ def test_gpu_graph_decode_replays_across_page_boundaries(backend):
 
 
 def _tiny(tmp_path_factory, head_dim: int):
-    from tiny_checkpoint import make_tiny_checkpoint
+    from support.checkpoints import make_tiny_checkpoint
 
     return make_tiny_checkpoint(
         tmp_path_factory.mktemp(f"gpu_ckpt_hd{head_dim}"), layers=2, num_heads=8, num_kv_heads=2,

@@ -9,17 +9,15 @@ bilingual and keep held-out samples apart from training samples.
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 
+from tools import synthetic_scenes as scenes
+
 REPO = Path(__file__).resolve().parent.parent
 MODEL_DIR = REPO / "orin_vlm_node" / "default_model"
-sys.path.insert(0, str(REPO / "tools"))
-
-import synthetic_scenes as scenes  # noqa: E402
 
 QWEN_SPECIALS = (
     "<|endoftext|>",
@@ -125,7 +123,7 @@ def test_label_map_marks_the_drawn_shapes():
 
 
 def test_token_labels_name_the_shape_under_each_token():
-    from train_default_model import COLOR_BACKGROUND, IGNORE, SHAPE_BACKGROUND, SIDES, token_labels
+    from tools.train_default_model import COLOR_BACKGROUND, IGNORE, SHAPE_BACKGROUND, SIDES, token_labels
 
     star = scenes.Shape("star", "purple", 40.0, 60.0, 30.0)
     square = scenes.Shape("square", "green", 100.0, 60.0, 14.0)
@@ -185,7 +183,7 @@ def test_subjects_say_which_shape_each_part_of_the_answer_is_about():
 def _training_batch(n: int):
     """``n`` stage-2 training samples of the committed recipe as a batch, with the default model's tokenizer."""
     from tokenizers import Tokenizer
-    from train_default_model import SPECIAL_TOKENS, Encoder, Pixels, TrainConfig, draw, make_batch
+    from tools.train_default_model import SPECIAL_TOKENS, Encoder, Pixels, TrainConfig, draw, make_batch
 
     tok = Tokenizer.from_file(str(MODEL_DIR / "tokenizer.json"))
     enc = Encoder(tok, {t: tok.token_to_id(t) for t in SPECIAL_TOKENS})
@@ -196,7 +194,7 @@ def _training_batch(n: int):
 
 @needs_checkpoint
 def test_pointer_queries_look_at_the_shape_the_text_is_about():
-    from train_default_model import MIN_COVER, pointer_queries, shape_cover
+    from tools.train_default_model import MIN_COVER, pointer_queries, shape_cover
 
     drawn, batch, enc = _training_batch(40)
     grids = batch["image_grid_thw"].tolist()
@@ -239,7 +237,7 @@ def test_attention_pointer_loss_is_the_attention_mass_transformers_computes():
     """The pointer loss re-derives one head's attention from captured layer inputs; it must equal minus the log
     of the attention mass transformers' own eager attention puts on the targets."""
     import torch
-    from train_default_model import AttentionPointer, pointer_queries
+    from tools.train_default_model import AttentionPointer, pointer_queries
     from transformers import Qwen3VLForConditionalGeneration
 
     drawn, batch, enc = _training_batch(12)

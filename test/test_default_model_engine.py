@@ -12,7 +12,6 @@ Engine answers are computed once per module and shared by the tests to keep the 
 
 from __future__ import annotations
 
-import sys
 from collections import defaultdict
 from pathlib import Path
 
@@ -21,12 +20,10 @@ import pytest
 import torch
 
 from orin_vlm_node.engine import Engine, EngineConfig, Finished, Request, SamplingParams, TextDelta, Turn
+from tools import synthetic_scenes as scenes
 
 REPO = Path(__file__).resolve().parent.parent
 MODEL_DIR = REPO / "orin_vlm_node" / "default_model"
-sys.path.insert(0, str(REPO / "tools"))
-
-import synthetic_scenes as scenes  # noqa: E402
 
 N_HELD_OUT = 200
 MAX_NEW_TOKENS = 40

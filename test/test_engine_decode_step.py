@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tiny_checkpoint import cached_tiny_checkpoint, image_prompt, random_pixel_values
 
 from orin_vlm_node.engine.decode_step import (
     DynamicDecodeStep,
@@ -22,6 +21,7 @@ from orin_vlm_node.engine.decode_step import (
 from orin_vlm_node.kvcache import ContiguousKVCache, KVCacheConfig
 from orin_vlm_node.kvcache.paged import PagedKVCache
 from orin_vlm_node.model import load_model, mrope_positions
+from support.checkpoints import cached_tiny_checkpoint, image_prompt, random_pixel_values
 
 torch.set_num_threads(1)
 

@@ -17,9 +17,9 @@ import shutil
 import numpy as np
 import pytest
 import torch
-from tiny_checkpoint import cached_tiny_checkpoint
 
 from orin_vlm_node.engine import Engine, EngineConfig, Request, SamplingParams, Turn
+from support.checkpoints import cached_tiny_checkpoint
 
 torch.set_num_threads(1)  # tiny matrices: thread hand-off costs more than it saves on a shared CI box
 

@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 import torch
 from test_engine_streaming import SCRIPT, scripted_engine
-from tiny_checkpoint import IM_END, cached_tiny_checkpoint
 
 from orin_vlm_node.engine import Engine, EngineConfig, EngineError, Finished, Request, SamplingParams, TextDelta, Turn
+from support.checkpoints import IM_END, cached_tiny_checkpoint
 
 torch.set_num_threads(1)
 

@@ -177,9 +177,8 @@ def test_out_of_range_values_name_the_field(field, value, fragment):
 
 
 def test_engine_sampling_reproducible_under_seed():
-    from tiny_checkpoint import cached_tiny_checkpoint
-
     from orin_vlm_node.engine import Engine, EngineConfig, Request, Turn
+    from support.checkpoints import cached_tiny_checkpoint
 
     torch.set_num_threads(1)
     engine = Engine(

@@ -14,10 +14,10 @@ from __future__ import annotations
 import numpy as np
 import torch
 from test_engine_streaming import SCRIPT, scripted_engine
-from tiny_checkpoint import cached_tiny_checkpoint
 
 from orin_vlm_node.engine import Engine, EngineConfig, Request, SamplingParams, Turn
 from orin_vlm_node.processing import build_prompt_ids
+from support.checkpoints import cached_tiny_checkpoint
 
 torch.set_num_threads(1)
 

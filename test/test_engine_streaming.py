@@ -15,10 +15,10 @@ from pathlib import Path
 
 import torch
 from safetensors.torch import load_file, save_file
-from tiny_checkpoint import IM_END, cached_tiny_checkpoint
 
 from orin_vlm_node.engine import Engine, EngineConfig, Finished, Request, SamplingParams, TextDelta, Turn
 from orin_vlm_node.processing import Tokenizer
+from support.checkpoints import IM_END, cached_tiny_checkpoint
 
 torch.set_num_threads(1)
 

@@ -54,7 +54,7 @@ def test_gpu_wheels_holds_what_a_bare_cuda_machine_lacks(wheels):
 def test_gpu_check_runs_up_to_the_first_gpu_call_and_reports(wheels, tmp_path):
     out = tmp_path / "out"
     proc = subprocess.run(
-        [sys.executable, "tools/gpu_check.py", "--wheels", str(wheels), "--out", str(out),
+        [sys.executable, "-m", "tools.gpu_check", "--wheels", str(wheels), "--out", str(out),
          "--steps", "preflight,wheels,device,diagnostics,bench"],
         cwd=REPO,
         capture_output=True,
@@ -76,7 +76,7 @@ def test_gpu_check_runs_up_to_the_first_gpu_call_and_reports(wheels, tmp_path):
 
 def test_gpu_check_without_the_wheels_says_how_to_get_them(tmp_path):
     proc = subprocess.run(
-        [sys.executable, "tools/gpu_check.py", "--wheels", str(tmp_path / "none"), "--out", str(tmp_path / "out"),
+        [sys.executable, "-m", "tools.gpu_check", "--wheels", str(tmp_path / "none"), "--out", str(tmp_path / "out"),
          "--steps", "preflight"],
         cwd=REPO,
         capture_output=True,

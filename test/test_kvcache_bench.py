@@ -1,4 +1,4 @@
-"""bench/kv_memory.py: the KV-memory figures come from the real caches and add up."""
+"""bench.kv_memory: the KV-memory figures come from the real caches and add up."""
 
 from __future__ import annotations
 
@@ -9,10 +9,9 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO / "bench"))
+from bench import kv_memory
 
-import kv_memory  # noqa: E402
+REPO = Path(__file__).resolve().parent.parent
 
 pytestmark = pytest.mark.skipif(
     not kv_memory.DEFAULT_CONFIG.is_file(), reason=f"shared model config missing: {kv_memory.DEFAULT_CONFIG}"
@@ -40,7 +39,8 @@ def test_benchmark_figures_for_bench_memory():
 
 def test_cli_json():
     out = subprocess.run(
-        [sys.executable, str(REPO / "bench" / "kv_memory.py"), "--json"],
+        [sys.executable, "-m", "bench.kv_memory", "--json"],
+        cwd=REPO,
         capture_output=True,
         text=True,
         timeout=120,

@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from tiny_checkpoint import cached_tiny_checkpoint
 
 from orin_vlm_node.model import CheckpointError, ModelConfig, load_model
 from orin_vlm_node.model.config import DEFAULT_MROPE_SECTION
+from support.checkpoints import cached_tiny_checkpoint
 
 TIED = dict(layers=2, tie=True)
 UNTIED = dict(layers=2, tie=False)
@@ -237,10 +237,9 @@ def test_tied_checkpoint_with_redundant_lm_head_copy_loads(tmp_path):
 
 
 def test_image_feature_count_mismatch_in_forward():
-    from tiny_checkpoint import image_prompt, random_pixel_values
-
     from orin_vlm_node.kvcache.reference import causal_attention
     from orin_vlm_node.model import mrope_positions
+    from support.checkpoints import image_prompt, random_pixel_values
 
     model = load_model(cached_tiny_checkpoint(**TIED))
     ids = image_prompt([[30], [31], [32]], [[1, 4, 4], [1, 4, 4]])  # two image runs in the prompt

@@ -13,11 +13,11 @@ import functools
 
 import pytest
 import torch
-from tiny_checkpoint import cached_tiny_checkpoint, image_prompt, mm_token_type_ids, random_pixel_values
 
 from orin_vlm_node.kvcache import ContiguousKVCache, KVCacheConfig
 from orin_vlm_node.kvcache.reference import causal_attention
 from orin_vlm_node.model import decode_positions, load_model, mrope_positions
+from support.checkpoints import cached_tiny_checkpoint, image_prompt, mm_token_type_ids, random_pixel_values
 
 CONFIGS = {
     "gqa2_hd64_tied": dict(num_heads=4, num_kv_heads=2, head_dim=64, hidden=64, layers=3, deepstack=(0, 1), tie=True),

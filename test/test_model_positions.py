@@ -7,9 +7,9 @@ import random
 
 import pytest
 import torch
-from tiny_checkpoint import IMAGE_PAD, VISION_END, VISION_START, mm_token_type_ids
 
 from orin_vlm_node.model import decode_positions, mrope_positions, rope_delta
+from support.checkpoints import IMAGE_PAD, VISION_END, VISION_START, mm_token_type_ids
 
 MERGE = 2
 

@@ -7,7 +7,6 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from tiny_checkpoint import cached_tiny_checkpoint, image_prompt, random_pixel_values
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from orin_vlm_node.kvcache import ContiguousKVCache, KVCacheConfig
@@ -15,6 +14,7 @@ from orin_vlm_node.kvcache.reference import causal_attention
 from orin_vlm_node.model import decode_positions, load_model, mrope_positions
 from orin_vlm_node.model.rope import mrope_cos_sin, mrope_streams, text_inv_freq
 from orin_vlm_node.model.vision import _patch_rows_cols
+from support.checkpoints import cached_tiny_checkpoint, image_prompt, random_pixel_values
 
 CKPT = dict(layers=3, deepstack=(0, 1, 2), tie=False)
 

@@ -20,11 +20,11 @@ import cv2  # noqa: E402
 from builtin_interfaces.msg import Time  # noqa: E402
 from ros_harness import FAST_PARAMS, running_node  # noqa: E402
 from sensor_msgs.msg import CompressedImage, Image  # noqa: E402
-from tiny_checkpoint import cached_tiny_checkpoint  # noqa: E402
 
 from orin_vlm_node.engine import Engine, Finished, Request, TextDelta, Turn  # noqa: E402
-from orin_vlm_node.ros_image import rgb_to_image_msg  # noqa: E402
-from orin_vlm_node.ros_params import defaults, engine_config, sampling_params  # noqa: E402
+from orin_vlm_node.ros.image import rgb_to_image_msg  # noqa: E402
+from orin_vlm_node.ros.params import defaults, engine_config, sampling_params  # noqa: E402
+from support.checkpoints import cached_tiny_checkpoint  # noqa: E402
 
 PARAMS = {**FAST_PARAMS, "device": "cpu", "max_queue": 4}
 QUESTION = "Describe this image."

@@ -1,4 +1,4 @@
-"""Starting the node the way `ros2 run` does (`python -m orin_vlm_node.node --ros-args -p ...`):
+"""Starting the node the way `ros2 run` does (`python -m orin_vlm_node.ros.node --ros-args -p ...`):
 a good checkpoint comes up and stops cleanly on SIGINT; a bad model_path or an invalid parameter
 value ends the process with exit status 1 and a log line naming the problem."""
 
@@ -9,10 +9,10 @@ import pytest
 pytest.importorskip("rclpy", reason="rclpy (ROS 2 wheels) is installed by `make test`")
 
 from ros_harness import domain_id_for  # noqa: E402
-from tiny_checkpoint import cached_tiny_checkpoint  # noqa: E402
 
-from orin_vlm_node.ros_client import VlmClient  # noqa: E402
-from orin_vlm_node.ros_process import NodeProcess  # noqa: E402
+from support.checkpoints import cached_tiny_checkpoint  # noqa: E402
+from support.node_client import VlmClient  # noqa: E402
+from support.node_process import NodeProcess  # noqa: E402
 
 
 def start(tmp_path, *args: str) -> NodeProcess:

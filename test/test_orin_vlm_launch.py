@@ -30,8 +30,8 @@ from launch.launch_description_sources import PythonLaunchDescriptionSource  # n
 from sensor_msgs.msg import Image  # noqa: E402
 
 from launch import LaunchDescription  # noqa: E402
-from orin_vlm_node.ros_client import VlmClient  # noqa: E402
-from orin_vlm_node.ros_image import rgb_to_image_msg  # noqa: E402
+from orin_vlm_node.ros.image import rgb_to_image_msg  # noqa: E402
+from support.node_client import VlmClient  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # test helpers, also when run by launch_test
 
@@ -46,7 +46,7 @@ RGB = np.random.default_rng(7).integers(0, 256, size=(64, 96, 3), dtype=np.uint8
 def _model_path() -> str:
     """A tiny random checkpoint when transformers is there to build one, else the embedded model."""
     try:
-        from tiny_checkpoint import make_tiny_checkpoint
+        from support.checkpoints import make_tiny_checkpoint
     except ImportError:
         return ""
     return str(make_tiny_checkpoint(Path(tempfile.mkdtemp(prefix="launch_test_")) / "ckpt"))

@@ -7,7 +7,6 @@ import json
 from pathlib import Path
 
 import pytest
-from tiny_tokenizer import write_tiny_tokenizer
 from transformers import AutoTokenizer
 
 from orin_vlm_node.processing import (
@@ -18,6 +17,7 @@ from orin_vlm_node.processing import (
     build_prompt_ids,
     render_chatml,
 )
+from support.tokenizer import write_tiny_tokenizer
 
 IMG = {"type": "image"}
 

@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from tiny_tokenizer import write_tiny_tokenizer
 
 from orin_vlm_node.processing import IncrementalDetokenizer, Tokenizer
+from support.tokenizer import write_tiny_tokenizer
 
 TEXT = "机器人看到一只猫 🐱 和一个家庭 👨‍👩‍👧‍👦! Emoji 🤖🇨🇳 done. 你好，世界"
 

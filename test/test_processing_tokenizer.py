@@ -6,12 +6,12 @@ import json
 from pathlib import Path
 
 import pytest
-from tiny_tokenizer import SPECIAL_TOKENS, write_tiny_tokenizer
 from tokenizers import Tokenizer as HFBackend
 from tokenizers import models, pre_tokenizers
 from transformers import AutoTokenizer
 
 from orin_vlm_node.processing import Tokenizer, TokenizerError
+from support.tokenizer import SPECIAL_TOKENS, write_tiny_tokenizer
 
 TEXTS = [
     "Describe this image.",

@@ -14,7 +14,7 @@ pytest.importorskip("sensor_msgs", reason="ROS 2 message packages are installed 
 
 from sensor_msgs.msg import CompressedImage, Image  # noqa: E402
 
-from orin_vlm_node.ros_image import (  # noqa: E402
+from orin_vlm_node.ros.image import (  # noqa: E402
     ENCODINGS,
     ImageConversionError,
     ImageConverter,

@@ -12,7 +12,7 @@ import yaml
 
 from orin_vlm_node.engine.config import DEFAULT_MODEL_DIR, EngineConfig
 from orin_vlm_node.engine.events import SamplingParams
-from orin_vlm_node.ros_params import (
+from orin_vlm_node.ros.params import (
     ENGINE_FIELDS,
     PARAMS,
     SPECS,
@@ -135,7 +135,7 @@ def test_declared_descriptors_enforce_ranges_and_read_only(tmp_path, monkeypatch
     from rcl_interfaces.msg import SetParametersResult
     from rclpy.parameter import Parameter
 
-    from orin_vlm_node.ros_params import declare_parameters
+    from orin_vlm_node.ros.params import declare_parameters
 
     monkeypatch.setenv("ROS_LOG_DIR", str(tmp_path))
     context = rclpy.Context()

@@ -8,7 +8,7 @@ import time
 import pytest
 
 from orin_vlm_node.engine.events import SamplingParams
-from orin_vlm_node.ros_request_queue import PendingPrompt, RequestQueue
+from orin_vlm_node.ros.request_queue import PendingPrompt, RequestQueue
 
 
 def prompt(i: int) -> PendingPrompt:

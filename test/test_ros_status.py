@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from orin_vlm_node.ros_status import TERMINAL_EVENTS, diagnostic_values, status_json
+from orin_vlm_node.ros.status import TERMINAL_EVENTS, diagnostic_values, status_json
 
 KEYS = {"event", "request_id", "finish_reason", "error", "metrics", "image_stamp", "note", "changes"}
 

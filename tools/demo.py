@@ -1,14 +1,14 @@
 """`make demo`: start the node with the embedded default model, show it pictures, print its answers.
 
 What it does, in the order a ROS user would: starts ``vlm_node`` (the installed entry point, else
-``python -m orin_vlm_node.node``) as a child in its own process group, with DDS discovery kept on
+``python -m orin_vlm_node.ros.node``) as a child in its own process group, with DDS discovery kept on
 this machine, its own ROS_DOMAIN_ID and a temporary ROS_LOG_DIR; publishes a sample image
 (``sensor_msgs/Image``, rgb8) and a prompt (``std_msgs/String``); prints the tokens as they stream
 on ``tokens``, then the metrics from ``status``; finally stops the node with SIGINT (SIGKILL if it
 does not exit in time) and exits non-zero if anything went wrong.
 
-Sample images come from ``tools/synthetic_scenes.py`` (the scenes the default model was trained on)
-when it is there, else a few shapes are drawn with OpenCV.
+Sample images come from ``tools.synthetic_scenes`` (the scenes the default model was trained on).
+Run from the repository root: ``python -m tools.demo``.
 """
 
 from __future__ import annotations
@@ -23,16 +23,11 @@ from pathlib import Path
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parent.parent
+from tools import synthetic_scenes
 
 
-def samples(count: int) -> list[tuple[np.ndarray, str, str | None]]:
-    """(RGB image, question, expected answer or None) for the demo."""
-    sys.path.insert(0, str(ROOT / "tools"))
-    try:
-        import synthetic_scenes
-    except ImportError:
-        return [(_drawn_scene(), "What shapes do you see?", None)][:count]
+def samples(count: int) -> list[tuple[np.ndarray, str, str]]:
+    """(RGB image, question, expected answer) for the demo: one per question type, one in Chinese."""
     chosen, seen = [], set()
     for s in synthetic_scenes.held_out_samples(60):
         key = (s.qtype, s.lang)
@@ -42,15 +37,6 @@ def samples(count: int) -> list[tuple[np.ndarray, str, str | None]]:
         if len(chosen) == count:
             break
     return chosen
-
-
-def _drawn_scene() -> np.ndarray:
-    import cv2
-
-    img = np.full((224, 320, 3), 235, dtype=np.uint8)
-    cv2.circle(img, (90, 112), 50, (220, 30, 30), -1)  # red circle (RGB)
-    cv2.rectangle(img, (190, 62), (290, 162), (35, 75, 225), -1)  # blue square
-    return img
 
 
 def _show_runtime_parameters(client, sample, image_cls, to_msg) -> int:
@@ -88,17 +74,16 @@ def main() -> int:
     os.environ.update(
         ROS_AUTOMATIC_DISCOVERY_RANGE="LOCALHOST", ROS_DOMAIN_ID=str(domain), ROS_LOG_DIR=str(workdir / "ros_log")
     )
-    sys.path.insert(0, str(ROOT))
     from sensor_msgs.msg import Image
 
-    from orin_vlm_node.ros_client import VlmClient
-    from orin_vlm_node.ros_image import rgb_to_image_msg
-    from orin_vlm_node.ros_process import NodeProcess
+    from orin_vlm_node.ros.image import rgb_to_image_msg
+    from support.node_client import VlmClient
+    from support.node_process import NodeProcess
 
     installed = Path(sys.executable).with_name("vlm_node")
     params = {"model_path": args.model_path, "max_new_tokens": args.max_new_tokens, "temperature": 0.0}
     print(
-        f"starting the node ({installed if installed.exists() else 'python -m orin_vlm_node.node'}), "
+        f"starting the node ({installed if installed.exists() else 'python -m orin_vlm_node.ros.node'}), "
         f"ROS_DOMAIN_ID={domain}, localhost discovery, logs in {workdir}",
         flush=True,
     )

@@ -219,7 +219,7 @@ def gpu_tests(c: Check) -> dict[str, Any]:
 PARITY_CODE = r"""
 import json, sys
 import numpy as np, torch
-from tiny_checkpoint import make_tiny_checkpoint
+from support.checkpoints import make_tiny_checkpoint
 from transformers import Qwen3VLForConditionalGeneration
 from orin_vlm_node.engine import Engine, EngineConfig, Request, SamplingParams, Turn
 
@@ -255,9 +255,10 @@ print(json.dumps(result))
 
 def cli_parity(c: Check) -> dict[str, Any]:
     env_path = c.work / "parity_ckpt"
-    code = "import sys; sys.path.insert(0, 'test')\n" + PARITY_CODE
     result = json.loads(
-        c.run([sys.executable, "-c", code, str(env_path), PARITY_PROMPT, str(PARITY_TOKENS)], 600).splitlines()[-1]
+        c.run([sys.executable, "-c", PARITY_CODE, str(env_path), PARITY_PROMPT, str(PARITY_TOKENS)], 600).splitlines()[
+            -1
+        ]
     )
     cli = json.loads(
         c.run([sys.executable, "-m", "orin_vlm_node.generate", "--model", str(env_path), "--device", "cuda",
@@ -274,7 +275,7 @@ def cli_parity(c: Check) -> dict[str, Any]:
 
 def bench(c: Check) -> dict[str, Any]:
     out = c.out / "bench_gpu.json"
-    c.run([sys.executable, "bench/run.py", "--sections", "gpu", "--no-chart", "--out", str(out),
+    c.run([sys.executable, "-m", "bench.run", "--sections", "gpu", "--no-chart", "--out", str(out),
            "--big-config", str(c.wheels / CONFIG_2B)], max(60.0, c.budget_s - c.elapsed()))  # fmt: skip
     result = json.loads(out.read_text())
     section = result["sections"]["gpu"]
@@ -327,7 +328,6 @@ def run_steps(c: Check, steps: Sequence[str]) -> bool:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    sys.path.insert(0, str(REPO))  # this checkout's orin_vlm_node (nvcc lookup), as the children get it
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--wheels", type=Path, default=REPO / ".gpu-wheels", help="folder made by `make gpu-wheels`")
     ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT") or REPO / "gpu-check-out"))

@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import sys
 import time
 from collections import defaultdict
 from dataclasses import asdict, dataclass, fields
@@ -30,12 +29,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from tools import synthetic_scenes as scenes
+
 TOOLS_DIR = Path(__file__).resolve().parent
 REPO_ROOT = TOOLS_DIR.parent
-sys.path.insert(0, str(TOOLS_DIR))
-sys.path.insert(0, str(REPO_ROOT))
-
-import synthetic_scenes as scenes  # noqa: E402
 
 SPECIAL_TOKENS = (
     "<|endoftext|>",

@@ -3,7 +3,7 @@
 Topics (relative, so namespaces and remaps apply): subscribes ``image`` (sensor_msgs/Image),
 ``image/compressed`` (sensor_msgs/CompressedImage) and ``prompt`` (std_msgs/String); publishes
 ``tokens`` (one String per streamed text delta), ``response`` (the whole answer), ``status`` (one
-JSON object per event, see ``ros_status``) and ``/diagnostics`` (about 1 Hz). Services ``~/reset``
+JSON object per event, see ``status``) and ``/diagnostics`` (about 1 Hz). Services ``~/reset``
 (forget the multi-turn conversation) and ``~/cancel`` (stop the running prompt, drop waiting ones).
 
 Threading, and why: generation takes seconds, so it runs on one worker thread that owns every
@@ -39,10 +39,10 @@ from sensor_msgs.msg import CompressedImage, Image
 from std_msgs.msg import String
 from std_srvs.srv import Trigger
 
-from .engine import Engine, EngineError
-from .engine.events import Finished, Request, TextDelta, Turn
-from .ros_image import ImageConversionError, ImageConverter, stamp_seconds
-from .ros_params import (
+from ..engine import Engine, EngineError
+from ..engine.events import Finished, Request, TextDelta, Turn
+from .image import ImageConversionError, ImageConverter, stamp_seconds
+from .params import (
     RUNTIME_ENGINE_FIELDS,
     SAMPLING_FIELDS,
     SPECS,
@@ -53,8 +53,8 @@ from .ros_params import (
     model_path_of,
     sampling_params,
 )
-from .ros_request_queue import PendingPrompt, RequestQueue
-from .ros_status import diagnostic_values, status_json
+from .request_queue import PendingPrompt, RequestQueue
+from .status import diagnostic_values, status_json
 
 NODE_NAME = "orin_vlm"
 # Identical image errors (a broken camera at 30 Hz) are reported at most this often.
@@ -470,7 +470,7 @@ class VlmNode(Node):
 
 
 def main(args: list[str] | None = None) -> int:
-    """Entry point of ``vlm_node`` / ``python -m orin_vlm_node.node``.
+    """Entry point of ``vlm_node`` / ``python -m orin_vlm_node.ros.node``.
 
     Returns 1 when the node cannot start (the reason is logged). After a clean shutdown (SIGINT,
     ``ros2 launch`` stopping it) the process exits right away with ``os._exit(0)`` once ROS is shut

@@ -19,8 +19,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from typing import Any, Literal
 
-from .engine.config import DEFAULT_MODEL_DIR, EngineConfig
-from .engine.events import SamplingParams
+from ..engine.config import DEFAULT_MODEL_DIR, EngineConfig
+from ..engine.events import SamplingParams
 
 Target = Literal["engine", "sampling", "node"]
 Value = bool | int | float | str

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .engine.events import SamplingParams
+from ..engine.events import SamplingParams
 
 
 @dataclass

@@ -1,17 +1,22 @@
-"""Tiny random Qwen3-VL checkpoints written by transformers itself, for parity tests.
+"""Random-weight Qwen3-VL checkpoints written by transformers itself, for tests and benchmarks.
 
-Why: no real model can be downloaded in tests, so the reference is ``transformers``'
-``Qwen3VLForConditionalGeneration`` built from a small ``Qwen3VLConfig`` and saved with
-``save_pretrained`` — the exact file layout our loader must read. Weights are perturbed away from
-HF's init (norm weights != 1, biases != 0, weights ~ 1/sqrt(fan_in)) so every term of the math
-matters and logits are decisive enough for greedy parity.
+Why: no real model can be downloaded, so the reference is ``transformers``' ``Qwen3VLForConditionalGeneration``
+built from a ``Qwen3VLConfig`` and saved with ``save_pretrained`` -- the exact file layout our loader must
+read, loaded by both our engine and transformers. Weights are perturbed away from HF's init (norm weights
+!= 1, biases != 0, weights ~ 1/sqrt(fan_in)) so every term of the math matters and logits are decisive
+enough for greedy parity.
 
-Token ids follow the tiny tokenizer (``test/tiny_tokenizer.py``): ``<|endoftext|>``=0,
-``<|im_start|>``=1, ``<|im_end|>``=2, ``<|vision_start|>``=3, ``<|vision_end|>``=4,
-``<|vision_pad|>``=5, ``<|image_pad|>``=6, ``<|video_pad|>``=7; vocab_size 1024.
+Token ids follow the tiny tokenizer (:mod:`support.tokenizer`): ``<|endoftext|>``=0, ``<|im_start|>``=1,
+``<|im_end|>``=2, ``<|vision_start|>``=3, ``<|vision_end|>``=4, ``<|vision_pad|>``=5, ``<|image_pad|>``=6,
+``<|video_pad|>``=7.
 
-Usage: ``make_tiny_checkpoint(tmp_path / "ckpt", layers=2, tie=False)`` or the cached
-``cached_tiny_checkpoint(**same_kwargs)`` (one build per distinct kwargs per process).
+* ``make_tiny_checkpoint(tmp_path / "ckpt", layers=2, tie=False)``, or ``cached_tiny_checkpoint(**kwargs)``
+  (one build per distinct kwargs per process): the parity tests' tiny shapes (vocab 1024).
+* :func:`kv_shape_checkpoint`: a small model whose *attention* has the 2B's KV shape (16 q heads, 8 kv
+  heads, head_dim 128) with a narrow hidden size and few layers: paging overhead lives in attention, so
+  this keeps attention's share of a step realistic at a fraction of the 2B's cost.
+* :func:`big_checkpoint`: every text and vision dimension of a real config (e.g. Qwen3-VL-2B: vocab 151936,
+  28 layers, 24-layer vision tower), stored bf16 (~4.3 GB).
 """
 
 from __future__ import annotations
@@ -27,10 +32,7 @@ from pathlib import Path
 
 import torch
 
-try:  # written by the processing helper; checkpoints get tokenizer files only when it is present
-    from tiny_tokenizer import write_tiny_tokenizer
-except ImportError:  # pragma: no cover - only while that module does not exist yet
-    write_tiny_tokenizer = None
+from support.tokenizer import write_tiny_tokenizer
 
 ENDOFTEXT, IM_START, IM_END, VISION_START, VISION_END, VISION_PAD, IMAGE_PAD, VIDEO_PAD = range(8)
 PATCH_DIM = 3 * 2 * 16 * 16
@@ -156,9 +158,45 @@ def make_tiny_checkpoint(
             "top_k": 20,
         },
     )
-    if with_tokenizer and write_tiny_tokenizer is not None:
+    if with_tokenizer:
         write_tiny_tokenizer(out)
     return out
+
+
+def kv_shape_checkpoint(out: Path, num_layers: int) -> Path:
+    """The 2B's attention shape on a narrow, shallow model (see the module docstring)."""
+    return make_tiny_checkpoint(
+        out, num_heads=16, num_kv_heads=8, head_dim=128, hidden=256, intermediate=512, layers=num_layers,
+        deepstack=(0,), vision_depth=1,
+    )  # fmt: skip
+
+
+def big_checkpoint(out: Path, config: dict, device: str = "cpu") -> Path:
+    """Every dimension of an HF Qwen3-VL ``config`` (the parsed config.json), random weights, bf16 on disk."""
+    text, vision = config["text_config"], config["vision_config"]
+    if vision["out_hidden_size"] != text["hidden_size"]:
+        raise ValueError("config: vision out_hidden_size differs from the text hidden_size")
+    return make_tiny_checkpoint(
+        out,
+        num_heads=text["num_attention_heads"],
+        num_kv_heads=text["num_key_value_heads"],
+        head_dim=text["head_dim"],
+        hidden=text["hidden_size"],
+        intermediate=text["intermediate_size"],
+        layers=text["num_hidden_layers"],
+        deepstack=tuple(vision["deepstack_visual_indexes"]),
+        tie=bool(config.get("tie_word_embeddings", True)),
+        vocab_size=text["vocab_size"],
+        rope_theta=float(text.get("rope_theta", 5_000_000.0)),
+        mrope_section=text.get("rope_scaling", {}).get("mrope_section"),
+        vision_depth=vision["depth"],
+        vision_hidden=vision["hidden_size"],
+        vision_heads=vision["num_heads"],
+        vision_intermediate=vision["intermediate_size"],
+        num_position_embeddings=vision["num_position_embeddings"],
+        dtype=torch.bfloat16,
+        device=device,
+    )
 
 
 @functools.cache

@@ -3,7 +3,7 @@
 Why: the real Qwen tokenizer (151k tokens) cannot be downloaded in tests, but the code paths that
 matter (byte-level BPE with partial-UTF-8 tokens, special tokens recognised inside text, chat
 template rendering, image placeholder expansion) only need a tokenizer built the same way. The
-special tokens sit at FIXED low ids so tiny checkpoints (vocab_size 1024, see tiny_checkpoint.py)
+special tokens sit at FIXED low ids so tiny checkpoints (vocab_size 1024, see support.checkpoints)
 can use them as image/vision token ids.
 
 Usage: ``ids = write_tiny_tokenizer(tmp_path)`` writes ``tokenizer.json`` and

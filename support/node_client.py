@@ -15,7 +15,7 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from .ros_process import NodeProcess
+from support.node_process import NodeProcess
 
 NODE_NAME = "orin_vlm"
 TERMINAL = ("finished", "dropped", "error")

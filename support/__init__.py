@@ -1,0 +1,10 @@
+"""What the tests, the demo, the benchmarks and the GPU check share (never installed with the package).
+
+* :mod:`support.checkpoints`: random-weight Qwen3-VL checkpoints written by transformers (tiny ones for
+  parity tests, the 2B's attention shape, every dimension of a real config) and the inputs that go with them.
+* :mod:`support.tokenizer`: the tiny byte-level tokenizer those checkpoints use.
+* :mod:`support.node_process`: the node as a child process (own process group, localhost-only DDS, a
+  private domain and log directory), stopped the way ``ros2 launch`` stops it.
+* :mod:`support.node_client`: an rclpy client that publishes images and prompts and records what the node
+  says (status events, tokens, responses, diagnostics), with predicate waits instead of sleeps.
+"""
