@@ -183,6 +183,7 @@ def test_subjects_say_which_shape_each_part_of_the_answer_is_about():
 def _training_batch(n: int):
     """``n`` stage-2 training samples of the committed recipe as a batch, with the default model's tokenizer."""
     from tokenizers import Tokenizer
+
     from tools.train_default_model import SPECIAL_TOKENS, Encoder, Pixels, TrainConfig, draw, make_batch
 
     tok = Tokenizer.from_file(str(MODEL_DIR / "tokenizer.json"))
@@ -237,8 +238,9 @@ def test_attention_pointer_loss_is_the_attention_mass_transformers_computes():
     """The pointer loss re-derives one head's attention from captured layer inputs; it must equal minus the log
     of the attention mass transformers' own eager attention puts on the targets."""
     import torch
-    from tools.train_default_model import AttentionPointer, pointer_queries
     from transformers import Qwen3VLForConditionalGeneration
+
+    from tools.train_default_model import AttentionPointer, pointer_queries
 
     drawn, batch, enc = _training_batch(12)
     model = Qwen3VLForConditionalGeneration.from_pretrained(
