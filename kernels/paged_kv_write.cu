@@ -2,9 +2,8 @@
 //
 // paged_kv_write_<dtype>: a batch of tokens, token i to physical slot slot_mapping[i] (int64; negative =
 //   padding, skipped). Used by prefill and by eager decode.
-// paged_kv_write_decode_<dtype>: one token per sequence for a captured CUDA-graph decode step: the slot is
-//   computed on the device from seq_lens[b]-1 and the block-table row, so replaying the graph after the
-//   host updated seq_lens / the table writes to the right place. An unallocated entry (-1) skips the write.
+// A captured CUDA-graph decode step uses the same kernel: its slot mapping is a fixed device buffer the host
+// refills before every replay.
 //
 // A pool row (one token, all kv heads) is row_elems = num_kv_heads*head_dim contiguous elements, at
 // pool + slot*row_elems (pool layout [num_blocks, page_size, num_kv_heads, head_dim]). Rows are copied in
@@ -38,35 +37,12 @@ __device__ __forceinline__ void paged_kv_write(T* __restrict__ k_pool, T* __rest
   copy_row(k_pool, v_pool, k, v, slot, blockIdx.x, row_elems);
 }
 
-// Grid: (batch); block: any multiple of 32.
-template <typename T>
-__device__ __forceinline__ void paged_kv_write_decode(T* __restrict__ k_pool, T* __restrict__ v_pool,
-                                                      const T* __restrict__ k,  // [batch, num_kv_heads, D]
-                                                      const T* __restrict__ v,
-                                                      const int* __restrict__ block_tables,  // [batch, max_blocks]
-                                                      const int* __restrict__ seq_lens,      // [batch]
-                                                      int page_size, int max_blocks_per_seq, int row_elems) {
-  const int b = blockIdx.x;
-  const int pos = __ldg(seq_lens + b) - 1;
-  if (pos < 0) return;
-  const int blk = physical_block(block_tables + static_cast<size_t>(b) * max_blocks_per_seq, pos, page_size,
-                                 max_blocks_per_seq);
-  if (blk < 0) return;
-  copy_row(k_pool, v_pool, k, v, static_cast<long long>(blk) * page_size + pos % page_size, b, row_elems);
-}
-
 }  // namespace orin_vlm
 
 #define ORIN_KV_WRITE_KERNELS(DT, T)                                                                           \
   extern "C" __global__ void paged_kv_write_##DT(T* k_pool, T* v_pool, const T* k, const T* v,                 \
                                                  const long long* slot_mapping, int row_elems) {               \
     orin_vlm::paged_kv_write<T>(k_pool, v_pool, k, v, slot_mapping, row_elems);                                \
-  }                                                                                                            \
-  extern "C" __global__ void paged_kv_write_decode_##DT(T* k_pool, T* v_pool, const T* k, const T* v,          \
-                                                        const int* block_tables, const int* seq_lens,          \
-                                                        int page_size, int max_blocks_per_seq, int row_elems) { \
-    orin_vlm::paged_kv_write_decode<T>(k_pool, v_pool, k, v, block_tables, seq_lens, page_size,                \
-                                       max_blocks_per_seq, row_elems);                                         \
   }
 
 ORIN_KV_WRITE_KERNELS(f32, float)

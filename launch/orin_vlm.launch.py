@@ -4,9 +4,10 @@
     ros2 launch orin_vlm_node orin_vlm.launch.py params_file:=<share>/config/jetson_2b.yaml \
         model_path:=/opt/models/Qwen3-VL-2B-Instruct image_topic:=/camera/color/image_raw namespace:=robot1
 
-Why overrides are applied only when given: a launch argument left at '' must not overwrite the value
-of the chosen ``params_file`` (a preset would otherwise be silently reset to the node's defaults), so
-the parameter dictionary is built at launch time from the arguments that were set.
+Every parameter of the node (the settings schema, ``orin_vlm_node.settings``) is also a launch argument
+of the same name. Why overrides are applied only when given: a launch argument left at '' must not
+overwrite the value of the chosen ``params_file`` (a preset would otherwise be silently reset to the
+node's defaults), so the parameter dictionary is built at launch time from the arguments that were set.
 """
 
 from __future__ import annotations
@@ -18,34 +19,14 @@ from launch.substitutions import LaunchConfiguration
 from launch_ros.actions import Node
 
 from launch import LaunchDescription
+from orin_vlm_node.settings import SETTINGS, Value
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 # Same relative place in the source tree and in the install space (share/orin_vlm_node/{launch,config}).
 DEFAULT_PARAMS = os.path.normpath(os.path.join(HERE, "..", "config", "orin_vlm.yaml"))
 
-# Parameters exposed as launch arguments, with their type (launch arguments are strings).
-OVERRIDES: dict[str, type] = {
-    "model_path": str,
-    "device": str,
-    "dtype": str,
-    "use_paged_attention": bool,
-    "page_size": int,
-    "kv_pool_mb": int,
-    "kv_pool_blocks": int,
-    "prefix_caching": bool,
-    "use_cuda_kernels": bool,
-    "use_cuda_graph": bool,
-    "max_context_tokens": int,
-    "max_new_tokens": int,
-    "temperature": float,
-    "system_prompt": str,
-    "multi_turn": bool,
-    "image_max_age_s": float,
-    "max_queue": int,
-}
 
-
-def _typed(name: str, raw: str, kind: type) -> bool | int | float | str:
+def _typed(name: str, raw: str, kind: type) -> Value:
     """Launch-argument text -> the parameter's type, with an error naming the argument."""
     if kind is bool:
         low = raw.strip().lower()
@@ -63,10 +44,10 @@ def _typed(name: str, raw: str, kind: type) -> bool | int | float | str:
 def _make_node(context, *_args, **_kwargs):
     params_file = LaunchConfiguration("params_file").perform(context)
     overrides = {}
-    for name, kind in OVERRIDES.items():
-        raw = LaunchConfiguration(name).perform(context)
+    for setting in SETTINGS:
+        raw = LaunchConfiguration(setting.name).perform(context)
         if raw != "":
-            overrides[name] = _typed(name, raw, kind)
+            overrides[setting.name] = _typed(setting.name, raw, setting.type)
     image_topic = LaunchConfiguration("image_topic").perform(context)
     compressed_topic = LaunchConfiguration("compressed_image_topic").perform(context) or f"{image_topic}/compressed"
     remappings = [
@@ -103,8 +84,10 @@ def generate_launch_description() -> LaunchDescription:
     ]
     arguments += [
         DeclareLaunchArgument(
-            name, default_value="", description=f"override {name} ({kind.__name__}); '' = params_file"
+            s.name,
+            default_value="",
+            description=f"override {s.name} ({s.type.__name__}): {s.description}; '' = params_file",
         )
-        for name, kind in OVERRIDES.items()
+        for s in SETTINGS
     ]
     return LaunchDescription([*arguments, OpaqueFunction(function=_make_node)])

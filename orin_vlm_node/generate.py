@@ -1,10 +1,14 @@
 """Command-line generation: ``python -m orin_vlm_node.generate --prompt "..." [--image PATH]...``.
 
 The same engine the ROS node runs, without ROS: useful to check a model directory, a board's speed
-or a settings change before launching the node. Text streams to stdout as it is generated; with
-``--json`` one JSON object ``{"text", "token_ids", "finish_reason", "metrics", "backend"}`` is printed
-instead; ``backend`` says which attention path ran (``kernels: on (...)`` / ``kernels: off (<reason>)``),
-the decode path and the KV pool size and why.
+or a settings change before launching the node. Every engine and sampling setting of the schema
+(``orin_vlm_node.settings``) is a flag of the same name and default as the node's parameter
+(``page_size`` is ``--page-size``, a boolean ``use_cuda_graph`` is ``--use-cuda-graph`` /
+``--no-use-cuda-graph``), plus ``--system-prompt``, ``--stop`` and ``--ignore-eos``.
+
+Text streams to stdout as it is generated; with ``--json`` one JSON object ``{"text", "token_ids",
+"finish_reason", "metrics", "backend"}`` is printed instead; ``backend`` says which attention path ran
+(``kernels: on (...)`` / ``kernels: off (<reason>)``), the decode path and the KV pool size and why.
 Exit status: 0 for every finish reason except ``error``; errors go to stderr with status 1 (bad
 input, failed generation) or 2 (bad command line, from argparse).
 """
@@ -18,45 +22,32 @@ import os
 import sys
 from collections.abc import Sequence
 
-from .engine import Engine, EngineConfig, EngineError, Finished, Request, SamplingParams, TextDelta, Turn
-from .engine.config import DEFAULT_MODEL_DIR
-from .engine.sampling import validate_sampling
+from . import settings
+from .engine import Engine, EngineError, Finished, Request, SamplingParams, TextDelta, Turn
+from .engine.config import config_from_settings
+
+# The settings a one-shot command uses: the engine's, sampling, and the system prompt (no queue, no
+# conversation kept, no camera).
+CLI_SETTINGS = tuple(s for s in settings.SETTINGS if s.consumer != "node" or s.name == "system_prompt")
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m orin_vlm_node.generate", description="Generate text with Qwen3-VL from a prompt and images."
     )
-    p.add_argument("--model", default=str(DEFAULT_MODEL_DIR), help="HF-format model directory (default: embedded)")
-    p.add_argument("--image", action="append", default=[], metavar="PATH", help="image file; repeat for several")
     p.add_argument("--prompt", required=True, help="user text")
-    p.add_argument("--system", default=None, help="system prompt")
-    p.add_argument("--max-new-tokens", type=int, default=None, metavar="N")
-    p.add_argument("--temperature", type=float, default=None, metavar="T", help="0 = greedy")
-    p.add_argument("--top-p", type=float, default=None, metavar="P")
-    p.add_argument("--top-k", type=int, default=None, metavar="K")
-    p.add_argument("--min-p", type=float, default=None, metavar="P")
-    p.add_argument("--repetition-penalty", type=float, default=None, metavar="R")
-    p.add_argument("--presence-penalty", type=float, default=None, metavar="R")
+    p.add_argument("--image", action="append", default=[], metavar="PATH", help="image file; repeat for several")
     p.add_argument("--stop", action="append", default=[], metavar="TEXT", help="stop string; repeat for several")
-    p.add_argument("--seed", type=int, default=None, metavar="S")
     p.add_argument("--ignore-eos", action="store_true", help="do not stop at EOS (fixed-length answers for timing)")
-    p.add_argument("--no-paged", action="store_true", help="contiguous KV cache instead of paged")
-    p.add_argument("--page-size", type=int, default=16, metavar="P", help="tokens per KV block (power of two)")
-    p.add_argument("--pool-blocks", type=int, default=0, metavar="B", help="KV pool size in blocks (0 = automatic)")
-    p.add_argument("--kv-pool-mb", type=float, default=0.0, metavar="MB", help="KV pool size in MB (0 = automatic)")
-    p.add_argument("--max-context", type=int, default=4096, metavar="N", help="max tokens of prompt + answer")
-    p.add_argument("--no-cuda-graph", action="store_true", help="eager decode step instead of a CUDA graph")
-    p.add_argument("--no-cuda-kernels", action="store_true", help="torch attention instead of CUDA kernels")
-    p.add_argument("--kernel-dir", default="", metavar="DIR", help="CUDA kernel sources (default: the installed ones)")
-    p.add_argument("--kernel-cache-dir", default="", metavar="DIR", help="compiled kernel cache directory")
-    p.add_argument(
-        "--no-kernel-fallback", action="store_true", help="fail instead of using torch attention when kernels are off"
-    )
-    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
-    p.add_argument("--dtype", choices=("auto", "fp32", "bf16", "fp16"), default="auto")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
     p.add_argument("-v", "--verbose", action="store_true", help="log engine details to stderr")
+    for s in CLI_SETTINGS:
+        unit = f" {s.unit}" if s.unit else ""
+        help_text = f"{s.description} (default: {s.default!r}{unit})"
+        if s.type is bool:
+            p.add_argument(s.flag, action=argparse.BooleanOptionalAction, default=s.default, help=help_text)
+        else:
+            p.add_argument(s.flag, type=s.type, default=s.default, choices=s.choices or None, help=help_text)
     return p
 
 
@@ -75,59 +66,14 @@ def read_images(paths: Sequence[str]) -> list:
     return images
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, stream=sys.stderr)
-    try:
-        images = read_images(args.image)
-        sampling = SamplingParams(
-            temperature=args.temperature,
-            top_k=args.top_k,
-            top_p=args.top_p,
-            min_p=args.min_p,
-            repetition_penalty=args.repetition_penalty,
-            presence_penalty=args.presence_penalty,
-            seed=args.seed,
-            max_new_tokens=args.max_new_tokens,
-            stop=tuple(args.stop),
-            ignore_eos=args.ignore_eos or None,
-        )
-        validate_sampling(sampling)  # before the model loads: a typo should not cost a load
-        config = EngineConfig(
-            model_path=args.model,
-            device=args.device,
-            dtype=args.dtype,
-            use_paged_attention=not args.no_paged,
-            page_size=args.page_size,
-            kv_pool_blocks=args.pool_blocks,
-            kv_pool_mb=args.kv_pool_mb,
-            max_sessions=0,  # one request, no conversation to keep
-            max_context_tokens=args.max_context,
-            use_cuda_graph=not args.no_cuda_graph,
-            use_cuda_kernels=not args.no_cuda_kernels,
-            kernel_dir=args.kernel_dir,
-            kernel_cache_dir=args.kernel_cache_dir,
-            allow_kernel_fallback=not args.no_kernel_fallback,
-        )
-        engine = Engine(config)
-    except (ValueError, EngineError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 1
-    described = engine.describe()
-    backend = {k: described[k] for k in ("device", "dtype", "kernels", "decode_path", "kv_pool")}
-    if described["kernels_degraded"]:
-        print(f"warning: {described['kernels']}", file=sys.stderr)
-    request = Request(Turn(args.prompt, tuple(images), color="bgr"), sampling=sampling, system_prompt=args.system)
-    final: Finished | None = None
-    for event in engine.generate(request):
-        if isinstance(event, TextDelta):
-            if not args.json:
-                sys.stdout.write(event.text)
-                sys.stdout.flush()
-        else:
-            final = event
-    assert final is not None  # generate always ends with Finished
-    if args.json:
+def _engine(values: dict) -> Engine:
+    """Bounds first, from the schema (a typo should not cost a model load), then the engine's own rules."""
+    settings.check(values)
+    return Engine(config_from_settings(values, max_sessions=0))  # one request: no conversation to keep
+
+
+def _report(final: Finished, backend: dict, as_json: bool, verbose: bool) -> int:
+    if as_json:
         out = {
             "text": final.text,
             "token_ids": list(final.token_ids),
@@ -143,7 +89,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if final.finish_reason == "error":
         print(f"error: {final.error}", file=sys.stderr)
         return 1
-    if args.verbose:
+    if verbose:
         m = final.metrics
         print(
             f"[{final.finish_reason}] {int(m['prompt_tokens'])} prompt tokens, {int(m['generated_tokens'])} generated, "
@@ -152,6 +98,34 @@ def main(argv: Sequence[str] | None = None) -> int:
             file=sys.stderr,
         )
     return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, stream=sys.stderr)
+    values = {s.name: getattr(args, s.name) for s in CLI_SETTINGS}
+    try:
+        images = read_images(args.image)
+        engine = _engine(values)
+    except (ValueError, EngineError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    described = engine.describe()
+    backend = {k: described[k] for k in ("device", "dtype", "kernels", "decode_path", "kv_pool")}
+    if described["kernels_degraded"]:
+        print(f"warning: {described['kernels']}", file=sys.stderr)
+    sampling = SamplingParams(stop=tuple(args.stop), ignore_eos=args.ignore_eos or None)
+    request = Request(Turn(args.prompt, tuple(images), color="bgr"), sampling, values["system_prompt"] or None)
+    final: Finished | None = None
+    for event in engine.generate(request):
+        if isinstance(event, TextDelta):
+            if not args.json:
+                sys.stdout.write(event.text)
+                sys.stdout.flush()
+        else:
+            final = event
+    assert final is not None  # generate always ends with Finished
+    return _report(final, backend, args.json, args.verbose)
 
 
 if __name__ == "__main__":

@@ -47,7 +47,7 @@ def image_file(tmp_path_factory) -> Path:
 
 def test_image_prompt_json_matches_engine(image_file):
     model = cached_tiny_checkpoint(**CHECKPOINT)
-    args = ["--model", str(model), "--image", str(image_file), "--prompt", "Describe this image."]
+    args = ["--model-path", str(model), "--image", str(image_file), "--prompt", "Describe this image."]
     args += ["--temperature", "0", "--max-new-tokens", "16", "--page-size", "4", "--device", "cpu", "--json"]
     proc = _cli(*args)
     assert proc.returncode == 0, proc.stderr
@@ -70,7 +70,17 @@ def test_image_prompt_json_matches_engine(image_file):
 def test_streams_text_to_stdout(tmp_path_factory, capsys):
     model, _ = _scripted(str(tmp_path_factory.getbasetemp()))
     code = main(
-        ["--model", model, "--prompt", "Say hello.", "--temperature", "0", "--no-paged", "--system", "Be nice."]
+        [
+            "--model-path",
+            model,
+            "--prompt",
+            "Say hello.",
+            "--temperature",
+            "0",
+            "--no-use-paged-attention",
+            "--system-prompt",
+            "Be nice.",
+        ]
     )
     assert code == 0
     assert capsys.readouterr().out == SCRIPT + "\n"
@@ -94,18 +104,36 @@ def test_bad_input_exits_nonzero_with_message(tmp_path, capsys, extra, fragment)
     tiny = tmp_path / "tiny.png"
     cv2.imwrite(str(tiny), np.zeros((2, 600, 3), np.uint8))  # aspect ratio the processor refuses
     extra = [str(garbage) if a == "GARBAGE" else str(tiny) if a == "TINY" else a for a in extra]
-    code = main(["--model", str(model), "--prompt", "Hi", "--max-new-tokens", "2", *extra])
+    code = main(["--model-path", str(model), "--prompt", "Hi", "--max-new-tokens", "2", *extra])
     err = capsys.readouterr().err
     assert code == 1
     assert fragment in err and err.startswith("error:")
 
 
 def test_missing_model_directory(tmp_path, capsys):
-    assert main(["--model", str(tmp_path / "nothing"), "--prompt", "Hi"]) == 1
+    assert main(["--model-path", str(tmp_path / "nothing"), "--prompt", "Hi"]) == 1
     assert "does not exist" in capsys.readouterr().err
 
 
 def test_prompt_is_required(capsys):
     with pytest.raises(SystemExit) as exc:
-        main(["--model", "x"])
+        main(["--model-path", "x"])
     assert exc.value.code == 2 and "--prompt" in capsys.readouterr().err
+
+
+def test_every_engine_and_sampling_setting_is_a_flag_with_the_node_default():
+    """The flags come from the settings schema: same names, defaults and choices as the node's parameters."""
+    from orin_vlm_node import settings
+    from orin_vlm_node.generate import build_parser
+
+    parser = build_parser()
+    actions = {a.dest: a for a in parser._actions}
+    for s in settings.SETTINGS:
+        if s.consumer == "node" and s.name != "system_prompt":
+            assert s.name not in actions, s.name  # queue, camera, conversation: the node's alone
+            continue
+        assert s.flag in actions[s.name].option_strings and actions[s.name].default == s.default, s.name
+        if s.choices:
+            assert tuple(actions[s.name].choices) == s.choices
+    args = parser.parse_args(["--prompt", "x", "--page-size", "32", "--no-use-cuda-graph", "--kv-pool-mb", "64"])
+    assert (args.page_size, args.use_cuda_graph, args.kv_pool_mb) == (32, False, 64)

@@ -63,7 +63,7 @@ def _setup(tmp_root: str, checkpoint: str):
     refs = {}
     for name, turn in CASES.items():
         batch = probe.image_processor.preprocess(list(turn.images)) if turn.images else None
-        ids, _ = probe.renderer.first_turn(None, turn, batch.num_tokens if batch else [])
+        ids, _ = probe.turns.renderer.first_turn(None, turn, batch.num_tokens if batch else [])
         kwargs = dict(input_ids=torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long))
         if batch is not None:
             mm = torch.tensor([[1 if t == probe.model_config.image_token_id else 0 for t in ids]], dtype=torch.int32)

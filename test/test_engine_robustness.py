@@ -28,7 +28,7 @@ def _finish(engine: Engine, request: Request) -> Finished:
 
 def _healthy(engine: Engine) -> None:
     """Only sessions hold KV blocks after a request, and a normal request still works."""
-    held = sum(len(engine.cache.block_table(engine._sessions[s].seq)) for s in engine.sessions())
+    held = sum(len(engine.cache.block_table(engine.session_store.get(s).seq)) for s in engine.sessions())
     assert engine.cache.stats()["blocks_used"] == held
     final = _finish(engine, Request(Turn("Go."), SamplingParams(temperature=0.0, max_new_tokens=5)))
     assert final.finish_reason == "length", final.error
@@ -108,7 +108,7 @@ def test_cancelled_session_turn_keeps_answer_so_far(engine):
 
 
 def _prompt_len(engine: Engine, text: str) -> int:
-    return len(engine.renderer.first_turn(None, Turn(text), [])[0])
+    return len(engine.turns.renderer.first_turn(None, Turn(text), [])[0])
 
 
 def test_a_pool_that_cannot_hold_one_context_is_refused_and_a_full_one_serves_the_limit(tmp_path_factory):
@@ -233,13 +233,13 @@ def test_missing_or_broken_model_directory_raises_engine_error(tmp_path):
     "fields,fragment",
     [
         (dict(page_size=3), "power of two"),
-        (dict(page_size=512), "power of two"),
+        (dict(page_size=512), "page_size must be in 1..256"),
         (dict(kv_pool_blocks=1), "too small"),
         (dict(use_paged_attention=False, kv_pool_blocks=8), "too small"),
         (dict(kv_pool_mb=-1.0), "kv_pool_mb"),
         (dict(device="cuda"), "CUDA is not available"),
         (dict(device="tpu"), "device"),
-        (dict(dtype="int8"), "unknown dtype"),
+        (dict(dtype="int8"), "dtype must be one of"),
         (dict(max_context_tokens=0), "max_context_tokens"),
         (dict(image_min_pixels=10_000, image_max_pixels=5_000), "image_min_pixels"),
         (dict(sampling=SamplingParams(top_k=-2)), "top_k"),

@@ -53,7 +53,9 @@ def test_session_stream_equals_fresh_rendering_of_whole_conversation(tmp_path_fa
         {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": t2.text}]},
         {"role": "assistant", "content": SCRIPT},
     ]
-    fresh = build_prompt_ids(engine.tokenizer, engine.template, messages, counts, add_generation_prompt=False)
+    fresh = build_prompt_ids(
+        engine.tokenizer, engine.turns.renderer.template, messages, counts, add_generation_prompt=False
+    )
     # The fresh rendering ends with "<|im_end|>\n"; the session holds up to the answer's <|im_end|>.
     assert engine.session_token_ids("s") == fresh[:-1]
     # A third turn (text only) continues the same way.
@@ -62,7 +64,9 @@ def test_session_stream_equals_fresh_rendering_of_whole_conversation(tmp_path_fa
         {"role": "user", "content": [{"type": "text", "text": t3.text}]},
         {"role": "assistant", "content": SCRIPT},
     ]
-    fresh = build_prompt_ids(engine.tokenizer, engine.template, messages, counts, add_generation_prompt=False)
+    fresh = build_prompt_ids(
+        engine.tokenizer, engine.turns.renderer.template, messages, counts, add_generation_prompt=False
+    )
     assert engine.session_token_ids("s") == fresh[:-1]
     engine.reset("s")
     assert engine.sessions() == [] and engine.cache.stats()["blocks_used"] == 0
@@ -79,7 +83,7 @@ def test_turn_two_prefills_only_new_tokens_and_matches_transformers():
     history = engine.session_token_ids("s")  # turn 1 prompt + answer + <|im_end|>
     r2 = _final(engine, Request(t2, SamplingParams(temperature=0.0, max_new_tokens=24), session_id="s"))
     batch = engine.image_processor.preprocess([img1, img2])
-    delta, _ = engine.renderer.next_turn(
+    delta, _ = engine.turns.renderer.next_turn(
         [
             {"role": "system", "content": "Be brief."},
             {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": t1.text}]},
@@ -89,7 +93,7 @@ def test_turn_two_prefills_only_new_tokens_and_matches_transformers():
         batch.num_tokens[1:],
     )
     full = history + delta
-    cached = len(history) - 2 if r1.token_ids[-1] not in engine.eos_token_ids else len(history) - 1
+    cached = len(history) - 2 if r1.token_ids[-1] not in engine.tokenizer.eos_token_ids else len(history) - 1
     assert r2.metrics["prefill_tokens"] == len(full) - cached
     assert r2.metrics["prefix_hit_tokens"] == cached
     assert r2.metrics["prompt_tokens"] == len(full)
@@ -108,7 +112,7 @@ def test_turn_two_prefills_only_new_tokens_and_matches_transformers():
             top_k=None,
             top_p=None,
             temperature=None,
-            eos_token_id=list(engine.eos_token_ids),
+            eos_token_id=list(engine.tokenizer.eos_token_ids),
             pad_token_id=0,
         )
     assert list(r2.token_ids) == out[0, len(full) :].tolist()
@@ -123,7 +127,9 @@ def test_prefix_cache_serves_new_session_with_same_system_prompt_and_image():
     assert first.metrics["prefix_hit_tokens"] == 0
     second_req = Request(Turn("Is there a person?", (img,)), GREEDY, system, session_id="b")
     second = _final(engine, second_req)
-    ids_b, _ = engine.renderer.first_turn(system, second_req.turn, [engine.image_processor.num_image_tokens(96, 96)])
+    ids_b, _ = engine.turns.renderer.first_turn(
+        system, second_req.turn, [engine.image_processor.num_image_tokens(96, 96)]
+    )
     first_pad = ids_b.index(engine.model_config.image_token_id)
     last_pad = len(ids_b) - 1 - ids_b[::-1].index(engine.model_config.image_token_id)
     hit = second.metrics["prefix_hit_tokens"]

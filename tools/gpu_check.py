@@ -232,7 +232,7 @@ for dtype, torch_dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16), ("
     sampling = SamplingParams(temperature=0.0, max_new_tokens=n, ignore_eos=True)
     ours = list(list(engine.generate(Request(Turn(prompt, (image,)), sampling)))[-1].token_ids)
     batch = engine.image_processor.preprocess([image])
-    ids, _ = engine.renderer.first_turn(None, Turn(prompt, (image,)), list(batch.num_tokens))
+    ids, _ = engine.turns.renderer.first_turn(None, Turn(prompt, (image,)), list(batch.num_tokens))
     model = Qwen3VLForConditionalGeneration.from_pretrained(ckpt, dtype=torch_dtype, attn_implementation="eager")
     model = model.to("cuda").eval()
     model.generation_config.eos_token_id = None  # like ignore_eos: EOS is an ordinary token, never a stop
@@ -261,7 +261,7 @@ def cli_parity(c: Check) -> dict[str, Any]:
         ]
     )
     cli = json.loads(
-        c.run([sys.executable, "-m", "orin_vlm_node.generate", "--model", str(env_path), "--device", "cuda",
+        c.run([sys.executable, "-m", "orin_vlm_node.generate", "--model-path", str(env_path), "--device", "cuda",
                "--dtype", "fp32", "--prompt", "Hello robot.", "--temperature", "0", "--max-new-tokens", "8",
                "--json"], 300).splitlines()[-1]
     )  # fmt: skip

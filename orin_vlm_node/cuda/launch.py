@@ -41,8 +41,7 @@ KERNEL_MODULES: dict[str, tuple[str, ...]] = {
     "paged_prefill_attention": tuple(
         f"paged_prefill_attention_{t}_d{d}" for t in DTYPE_TAGS.values() for d in SUPPORTED_HEAD_DIMS
     ),
-    "paged_kv_write": tuple(f"paged_kv_write_{t}" for t in DTYPE_TAGS.values())
-    + tuple(f"paged_kv_write_decode_{t}" for t in DTYPE_TAGS.values()),
+    "paged_kv_write": tuple(f"paged_kv_write_{t}" for t in DTYPE_TAGS.values()),
 }
 
 # Parameter kinds of each kernel family, in order: "ptr" (device pointer), "i32", "f32".
@@ -51,7 +50,6 @@ ARG_KINDS: dict[str, tuple[str, ...]] = {
     "paged_decode_reduce": ("ptr",) * 3 + ("i32",) * 2,
     "paged_prefill_attention": ("ptr",) * 7 + ("i32",) * 4 + ("f32",),
     "paged_kv_write": ("ptr",) * 5 + ("i32",),
-    "paged_kv_write_decode": ("ptr",) * 6 + ("i32",) * 3,
 }
 
 
@@ -221,12 +219,6 @@ def kv_write_launch(num_tokens: int, dtype: object) -> LaunchConfig:
     """One block per token (slot_mapping entry)."""
     tag = DTYPE_TAGS[dtype_name(dtype)]
     return _checked(LaunchConfig(f"paged_kv_write_{tag}", (num_tokens, 1, 1), (KV_WRITE_THREADS, 1, 1), 0))
-
-
-def kv_write_decode_launch(batch: int, dtype: object) -> LaunchConfig:
-    """One block per sequence; the slot comes from seq_lens and the block table on the device."""
-    tag = DTYPE_TAGS[dtype_name(dtype)]
-    return _checked(LaunchConfig(f"paged_kv_write_decode_{tag}", (batch, 1, 1), (KV_WRITE_THREADS, 1, 1), 0))
 
 
 def check_kv_row(num_kv_heads: int, head_dim: int, dtype: object) -> int:

@@ -1,41 +1,112 @@
-"""Engine configuration: one dataclass, the single place every engine setting is defined.
+"""``EngineConfig``: the settings the engine consumes, as one dataclass.
 
-The ROS node maps its parameters 1:1 onto these fields, the CLI maps its flags onto them, and
-``Engine.reconfigure`` takes a subset of them by name.
+Its fields are the ``engine`` settings of the schema (``orin_vlm_node.settings``: name, type, default and
+bounds are defined there; a test holds these defaults to it), plus two that only the Python API sets:
+``max_sessions`` (conversations kept between requests; the node derives it from ``multi_turn``) and
+``sampling`` (default sampling under every request's own). The CLI builds it from its flags and the
+node from its parameters, and ``Engine.reconfigure`` takes a subset of its fields by name.
+
+Which part of the engine a change rebuilds is stated here too, once (:data:`REBUILDS`).
 """
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
+from .. import settings
 from .events import SamplingParams
+from .sampling import validate_sampling
 
 DEFAULT_MODEL_DIR = Path(__file__).resolve().parent.parent / "default_model"
 
 
 @dataclass
 class EngineConfig:
-    model_path: str = str(DEFAULT_MODEL_DIR)
-    device: str = "auto"  # auto | cuda | cpu
-    dtype: str = "auto"  # auto | bf16 | fp16 | fp32 (auto: the checkpoint's on CUDA, fp32 on CPU)
-    # KV cache
+    model_path: str = ""  # "" = the embedded default model
+    device: str = "auto"
+    dtype: str = "auto"
     use_paged_attention: bool = True
-    page_size: int = 16  # tokens per block, power of two in 1..256
-    kv_pool_blocks: int = 0  # > 0 sizes the pool in blocks (wins over kv_pool_mb)
-    kv_pool_mb: float = 0.0  # > 0 sizes the pool in MB; both 0: sized by need (see kvcache.config)
-    kv_prefix_share: float = 0.25  # automatic size: extra share of blocks for cached prefixes
-    kv_memory_reserve_mb: int = 1024  # automatic size: memory left free for the rest of the system
-    max_sessions: int = 1  # conversations kept between requests (LRU beyond); sizes the pool too
+    page_size: int = 16
+    kv_pool_mb: int = 0
+    kv_pool_blocks: int = 0
+    kv_prefix_share: float = 0.25
+    kv_memory_reserve_mb: int = 1024
     prefix_caching: bool = True
-    # CUDA
+    max_context_tokens: int = 4096
     use_cuda_kernels: bool = True
     use_cuda_graph: bool = True
-    allow_kernel_fallback: bool = True  # False: kernels requested but unavailable is a startup error
-    kernel_dir: str = ""  # "" = the kernel sources of this install (see cuda.sources)
-    kernel_cache_dir: str = ""  # "" = ~/.cache/orin_vlm_node/kernels
-    # limits and defaults
-    max_context_tokens: int = 4096
-    image_min_pixels: int = 0  # 0 = the checkpoint's preprocessor_config.json value
+    allow_kernel_fallback: bool = True
+    kernel_dir: str = ""
+    kernel_cache_dir: str = ""
+    image_min_pixels: int = 0
     image_max_pixels: int = 0
+    max_sessions: int = 1  # conversations kept between requests (least recently used dropped beyond); sizes the pool
     sampling: SamplingParams = field(default_factory=SamplingParams)
+
+    @property
+    def model_dir(self) -> Path:
+        return Path(self.model_path) if self.model_path else DEFAULT_MODEL_DIR
+
+
+FIELDS = frozenset(f.name for f in dataclasses.fields(EngineConfig))
+SCHEMA_FIELDS = frozenset(s.name for s in settings.settings_for("engine"))
+
+# Which part of the engine a change rebuilds (anything else: nothing, it is read per request).
+REBUILDS: dict[str, frozenset[str]] = {
+    "model": frozenset({"model_path", "device", "dtype"}),
+    "kv_cache": frozenset(
+        {
+            "use_paged_attention",
+            "page_size",
+            "kv_pool_blocks",
+            "kv_pool_mb",
+            "kv_prefix_share",
+            "kv_memory_reserve_mb",
+            "max_sessions",
+            "max_context_tokens",
+        }
+    ),
+    "backend": frozenset(
+        {"use_cuda_kernels", "use_cuda_graph", "allow_kernel_fallback", "kernel_dir", "kernel_cache_dir"}
+    ),
+    "images": frozenset({"image_min_pixels", "image_max_pixels"}),
+}
+
+
+def sampling_from_settings(values: Mapping[str, Any]) -> SamplingParams:
+    """The ``sampling`` settings (every one present in ``values``) as SamplingParams; seed -1 = a fresh one."""
+    fields = {s.name: values[s.name] for s in settings.settings_for("sampling")}
+    if fields["seed"] < 0:
+        fields["seed"] = None
+    return SamplingParams(**fields)
+
+
+def config_from_settings(values: Mapping[str, Any], max_sessions: int) -> EngineConfig:
+    """An EngineConfig from setting values (the node's parameters, the CLI's flags): every ``engine``
+    setting, the ``sampling`` ones as its default sampling, and the conversations the frontend keeps."""
+    engine = {name: values[name] for name in SCHEMA_FIELDS}
+    return EngineConfig(**engine, max_sessions=max_sessions, sampling=sampling_from_settings(values))
+
+
+def check_fields(fields: Mapping[str, Any]) -> None:
+    """Names, types and bounds of engine settings (ValueError names the first problem).
+
+    Rules beyond bounds are checked where they live when the change is planned: the KV cache, the image
+    processor, the CUDA layer and the device (``Engine.validate_changes``).
+    """
+    unknown = set(fields) - FIELDS
+    if unknown:
+        raise ValueError(f"unknown engine setting(s): {', '.join(sorted(unknown))}")
+    settings.check({k: v for k, v in fields.items() if k in SCHEMA_FIELDS})
+    if "max_sessions" in fields:
+        value = fields["max_sessions"]
+        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            raise ValueError(f"max_sessions must be an integer >= 0, got {value!r}")
+    if "sampling" in fields:
+        if not isinstance(fields["sampling"], SamplingParams):
+            raise ValueError(f"sampling must be a SamplingParams, got {type(fields['sampling']).__name__}")
+        validate_sampling(fields["sampling"])

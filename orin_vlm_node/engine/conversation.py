@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from ..processing import ChatTemplate, PromptError, Tokenizer, build_prompt_ids
+from ..processing import ChatTemplate, PromptError, Tokenizer, build_prompt_ids, expand_image_pads
 from ..processing.tokenizer import IM_END
 from .events import Turn
 
@@ -64,22 +64,3 @@ class ConversationRenderer:
             )
         ids = self.tokenizer.encode(text_after[anchor:])
         return expand_image_pads(ids, self.tokenizer.special.image_pad, image_tokens), after
-
-
-def expand_image_pads(ids: list[int], pad: int, image_tokens: Sequence[int]) -> list[int]:
-    """Repeat the i-th ``<|image_pad|>`` ``image_tokens[i]`` times (one placeholder per image)."""
-    n_pads = sum(1 for t in ids if t == pad)
-    if n_pads != len(image_tokens):
-        raise PromptError(
-            f"the rendered turn has {n_pads} image placeholder(s) but {len(image_tokens)} image(s) were given "
-            "(text must not contain <|image_pad|>)"
-        )
-    out: list[int] = []
-    image = 0
-    for t in ids:
-        if t == pad:
-            out.extend([pad] * image_tokens[image])
-            image += 1
-        else:
-            out.append(t)
-    return out

@@ -13,14 +13,14 @@ tokens generated so far, as OpenAI/vLLM define it.
 
 from __future__ import annotations
 
-import json
-import math
 import secrets
 from dataclasses import dataclass, fields
 from pathlib import Path
 
 import torch
 
+from .. import settings
+from ..processing.files import read_json_object
 from .events import SamplingParams
 
 DEFAULT_MAX_NEW_TOKENS = 256
@@ -46,33 +46,28 @@ class ResolvedSampling:
         return self.temperature == 0.0
 
 
-def load_generation_defaults(model_dir: str | Path) -> tuple[SamplingParams, tuple[int, ...]]:
-    """Read ``generation_config.json`` (if present): sampling defaults and EOS token ids.
+def load_generation_defaults(model_dir: str | Path) -> SamplingParams:
+    """The sampling defaults of ``generation_config.json`` (all ``None`` when the file is absent).
 
     ``do_sample: false`` in the file means greedy, so it maps to temperature 0. Unknown or missing
-    fields stay ``None`` and fall through to the built-in defaults.
+    fields stay ``None`` and fall through to the built-in defaults. (Its stop ids are the tokenizer's.)
     """
-    path = Path(model_dir) / "generation_config.json"
-    if not path.is_file():
-        return SamplingParams(), ()
-    try:
-        cfg = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as exc:
-        raise ValueError(f"cannot read {path}: {exc}") from exc
-    eos = cfg.get("eos_token_id")
-    eos_ids: tuple[int, ...] = tuple(eos) if isinstance(eos, list) else ((int(eos),) if eos is not None else ())
+    cfg = read_json_object(Path(model_dir) / "generation_config.json") or {}
     temperature = cfg.get("temperature")
     if cfg.get("do_sample") is False:
         temperature = 0.0
-    params = SamplingParams(
+
+    def num(key: str, kind: type):
+        return None if cfg.get(key) is None else kind(cfg[key])
+
+    return SamplingParams(
         temperature=None if temperature is None else float(temperature),
-        top_k=None if cfg.get("top_k") is None else int(cfg["top_k"]),
-        top_p=None if cfg.get("top_p") is None else float(cfg["top_p"]),
-        min_p=None if cfg.get("min_p") is None else float(cfg["min_p"]),
-        repetition_penalty=None if cfg.get("repetition_penalty") is None else float(cfg["repetition_penalty"]),
-        max_new_tokens=None if cfg.get("max_new_tokens") is None else int(cfg["max_new_tokens"]),
+        top_k=num("top_k", int),
+        top_p=num("top_p", float),
+        min_p=num("min_p", float),
+        repetition_penalty=num("repetition_penalty", float),
+        max_new_tokens=num("max_new_tokens", int),
     )
-    return params, tuple(int(i) for i in eos_ids)
 
 
 def merge_sampling(*layers: SamplingParams) -> SamplingParams:
@@ -90,40 +85,22 @@ def merge_sampling(*layers: SamplingParams) -> SamplingParams:
 
 
 def validate_sampling(p: SamplingParams) -> None:
-    """Raise ``ValueError`` naming the first out-of-range field (``None`` fields are not checked)."""
+    """Raise ``ValueError`` naming the first bad field (``None`` fields are not checked).
 
-    def finite(name: str, value: float) -> None:
-        if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
-            raise ValueError(f"{name} must be a finite number, got {value!r}")
-
-    if p.temperature is not None:
-        finite("temperature", p.temperature)
-        if p.temperature < 0:
-            raise ValueError(f"temperature must be >= 0 (0 = greedy), got {p.temperature}")
-    if p.top_k is not None and (not isinstance(p.top_k, int) or isinstance(p.top_k, bool) or p.top_k < 0):
-        raise ValueError(f"top_k must be an integer >= 0 (0 = off), got {p.top_k!r}")
-    if p.top_p is not None:
-        finite("top_p", p.top_p)
-        if not 0.0 < p.top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1] (1 = off), got {p.top_p}")
-    if p.min_p is not None:
-        finite("min_p", p.min_p)
-        if not 0.0 <= p.min_p <= 1.0:
-            raise ValueError(f"min_p must be in [0, 1] (0 = off), got {p.min_p}")
-    if p.repetition_penalty is not None:
-        finite("repetition_penalty", p.repetition_penalty)
-        if p.repetition_penalty <= 0:
-            raise ValueError(f"repetition_penalty must be > 0 (1 = off), got {p.repetition_penalty}")
-    if p.presence_penalty is not None:
-        finite("presence_penalty", p.presence_penalty)
-        if not -2.0 <= p.presence_penalty <= 2.0:
-            raise ValueError(f"presence_penalty must be in [-2, 2] (0 = off), got {p.presence_penalty}")
-    if p.seed is not None and (not isinstance(p.seed, int) or isinstance(p.seed, bool) or p.seed < 0):
+    Bounds come from the settings schema; the rules beyond them are the sampler's: ``top_p`` above 0, a
+    concrete ``seed`` non-negative (-1, "random", is the node's spelling of ``None``).
+    """
+    for f in fields(SamplingParams):
+        value = getattr(p, f.name)
+        if value is None or f.name not in settings.BY_NAME:
+            continue
+        reason = settings.BY_NAME[f.name].problem(value)
+        if reason:
+            raise ValueError(reason)
+    if p.top_p is not None and p.top_p <= 0:
+        raise ValueError(f"top_p must be in (0, 1] (1 = off), got {p.top_p}")
+    if p.seed is not None and p.seed < 0:
         raise ValueError(f"seed must be an integer >= 0, got {p.seed!r}")
-    if p.max_new_tokens is not None and (
-        not isinstance(p.max_new_tokens, int) or isinstance(p.max_new_tokens, bool) or p.max_new_tokens < 1
-    ):
-        raise ValueError(f"max_new_tokens must be an integer >= 1, got {p.max_new_tokens!r}")
     if p.ignore_eos is not None and not isinstance(p.ignore_eos, bool):
         raise ValueError(f"ignore_eos must be true or false, got {p.ignore_eos!r}")
     if not isinstance(p.stop, tuple) or any(not isinstance(s, str) or not s for s in p.stop):

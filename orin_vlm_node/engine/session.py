@@ -1,4 +1,4 @@
-"""Session bookkeeping: what a multi-turn conversation keeps between requests.
+"""Sessions: what a multi-turn conversation keeps between requests, and the store that bounds them.
 
 A session owns one KV sequence. Its KV holds every token the model has seen so far (system prompt,
 user turns with their image tokens, the assistant answers) so turn N only prefills what it adds.
@@ -12,14 +12,31 @@ Three things must stay consistent with that KV, and live here together so they c
   sampled token (a sampled token is only fed to the model by the *next* step) and the ``<|im_end|>``
   that closes the answer. The next turn prefills them in front of its own tokens.
 
-``messages`` is the conversation in chat-template form, used to render the next turn's delta.
+``messages`` is the conversation in chat-template form, used to render the next turn's delta. A turn
+that fails before its prefill ran goes back to the :class:`SessionSnapshot` taken when it started.
 """
 
 from __future__ import annotations
 
+import logging
 import time
-from collections.abc import Hashable
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
+
+from ..kvcache import KVCache
+
+log = logging.getLogger("orin_vlm_node.engine")
+
+
+@dataclass(frozen=True)
+class SessionSnapshot:
+    """A session as it was before a turn started: enough to undo the turn exactly."""
+
+    kv_length: int
+    num_tokens: int
+    pending_ids: tuple[int, ...]
+    messages: tuple[dict, ...]
+    answer: str
 
 
 @dataclass
@@ -40,9 +57,82 @@ class Session:
         """RoPE position of the next token after the cached ones."""
         return len(self.token_ids) + self.rope_delta
 
-    def context_tokens(self) -> int:
-        """Tokens of the conversation so far, cached or pending."""
-        return len(self.token_ids) + len(self.pending_ids)
+    def snapshot(self, kv_length: int) -> SessionSnapshot:
+        return SessionSnapshot(
+            kv_length, len(self.token_ids), tuple(self.pending_ids), tuple(self.messages), self.answer
+        )
+
+    def restore(self, snap: SessionSnapshot, cache: KVCache) -> None:
+        """Undo a turn: the KV, the token lists and the conversation go back to ``snap``."""
+        cache.truncate(self.seq, snap.kv_length)
+        del self.token_ids[snap.num_tokens :]
+        del self.extra_keys[snap.num_tokens :]
+        self.pending_ids, self.messages, self.answer = list(snap.pending_ids), list(snap.messages), snap.answer
+
+    def append(self, ids: Sequence[int], extra_keys: Sequence[Hashable | None]) -> None:
+        """Tokens whose KV the sequence now holds."""
+        self.token_ids.extend(ids)
+        self.extra_keys.extend(extra_keys)
+        self.touch()
+
+    def close_answer(self, last_token: int | None, text: str, eos_ids: Sequence[int], im_end: int) -> None:
+        """After a finished turn: the tokens still to feed (last sampled token unless EOS, ``<|im_end|>``)."""
+        self.pending_ids = [im_end] if last_token is None or last_token in eos_ids else [last_token, im_end]
+        self.answer = text
 
     def touch(self) -> None:
         self.last_used = time.monotonic()
+
+
+class SessionStore:
+    """The sessions whose KV is kept, bounded by ``max_sessions``; dropping one frees its KV."""
+
+    def __init__(self, cache: KVCache, max_sessions: int) -> None:
+        self.cache = cache
+        self.max_sessions = max_sessions
+        self._sessions: dict[str, Session] = {}
+
+    def __len__(self) -> int:
+        return len(self._sessions)
+
+    def ids(self) -> list[str]:
+        return list(self._sessions)
+
+    def get(self, session_id: str | None) -> Session | None:
+        return self._sessions.get(session_id) if session_id else None
+
+    def keep(self, session: Session) -> None:
+        self._sessions[session.session_id] = session
+
+    def kept(self, session: Session | None) -> bool:
+        return session is not None and self._sessions.get(session.session_id) is session
+
+    def drop(self, session_id: str) -> None:
+        session = self._sessions.pop(session_id, None)
+        if session is not None:
+            self.cache.release(session.seq)
+
+    def drop_all(self) -> None:
+        for session_id in list(self._sessions):
+            self.drop(session_id)
+
+    def forget_all(self) -> None:
+        """After the cache itself was cleared: the sessions' sequences no longer exist."""
+        self._sessions.clear()
+
+    def evict_one(self, keep: Session | None) -> bool:
+        """Free the least recently used idle session (never ``keep``); False when there is none."""
+        victims = [s for s in self._sessions.values() if s is not keep]
+        if not victims:
+            return False
+        victim = min(victims, key=lambda s: s.last_used)
+        log.warning("KV pool full: dropping idle session %r to make room", victim.session_id)
+        self.drop(victim.session_id)
+        return True
+
+    def trim(self) -> None:
+        """At most ``max_sessions`` kept (the pool is sized for that many): least recently used go first."""
+        while len(self._sessions) > self.max_sessions:
+            victim = min(self._sessions.values(), key=lambda s: s.last_used)
+            log.info("more than max_sessions=%d sessions: dropping %r", self.max_sessions, victim.session_id)
+            self.drop(victim.session_id)

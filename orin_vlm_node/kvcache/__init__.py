@@ -11,7 +11,7 @@ Build::
                         page_size=16, num_blocks=None, pool_mb=None,        # explicit sizes, or automatic:
                         sequences=2, prefix_share=0.25, reserve_mb=1024,    # contexts held + prefix share
                         max_context_tokens=4096, prefix_caching=True)
-    cache = PagedKVCache(cfg)            # or ContiguousKVCache(cfg); plan_pool sizes and logs it
+    cache = build_kv_cache(cfg, paged=True, attention_impl=None)  # PagedKVCache or ContiguousKVCache
 
 Per request (``seq`` is an int handle)::
 
@@ -31,12 +31,12 @@ the same pad ids with another image never hit.
 
 Other operations: ``length(seq)``; ``ensure_capacity(seq, new_len)`` (reserve ahead, PoolExhausted before
 any change); ``fork(seq)`` (shared pages, copy-on-write on the first write into a shared page);
-``truncate(seq, new_len)`` (drop a step whose forward was abandoned); ``clear()`` (release everything,
+``truncate(seq, new_len)`` (drop a step whose forward was abandoned); ``set_attention_impl(impl)`` (paged:
+the tensor backend, e.g. the CUDA kernels; None = torch); ``clear()`` (release everything,
 forget cached prefixes: call it after weights change); ``match_prefix(ids, extra_keys)`` (peek, no state
 change); ``set_prefix_caching(bool)`` (runtime switch, returns the effective state; always False for
 contiguous); ``block_table(seq)``; ``stats()`` (blocks used/free/cached, tokens stored, internal
 fragmentation, ``kv_bytes_in_use`` vs ``pool_bytes``, prefix hits/misses). Paged only:
-``blocks_needed(seq, new_len)``, ``device_block_table(seq)``, ``set_attention_impl(impl)``,
 ``k_pool(layer)``/``v_pool(layer)``/``kv_storage``. Both: ``plan`` (the chosen :class:`PoolPlan`, with the
 reason for its size). :func:`~.memory.device_memory` says how much memory a pool may take on a device
 (``MemAvailable`` on a Jetson, whose GPU shares system memory).
@@ -81,7 +81,17 @@ __all__ = [
     "StaticDecodeBuffers",
     "StepAttention",
     "TorchPagedAttention",
+    "build_kv_cache",
     "causal_attention",
     "masked_decode_attention",
     "plan_pool",
 ]
+
+
+def build_kv_cache(config: KVCacheConfig, paged: bool, attention_impl: PagedAttentionImpl | None = None) -> KVCache:
+    """The paged cache (with ``attention_impl``, None = torch) or the contiguous baseline, behind one interface."""
+    if paged:
+        return PagedKVCache(config, attention_impl=attention_impl)
+    cache = ContiguousKVCache(config)
+    cache.set_attention_impl(attention_impl)
+    return cache

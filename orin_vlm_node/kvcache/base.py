@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .attention import PagedAttentionImpl
 from .config import KVCacheConfig
 from .errors import ContextLimitExceeded
 from .interface import StepAttention
@@ -107,10 +108,22 @@ class KVCache(ABC):
     def set_prefix_caching(self, enabled: bool) -> bool:
         """Turn prefix caching on/off at runtime; returns the effective state."""
 
-    # -- static (CUDA-graph) decode --------------------------------------------------------------
+    # -- attention backend ------------------------------------------------------------------------
     @abstractmethod
+    def set_attention_impl(self, impl: PagedAttentionImpl | None) -> None:
+        """Swap the tensor backend (e.g. the CUDA kernels; None = the torch one); storage stays as it is."""
+
+    # -- static (CUDA-graph) decode --------------------------------------------------------------
+    static_table_width: int  # entries of the block-table row in StaticDecodeBuffers
+
     def new_static_decode_buffers(self) -> StaticDecodeBuffers:
-        """Allocate the fixed tensors a static decode step reads."""
+        """Allocate the fixed tensors a static decode step reads (refilled by ``prepare_static_decode``)."""
+        dev = self.config.device
+        return StaticDecodeBuffers(
+            slot_mapping=torch.zeros(1, dtype=torch.int64, device=dev),
+            kv_len=torch.zeros(1, dtype=torch.int32, device=dev),
+            block_table=torch.full((self.static_table_width,), -1, dtype=torch.int32, device=dev),
+        )
 
     @abstractmethod
     def prepare_static_decode(self, seq: int, buffers: StaticDecodeBuffers) -> None:

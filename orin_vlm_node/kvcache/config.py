@@ -17,11 +17,19 @@ from dataclasses import dataclass
 
 import torch
 
+from .. import settings
 from .memory import device_memory
 
 _log = logging.getLogger(__name__)
 
-MAX_PAGE_SIZE = 256
+MAX_PAGE_SIZE = settings.BY_NAME["page_size"].max
+
+
+def check_page_size(page_size: object) -> None:
+    """A block holds a power-of-two number of tokens (slot -> block is a shift, tables stay small)."""
+    ps = page_size
+    if not isinstance(ps, int) or isinstance(ps, bool) or ps < 1 or ps > MAX_PAGE_SIZE or ps & (ps - 1):
+        raise ValueError(f"page_size must be a power of two (1, 2, 4, ..., {MAX_PAGE_SIZE}), got {ps!r}")
 
 
 @dataclass(frozen=True)
@@ -55,9 +63,7 @@ class KVCacheConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"KVCacheConfig.{name} must be a positive int, got {value!r}")
-        ps = self.page_size
-        if not isinstance(ps, int) or isinstance(ps, bool) or ps < 1 or ps > MAX_PAGE_SIZE or ps & (ps - 1):
-            raise ValueError(f"page_size must be a power of two in 1..{MAX_PAGE_SIZE}, got {ps!r}")
+        check_page_size(self.page_size)
         if not isinstance(self.dtype, torch.dtype) or not self.dtype.is_floating_point:
             raise ValueError(f"KVCacheConfig.dtype must be a floating torch.dtype, got {self.dtype!r}")
         if self.num_blocks is not None and (not isinstance(self.num_blocks, int) or self.num_blocks < 0):

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .attention import PagedAttentionImpl
 from .base import ExtraKeys, KVCache, StaticDecodeBuffers, check_step_shapes
 from .config import KVCacheConfig, plan_pool
 from .errors import PoolExhausted
@@ -32,6 +33,7 @@ class ContiguousKVCache(KVCache):
     """Per-sequence contiguous storage ``(max_context, nkv, hd)`` per layer, same interface as paged."""
 
     supports_prefix_caching = False
+    static_table_width = 1  # the slab index
 
     def __init__(self, config: KVCacheConfig) -> None:
         super().__init__(config)
@@ -109,6 +111,10 @@ class ContiguousKVCache(KVCache):
     def block_table(self, seq: int) -> list[int]:
         return [self._get(seq).slab]
 
+    def set_attention_impl(self, impl: PagedAttentionImpl | None) -> None:
+        if impl is not None:
+            raise ValueError("the contiguous KV cache uses the torch reference attention; it takes no other")
+
     # -- prefix caching: not supported -----------------------------------------------------------
     def match_prefix(self, token_ids: Sequence[int], extra_keys: ExtraKeys | None = None) -> int:
         return 0
@@ -128,14 +134,6 @@ class ContiguousKVCache(KVCache):
         return False
 
     # -- static decode ---------------------------------------------------------------------------
-    def new_static_decode_buffers(self) -> StaticDecodeBuffers:
-        dev = self.config.device
-        return StaticDecodeBuffers(
-            slot_mapping=torch.zeros(1, dtype=torch.int64, device=dev),
-            kv_len=torch.zeros(1, dtype=torch.int32, device=dev),
-            block_table=torch.zeros(1, dtype=torch.int32, device=dev),
-        )
-
     def prepare_static_decode(self, seq: int, buffers: StaticDecodeBuffers) -> None:
         s = self._get(seq)
         self.ensure_capacity(seq, s.length + 1)

@@ -54,6 +54,7 @@ class PagedKVCache(KVCache):
         self.page_size = config.page_size
         self.num_blocks = self.plan.num_blocks
         self.pool = BlockPool(self.num_blocks)
+        self.static_table_width = config.max_blocks_per_sequence
         self.attention_impl: PagedAttentionImpl = attention_impl or TorchPagedAttention()
         self._prefix_enabled = config.prefix_caching
         shape = (2, config.num_layers, self.num_blocks, self.page_size, config.num_kv_heads, config.head_dim)
@@ -72,9 +73,8 @@ class PagedKVCache(KVCache):
     def v_pool(self, layer: int) -> torch.Tensor:
         return self.kv_storage[1, layer]
 
-    def set_attention_impl(self, impl: PagedAttentionImpl) -> None:
-        """Swap the tensor backend (e.g. CUDA kernels); bookkeeping and storage stay as they are."""
-        self.attention_impl = impl
+    def set_attention_impl(self, impl: PagedAttentionImpl | None) -> None:
+        self.attention_impl = impl or TorchPagedAttention()
 
     # -- sequences -------------------------------------------------------------------------------
     def _get(self, seq: int) -> _Seq:
@@ -99,16 +99,6 @@ class PagedKVCache(KVCache):
 
     def block_table(self, seq: int) -> list[int]:
         return list(self._get(seq).table)
-
-    def device_block_table(self, seq: int) -> torch.Tensor:
-        """The sequence's (max_blocks_per_sequence,) int32 device table, uploaded up to the last step."""
-        s = self._get(seq)
-        self._sync(s)
-        return s.dev_table
-
-    def blocks_needed(self, seq: int, new_len: int) -> int:
-        """Free blocks growing ``seq`` to ``new_len`` tokens takes (new pages + copy-on-write copies)."""
-        return len(self._plan_growth(self._get(seq), new_len)[1]) + self._new_pages(self._get(seq), new_len)
 
     def _new_pages(self, s: _Seq, new_len: int) -> int:
         return max(0, -(-new_len // self.page_size) - len(s.table))
@@ -320,14 +310,6 @@ class PagedKVCache(KVCache):
         return registered
 
     # -- static (CUDA-graph) decode --------------------------------------------------------------
-    def new_static_decode_buffers(self) -> StaticDecodeBuffers:
-        dev = self.config.device
-        return StaticDecodeBuffers(
-            slot_mapping=torch.zeros(1, dtype=torch.int64, device=dev),
-            kv_len=torch.zeros(1, dtype=torch.int32, device=dev),
-            block_table=torch.full((self.config.max_blocks_per_sequence,), -1, dtype=torch.int32, device=dev),
-        )
-
     def prepare_static_decode(self, seq: int, buffers: StaticDecodeBuffers) -> None:
         s = self._get(seq)
         pos = s.length

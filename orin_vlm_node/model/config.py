@@ -15,11 +15,11 @@ from typing import Any
 
 import torch
 
+from .dtypes import checkpoint_dtype
 from .errors import CheckpointError
 
 DEFAULT_MROPE_SECTION = (24, 20, 20)
 DEFAULT_VISION_ROPE_THETA = 10000.0
-_TORCH_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
 @dataclass(frozen=True)
@@ -88,7 +88,7 @@ class ModelConfig:
     @property
     def torch_dtype(self) -> torch.dtype | None:
         """The dtype the checkpoint was saved for (what ``dtype="auto"`` means on CUDA)."""
-        return _TORCH_DTYPES.get(self.checkpoint_dtype or "")
+        return checkpoint_dtype(self.checkpoint_dtype)
 
     @classmethod
     def from_dir(cls, path: str | Path) -> ModelConfig:

@@ -22,22 +22,12 @@ from safetensors import safe_open
 from torch import nn
 
 from .config import ModelConfig
+from .dtypes import resolve_dtype
 from .errors import CheckpointError
 from .qwen3_vl import Qwen3VLModel
 
 logger = logging.getLogger("orin_vlm_node.model")
 
-_DTYPES = {
-    "bf16": torch.bfloat16,
-    "bfloat16": torch.bfloat16,
-    "fp16": torch.float16,
-    "float16": torch.float16,
-    "half": torch.float16,
-    "fp32": torch.float32,
-    "float32": torch.float32,
-    "float": torch.float32,
-}
-_SUPPORTED = (torch.bfloat16, torch.float16, torch.float32)
 _PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt")
 _MAX_LISTED = 8  # keys named in one error message
 
@@ -92,14 +82,6 @@ def load_model(path: str | Path, dtype: torch.dtype | str = torch.float32, devic
         "loaded %s in %.1f s (%.3f B parameters)", root.name, time.perf_counter() - t0, model.num_parameters() / 1e9
     )
     return model
-
-
-def resolve_dtype(dtype: torch.dtype | str) -> torch.dtype:
-    """torch dtype from a torch.dtype or a name (bf16/fp16/fp32/bfloat16/...); only float types."""
-    resolved = _DTYPES.get(dtype.lower()) if isinstance(dtype, str) else dtype
-    if resolved not in _SUPPORTED:
-        raise ValueError(f"unsupported model dtype {dtype!r}: use bf16, fp16 or fp32")
-    return resolved
 
 
 def weight_files(root: Path) -> list[Path]:

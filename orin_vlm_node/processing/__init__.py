@@ -8,7 +8,7 @@ ROS-free and model-free (numpy, OpenCV, ``tokenizers``, jinja2, torch only for t
 - ``Tokenizer.from_pretrained(dir)``: ``.encode``, ``.decode``, ``.special``, ``.eos_token_ids``.
 - ``ChatTemplate.from_pretrained(dir).render(messages, add_generation_prompt=True)`` (sandboxed jinja2,
   built-in ChatML when the checkpoint has no template).
-- ``build_prompt_ids(tokenizer, template, messages, image_token_counts)``.
+- ``build_prompt_ids(tokenizer, template, messages, image_token_counts)``; ``expand_image_pads(ids, pad, counts)``.
 - ``IncrementalDetokenizer(tokenizer)``: ``.push(id) -> str``, ``.flush() -> str``.
 
 Errors: ``ImageError``, ``TokenizerError``, ``ChatTemplateError``, ``PromptError`` (all ``ProcessingError``,
@@ -19,7 +19,7 @@ from .chat_template import ChatTemplate, count_images, normalize_messages, rende
 from .detokenizer import IncrementalDetokenizer
 from .errors import ChatTemplateError, ImageError, ProcessingError, PromptError, TokenizerError
 from .image import ImageBatch, ImageProcessor, ImageProcessorConfig, smart_resize, to_rgb
-from .prompt import build_prompt_ids
+from .prompt import build_prompt_ids, expand_image_pads
 from .tokenizer import SpecialTokens, Tokenizer
 
 __all__ = [
@@ -37,6 +37,7 @@ __all__ = [
     "TokenizerError",
     "build_prompt_ids",
     "count_images",
+    "expand_image_pads",
     "normalize_messages",
     "render_chatml",
     "smart_resize",

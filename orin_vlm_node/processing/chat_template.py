@@ -32,6 +32,7 @@ from jinja2.exceptions import SecurityError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from .errors import ChatTemplateError
+from .files import read_json_object
 from .tokenizer import IM_END, IM_START, IMAGE_PAD, VISION_END, VISION_START
 
 ROLES = ("system", "user", "assistant")
@@ -229,13 +230,13 @@ class ChatTemplate:
         """Template of a checkpoint dir: chat_template.jinja, else chat_template.json, else the
         "chat_template" of tokenizer_config.json, else built-in ChatML."""
         root = Path(path)
-        tok_cfg = _read_json(root / "tokenizer_config.json") or {}
+        tok_cfg = read_json_object(root / "tokenizer_config.json", ChatTemplateError) or {}
         special = {k: _token_text(tok_cfg.get(k)) for k in _SPECIAL_TOKEN_KEYS}
         special = {k: v for k, v in special.items() if v is not None}
         jinja_file = root / "chat_template.jinja"
         if jinja_file.is_file():
             return cls(jinja_file.read_text(encoding="utf-8"), special, origin=str(jinja_file))
-        json_cfg = _read_json(root / "chat_template.json")
+        json_cfg = read_json_object(root / "chat_template.json", ChatTemplateError)
         if json_cfg and json_cfg.get("chat_template"):
             return cls(
                 _pick_template(json_cfg["chat_template"], "chat_template.json"),
@@ -269,18 +270,6 @@ class ChatTemplate:
             raise ChatTemplateError(f"chat template from {self.origin} was blocked by the sandbox: {exc}") from exc
         except Exception as exc:  # any template runtime error (TypeError, UndefinedError, ...)
             raise ChatTemplateError(f"chat template from {self.origin} failed: {type(exc).__name__}: {exc}") from exc
-
-
-def _read_json(file: Path) -> dict[str, Any] | None:
-    if not file.is_file():
-        return None
-    try:
-        data = json.loads(file.read_text(encoding="utf-8"))
-    except (OSError, json.JSONDecodeError) as exc:
-        raise ChatTemplateError(f"cannot read {file}: {exc}") from exc
-    if not isinstance(data, dict):
-        raise ChatTemplateError(f"{file} must hold a JSON object")
-    return data
 
 
 def _token_text(value: Any) -> str | None:

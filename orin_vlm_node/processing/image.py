@@ -11,7 +11,6 @@ Qwen2-VL's (patch 14, CLIP mean/std), so silently defaulting would feed a Qwen3-
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -22,6 +21,7 @@ import numpy as np
 import torch
 
 from .errors import ImageError
+from .files import read_json_object
 from .resize import resize_bicubic
 
 MAX_ASPECT_RATIO = 200  # the reference refuses more extreme images; so do we, with ImageError
@@ -217,15 +217,9 @@ class ImageProcessor:
         cls, path: str | Path, min_pixels: int | None = None, max_pixels: int | None = None
     ) -> ImageProcessor:
         """Load ``preprocessor_config.json`` from a checkpoint dir; ``min/max_pixels`` (areas) override it."""
-        file = Path(path) / "preprocessor_config.json"
-        try:
-            cfg = json.loads(file.read_text(encoding="utf-8"))
-        except FileNotFoundError:
-            raise ImageError(f"no preprocessor_config.json in {path}") from None
-        except (OSError, json.JSONDecodeError) as exc:
-            raise ImageError(f"cannot read {file}: {exc}") from exc
-        if not isinstance(cfg, dict):
-            raise ImageError(f"{file} must hold a JSON object")
+        cfg = read_json_object(Path(path) / "preprocessor_config.json", ImageError)
+        if cfg is None:
+            raise ImageError(f"no preprocessor_config.json in {path}")
         return cls(ImageProcessorConfig.from_dict(cfg, min_pixels=min_pixels, max_pixels=max_pixels))
 
     def target_size(self, height: int, width: int) -> tuple[int, int]:

@@ -38,19 +38,26 @@ def build_prompt_ids(
     if n_parts != len(counts):
         raise PromptError(f"the conversation has {n_parts} image part(s) but {len(counts)} image(s) were given")
     text = template.render(plain, add_generation_prompt=add_generation_prompt, **template_kwargs)
-    ids = tokenizer.encode(text)
-    pad = tokenizer.special.image_pad
+    return expand_image_pads(tokenizer.encode(text), tokenizer.special.image_pad, counts)
+
+
+def expand_image_pads(ids: Sequence[int], pad: int, image_token_counts: Sequence[int]) -> list[int]:
+    """Repeat the i-th ``<|image_pad|>`` of ``ids`` ``image_token_counts[i]`` times (one placeholder per image).
+
+    Raises ``PromptError`` when the placeholders and the images do not match (text must not contain
+    ``<|image_pad|>``; the chat template must render every image part).
+    """
     n_pads = sum(1 for t in ids if t == pad)
-    if n_pads != len(counts):
+    if n_pads != len(image_token_counts):
         raise PromptError(
-            f"the rendered prompt has {n_pads} image placeholder(s) but {len(counts)} image(s) were given "
-            "(text must not contain <|image_pad|>; the chat template must render every image part)"
+            f"the rendered prompt has {n_pads} image placeholder(s) but {len(image_token_counts)} image(s) were "
+            "given (text must not contain <|image_pad|>; the chat template must render every image part)"
         )
     out: list[int] = []
     image = 0
     for t in ids:
         if t == pad:
-            out.extend([pad] * counts[image])
+            out.extend([pad] * image_token_counts[image])
             image += 1
         else:
             out.append(t)

@@ -8,7 +8,6 @@ hard-coded, so tiny test tokenizers and real checkpoints go through the same cod
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,6 +15,7 @@ from pathlib import Path
 from tokenizers import Tokenizer as _HFTokenizer
 
 from .errors import TokenizerError
+from .files import read_json_object
 
 IM_START = "<|im_start|>"
 IM_END = "<|im_end|>"
@@ -99,13 +99,9 @@ class Tokenizer:
 
 
 def _read_eos_ids(file: Path) -> list[int] | None:
-    if not file.is_file():
-        return None
-    try:
-        cfg = json.loads(file.read_text(encoding="utf-8"))
-    except (OSError, json.JSONDecodeError) as exc:
-        raise TokenizerError(f"cannot read {file}: {exc}") from exc
-    eos = cfg.get("eos_token_id") if isinstance(cfg, dict) else None
+    """The stop ids of ``generation_config.json`` (the only place they are read)."""
+    cfg = read_json_object(file, TokenizerError)
+    eos = cfg.get("eos_token_id") if cfg is not None else None
     if eos is None:
         return None
     ids = [eos] if isinstance(eos, int) else eos

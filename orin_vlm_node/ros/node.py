@@ -23,7 +23,6 @@ import sys
 import threading
 import time
 from collections.abc import Mapping
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -45,12 +44,10 @@ from .image import ImageConversionError, ImageConverter, stamp_seconds
 from .params import (
     RUNTIME_ENGINE_FIELDS,
     SAMPLING_FIELDS,
-    SPECS,
     check_changes,
     declare_parameters,
     engine_config,
     engine_kwargs,
-    model_path_of,
     sampling_params,
 )
 from .request_queue import PendingPrompt, RequestQueue
@@ -102,10 +99,11 @@ class VlmNode(Node):
         super().__init__(NODE_NAME, **node_kwargs)
         self._lock = threading.Lock()  # guards _values, _pending_*, _current_id, _cancelled, _session
         self._values: dict[str, Any] = declare_parameters(self)
-        reason = check_changes(self._values, self._values)
+        reason = check_changes(self._values)
         if reason:
             raise StartupError(f"invalid parameter value: {reason}")
-        model_dir = Path(model_path_of(self._values))
+        config = engine_config(self._values)
+        model_dir = config.model_dir
         if not (model_dir / "config.json").is_file():
             if not self._values["model_path"]:
                 raise StartupError(f"the embedded default model is missing at {model_dir} (reinstall the package)")
@@ -114,7 +112,7 @@ class VlmNode(Node):
                 "pass -p model_path:=/path/to/Qwen3-VL-... or leave it empty for the embedded default model"
             )
         t0 = time.monotonic()
-        self._engine = Engine(engine_config(self._values))
+        self._engine = Engine(config)
         self._engine_applied: dict[str, Any] = engine_kwargs(self._values, RUNTIME_ENGINE_FIELDS)
         self._pending_engine: dict[str, Any] = {}
         self._pending_resets: list[str] = []
@@ -261,7 +259,7 @@ class VlmNode(Node):
         with self._lock:
             current = dict(self._values)
             pending = dict(self._pending_engine)
-        reason = check_changes(changes, current)
+        reason = check_changes(changes)
         if reason:
             return SetParametersResult(successful=False, reason=reason)
         after = {**current, **changes}
@@ -336,14 +334,10 @@ class VlmNode(Node):
 
     def _revert(self, changes: Mapping[str, Any]) -> None:
         """Put the parameters of a failed reconfiguration back to what the engine really runs."""
-        names = [n for n in changes if n in self._engine_applied and n in SPECS]
-        revert = [Parameter(n, value=self._raw_value(n, self._engine_applied[n])) for n in names]
+        names = [n for n in changes if n in self._engine_applied and n in RUNTIME_ENGINE_FIELDS]
+        revert = [Parameter(n, value=self._engine_applied[n]) for n in names]
         if revert:
             self.set_parameters(revert)
-
-    @staticmethod
-    def _raw_value(name: str, engine_value: Any) -> Any:
-        return int(engine_value) if name == "kv_pool_mb" else engine_value
 
     def _run(self, item: PendingPrompt) -> None:
         with self._lock:

@@ -1,0 +1,91 @@
+"""From a request to what the model computes: the new token ids of a turn, their RoPE positions and images.
+
+A first turn renders the whole conversation (system prompt, the user turn with its images); a session's
+later turn renders only what follows the cached tokens (:class:`ConversationRenderer`), preceded by the
+session's pending ids. Images are preprocessed once here; their content hashes key the image-pad tokens
+for the prefix cache (:mod:`.images`). RoPE positions continue the session's (dual position tracking:
+KV slots count tokens, RoPE positions run behind them after an image).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from ..model.config import ModelConfig
+from ..model.positions import mrope_positions
+from ..processing import ChatTemplate, ImageBatch, ImageProcessor, Tokenizer
+from .conversation import ConversationRenderer
+from .events import Turn
+from .images import image_keys, token_extra_keys
+from .session import Session
+
+
+@dataclass
+class PreparedTurn:
+    """What one turn adds to its sequence."""
+
+    new_ids: list[int]  # tokens to prefill: the session's pending ids, then the turn's own
+    extra_keys: list[Hashable | None]  # per new token: the image hash of an image pad, else None
+    messages: list[dict]  # the conversation after this turn, in chat-template form
+    positions: torch.Tensor  # (3, len(new_ids)) RoPE positions
+    next_position: int  # RoPE position after the turn
+    images: ImageBatch | None
+    history: int  # tokens the session's KV already holds
+
+    @property
+    def total_tokens(self) -> int:
+        return self.history + len(self.new_ids)
+
+
+class TurnPreparer:
+    """Renders, tokenizes and positions one turn with the checkpoint's tokenizer, template and image settings."""
+
+    def __init__(
+        self, tokenizer: Tokenizer, template: ChatTemplate, image_processor: ImageProcessor, model: ModelConfig
+    ):
+        self.renderer = ConversationRenderer(tokenizer, template)
+        self.image_processor = image_processor
+        self.image_pad = tokenizer.special.image_pad
+        self.model = model
+
+    def prepare(self, turn: Turn, system_prompt: str | None, session: Session | None, limit: int) -> PreparedTurn:
+        """ValueError (a ProcessingError among them) for a bad turn or one past ``limit`` tokens in all."""
+        check_turn(turn)
+        batch = self.image_processor.preprocess(list(turn.images), color=turn.color) if turn.images else None
+        counts = list(batch.num_tokens) if batch is not None else []
+        if session is not None:
+            delta, messages = self.renderer.next_turn(session.messages, session.answer, turn, counts)
+            new_ids, history, start = session.pending_ids + delta, len(session.token_ids), session.next_position
+        else:
+            new_ids, messages = self.renderer.first_turn(system_prompt, turn, counts)
+            history, start = 0, 0
+        if history + len(new_ids) > limit:
+            earlier = f" ({history} from earlier turns)" if history else ""
+            raise ValueError(
+                f"prompt is too long: {history + len(new_ids)} tokens{earlier}, max_context_tokens is {limit}"
+            )
+        positions, next_position = mrope_positions(
+            new_ids,
+            batch.grid_thw if batch is not None else None,
+            self.model.image_token_id,
+            self.model.vision.spatial_merge_size,
+            start=start,
+        )
+        extra = token_extra_keys(new_ids, self.image_pad, image_keys(batch), counts)
+        return PreparedTurn(new_ids, extra, messages, positions, next_position, batch, history)
+
+
+def check_turn(turn: Turn) -> None:
+    if not isinstance(turn.text, str):
+        raise ValueError(f"prompt text must be a string, got {type(turn.text).__name__}")
+    if not turn.text.strip() and not turn.images:
+        raise ValueError("empty prompt: the turn has no text and no image")
+    if turn.color not in ("rgb", "bgr"):
+        raise ValueError(f"image color must be 'rgb' or 'bgr', got {turn.color!r}")
+    for i, image in enumerate(turn.images):
+        if not isinstance(image, np.ndarray):
+            raise ValueError(f"image {i} must be a numpy array (H, W, C) uint8, got {type(image).__name__}")

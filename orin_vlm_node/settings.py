@@ -1,0 +1,166 @@
+"""Every setting of the product, written once: name, type, default, bounds, unit, when a change takes effect.
+
+The frontends are derived from this table, never typed again: the node's ROS parameters and their
+descriptors (``ros/params.py``), the command-line flags (``cli.py``: ``page_size`` is ``--page-size``), the
+launch file's arguments, and, checked by tests, ``config/orin_vlm.yaml``, the README's parameter table and
+the defaults of ``EngineConfig``. A value is checked here against its type and bounds only; every rule
+beyond that lives in the layer that owns it: the KV cache (page size a power of two, the pool fits in
+memory and holds one context), sampling (``engine/sampling.py``), the image processor (min <= max pixels),
+the CUDA layer (the kernel directory holds the kernels) and the engine (the device exists).
+
+Who consumes a setting:
+
+* ``engine``: an ``EngineConfig`` field, applied by ``Engine.reconfigure`` between requests;
+* ``sampling``: a ``SamplingParams`` field, taken by the next prompt;
+* ``node``: the ROS node itself (queue, images, conversation), taken by the next prompt.
+
+This module imports nothing but the standard library: the launch file imports it in the ``ros2 launch``
+process, which must not pay for torch.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Literal
+
+Value = bool | int | float | str
+Applies = Literal["read_only", "between_requests", "next_prompt"]
+Consumer = Literal["engine", "sampling", "node"]
+
+APPLIES_TEXT = {"read_only": "read-only", "between_requests": "between requests", "next_prompt": "next prompt"}
+
+
+@dataclass(frozen=True)
+class Setting:
+    """One setting. ``min``/``max`` are inclusive bounds; ``choices`` the accepted strings."""
+
+    name: str
+    type: type
+    default: Value
+    description: str
+    consumer: Consumer
+    applies: Applies
+    unit: str = ""
+    min: int | float | None = None
+    max: int | float | None = None
+    choices: tuple[str, ...] = ()
+
+    def problem(self, value: Any) -> str | None:
+        """Why ``value`` is not acceptable (type, choices, bounds), or None."""
+        if self.type is bool:
+            ok = isinstance(value, bool)
+        elif self.type is int:
+            ok = isinstance(value, int) and not isinstance(value, bool)
+        elif self.type is float:
+            ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+        else:
+            ok = isinstance(value, str)
+        if not ok:
+            return f"{self.name} must be {_TYPE_TEXT[self.type]}, got {value!r}"
+        if self.choices and value not in self.choices:
+            return f"{self.name} must be one of {', '.join(self.choices)}, got {value!r}"
+        if (self.min is not None and value < self.min) or (self.max is not None and value > self.max):
+            unit = f" {self.unit}" if self.unit else ""
+            return f"{self.name} must be in {self.min:g}..{self.max:g}{unit}, got {value!r}"
+        return None
+
+    @property
+    def flag(self) -> str:
+        """The command-line spelling: ``--page-size``."""
+        return "--" + self.name.replace("_", "-")
+
+
+_TYPE_TEXT = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}
+
+
+def _s(name, type_, default, description, consumer, applies, **bounds) -> Setting:
+    return Setting(name, type_, default, description, consumer, applies, **bounds)
+
+
+E, S, N = "engine", "sampling", "node"
+RO, BETWEEN, NEXT = "read_only", "between_requests", "next_prompt"
+MEGA = 1_000_000
+
+SETTINGS: tuple[Setting, ...] = (
+    # -- model and device
+    _s("model_path", str, "", "Qwen3-VL directory (Hugging Face format); '' = the embedded default model", E, RO),
+    _s("device", str, "auto", "where the model runs; auto = cuda when available", E, BETWEEN,
+       choices=("auto", "cuda", "cpu")),
+    _s("dtype", str, "auto", "weights and activations; auto = the checkpoint's on CUDA, fp32 on CPU", E, BETWEEN,
+       choices=("auto", "bf16", "fp16", "fp32")),
+    # -- KV cache
+    _s("use_paged_attention", bool, True, "paged KV cache (block pool); false = contiguous baseline", E, BETWEEN),
+    _s("page_size", int, 16, "tokens per KV block; a power of two", E, BETWEEN, unit="tokens", min=1, max=256),
+    _s("kv_pool_mb", int, 0, "KV pool size; 0 = sized by need (contexts held + prefix share, capped by free "
+       "memory)", E, BETWEEN, unit="MB", min=0, max=262_144),
+    _s("kv_pool_blocks", int, 0, "KV pool size in blocks; > 0 wins over kv_pool_mb", E, BETWEEN, min=0,
+       max=16_777_216),
+    _s("kv_prefix_share", float, 0.25, "automatic pool size: extra share of blocks for cached prefixes", E,
+       BETWEEN, min=0.0, max=4.0),
+    _s("kv_memory_reserve_mb", int, 1024, "automatic pool size: memory left free for the rest of the robot", E,
+       BETWEEN, unit="MB", min=0, max=1_048_576),
+    _s("prefix_caching", bool, True, "reuse the KV blocks of an identical prompt prefix (paged only)", E, BETWEEN),
+    _s("max_context_tokens", int, 4096, "longest sequence: prompt, image tokens and answer", E, BETWEEN,
+       unit="tokens", min=16, max=262_144),
+    # -- CUDA
+    _s("use_cuda_kernels", bool, True, "custom CUDA attention kernels (CUDA only)", E, BETWEEN),
+    _s("use_cuda_graph", bool, True, "replay the decode step as CUDA graphs (CUDA only)", E, BETWEEN),
+    _s("allow_kernel_fallback", bool, True, "true: torch attention, reported as 'kernels: off (<reason>)', when "
+       "the kernels cannot be used; false: that is a startup error", E, BETWEEN),
+    _s("kernel_dir", str, "", "CUDA kernel sources; '' = the ones installed with the package", E, BETWEEN),
+    _s("kernel_cache_dir", str, "", "compiled kernel cache; '' = ~/.cache/orin_vlm_node/kernels", E, BETWEEN),
+    # -- images
+    _s("image_min_pixels", int, 0, "smallest image area after resizing; 0 = the checkpoint's value", E, BETWEEN,
+       unit="pixels", min=0, max=64 * MEGA),
+    _s("image_max_pixels", int, 0, "largest image area after resizing; 0 = the checkpoint's value", E, BETWEEN,
+       unit="pixels", min=0, max=64 * MEGA),
+    # -- sampling
+    _s("max_new_tokens", int, 128, "longest answer", S, NEXT, unit="tokens", min=1, max=32_768),
+    _s("temperature", float, 0.0, "sampling temperature; 0 = greedy (deterministic)", S, NEXT, min=0.0, max=5.0),
+    _s("top_p", float, 1.0, "nucleus sampling mass, above 0; 1 = off", S, NEXT, min=0.0, max=1.0),
+    _s("top_k", int, 0, "keep the k most likely tokens; 0 = off", S, NEXT, min=0, max=1_000_000),
+    _s("min_p", float, 0.0, "drop tokens below min_p x the top probability; 0 = off", S, NEXT, min=0.0, max=1.0),
+    _s("repetition_penalty", float, 1.0, "penalty on tokens already present; 1 = off", S, NEXT, min=0.01,
+       max=10.0),
+    _s("presence_penalty", float, 0.0, "subtracted from the logits of tokens already generated; 0 = off", S, NEXT,
+       min=-2.0, max=2.0),
+    _s("seed", int, -1, "sampling seed; -1 = a fresh random seed per prompt", S, NEXT, min=-1, max=2**31 - 1),
+    # -- node
+    _s("system_prompt", str, "", "system message of every conversation; '' = none", N, NEXT),
+    _s("multi_turn", bool, False, "keep the conversation (one engine session) until ~/reset", N, NEXT),
+    _s("image_max_age_s", float, 2.0, "a prompt uses the latest image not older than this; 0 = no images", N, NEXT,
+       unit="s", min=0.0, max=3600.0),
+    _s("max_queue", int, 4, "prompts waiting behind the running one; overflow drops the oldest", N, NEXT, min=1,
+       max=1000),
+)  # fmt: skip
+
+BY_NAME: dict[str, Setting] = {s.name: s for s in SETTINGS}
+
+
+def settings_for(consumer: Consumer) -> tuple[Setting, ...]:
+    return tuple(s for s in SETTINGS if s.consumer == consumer)
+
+
+def defaults() -> dict[str, Value]:
+    return {s.name: s.default for s in SETTINGS}
+
+
+def problem(values: Mapping[str, Any]) -> str | None:
+    """The first unknown name or out-of-bounds value among ``values``, or None."""
+    for name, value in values.items():
+        setting = BY_NAME.get(name)
+        if setting is None:
+            return f"unknown setting {name!r}"
+        reason = setting.problem(value)
+        if reason:
+            return reason
+    return None
+
+
+def check(values: Mapping[str, Any]) -> None:
+    """Raise ValueError naming the first unknown or out-of-bounds value."""
+    reason = problem(values)
+    if reason:
+        raise ValueError(reason)
