@@ -12,8 +12,9 @@ Lifecycle of one step (``step`` / ``prepare_static_decode``), in this order, all
 3. upload the changed block-table entries to the sequence's device table (only those entries);
 4. compute the slot mapping on the device from that table.
 
-Skipping 1-3 for a step that crosses a page boundary is exactly the OrinMLLM CUDA-graph bug (garbage
-after the first page boundary): graphs replay kernels, so the host half must run before every replay.
+Skipping 1-3 for a step that crosses a page boundary is the page-boundary pitfall of CUDA graphs
+(docs/architecture.md, "Paging under CUDA graphs"): graphs replay kernels only, so the host half runs
+before every replay. The StepAttention objects a step hands the model are in :mod:`.paged_step`.
 """
 
 from __future__ import annotations
@@ -25,10 +26,11 @@ from dataclasses import dataclass, field
 import torch
 
 from .attention import PagedAttentionImpl, TorchPagedAttention
-from .base import ExtraKeys, KVCache, StaticDecodeBuffers, check_step_shapes
+from .base import ExtraKeys, KVCache, StaticDecodeBuffers
 from .block_pool import BlockKey, BlockPool
 from .config import KVCacheConfig, plan_pool
 from .errors import PoolExhausted
+from .paged_step import PagedStaticDecode, PagedStep
 from .prefix_hash import block_extras, block_hash, normalize_extra_keys, normalize_tokens
 
 _log = logging.getLogger(__name__)
@@ -167,7 +169,7 @@ class PagedKVCache(KVCache):
         self._grow(s, new_len)
         self._sync(s)
 
-    def step(self, seq: int, num_new: int) -> _PagedStep:
+    def step(self, seq: int, num_new: int) -> PagedStep:
         s = self._get(seq)
         if num_new < 1:
             raise ValueError(f"step needs at least one new token, got {num_new}")
@@ -175,7 +177,7 @@ class PagedKVCache(KVCache):
         self._grow(s, new_len)
         s.length = new_len
         self._sync(s)
-        return _PagedStep(self, self._slot_mapping(s, start, new_len), s.dev_table, start, new_len, num_new)
+        return PagedStep(self, self._slot_mapping(s, start, new_len), s.dev_table, start, new_len, num_new)
 
     def _slot_mapping(self, s: _Seq, start: int, end: int) -> torch.Tensor:
         """Step 4: physical slots of positions ``start..end-1`` as an (L,) int64 device tensor.
@@ -321,11 +323,11 @@ class PagedKVCache(KVCache):
         buffers.kv_len.fill_(pos + 1)
         buffers.block_table.copy_(s.dev_table)  # device-to-device, already up to date
 
-    def static_decode_attention(self, buffers: StaticDecodeBuffers, width: int | None = None) -> _PagedStaticDecode:
+    def static_decode_attention(self, buffers: StaticDecodeBuffers, width: int | None = None) -> PagedStaticDecode:
         blocks = self.config.max_blocks_per_sequence
         if width is not None:
             blocks = min(blocks, max(1, -(-width // self.page_size)))
-        return _PagedStaticDecode(self, buffers, blocks)
+        return PagedStaticDecode(self, buffers, blocks)
 
     # -- introspection ---------------------------------------------------------------------------
     def stats(self) -> dict:
@@ -364,41 +366,3 @@ class PagedKVCache(KVCache):
             "prefix_hit_rate": self._prefix_hit_blocks / lookups if lookups else 0.0,
             "evictions": self.pool.evictions,
         }
-
-
-class _PagedStep:
-    """StepAttention of one paged step; valid until the sequence is next changed (step/fork/truncate)."""
-
-    def __init__(
-        self, cache: PagedKVCache, slot_mapping: torch.Tensor, table: torch.Tensor, q_start: int, kv_len: int, n: int
-    ) -> None:
-        self._cache = cache
-        self.slot_mapping = slot_mapping  # (L,) int64
-        self._table = table
-        self.q_start = q_start
-        self.kv_len = kv_len
-        self._n = n
-
-    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        cache = self._cache
-        check_step_shapes(self._n, q, k, v, cache.config)
-        kp, vp = cache.k_pool(layer), cache.v_pool(layer)
-        impl = cache.attention_impl
-        impl.write_kv(kp, vp, k, v, self.slot_mapping)
-        return impl.attend(q, kp, vp, self._table, self.q_start, self.kv_len)
-
-
-class _PagedStaticDecode:
-    """Decode StepAttention reading slot, kv_len and the first ``blocks`` table entries from the static
-    buffers only (a prefix view of the row: the same tensor whatever the sequence does)."""
-
-    def __init__(self, cache: PagedKVCache, buffers: StaticDecodeBuffers, blocks: int) -> None:
-        self._cache, self._buf = cache, buffers
-        self._table = buffers.block_table[:blocks]
-
-    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        cache, buf = self._cache, self._buf
-        check_step_shapes(1, q, k, v, cache.config)
-        kp, vp = cache.k_pool(layer), cache.v_pool(layer)
-        cache.attention_impl.write_kv(kp, vp, k, v, buf.slot_mapping)
-        return cache.attention_impl.attend_decode(q, kp, vp, self._table, buf.kv_len)

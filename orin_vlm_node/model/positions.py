@@ -50,33 +50,50 @@ def mrope_positions(
             cur += end - begin
             highest = cur - 1
             continue
-        offset = begin
-        while offset < end:  # one image-pad run may hold several adjacent images
-            if next_grid >= len(grids):
-                raise ValueError(
-                    f"prompt has more image-pad tokens than images: {end - offset} <|image_pad|> tokens at "
-                    f"positions {offset}..{end - 1} have no image left ({len(grids)} image(s) given)"
-                )
-            t, gh, gw = grids[next_grid]
-            count = t * gh * gw
-            if offset + count > end:
-                raise ValueError(
-                    f"image {next_grid} (grid t={t}, h={gh * spatial_merge_size}, w={gw * spatial_merge_size}) "
-                    f"needs {count} <|image_pad|> tokens but its run at position {offset} has only {end - offset}"
-                )
-            ti, hi, wi = torch.meshgrid(torch.arange(t), torch.arange(gh), torch.arange(gw), indexing="ij")
-            block = torch.stack((ti.reshape(-1), hi.reshape(-1), wi.reshape(-1))) + cur  # (3, count)
-            positions[:, offset : offset + count] = block
-            highest = max(highest, int(block.max()))
-            cur += max(gh, gw)
-            offset += count
-            next_grid += 1
+        next_grid, cur, top = _image_run(positions, begin, end, grids, next_grid, cur, spatial_merge_size)
+        highest = max(highest, top)
     if next_grid != len(grids):
         raise ValueError(
             f"{len(grids)} image(s) given but the prompt's <|image_pad|> runs cover only {next_grid} "
             "(an image placeholder is missing or was not expanded)"
         )
     return positions, highest + 1
+
+
+def _image_run(
+    positions: torch.Tensor,
+    begin: int,
+    end: int,
+    grids: list[tuple[int, int, int]],
+    next_grid: int,
+    cur: int,
+    merge: int,
+) -> tuple[int, int, int]:
+    """Fill ``positions[:, begin:end]``, a run of image pads (one image or several adjacent ones) from
+    ``grids[next_grid]`` on; return (next unused grid, position after the run, highest position)."""
+    offset = begin
+    highest = cur - 1
+    while offset < end:
+        if next_grid >= len(grids):
+            raise ValueError(
+                f"prompt has more image-pad tokens than images: {end - offset} <|image_pad|> tokens at "
+                f"positions {offset}..{end - 1} have no image left ({len(grids)} image(s) given)"
+            )
+        t, gh, gw = grids[next_grid]
+        count = t * gh * gw
+        if offset + count > end:
+            raise ValueError(
+                f"image {next_grid} (grid t={t}, h={gh * merge}, w={gw * merge}) "
+                f"needs {count} <|image_pad|> tokens but its run at position {offset} has only {end - offset}"
+            )
+        ti, hi, wi = torch.meshgrid(torch.arange(t), torch.arange(gh), torch.arange(gw), indexing="ij")
+        block = torch.stack((ti.reshape(-1), hi.reshape(-1), wi.reshape(-1))) + cur  # (3, count)
+        positions[:, offset : offset + count] = block
+        highest = max(highest, int(block.max()))
+        cur += max(gh, gw)
+        offset += count
+        next_grid += 1
+    return next_grid, cur, highest
 
 
 def rope_delta(next_position: int, kv_len: int) -> int:

@@ -13,6 +13,8 @@ The engine wants HWC ``uint8`` RGB (``engine.events.Turn``), so that is what eve
 
 from __future__ import annotations
 
+import threading
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -190,3 +192,30 @@ def rgb_to_image_msg(rgb: np.ndarray, image_cls: Any, stamp: Any = None, frame_i
 def stamp_seconds(stamp: Any) -> float:
     """A builtin_interfaces/Time as float seconds (what status events report as image_stamp)."""
     return float(stamp.sec) + float(stamp.nanosec) * 1e-9
+
+
+class LatestImage:
+    """The newest decoded frame, shared by the image callbacks and the prompt callback."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._rgb: np.ndarray | None = None
+        self._stamp: float | None = None
+        self._received = 0.0
+
+    def set(self, rgb: np.ndarray, stamp: float) -> None:
+        with self._lock:
+            self._rgb, self._stamp, self._received = rgb, stamp, time.monotonic()
+
+    def pick(self, max_age_s: float) -> tuple[np.ndarray | None, float | None, str | None]:
+        """(image, header stamp, note): the frame if it is fresh enough, else a note saying why not."""
+        if max_age_s <= 0:
+            return None, None, None
+        with self._lock:
+            rgb, stamp, received = self._rgb, self._stamp, self._received
+        if rgb is None:
+            return None, None, None
+        age = time.monotonic() - received
+        if age > max_age_s:
+            return None, stamp, f"image ignored: received {age:.1f} s ago (image_max_age_s={max_age_s:g})"
+        return rgb, stamp, None

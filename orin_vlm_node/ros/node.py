@@ -6,7 +6,7 @@ Topics (relative, so namespaces and remaps apply): subscribes ``image`` (sensor_
 JSON object per event, see ``status``) and ``/diagnostics`` (about 1 Hz). Services ``~/reset``
 (forget the multi-turn conversation) and ``~/cancel`` (stop the running prompt, drop waiting ones).
 
-Threading, and why: generation takes seconds, so it runs on one worker thread that owns every
+Threading, and why: generation takes seconds, so it runs on one worker thread (``worker.py``) that owns every
 mutating engine call (``generate``, ``reconfigure``, ``reset``). ROS callbacks only enqueue work or
 flip flags, and a MultiThreadedExecutor with separate callback groups keeps services, parameter
 changes and image updates responsive during a generation. ``Engine.cancel`` is the only engine call
@@ -25,7 +25,6 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
-import numpy as np
 import rclpy
 from diagnostic_msgs.msg import DiagnosticArray, DiagnosticStatus, KeyValue
 from rcl_interfaces.msg import SetParametersResult
@@ -38,9 +37,8 @@ from sensor_msgs.msg import CompressedImage, Image
 from std_msgs.msg import String
 from std_srvs.srv import Trigger
 
-from ..engine import Engine, EngineError
-from ..engine.events import Finished, Request, TextDelta, Turn
-from .image import ImageConversionError, ImageConverter, stamp_seconds
+from ..engine import Engine, EngineConfig, EngineError
+from .image import ImageConversionError, ImageConverter, LatestImage, stamp_seconds
 from .params import (
     RUNTIME_ENGINE_FIELDS,
     SAMPLING_FIELDS,
@@ -51,7 +49,8 @@ from .params import (
     sampling_params,
 )
 from .request_queue import PendingPrompt, RequestQueue
-from .status import diagnostic_values, status_json
+from .status import backend_summary, engine_diagnostics, status_json
+from .worker import Worker
 
 NODE_NAME = "orin_vlm"
 # Identical image errors (a broken camera at 30 Hz) are reported at most this often.
@@ -65,31 +64,37 @@ class StartupError(RuntimeError):
     """The node cannot start (bad parameters, missing model); the message says what to fix."""
 
 
-class _LatestImage:
-    """The newest decoded frame, shared by the image callbacks and the prompt callback."""
+def startup_config(values: Mapping[str, Any]) -> EngineConfig:
+    """The engine config of the declared parameter values; StartupError before anything loads when the
+    values are out of bounds or the model directory is not one."""
+    reason = check_changes(values)
+    if reason:
+        raise StartupError(f"invalid parameter value: {reason}")
+    config = engine_config(values)
+    if not (config.model_dir / "config.json").is_file():
+        if not values["model_path"]:
+            raise StartupError(f"the embedded default model is missing at {config.model_dir} (reinstall the package)")
+        raise StartupError(
+            f"model_path {str(config.model_dir)!r} is not a Hugging Face model directory (no config.json there); "
+            "pass -p model_path:=/path/to/Qwen3-VL-... or leave it empty for the embedded default model"
+        )
+    return config
 
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._rgb: np.ndarray | None = None
-        self._stamp: float | None = None
-        self._received = 0.0
 
-    def set(self, rgb: np.ndarray, stamp: float) -> None:
-        with self._lock:
-            self._rgb, self._stamp, self._received = rgb, stamp, time.monotonic()
+class _Publishers:
+    """The worker's :class:`~.worker.Outputs`: the node's tokens, response and status topics."""
 
-    def pick(self, max_age_s: float) -> tuple[np.ndarray | None, float | None, str | None]:
-        """(image, header stamp, note): the frame if it is fresh enough, else a note saying why not."""
-        if max_age_s <= 0:
-            return None, None, None
-        with self._lock:
-            rgb, stamp, received = self._rgb, self._stamp, self._received
-        if rgb is None:
-            return None, None, None
-        age = time.monotonic() - received
-        if age > max_age_s:
-            return None, stamp, f"image ignored: received {age:.1f} s ago (image_max_age_s={max_age_s:g})"
-        return rgb, stamp, None
+    def __init__(self, node: VlmNode) -> None:
+        self._node = node
+
+    def tokens(self, text: str) -> None:
+        self._node._tokens_pub.publish(String(data=text))
+
+    def response(self, text: str) -> None:
+        self._node._response_pub.publish(String(data=text))
+
+    def status(self, event: str, request_id: str | None, **fields: Any) -> None:
+        self._node._publish_status(event, request_id, **fields)
 
 
 class VlmNode(Node):
@@ -97,39 +102,40 @@ class VlmNode(Node):
 
     def __init__(self, **node_kwargs: Any) -> None:
         super().__init__(NODE_NAME, **node_kwargs)
-        self._lock = threading.Lock()  # guards _values, _pending_*, _current_id, _cancelled, _session
+        self._lock = threading.Lock()  # guards _values, _session_id and the counters
         self._values: dict[str, Any] = declare_parameters(self)
-        reason = check_changes(self._values)
-        if reason:
-            raise StartupError(f"invalid parameter value: {reason}")
-        config = engine_config(self._values)
-        model_dir = config.model_dir
-        if not (model_dir / "config.json").is_file():
-            if not self._values["model_path"]:
-                raise StartupError(f"the embedded default model is missing at {model_dir} (reinstall the package)")
-            raise StartupError(
-                f"model_path {str(model_dir)!r} is not a Hugging Face model directory (no config.json there); "
-                "pass -p model_path:=/path/to/Qwen3-VL-... or leave it empty for the embedded default model"
-            )
+        config = startup_config(self._values)
         t0 = time.monotonic()
         self._engine = Engine(config)
-        self._engine_applied: dict[str, Any] = engine_kwargs(self._values, RUNTIME_ENGINE_FIELDS)
-        self._pending_engine: dict[str, Any] = {}
-        self._pending_resets: list[str] = []
         self._session_counter = 0
         self._session_id = self._new_session_id()
         self._request_counter = 0
-        self._current_id: str | None = None
-        self._cancelled: set[str] = set()
-        self._last_metrics: dict[str, float] = {}
-        self._completed = 0
         self._image_errors: dict[str, float] = {}
-        self._stopping = threading.Event()
 
         self._converter = ImageConverter()
-        self._latest = _LatestImage()
+        self._latest = LatestImage()
         self._queue = RequestQueue(int(self._values["max_queue"]))
+        self._create_interfaces()
+        self._worker = Worker(
+            self._engine,
+            self._queue,
+            _Publishers(self),
+            engine_kwargs(self._values, RUNTIME_ENGINE_FIELDS),
+            self._revert,
+            self._current_session,
+        )
+        described = self._describe()
+        backend = backend_summary(described)
+        log = self.get_logger().warning if described.get("kernels_degraded") else self.get_logger().info
+        log(
+            f"ready in {time.monotonic() - t0:.1f} s: model {config.model_dir}, device {described.get('device', '?')}, "
+            f"dtype {described.get('dtype', '?')}, images via {self._converter.backend}; {backend}"
+        )
+        self._ready_note = backend
+        self._ready_timer = self.create_timer(READY_ANNOUNCE_DELAY_S, self._announce_ready)
 
+    def _create_interfaces(self) -> None:
+        """Publishers, subscriptions, services and timers; callbacks in groups that keep services responsive."""
         stream_qos = QoSProfile(depth=1000, reliability=ReliabilityPolicy.RELIABLE)
         self._tokens_pub = self.create_publisher(String, "tokens", stream_qos)
         self._response_pub = self.create_publisher(String, "response", 10)
@@ -148,18 +154,6 @@ class VlmNode(Node):
         self.create_service(Trigger, "~/cancel", self._on_cancel, callback_group=services)
         self.create_timer(1.0, self._publish_diagnostics, callback_group=MutuallyExclusiveCallbackGroup())
         self.add_on_set_parameters_callback(self._on_set_parameters)
-
-        self._worker = threading.Thread(target=self._worker_loop, name="orin_vlm_worker", daemon=True)
-        self._worker.start()
-        described = self._describe()
-        backend = self._backend_summary(described)
-        log = self.get_logger().warning if described.get("kernels_degraded") else self.get_logger().info
-        log(
-            f"ready in {time.monotonic() - t0:.1f} s: model {model_dir}, device {described.get('device', '?')}, "
-            f"dtype {described.get('dtype', '?')}, images via {self._converter.backend}; {backend}"
-        )
-        self._ready_note = backend
-        self._ready_timer = self.create_timer(READY_ANNOUNCE_DELAY_S, self._announce_ready)
 
     def _announce_ready(self) -> None:
         """The first status event: the node serves, and which attention path and KV pool it runs with."""
@@ -229,23 +223,17 @@ class VlmNode(Node):
     def _on_reset(self, _request: Trigger.Request, response: Trigger.Response) -> Trigger.Response:
         with self._lock:
             old = self._session_id
-            self._pending_resets.append(old)
             self._session_id = self._new_session_id()
-        self._queue.wake()
+        self._worker.queue_changes({}, reset_session=old)
         response.success = True
         response.message = "conversation reset: the next prompt starts a new session"
         return response
 
     def _on_cancel(self, _request: Trigger.Request, response: Trigger.Response) -> Trigger.Response:
-        with self._lock:
-            current = self._current_id
-            if current is not None:
-                self._cancelled.add(current)
+        current = self._worker.cancel_running()
         waiting = self._queue.drain()
         for item in waiting:
             self._publish_dropped(item, "cancelled by ~/cancel before it started")
-        if current is not None:
-            self._engine.cancel(current)
         response.success = True
         response.message = (
             f"cancelled {current if current else 'nothing running'}; dropped {len(waiting)} waiting prompt(s)"
@@ -258,7 +246,7 @@ class VlmNode(Node):
         changes = {p.name: p.value for p in params}
         with self._lock:
             current = dict(self._values)
-            pending = dict(self._pending_engine)
+        pending = self._worker.pending_changes()
         reason = check_changes(changes)
         if reason:
             return SetParametersResult(successful=False, reason=reason)
@@ -276,124 +264,27 @@ class VlmNode(Node):
                 self._engine.validate_changes(**to_validate)
             except ValueError as exc:
                 return SetParametersResult(successful=False, reason=str(exc))
+        reset = None
         with self._lock:
             self._values.update(changes)
-            self._pending_engine.update(engine_changes)
             if "multi_turn" in changes and bool(changes["multi_turn"]) != bool(current["multi_turn"]):
-                self._pending_resets.append(self._session_id)
-                self._session_id = self._new_session_id()
+                reset, self._session_id = self._session_id, self._new_session_id()
         if "max_queue" in changes:
             for dropped in self._queue.set_max_size(int(changes["max_queue"])):
                 self._publish_dropped(dropped, f"max_queue lowered to {changes['max_queue']}")
-        self._queue.wake()
+        self._worker.queue_changes(engine_changes, reset_session=reset)
         return SetParametersResult(successful=True)
 
-    # ---------------------------------------------------------------- worker thread
-
-    def _worker_loop(self) -> None:
-        while not self._stopping.is_set():
-            self._apply_pending()
-            item = self._queue.get(timeout=0.5)
-            if item is None or self._stopping.is_set():
-                continue
-            self._apply_pending()
-            try:
-                self._run(item)
-            except Exception as exc:  # a bug must cost one request, never the node
-                self.get_logger().error(f"request {item.request_id} failed: {exc!r}")
-                self._publish_status("error", item.request_id, finish_reason="error", error=f"internal error: {exc!r}")
-            finally:
-                with self._lock:
-                    self._current_id = None
-                    self._cancelled.discard(item.request_id)
-
-    def _apply_pending(self) -> None:
-        """Engine changes between requests: session resets, then reconfiguration."""
-        with self._lock:
-            resets, self._pending_resets = self._pending_resets, []
-            pending, self._pending_engine = self._pending_engine, {}
-        for session_id in resets:
-            try:
-                self._engine.reset(session_id)
-            except Exception as exc:
-                self.get_logger().warning(f"reset of session {session_id} failed: {exc!r}")
-        changes = {k: v for k, v in pending.items() if self._engine_applied.get(k) != v}
-        if not changes:
-            return
-        try:
-            self._engine.reconfigure(**changes)
-        except Exception as exc:
-            error = f"reconfigure {changes} failed, parameters reverted: {exc}"
-            self.get_logger().error(error)
-            self._publish_status("error", None, error=error, changes=changes)
-            self._revert(changes)
-            return
-        self._engine_applied.update(changes)
-        self.get_logger().info(f"reconfigured: {changes}")
-        self._publish_status("reconfigured", None, changes=changes, note=self._backend_summary(self._describe()))
-
-    def _revert(self, changes: Mapping[str, Any]) -> None:
+    def _revert(self, applied: Mapping[str, Any]) -> None:
         """Put the parameters of a failed reconfiguration back to what the engine really runs."""
-        names = [n for n in changes if n in self._engine_applied and n in RUNTIME_ENGINE_FIELDS]
-        revert = [Parameter(n, value=self._engine_applied[n]) for n in names]
+        revert = [Parameter(n, value=v) for n, v in applied.items() if n in RUNTIME_ENGINE_FIELDS]
         if revert:
             self.set_parameters(revert)
 
-    def _run(self, item: PendingPrompt) -> None:
+    def _current_session(self) -> str | None:
+        """The conversation a prompt joins when it starts (after any pending reset); None without multi_turn."""
         with self._lock:
-            self._current_id = item.request_id
-            cancelled = item.request_id in self._cancelled
-            session_id = self._session_id if self._values["multi_turn"] else None
-        queue_wait = time.monotonic() - item.accepted_at
-        if cancelled:
-            self._publish_dropped(item, "cancelled by ~/cancel before it started")
-            return
-        self._publish_status("started", item.request_id, image_stamp=item.image_stamp)
-        request = Request(
-            turn=Turn(text=item.text, images=(item.image,) if item.image is not None else ()),
-            sampling=item.sampling,
-            system_prompt=item.system_prompt,
-            session_id=session_id,
-            request_id=item.request_id,
-        )
-        finished: Finished | None = None
-        cancel_sent = False
-        for event in self._engine.generate(request):
-            if not cancel_sent and item.request_id in self._cancelled:
-                # ~/cancel may have come before the engine knew this id: repeat it now that it does.
-                self._engine.cancel(item.request_id)
-                cancel_sent = True
-            if isinstance(event, TextDelta):
-                if event.text:
-                    self._tokens_pub.publish(String(data=event.text))
-            elif isinstance(event, Finished):
-                finished = event
-        if finished is None:
-            raise RuntimeError("engine stream ended without a Finished event")
-        metrics = {**finished.metrics, "queue_wait_s": queue_wait}
-        with self._lock:
-            self._last_metrics = metrics
-            self._completed += 1
-        if finished.finish_reason == "error":
-            self._publish_status(
-                "error",
-                item.request_id,
-                finish_reason="error",
-                error=finished.error or "generation failed",
-                metrics=metrics,
-                image_stamp=item.image_stamp,
-            )
-            return
-        self._response_pub.publish(String(data=finished.text))
-        self._publish_status(
-            "finished",
-            item.request_id,
-            finish_reason=finished.finish_reason,
-            error=finished.error,
-            metrics=metrics,
-            image_stamp=item.image_stamp,
-            note=item.note,
-        )
+            return self._session_id if self._values["multi_turn"] else None
 
     # ---------------------------------------------------------------- reporting
 
@@ -403,14 +294,6 @@ class VlmNode(Node):
     def _publish_dropped(self, item: PendingPrompt, why: str) -> None:
         self._publish_status("dropped", item.request_id, note=why, image_stamp=item.image_stamp)
 
-    @staticmethod
-    def _backend_summary(described: Mapping[str, Any]) -> str:
-        """``kernels: on|off (...); decode: ...; KV pool: ...`` -- what the ready/reconfigured events say."""
-        return (
-            f"{described.get('kernels', 'kernels: unknown')}; decode: {described.get('decode_path', '?')}; "
-            f"KV pool: {described.get('kv_pool', '?')}"
-        )
-
     def _describe(self) -> dict[str, Any]:
         try:
             return dict(self._engine.describe())
@@ -418,28 +301,13 @@ class VlmNode(Node):
             return {"describe_error": repr(exc)}
 
     def _publish_diagnostics(self) -> None:
-        with self._lock:
-            busy = self._current_id
-            metrics = dict(self._last_metrics)
-            completed = self._completed
-        status = DiagnosticStatus(name=f"{self.get_name()}: engine", hardware_id=NODE_NAME)
-        waiting = len(self._queue)
-        state = "generating" if busy else "idle"
-        status.level = DiagnosticStatus.OK
-        status.message = f"{state}, {waiting} waiting"
+        worker = self._worker.state()
+        state = "generating" if worker.current_id else "idle"
         described = self._describe()
-        if "describe_error" in described:
-            status.level = DiagnosticStatus.WARN
-        elif described.get("kernels_degraded"):
-            status.level = DiagnosticStatus.WARN
-            status.message += f"; {described['kernels']}"
-        values = [
-            ("state", state),
-            ("queue_waiting", str(waiting)),
-            ("requests_completed", str(completed)),
-            ("last_ttft_s", f"{metrics.get('ttft_s', 0.0):.4g}"),
-            ("last_decode_tokens_per_s", f"{metrics.get('decode_tokens_per_s', 0.0):.4g}"),
-        ] + diagnostic_values(described, prefix="engine.")
+        level, message, values = engine_diagnostics(
+            described, state, len(self._queue), worker.completed, worker.last_metrics
+        )
+        status = DiagnosticStatus(name=f"{self.get_name()}: engine", level=level, message=message)
         status.values = [KeyValue(key=k, value=v) for k, v in values]
         status.hardware_id = str(described.get("device", NODE_NAME))
         array = DiagnosticArray(status=[status])
@@ -454,13 +322,7 @@ class VlmNode(Node):
 
     def shutdown(self, timeout_s: float = 2.0) -> None:
         """Stop the worker: cancel the running prompt, wake the worker, wait briefly for it."""
-        self._stopping.set()
-        with self._lock:
-            current = self._current_id
-        if current is not None:
-            self._engine.cancel(current)
-        self._queue.wake()
-        self._worker.join(timeout=timeout_s)
+        self._worker.stop(timeout_s)
 
 
 def main(args: list[str] | None = None) -> int:

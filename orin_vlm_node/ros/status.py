@@ -79,3 +79,37 @@ def diagnostic_values(description: Mapping[str, Any], prefix: str = "") -> list[
         else:
             out.append((name, str(value)))
     return out
+
+
+def backend_summary(described: Mapping[str, Any]) -> str:
+    """``kernels: on|off (...); decode: ...; KV pool: ...`` -- what the ready/reconfigured events say."""
+    return (
+        f"{described.get('kernels', 'kernels: unknown')}; decode: {described.get('decode_path', '?')}; "
+        f"KV pool: {described.get('kv_pool', '?')}"
+    )
+
+
+# diagnostic_msgs/DiagnosticStatus levels (the message package is not imported here).
+OK, WARN = b"\x00", b"\x01"
+
+
+def engine_diagnostics(
+    described: Mapping[str, Any], state: str, waiting: int, completed: int, metrics: Mapping[str, float]
+) -> tuple[bytes, str, list[tuple[str, str]]]:
+    """(level, message, key/values) of the node's ``/diagnostics`` status.
+
+    WARN when the engine cannot describe itself or runs without the kernels it was asked to use.
+    """
+    level, message = OK, f"{state}, {waiting} waiting"
+    if "describe_error" in described:
+        level = WARN
+    elif described.get("kernels_degraded"):
+        level, message = WARN, f"{message}; {described['kernels']}"
+    values = [
+        ("state", state),
+        ("queue_waiting", str(waiting)),
+        ("requests_completed", str(completed)),
+        ("last_ttft_s", f"{metrics.get('ttft_s', 0.0):.4g}"),
+        ("last_decode_tokens_per_s", f"{metrics.get('decode_tokens_per_s', 0.0):.4g}"),
+    ] + diagnostic_values(described, prefix="engine.")
+    return level, message, values

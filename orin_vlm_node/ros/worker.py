@@ -1,0 +1,200 @@
+"""The node's worker thread: the one caller of the engine's mutating methods (generate, reconfigure, reset).
+
+Why one thread: generation takes seconds and the engine serves one request at a time, so ROS callbacks
+only enqueue work (prompts in the :class:`~.request_queue.RequestQueue`, engine changes and session resets
+here) or flag a cancellation; the worker applies the queued changes between two requests and runs the
+prompts one after another, publishing through :class:`Outputs`. ``Engine.cancel`` is the only engine call
+made from another thread (it is thread-safe by contract).
+
+No rclpy import: the node passes its publishing functions in.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from ..engine import Engine
+from ..engine.events import Finished, Request, TextDelta, Turn
+from .request_queue import PendingPrompt, RequestQueue
+from .status import backend_summary
+
+log = logging.getLogger("orin_vlm_node.ros")
+
+
+class Outputs(Protocol):
+    """Where the worker's results go (the node's publishers)."""
+
+    def tokens(self, text: str) -> None: ...
+
+    def response(self, text: str) -> None: ...
+
+    def status(self, event: str, request_id: str | None, **fields: Any) -> None: ...
+
+
+@dataclass
+class WorkerState:
+    """What diagnostics read: the running request, the last request's metrics, how many completed."""
+
+    current_id: str | None
+    last_metrics: dict[str, float]
+    completed: int
+
+
+class Worker:
+    """Runs queued prompts through the engine and applies engine changes between them."""
+
+    def __init__(
+        self,
+        engine: Engine,
+        queue: RequestQueue,
+        outputs: Outputs,
+        applied: Mapping[str, Any],
+        revert: Callable[[Mapping[str, Any]], None],
+        session_id: Callable[[], str | None],
+    ) -> None:
+        self.engine = engine
+        self.queue = queue
+        self.outputs = outputs
+        self._revert = revert  # puts parameters back to the values the engine really runs
+        self._session_id = session_id  # the conversation a prompt joins when it starts (None: none kept)
+        self._lock = threading.Lock()
+        self._applied = dict(applied)  # engine settings in effect
+        self._pending: dict[str, Any] = {}
+        self._resets: list[str] = []
+        self._current_id: str | None = None
+        self._cancelled: set[str] = set()
+        self._last_metrics: dict[str, float] = {}
+        self._completed = 0
+        self._stopping = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="orin_vlm_worker", daemon=True)
+        self._thread.start()
+
+    # -- called from ROS callbacks ------------------------------------------------------------------
+    def pending_changes(self) -> dict[str, Any]:
+        with self._lock:
+            return dict(self._pending)
+
+    def queue_changes(self, engine_changes: Mapping[str, Any], reset_session: str | None = None) -> None:
+        """Engine settings (validated already) and a session to forget, applied before the next prompt."""
+        with self._lock:
+            self._pending.update(engine_changes)
+            if reset_session is not None:
+                self._resets.append(reset_session)
+        self.queue.wake()
+
+    def cancel_running(self) -> str | None:
+        """Cancel the running prompt (if any); its id."""
+        with self._lock:
+            current = self._current_id
+            if current is not None:
+                self._cancelled.add(current)
+        if current is not None:
+            self.engine.cancel(current)
+        return current
+
+    def state(self) -> WorkerState:
+        with self._lock:
+            return WorkerState(self._current_id, dict(self._last_metrics), self._completed)
+
+    def stop(self, timeout_s: float) -> None:
+        """Cancel the running prompt, wake the thread, wait briefly for it."""
+        self._stopping.set()
+        self.cancel_running()
+        self.queue.wake()
+        self._thread.join(timeout=timeout_s)
+
+    # -- the thread ---------------------------------------------------------------------------------
+    def _loop(self) -> None:
+        while not self._stopping.is_set():
+            self._apply_pending()
+            item = self.queue.get(timeout=0.5)
+            if item is None or self._stopping.is_set():
+                continue
+            self._apply_pending()
+            try:
+                self._run(item)
+            except Exception as exc:  # a bug must cost one request, never the node
+                log.error("request %s failed: %r", item.request_id, exc)
+                self.outputs.status("error", item.request_id, finish_reason="error", error=f"internal error: {exc!r}")
+            finally:
+                with self._lock:
+                    self._current_id = None
+                    self._cancelled.discard(item.request_id)
+
+    def _apply_pending(self) -> None:
+        """Engine changes between requests: session resets, then reconfiguration."""
+        with self._lock:
+            resets, self._resets = self._resets, []
+            pending, self._pending = self._pending, {}
+        for session_id in resets:
+            try:
+                self.engine.reset(session_id)
+            except Exception as exc:
+                log.warning("reset of session %s failed: %r", session_id, exc)
+        changes = {k: v for k, v in pending.items() if self._applied.get(k) != v}
+        if not changes:
+            return
+        try:
+            self.engine.reconfigure(**changes)
+        except Exception as exc:
+            error = f"reconfigure {changes} failed, parameters reverted: {exc}"
+            log.error("%s", error)
+            self.outputs.status("error", None, error=error, changes=changes)
+            self._revert({k: self._applied[k] for k in changes if k in self._applied})
+            return
+        self._applied.update(changes)
+        log.info("reconfigured: %s", changes)
+        self.outputs.status("reconfigured", None, changes=changes, note=backend_summary(self.engine.describe()))
+
+    def _run(self, item: PendingPrompt) -> None:
+        with self._lock:
+            self._current_id = item.request_id
+            cancelled = item.request_id in self._cancelled
+        if cancelled:
+            self.outputs.status("dropped", item.request_id, note="cancelled by ~/cancel before it started",
+                                image_stamp=item.image_stamp)  # fmt: skip
+            return
+        queue_wait = time.monotonic() - item.accepted_at
+        self.outputs.status("started", item.request_id, image_stamp=item.image_stamp)
+        finished = self._generate(item)
+        metrics = {**finished.metrics, "queue_wait_s": queue_wait}
+        with self._lock:
+            self._last_metrics = metrics
+            self._completed += 1
+        if finished.finish_reason == "error":
+            self.outputs.status("error", item.request_id, finish_reason="error",
+                                error=finished.error or "generation failed", metrics=metrics,
+                                image_stamp=item.image_stamp)  # fmt: skip
+            return
+        self.outputs.response(finished.text)
+        self.outputs.status("finished", item.request_id, finish_reason=finished.finish_reason, error=finished.error,
+                            metrics=metrics, image_stamp=item.image_stamp, note=item.note)  # fmt: skip
+
+    def _generate(self, item: PendingPrompt) -> Finished:
+        request = Request(
+            turn=Turn(text=item.text, images=(item.image,) if item.image is not None else ()),
+            sampling=item.sampling,
+            system_prompt=item.system_prompt,
+            session_id=self._session_id(),
+            request_id=item.request_id,
+        )
+        finished: Finished | None = None
+        cancel_sent = False
+        for event in self.engine.generate(request):
+            if not cancel_sent and item.request_id in self._cancelled:
+                # ~/cancel may have come before the engine knew this id: repeat it now that it does.
+                self.engine.cancel(item.request_id)
+                cancel_sent = True
+            if isinstance(event, TextDelta):
+                if event.text:
+                    self.outputs.tokens(event.text)
+            elif isinstance(event, Finished):
+                finished = event
+        if finished is None:
+            raise RuntimeError("engine stream ended without a Finished event")
+        return finished
