@@ -70,10 +70,6 @@ class LaunchConfig:
     def family(self) -> str:
         return kernel_family(self.kernel)
 
-    @property
-    def module(self) -> str:
-        return kernel_module(self.kernel)
-
 
 def kernel_family(kernel: str) -> str:
     """``paged_decode_attention_f16_d128_g4`` -> ``paged_decode_attention`` (the key of ARG_KINDS)."""
@@ -81,13 +77,6 @@ def kernel_family(kernel: str) -> str:
         if kernel.startswith(family + "_"):
             return family
     raise KeyError(f"unknown kernel {kernel!r}")
-
-
-def kernel_module(kernel: str) -> str:
-    for module, names in KERNEL_MODULES.items():
-        if kernel in names:
-            return module
-    raise KeyError(f"kernel {kernel!r} is not defined by any module in kernels/")
 
 
 def dtype_name(dtype: object) -> str:

@@ -1,7 +1,8 @@
 """``EngineConfig``: the settings the engine consumes, as one dataclass.
 
 Its fields are the ``engine`` settings of the schema (``orin_vlm_node.settings``: name, type, default and
-bounds are defined there; a test holds these defaults to it), plus two that only the Python API sets:
+bounds are defined there, the defaults are taken from it; a test holds the names and types to it), plus
+two that only the Python API sets:
 ``max_sessions`` (conversations kept between requests; the node derives it from ``multi_turn``) and
 ``sampling`` (default sampling under every request's own). The CLI builds it from its flags and the
 node from its parameters, and ``Engine.reconfigure`` takes a subset of its fields by name.
@@ -24,26 +25,32 @@ from .sampling import validate_sampling
 DEFAULT_MODEL_DIR = Path(__file__).resolve().parent.parent / "default_model"
 
 
+def _default(name: str) -> settings.Value:
+    return settings.BY_NAME[name].default
+
+
 @dataclass
 class EngineConfig:
-    model_path: str = ""  # "" = the embedded default model
-    device: str = "auto"
-    dtype: str = "auto"
-    use_paged_attention: bool = True
-    page_size: int = 16
-    kv_pool_mb: int = 0
-    kv_pool_blocks: int = 0
-    kv_prefix_share: float = 0.25
-    kv_memory_reserve_mb: int = 1024
-    prefix_caching: bool = True
-    max_context_tokens: int = 4096
-    use_cuda_kernels: bool = True
-    use_cuda_graph: bool = True
-    allow_kernel_fallback: bool = True
-    kernel_dir: str = ""
-    kernel_cache_dir: str = ""
-    image_min_pixels: int = 0
-    image_max_pixels: int = 0
+    """The engine's settings; the schema's defaults (``model_path`` "" = the embedded default model)."""
+
+    model_path: str = _default("model_path")
+    device: str = _default("device")
+    dtype: str = _default("dtype")
+    use_paged_attention: bool = _default("use_paged_attention")
+    page_size: int = _default("page_size")
+    kv_pool_mb: int = _default("kv_pool_mb")
+    kv_pool_blocks: int = _default("kv_pool_blocks")
+    kv_prefix_share: float = _default("kv_prefix_share")
+    kv_memory_reserve_mb: int = _default("kv_memory_reserve_mb")
+    prefix_caching: bool = _default("prefix_caching")
+    max_context_tokens: int = _default("max_context_tokens")
+    use_cuda_kernels: bool = _default("use_cuda_kernels")
+    use_cuda_graph: bool = _default("use_cuda_graph")
+    allow_kernel_fallback: bool = _default("allow_kernel_fallback")
+    kernel_dir: str = _default("kernel_dir")
+    kernel_cache_dir: str = _default("kernel_cache_dir")
+    image_min_pixels: int = _default("image_min_pixels")
+    image_max_pixels: int = _default("image_max_pixels")
     max_sessions: int = 1  # conversations kept between requests (least recently used dropped beyond); sizes the pool
     sampling: SamplingParams = field(default_factory=SamplingParams)
 
