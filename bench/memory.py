@@ -16,6 +16,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from bench import kv_memory
 from bench.config import REPO
 from bench.context import BenchContext
 from bench.section import SectionResult
@@ -57,16 +58,7 @@ def _measured(ctx: BenchContext, res: SectionResult, model_dir: Path) -> None:
 
 
 def _projected(res: SectionResult) -> None:
-    try:
-        from bench import kv_memory  # the KV cache helper's calculator (bench/kv_memory.py)
-    except ImportError as exc:
-        res.skip_part("projected_real_models", f"bench/kv_memory.py not importable: {exc}")
-        return
-    project = getattr(kv_memory, "benchmark_figures", None)
-    if project is None:
-        res.skip_part("projected_real_models", "bench/kv_memory.py has no benchmark_figures()")
-        return
-    for key, (unit, value, description) in project().items():
+    for key, (unit, value, description) in kv_memory.benchmark_figures().items():
         res.add(f"projected.{key}", unit, [float(value)], description)
 
 

@@ -123,7 +123,7 @@ def test_label_map_marks_the_drawn_shapes():
 
 
 def test_token_labels_name_the_shape_under_each_token():
-    from tools.train_default_model import COLOR_BACKGROUND, IGNORE, SHAPE_BACKGROUND, SIDES, token_labels
+    from tools.train_default_model.dense_targets import COLOR_BACKGROUND, IGNORE, SHAPE_BACKGROUND, SIDES, token_labels
 
     star = scenes.Shape("star", "purple", 40.0, 60.0, 30.0)
     square = scenes.Shape("square", "green", 100.0, 60.0, 14.0)
@@ -184,7 +184,9 @@ def _training_batch(n: int):
     """``n`` stage-2 training samples of the committed recipe as a batch, with the default model's tokenizer."""
     from tokenizers import Tokenizer
 
-    from tools.train_default_model import SPECIAL_TOKENS, Encoder, Pixels, TrainConfig, draw, make_batch
+    from tools.train_default_model.batches import Encoder, Pixels, make_batch
+    from tools.train_default_model.recipe import TrainConfig, draw
+    from tools.train_default_model.vocabulary import SPECIAL_TOKENS
 
     tok = Tokenizer.from_file(str(MODEL_DIR / "tokenizer.json"))
     enc = Encoder(tok, {t: tok.token_to_id(t) for t in SPECIAL_TOKENS})
@@ -195,7 +197,8 @@ def _training_batch(n: int):
 
 @needs_checkpoint
 def test_pointer_queries_look_at_the_shape_the_text_is_about():
-    from tools.train_default_model import MIN_COVER, pointer_queries, shape_cover
+    from tools.train_default_model.dense_targets import MIN_COVER, shape_cover
+    from tools.train_default_model.pointer import pointer_queries
 
     drawn, batch, enc = _training_batch(40)
     grids = batch["image_grid_thw"].tolist()
@@ -240,7 +243,7 @@ def test_attention_pointer_loss_is_the_attention_mass_transformers_computes():
     import torch
     from transformers import Qwen3VLForConditionalGeneration
 
-    from tools.train_default_model import AttentionPointer, pointer_queries
+    from tools.train_default_model.pointer import AttentionPointer, pointer_queries
 
     drawn, batch, enc = _training_batch(12)
     model = Qwen3VLForConditionalGeneration.from_pretrained(

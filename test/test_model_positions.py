@@ -55,7 +55,7 @@ def test_positions_and_delta_match_transformers_get_rope_index(seed: int):
 
 
 def test_worked_example_from_spec():
-    """Spec §5.1: 4 text, a 7x5 merged image (grid 14x10), 10 text -> delta -28, text resumes at 11."""
+    """4 text, a 7x5 merged image (grid 14x10), 10 text -> delta -28, text resumes at 11."""
     ids = [1, 2, 3, 4] + [IMAGE_PAD] * 35 + list(range(10, 20))
     positions, next_position = mrope_positions(ids, [[1, 14, 10]], IMAGE_PAD, MERGE)
     assert positions[:, :4].tolist() == [[0, 1, 2, 3]] * 3
@@ -67,7 +67,7 @@ def test_worked_example_from_spec():
 
 
 def test_decode_positions_after_image_follow_transformers_generate_rule():
-    """After the prompt, HF decodes at cache_position + rope_delta on all three streams (spec §5.2)."""
+    """After the prompt, HF decodes at cache_position + rope_delta on all three streams."""
     ids, grids = _random_sequence(random.Random(99), num_images=2)
     _, ref_delta = _hf_model().get_rope_index(torch.tensor([ids]), mm_token_type_ids(ids), torch.tensor(grids))
     _, next_position = mrope_positions(ids, grids, IMAGE_PAD, MERGE)

@@ -14,7 +14,7 @@ from orin_vlm_node.model import ModelConfig, Qwen3VLModel
 from orin_vlm_node.model.loader import checkpoint_key_to_name, name_to_checkpoint_key
 
 CONFIG_DIR = Path("/work/shared/model-configs")
-# Spec §1.4 / §2: total parameters (tied counted once, in billions) and state-dict key counts incl. lm_head.
+# Published model sizes: total parameters (tied counted once, in billions) and state-dict key counts incl. lm_head.
 EXPECTED = {"2B": (2.128, 626), "4B": (4.438, 714), "8B": (8.767, 750)}
 
 

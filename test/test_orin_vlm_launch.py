@@ -19,6 +19,9 @@ from pathlib import Path
 
 import pytest
 
+# launch_test runs this file without pytest's configuration (pyproject's pythonpath): the shared test
+# harness `support` lives at the checkout root.
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 pytest.importorskip("launch_testing", reason="launch_testing comes with a ROS 2 install only")
 pytest.importorskip("launch_ros", reason="launch_ros comes with a ROS 2 install only")
 
@@ -32,8 +35,6 @@ from sensor_msgs.msg import Image  # noqa: E402
 from launch import LaunchDescription  # noqa: E402
 from orin_vlm_node.ros.image import rgb_to_image_msg  # noqa: E402
 from support.node_client import VlmClient  # noqa: E402
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # test helpers, also when run by launch_test
 
 LAUNCH_FILE = Path(__file__).resolve().parent.parent / "launch" / "orin_vlm.launch.py"
 NAMESPACE = "launch_test"

@@ -88,7 +88,7 @@ def test_template_kwargs_match_transformers(tiny_dir, hf_tok):
 
 
 def test_builtin_chatml_spec_example():
-    """Spec §7: one image plus "Describe this image." (no default system prompt)."""
+    """one image plus "Describe this image." (no default system prompt)."""
     want = (
         "<|im_start|>user\n<|vision_start|><|image_pad|><|vision_end|>Describe this image.<|im_end|>\n"
         "<|im_start|>assistant\n"

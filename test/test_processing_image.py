@@ -22,7 +22,7 @@ from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_res
 from orin_vlm_node.processing import ImageError, ImageProcessor, smart_resize
 from orin_vlm_node.processing.resize import resize_bicubic
 
-# Qwen3-VL hub preprocessor_config.json (spec §6).
+# Qwen3-VL hub preprocessor_config.json.
 QWEN3VL_CONFIG = {
     "size": {"shortest_edge": 65536, "longest_edge": 16777216},
     "patch_size": 16,

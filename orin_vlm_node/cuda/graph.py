@@ -3,8 +3,8 @@
 The captured callable must read and write only fixed tensors (the engine's static input buffers, the
 KV pools, the ``StaticDecodeBuffers`` of the cache) and must not synchronize with the host. The host-side
 half of each step (block allocation, block-table upload, filling the buffers) runs *before* ``run()``,
-never inside it: a graph replays device work only, so anything the host skipped would be stale (the
-page-boundary bug of the original C++ engine). Warm-up runs the callable eagerly, so it must be
+never inside it: a graph replays device work only, so anything the host skipped would be stale
+(docs/architecture.md, "Paging under CUDA graphs"). Warm-up runs the callable eagerly, so it must be
 idempotent for fixed buffer contents (writing the same K/V to the same slot again is).
 
 If capture fails (an op that is not capturable, a host sync), the runner logs why and stays eager.

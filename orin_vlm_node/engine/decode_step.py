@@ -8,10 +8,9 @@ the device half. Two implementations, chosen in one place (:func:`build_decode_s
   follows the tokens held.
 * :class:`StaticDecodeStep` (CUDA): everything that changes from one token to the next (input token, RoPE
   position, KV slot, block-table row) lives in tensors allocated once and refilled in place by
-  ``prepare``, so ``run`` can be captured as a CUDA graph and replayed. Forgetting the block allocation
-  in the host half is the classic "garbage after the first page boundary" bug of paged attention under
-  graphs: ``prepare`` always goes through ``KVCache.prepare_static_decode``, which allocates the block
-  and uploads the table row before any replay.
+  ``prepare``, so ``run`` can be captured as a CUDA graph and replayed. ``prepare`` always goes through
+  ``KVCache.prepare_static_decode``, which allocates the block and uploads the table row before any
+  replay (docs/architecture.md, "Paging under CUDA graphs").
 
 A graph has fixed shapes, so one graph attending over the whole ``max_context_tokens`` would cost every
 token as much as the longest conversation. The static step therefore keeps one attention (and one

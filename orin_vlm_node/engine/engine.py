@@ -1,12 +1,13 @@
 """The generation engine: one model, one KV cache, one request at a time, streamed as events.
 
-Life of a request (``generate``): resolve sampling (checkpoint defaults < ``EngineConfig.sampling`` <
-request), prepare the turn (:mod:`.prompt`: images, rendering, positions; a session's later turn only
-adds the delta after its cached tokens), take a KV sequence (the session's, or a new one with the longest
-cached prefix attached), prefill the rest in one forward, then decode token by token (:mod:`.decode_loop`,
-through the decode step of :mod:`.decode_step`) until EOS, a stop string, ``max_new_tokens``, the
-context limit, cancellation or pool exhaustion. Every request ends with exactly one ``Finished`` event;
-exceptions become ``Finished("error")`` and leave the engine usable.
+Life of a request (``generate``, carried out by :class:`.request.RequestRun`): resolve sampling
+(checkpoint defaults < ``EngineConfig.sampling`` < request), prepare the turn (:mod:`.prompt`: images,
+rendering, positions; a session's later turn only adds the delta after its cached tokens), take a KV
+sequence (the session's, or a new one with the longest cached prefix attached), prefill the rest in one
+forward, then decode token by token (:mod:`.decode_loop`, through the decode step of
+:mod:`.decode_step`) until EOS, a stop string, ``max_new_tokens``, the context limit, cancellation or
+pool exhaustion. Every request ends with exactly one ``Finished`` event; exceptions become
+``Finished("error")`` and leave the engine usable.
 
 Concurrency policy: ``generate`` holds the engine lock while its iterator runs, so requests are served
 one after another in the order their iterators start. ``cancel`` is thread-safe and takes effect at the
@@ -29,8 +30,7 @@ from typing import Any
 import torch
 
 from ..cuda import KernelsUnavailable
-from ..kvcache import KVCache, build_kv_cache
-from ..kvcache.config import check_page_size
+from ..kvcache import KVCache, build_kv_cache, check_page_size
 from ..model import load_model
 from ..model.config import ModelConfig
 from ..model.errors import CheckpointError

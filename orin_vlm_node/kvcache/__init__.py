@@ -47,8 +47,7 @@ StepAttention from ``static_decode_attention(buffers)`` reads only those tensors
 captured once and replayed for every decode step of every sequence. Before each capture or replay,
 outside the graph, call ``prepare_static_decode(seq, buffers)``: it grows the sequence by one token
 (allocating a block when crossing a page boundary, copying on write, uploading changed block-table
-entries) and refills the buffers in place. Forgetting it is the classic "garbage after the first page
-boundary" bug.
+entries) and refills the buffers in place (why: docs/architecture.md, "Paging under CUDA graphs").
 
 Attention backends: :class:`PagedKVCache` delegates tensor work to a :class:`PagedAttentionImpl`
 (``write_kv`` / ``attend`` / ``attend_decode``, documented in :mod:`.attention`); the torch
@@ -61,7 +60,7 @@ ValueError: the sequence would pass ``max_context_tokens``), ValueError for bad 
 
 from .attention import PagedAttentionImpl, TorchPagedAttention
 from .base import KVCache, StaticDecodeBuffers
-from .config import KVCacheConfig, PoolPlan, plan_pool
+from .config import KVCacheConfig, PoolPlan, check_page_size, plan_pool
 from .contiguous import ContiguousKVCache
 from .errors import ContextLimitExceeded, KVCacheError, PoolExhausted
 from .interface import StepAttention
@@ -82,6 +81,7 @@ __all__ = [
     "StepAttention",
     "TorchPagedAttention",
     "build_kv_cache",
+    "check_page_size",
     "causal_attention",
     "masked_decode_attention",
     "plan_pool",

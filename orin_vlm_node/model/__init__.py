@@ -1,6 +1,6 @@
 """Qwen3-VL in PyTorch: checkpoint loading, vision tower, decoder, 3-D RoPE positions.
 
-Public API (see the briefing): ``load_model(path, dtype, device) -> Qwen3VLModel``,
+Public API: ``load_model(path, dtype, device) -> Qwen3VLModel``,
 ``model.encode_images(pixel_values, grid_thw) -> VisionFeatures``,
 ``model.forward(input_ids, rope_positions, attn, vision=None, logits_index=None) -> logits``,
 ``ModelConfig.from_dir(path)``, ``positions.mrope_positions`` / ``positions.decode_positions``.

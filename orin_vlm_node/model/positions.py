@@ -1,11 +1,12 @@
 """3-D RoPE positions of a Qwen3-VL token sequence, and the decode positions that follow it.
 
-Dual position tracking (spec §5.2): a token has a KV *slot* (0, 1, 2, ... — cache placement and
+Dual position tracking (docs/architecture.md): a token has a KV *slot* (0, 1, 2, ... — cache placement and
 causal mask, owned by the KV backend) and a RoPE *position* (t, h, w — owned here). Text advances all
 three streams by 1 per token; an image of merged grid H'xW' takes positions (cur, cur+hi, cur+wi)
 and then advances ``cur`` by only ``max(H', W')``, so after an image the RoPE position runs behind the
 slot. Decoding therefore uses ``position = slot + rope_delta`` with ``rope_delta = next_position - kv_len``
-(usually negative); using the KV length as the position after an image is the classic bug (§9.2).
+(usually negative); using the KV length as the position after an image is the classic bug
+(docs/architecture.md, pitfall 2).
 """
 
 from __future__ import annotations

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..kvcache.interface import StepAttention
+from ..kvcache import StepAttention
 from .config import ModelConfig
 from .text import TextDecoder
 from .vision import VisionFeatures, VisionTower
@@ -84,7 +84,8 @@ class Qwen3VLModel(nn.Module):
         for index, layer in enumerate(decoder.layers):
             x = layer(x, cos, sin, attn, index)
             if visual_rows is not None and index < len(vision.deepstack):
-                # DeepStack: add level `index` to this layer's OUTPUT at the image positions (spec §9.7).
+                # DeepStack: add level `index` to this layer's OUTPUT at the image positions
+                # (docs/architecture.md, pitfall 7).
                 x = x.index_add(0, visual_rows, vision.deepstack[index].to(x.device, x.dtype))
         rows = x[-1:] if logits_index is None else x.index_select(0, logits_index.to(x.device))
         return self.lm_head(decoder.norm(rows))

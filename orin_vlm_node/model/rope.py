@@ -1,6 +1,6 @@
 """Rotary position embeddings of Qwen3-VL: interleaved 3-D M-RoPE (text) and axial 2-D RoPE (vision).
 
-The two differ in ways that are easy to mix up (spec §9.1, §9.3):
+The two differ in ways that are easy to mix up (docs/architecture.md, pitfalls 1 and 3):
 - text: one frequency table of ``head_dim/2`` entries; each frequency ``j`` reads the T, H or W position
   stream chosen by ``j % 3`` (interleaved, *not* Qwen2-VL's chunked split); cos/sin are cast to the
   activation dtype and the rotation runs in that dtype;

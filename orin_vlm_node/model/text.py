@@ -1,10 +1,10 @@
 """Qwen3 decoder layers of Qwen3-VL (``model.language_model.*``).
 
-Per layer (spec §4.2): RMSNorm -> q/k/v projections -> per-head RMSNorm on q and k *before* RoPE ->
+Per layer: RMSNorm -> q/k/v projections -> per-head RMSNorm on q and k *before* RoPE ->
 interleaved M-RoPE in the activation dtype -> attention through the step's :class:`StepAttention`
 (the KV backend owns slots, masks and GQA) -> o_proj -> residual -> RMSNorm -> SwiGLU -> residual.
-No biases anywhere. RMSNorm multiplies by its weight *after* casting back to the input dtype (§9.8);
-that order is what makes bf16 results match transformers.
+No biases anywhere. RMSNorm multiplies by its weight *after* casting back to the input dtype
+(docs/architecture.md, pitfall 8); that order is what makes bf16 results match transformers.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..kvcache.interface import StepAttention
+from ..kvcache import StepAttention
 from .config import TextConfig
 from .rope import apply_text_rope, mrope_cos_sin, mrope_streams, text_inv_freq
 

@@ -1,7 +1,7 @@
 """Qwen3-VL vision tower: patches of several images in, merged LLM tokens + DeepStack features out.
 
 Module and parameter names mirror the checkpoint (``model.visual.*``) so loading is a name lookup.
-Numerics follow transformers 5.x (spec §3):
+Numerics follow transformers 5.x:
 - patch embedding is a Linear over the flattened (3, 2, 16, 16) patch. It equals the checkpoint's
   Conv3d (kernel = stride) mathematically; in fp32 it agrees to ~1e-7, in bf16 the two differ by
   rounding only (<= 1 ulp; measured end-to-end effect in test/test_model_bf16.py);

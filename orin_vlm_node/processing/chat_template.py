@@ -179,7 +179,7 @@ def _compile(source: str, origin: str) -> jinja2.Template:
 def render_chatml(
     messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True, add_vision_id: bool = False
 ) -> str:
-    """ChatML as Qwen3-VL Instruct renders it (spec §7): no default system prompt; each image part
+    """ChatML as Qwen3-VL Instruct renders it: no default system prompt; each image part
     becomes ``<|vision_start|><|image_pad|><|vision_end|>`` (``Picture N: `` first if add_vision_id)."""
     pieces: list[str] = []
     image_no = 0

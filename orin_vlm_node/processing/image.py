@@ -1,4 +1,4 @@
-"""Qwen3-VL image preprocessing: smart resize, normalisation and patchification (spec §6).
+"""Qwen3-VL image preprocessing: smart resize, normalisation and patchification.
 
 Matches transformers' ``Qwen2VLImageProcessorPil`` (the PIL backend) pixel for pixel: the resize is
 ``resize.resize_bicubic`` (Pillow's antialiased bicubic reproduced in numpy) and the normalisation
@@ -135,7 +135,7 @@ def _three(value: object, name: str) -> tuple[float, float, float]:
 def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixels: int) -> tuple[int, int]:
     """Target (height, width): multiples of ``factor``, area within [min_pixels, max_pixels], aspect kept.
 
-    Exactly the reference rule (spec §6), including Python's round-half-to-even in step 2.
+    Exactly the reference rule (transformers' ``smart_resize``), including Python's round-half-to-even in step 2.
     """
     if height <= 0 or width <= 0:
         raise ImageError(f"image is empty ({height}x{width})")

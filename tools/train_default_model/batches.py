@@ -1,0 +1,109 @@
+"""Training batches built exactly as the runtime builds its inputs: pixels from the runtime's own image processor,
+prompt ids from the ChatML text with the image pad expanded."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from tools import synthetic_scenes as scenes
+
+
+class Pixels:
+    """Turns HWC uint8 RGB images into (pixel_values (N,1536) f32, grid_thw (n,3) long, tokens per image)."""
+
+    def __init__(self, model_dir: Path, allow_fallback: bool) -> None:
+        try:
+            from orin_vlm_node.processing import ImageProcessor
+
+            self._proc = ImageProcessor.from_pretrained(str(model_dir))
+            self.kind = "orin_vlm_node.processing.ImageProcessor"
+        except ImportError:
+            if not allow_fallback:
+                raise
+            from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+            self._hf = Qwen2VLImageProcessorPil.from_pretrained(str(model_dir))
+            self._proc = None
+            self.kind = "transformers Qwen2VLImageProcessorPil (fallback)"
+
+    def __call__(self, images: list[np.ndarray]) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+        if self._proc is not None:
+            batch = self._proc.preprocess(images, color="rgb")
+            return batch.pixel_values, batch.grid_thw, list(batch.num_tokens)
+        from PIL import Image
+
+        out = self._hf([Image.fromarray(im) for im in images], return_tensors="pt")
+        grid = out["image_grid_thw"]
+        return out["pixel_values"].float(), grid, [int(t * h * w) // 4 for t, h, w in grid.tolist()]
+
+
+class Encoder:
+    """Prompt/answer token ids exactly as the runtime builds them (template text, then pad expansion)."""
+
+    def __init__(self, tok, ids: dict[str, int]) -> None:
+        self.tok = tok
+        self.ids = ids
+        self._cache: dict[str, tuple[list[int], list[int]]] = {}  # text -> (token ids, first character of each)
+
+    def _encoded(self, text: str) -> tuple[list[int], list[int]]:
+        if text not in self._cache:
+            enc = self.tok.encode(text)
+            self._cache[text] = (enc.ids, [a for a, _ in enc.offsets])
+        return self._cache[text]
+
+    def _enc(self, text: str) -> list[int]:
+        return self._encoded(text)[0]
+
+    def answer_starts(self, answer: str) -> list[int]:
+        """The first character of each token of ``answer(answer)``, and ``len(answer)`` for its <|im_end|>."""
+        return self._encoded(answer)[1] + [len(answer)]
+
+    def prompt(self, question: str, n_image_tokens: int | None) -> list[int]:
+        vision = "<|vision_start|><|image_pad|><|vision_end|>" if n_image_tokens is not None else ""
+        ids = self._enc(f"<|im_start|>user\n{vision}{question}<|im_end|>\n<|im_start|>assistant\n")
+        if n_image_tokens is None:
+            return list(ids)
+        pad = self.ids["<|image_pad|>"]
+        i = ids.index(pad)
+        return ids[:i] + [pad] * n_image_tokens + ids[i + 1 :]
+
+    def answer(self, answer: str) -> list[int]:
+        return self._enc(answer) + [self.ids["<|im_end|>"]]
+
+
+def make_batch(samples: list[scenes.Sample], enc: Encoder, pixels: Pixels) -> dict[str, torch.Tensor]:
+    images = [s.image for s in samples if s.image is not None]
+    pv, grid, ntok = pixels(images) if images else (None, None, [])
+    seqs, labels = [], []
+    k = 0
+    for s in samples:
+        n = None
+        if s.image is not None:
+            n = ntok[k]
+            k += 1
+        p = enc.prompt(s.question, n)
+        a = enc.answer(s.answer)
+        seqs.append(p + a)
+        labels.append([-100] * len(p) + a)
+    length = max(len(x) for x in seqs)
+    pad = enc.ids["<|endoftext|>"]
+    input_ids = torch.full((len(seqs), length), pad, dtype=torch.long)
+    label_t = torch.full((len(seqs), length), -100, dtype=torch.long)
+    mask = torch.zeros((len(seqs), length), dtype=torch.long)
+    for i, (x, y) in enumerate(zip(seqs, labels, strict=True)):
+        input_ids[i, : len(x)] = torch.tensor(x)
+        label_t[i, : len(y)] = torch.tensor(y)
+        mask[i, : len(x)] = 1
+    batch = {
+        "input_ids": input_ids,
+        "attention_mask": mask,
+        "labels": label_t,
+        "mm_token_type_ids": (input_ids == enc.ids["<|image_pad|>"]).long(),
+    }
+    if pv is not None:
+        batch["pixel_values"] = pv
+        batch["image_grid_thw"] = grid
+    return batch

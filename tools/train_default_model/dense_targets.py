@@ -1,0 +1,128 @@
+"""Per-image-token targets (shape kind, colour, side, position) and the training-only probes that learn them:
+the dense signal that teaches the small vision tower to see shapes."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from tools import synthetic_scenes as scenes
+
+SHAPE_BACKGROUND = len(scenes.SHAPES)  # dense label of a token that shows no shape (kind classes 0..4)
+COLOR_BACKGROUND = len(scenes.COLORS)  # (colour classes 0..5)
+MIN_COVER = 0.25  # a token is labelled with a shape when the shape covers at least this fraction of it
+SIDES = ("left", "right", "top", "bottom")
+IGNORE = -100  # cross_entropy's ignore_index: tokens without a side label
+
+
+def shape_cover(scene: scenes.Scene, grid_thw: list[int]) -> np.ndarray:
+    """(n_shapes, n_tokens): the fraction of every image token (merged 2x2 patches, raster order) each shape covers.
+
+    The label map is at the picture's own resolution; area-resampling each shape's mask to the token grid gives
+    the fractions (the processor's resize maps the picture onto the same grid).
+    """
+    import cv2
+
+    th, tw = grid_thw[1] // 2, grid_thw[2] // 2
+    return np.stack(
+        [
+            cv2.resize((scene.labels == i + 1).astype(np.float32), (tw, th), interpolation=cv2.INTER_AREA).reshape(-1)
+            for i in range(len(scene.shapes))
+        ]
+    )
+
+
+def token_labels(scene: scenes.Scene, grid_thw: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per image token: the kind and colour of the shape covering most of it (background where no shape covers
+    MIN_COVER of it) and, in the two-shape pair layouts, that shape's side (index into SIDES; IGNORE elsewhere)."""
+    cover = shape_cover(scene, grid_thw)
+    best = cover.argmax(0)
+    shown = cover.max(0) >= MIN_COVER
+    kinds = np.array([scenes.SHAPES.index(s.kind) for s in scene.shapes])[best]
+    colors = np.array([list(scenes.COLORS).index(s.color) for s in scene.shapes])[best]
+    sides = np.full(best.shape, IGNORE)
+    if scene.sides is not None:
+        sides = np.array([SIDES.index(side) for side in scene.sides])[best]
+    return (
+        torch.from_numpy(np.where(shown, kinds, SHAPE_BACKGROUND)),
+        torch.from_numpy(np.where(shown, colors, COLOR_BACKGROUND)),
+        torch.from_numpy(np.where(shown, sides, IGNORE)),
+    )
+
+
+def token_centres(grid_thw: list[int]) -> torch.Tensor:
+    """(n_tokens, 2) x and y of every image token's centre, scaled to [-1, 1] across the picture (raster order)."""
+    th, tw = grid_thw[1] // 2, grid_thw[2] // 2
+    ys, xs = torch.meshgrid((torch.arange(th) + 0.5) / th * 2 - 1, (torch.arange(tw) + 0.5) / tw * 2 - 1, indexing="ij")
+    return torch.stack([xs.reshape(-1), ys.reshape(-1)], dim=1)
+
+
+@dataclass
+class DenseTargets:
+    """What every image token of a batch should tell: shape kind, colour (token_labels) and where it is."""
+
+    kinds: torch.Tensor  # (n_tokens,) long, SHAPE_BACKGROUND where no shape
+    colors: torch.Tensor  # (n_tokens,) long, COLOR_BACKGROUND where no shape
+    sides: torch.Tensor  # (n_tokens,) long, IGNORE outside shapes of pair layouts
+    centres: torch.Tensor  # (n_tokens, 2) float in [-1, 1]
+
+
+def dense_targets(scene_list: list[scenes.Scene], grid: torch.Tensor) -> DenseTargets:
+    """Targets of every pictured scene, concatenated in the order of the vision tower's tokens."""
+    pictured = [sc for sc in scene_list if sc.labels is not None]
+    grids = grid.tolist()
+    kinds, colors, sides = zip(*(token_labels(sc, g) for sc, g in zip(pictured, grids, strict=True)), strict=True)
+    return DenseTargets(
+        kinds=torch.cat(kinds),
+        colors=torch.cat(colors),
+        sides=torch.cat(sides),
+        centres=torch.cat([token_centres(g) for g in grids]),
+    )
+
+
+class DenseHeads(torch.nn.Module):
+    """Training-only linear probes on the vision tower's merged tokens (the features the decoder reads): shape
+    kind, colour, position and (in pair layouts) side of every token. They give the vision tower a gradient at
+    every token instead of the language model's few answer tokens (a plain ViT learns shapes far too slowly from
+    the latter alone), and make "where" a categorical feature of each token, like its colour: with position
+    only implicit the decoder answered every position question with one constant; not saved."""
+
+    BACKGROUND_WEIGHT = 0.25  # background tokens are many and easy; shape tokens carry the signal
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        kind_w = torch.ones(SHAPE_BACKGROUND + 1)
+        kind_w[SHAPE_BACKGROUND] = self.BACKGROUND_WEIGHT
+        color_w = torch.ones(COLOR_BACKGROUND + 1)
+        color_w[COLOR_BACKGROUND] = self.BACKGROUND_WEIGHT
+        self.register_buffer("kind_weight", kind_w)
+        self.register_buffer("color_weight", color_w)
+        self.kind = torch.nn.Linear(dim, SHAPE_BACKGROUND + 1)
+        self.color = torch.nn.Linear(dim, COLOR_BACKGROUND + 1)
+        self.where = torch.nn.Linear(dim, 2)
+        self.side = torch.nn.Linear(dim, len(SIDES))
+
+    def loss(self, tokens: torch.Tensor, t: DenseTargets, side_weight: float) -> torch.Tensor:
+        """tokens (n_tokens, dim)."""
+        ce = torch.nn.functional.cross_entropy
+        loss = (
+            ce(self.kind(tokens), t.kinds, weight=self.kind_weight)
+            + ce(self.color(tokens), t.colors, weight=self.color_weight)
+            + torch.nn.functional.mse_loss(self.where(tokens), t.centres)
+        )
+        if side_weight and (t.sides != IGNORE).any():  # batches without a pair layout have no side label
+            loss = loss + side_weight * ce(self.side(tokens), t.sides, ignore_index=IGNORE)
+        return loss
+
+    @torch.no_grad()
+    def accuracy(self, tokens: torch.Tensor, t: DenseTargets) -> tuple[float, float, float, float]:
+        """Kind and colour accuracy over tokens that show a shape, side accuracy over those with a side, mean
+        absolute position error."""
+        on = t.kinds != SHAPE_BACKGROUND
+        sided = t.sides != IGNORE
+        k = (self.kind(tokens[on]).argmax(-1) == t.kinds[on]).float().mean().item()
+        c = (self.color(tokens[on]).argmax(-1) == t.colors[on]).float().mean().item()
+        side = (self.side(tokens[sided]).argmax(-1) == t.sides[sided]).float().mean().item()
+        return k, c, side, (self.where(tokens) - t.centres).abs().mean().item()
