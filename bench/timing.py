@@ -146,21 +146,27 @@ class HFRunner:
         max_new_tokens: int,
         ignore_eos: bool = False,
     ) -> GenTiming:
-        """``ignore_eos``: exactly ``max_new_tokens`` tokens (``min_new_tokens``), like the engine's option."""
+        """``ignore_eos``: exactly ``max_new_tokens`` tokens, EOS generated like any token (no stop), as the
+        engine's option does, so both sides still produce the same greedy tokens."""
         clock = _TokenClock()
         t0 = time.perf_counter()
         inputs = self.prepare(text, images, system_prompt)
-        extra = {"min_new_tokens": max_new_tokens} if ignore_eos else {}
-        with torch.inference_mode():
-            out = self.model.generate(
-                **inputs,
-                max_new_tokens=max_new_tokens,
-                do_sample=False,
-                streamer=clock,
-                top_k=None,
-                top_p=None,
-                **extra,
-            )
+        # generate() merges a None eos_token_id with the model's, so the model's own is cleared for the call.
+        eos = self.model.generation_config.eos_token_id
+        if ignore_eos:
+            self.model.generation_config.eos_token_id = None
+        try:
+            with torch.inference_mode():
+                out = self.model.generate(
+                    **inputs,
+                    max_new_tokens=max_new_tokens,
+                    do_sample=False,
+                    streamer=clock,
+                    top_k=None,
+                    top_p=None,
+                )
+        finally:
+            self.model.generation_config.eos_token_id = eos
         total = time.perf_counter() - t0
         if not clock.times:
             raise RuntimeError("transformers generate produced no token")

@@ -104,6 +104,9 @@ SETTINGS: tuple[Setting, ...] = (
     _s("prefix_caching", bool, True, "reuse the KV blocks of an identical prompt prefix (paged only)", E, BETWEEN),
     _s("max_context_tokens", int, 4096, "longest sequence: prompt, image tokens and answer", E, BETWEEN,
        unit="tokens", min=16, max=262_144),
+    _s("prefill_chunk_tokens", int, 512, "a prompt is prefilled in pieces of at most this many tokens (bounds "
+       "the attention scratch memory of a long prompt); 0 = in one piece", E, BETWEEN, unit="tokens", min=0,
+       max=262_144),
     # -- CUDA
     _s("use_cuda_kernels", bool, True, "custom CUDA attention kernels (CUDA only)", E, BETWEEN),
     _s("use_cuda_graph", bool, True, "replay the decode step as CUDA graphs (CUDA only)", E, BETWEEN),
@@ -134,6 +137,8 @@ SETTINGS: tuple[Setting, ...] = (
        unit="s", min=0.0, max=3600.0),
     _s("max_queue", int, 4, "prompts waiting behind the running one; overflow drops the oldest", N, NEXT, min=1,
        max=1000),
+    _s("token_publish_period_ms", int, 20, "at most one tokens message per period, the first delta of an answer "
+       "at once; 0 = one message per delta", N, NEXT, unit="ms", min=0, max=1000),
 )  # fmt: skip
 
 BY_NAME: dict[str, Setting] = {s.name: s for s in SETTINGS}

@@ -3,7 +3,8 @@
 Both sides get the same prompt ids (rendered by our chat template) and the same pixel_values (from
 our image processor), so only generation is compared. EOS is set to a token transformers never
 produced, so all 64 tokens are compared. Every KV layout (contiguous; paged with page sizes 1, 4, 16,
-i.e. dozens of page crossings after the image tokens) runs on one engine reconfigured between layouts.
+i.e. dozens of page crossings after the image tokens; prompts prefilled in pieces of 7 and 5 tokens) runs
+on one engine reconfigured between layouts.
 On the CPU the engine decodes with the dynamic step; ``test_engine_decode_step`` holds the static step
 (what CUDA graphs capture) to the dynamic one logit for logit over the same layouts.
 """
@@ -37,6 +38,9 @@ LAYOUTS = [
     dict(use_paged_attention=True, page_size=1),
     dict(use_paged_attention=True, page_size=4),
     dict(use_paged_attention=True, page_size=16),
+    # Prompts prefilled in pieces of 7 and 5 tokens: pieces end inside the image pads and inside pages.
+    dict(use_paged_attention=True, page_size=4, prefill_chunk_tokens=7),
+    dict(use_paged_attention=False, prefill_chunk_tokens=5),
 ]
 
 

@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import torch
 from test_engine_streaming import SCRIPT, scripted_engine
 
@@ -72,11 +73,14 @@ def test_session_stream_equals_fresh_rendering_of_whole_conversation(tmp_path_fa
     assert engine.sessions() == [] and engine.cache.stats()["blocks_used"] == 0
 
 
-def test_turn_two_prefills_only_new_tokens_and_matches_transformers():
+@pytest.mark.parametrize("chunk", [0, 6])
+def test_turn_two_prefills_only_new_tokens_and_matches_transformers(chunk):
+    """``chunk`` 6: both turns prefill in pieces of 6 tokens, turn 2's first piece right after the cached
+    history, pieces ending inside the images' pads."""
     from transformers import Qwen3VLForConditionalGeneration
 
     path = cached_tiny_checkpoint(**CHECKPOINT)
-    engine = Engine(EngineConfig(model_path=str(path), max_context_tokens=256, page_size=4))
+    engine = Engine(EngineConfig(model_path=str(path), max_context_tokens=256, page_size=4, prefill_chunk_tokens=chunk))
     img1, img2 = _image(96, 128, 3), _image(64, 160, 4)
     t1, t2 = Turn("Describe this image.", (img1,)), Turn("Compare it with this one.", (img2,))
     r1 = _final(engine, Request(t1, GREEDY, session_id="s", system_prompt="Be brief."))

@@ -41,7 +41,10 @@ def test_causal_attention_matches_transformers_eager(dtype, nkv, group, hd, L, q
     v = torch.randn(T, nkv, hd).to(dtype)
     ours = causal_attention(q, k, v, q_start)
     assert ours.dtype == dtype and ours.shape == (L, nkv * group, hd)
-    torch.testing.assert_close(ours, _hf_causal(q, k, v, q_start), rtol=0, atol=0)
+    # Same formula and dtypes; the grouped product (a KV head's query heads as rows of one matrix) may sum
+    # a dot product in another order than transformers' per-head product: float rounding, nothing more.
+    tol = {torch.float32: 1e-6, torch.bfloat16: 1e-2}[dtype]
+    torch.testing.assert_close(ours, _hf_causal(q, k, v, q_start), rtol=tol, atol=tol)
 
 
 def test_causal_attention_ignores_slots_past_the_last_query():

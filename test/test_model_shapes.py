@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from orin_vlm_node.model import ModelConfig, Qwen3VLModel
-from orin_vlm_node.model.loader import checkpoint_key_to_name, name_to_checkpoint_key
+from orin_vlm_node.model.loader import checkpoint_key_to_name, checkpoint_views, name_to_checkpoint_key
 
 CONFIG_DIR = Path("/work/shared/model-configs")
 # Published model sizes: total parameters (tied counted once, in billions) and state-dict key counts incl. lm_head.
@@ -29,10 +29,10 @@ def test_parameter_count_and_key_count(size: str):
         model = Qwen3VLModel(cfg)
     billions, keys = EXPECTED[size]
     assert round(model.num_parameters() / 1e9, 3) == billions
-    names = [n for n, _ in model.named_parameters(remove_duplicate=False)]
-    assert len(names) == keys  # a tied lm_head still has its own (shared) name
+    views = checkpoint_views(model)  # one entry per checkpoint matrix, fused projections split again
+    assert len(views) + cfg.tie_word_embeddings == keys  # a tied lm_head is stored under one name only
     assert (model.lm_head.weight is model.language_model.embed_tokens.weight) is cfg.tie_word_embeddings
-    q = model.language_model.layers[0].self_attn.q_proj.weight
+    q = views["language_model.layers.0.self_attn.q_proj.weight"]
     assert q.shape == (cfg.text.num_attention_heads * 128, cfg.text.hidden_size)
 
 
@@ -45,6 +45,8 @@ def test_names_and_shapes_match_transformers_state_dict():
         ours = Qwen3VLModel(cfg)
         hf = Qwen3VLForConditionalGeneration(Qwen3VLConfig(**cfg.raw))
     hf_shapes = {k: tuple(v.shape) for k, v in hf.state_dict().items()}
-    our_shapes = {name_to_checkpoint_key(n): tuple(p.shape) for n, p in ours.named_parameters(remove_duplicate=False)}
+    our_shapes = {name_to_checkpoint_key(n): tuple(v.shape) for n, v in checkpoint_views(ours).items()}
+    if cfg.tie_word_embeddings:
+        our_shapes["lm_head.weight"] = tuple(ours.lm_head.weight.shape)
     assert our_shapes == hf_shapes
     assert all(name_to_checkpoint_key(checkpoint_key_to_name(k)) == k for k in hf_shapes)

@@ -110,13 +110,35 @@ def test_image_and_prompt_stream_tokens_that_add_up_to_the_response(vlm):
     assert metrics["prompt_tokens"] > 10  # the image pads are part of the prompt
 
 
-def test_greedy_answer_equals_the_engine_in_process(vlm, reference):
+def test_greedy_answer_equals_the_engine_in_process(vlm, reference, values):
+    """The same answer; with ``token_publish_period_ms`` 0 the same deltas, one message each."""
     _, client = vlm
-    client.publish_image(image_msg())
-    node_answer = client.ask(QUESTION)
+    set_ok(client, {"token_publish_period_ms": 0})
+    try:
+        client.publish_image(image_msg())
+        node_answer = client.ask(QUESTION)
+    finally:
+        set_ok(client, {"token_publish_period_ms": values["token_publish_period_ms"]})
     final, deltas = reference(QUESTION, RGB)
     assert node_answer["response"] == final.text
     assert node_answer["tokens"] == [d for d in deltas if d]
+
+
+def test_tokens_are_coalesced_to_one_message_per_period(vlm, values):
+    """A long answer under a long period: the first delta goes out at once, the rest joined, at most one
+    message per period, and the messages still add up to the response."""
+    _, client = vlm
+    period_s = 0.5
+    set_ok(client, {"token_publish_period_ms": int(period_s * 1000), "max_new_tokens": 64})
+    try:
+        t0 = time.monotonic()
+        result = client.ask(LONG_PROMPT)
+        elapsed = time.monotonic() - t0
+    finally:
+        set_ok(client, {k: values[k] for k in ("token_publish_period_ms", "max_new_tokens")})
+    assert "".join(result["tokens"]) == result["response"]
+    assert result["status"]["metrics"]["generated_tokens"] == 64
+    assert 2 <= len(result["tokens"]) <= 2 + elapsed / period_s  # 64 deltas in a few messages
 
 
 def test_stale_image_is_ignored_with_a_note(vlm, reference):

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import torch
 
+from ..kvcache.attention import StepBlocks
 from . import launch as L
 
 
@@ -56,7 +57,7 @@ class CudaPagedAttention:
         q: torch.Tensor,
         k_pool: torch.Tensor,
         v_pool: torch.Tensor,
-        block_table: torch.Tensor,
+        blocks: StepBlocks,
         q_start: int,
         kv_len: int,
     ) -> torch.Tensor:
@@ -64,7 +65,7 @@ class CudaPagedAttention:
         page, nkv = k_pool.shape[1], k_pool.shape[2]
         if q_start < 0 or q_start + num_q > kv_len:
             raise ValueError(f"queries at slots {q_start}..{q_start + num_q - 1} need kv_len >= {q_start + num_q}")
-        table = self._table(block_table, q.device)
+        table = self._table(blocks.table, q.device)
         if table.numel() * page < q_start + num_q:
             raise ValueError(f"block table of {table.numel()} blocks cannot hold {q_start + num_q} slots")
         # Slots past the last query are masked anyway; the kernel places queries at seq_len - num_q + i.

@@ -44,6 +44,7 @@ class EngineConfig:
     kv_memory_reserve_mb: int = _default("kv_memory_reserve_mb")
     prefix_caching: bool = _default("prefix_caching")
     max_context_tokens: int = _default("max_context_tokens")
+    prefill_chunk_tokens: int = _default("prefill_chunk_tokens")
     use_cuda_kernels: bool = _default("use_cuda_kernels")
     use_cuda_graph: bool = _default("use_cuda_graph")
     allow_kernel_fallback: bool = _default("allow_kernel_fallback")

@@ -25,6 +25,7 @@ from .sampling import resolve_sampling
 from .session import Session, SessionSnapshot
 
 if TYPE_CHECKING:
+    from ..model.vision import VisionFeatures
     from .engine import Engine
 
 log = logging.getLogger("orin_vlm_node.engine")
@@ -97,15 +98,37 @@ class RequestRun:
         self.metrics.mark_prefill_start()
         skip_pads = sum(1 for t in turn.new_ids[:hit] if t == e.tokenizer.special.image_pad)
         vision = encode_needed(e.model, turn.images, skip_pads) if turn.images is not None else None
-        self._check_cancelled()
-        attn = self.with_eviction(lambda: e.cache.step(self.seq, len(turn.new_ids) - hit))
-        ids = torch.tensor(turn.new_ids[hit:], dtype=torch.long, device=e.device)
-        logits = e.model.forward(ids, turn.positions[:, hit:].to(e.device), attn, vision=vision)
+        logits = self._prefill(turn, hit, vision)
         self.metrics.prefill_tokens = len(turn.new_ids) - hit
         self.metrics.mark_prefill_done()
         self.prefill_done = True
         self.session = self._commit_turn(turn)
         self.loop = DecodeLoop(params, e.tokenizer, self.session.token_ids, logits.device, self.metrics)
+        return logits
+
+    def _prefill(self, turn: PreparedTurn, hit: int, vision: VisionFeatures | None) -> torch.Tensor:
+        """Tokens ``hit:`` of the turn into the KV cache, ``prefill_chunk_tokens`` at a time (each piece
+        attends to everything before it, so the result is the one-piece prefill's); logits of the last.
+
+        Why pieces: the torch attention of a piece of L tokens over T slots holds an L x T score matrix per
+        head, which for a long prompt in one piece would be gigabytes. A cancel is honoured between pieces.
+        """
+        e = self.engine
+        ids, pad = turn.new_ids, e.tokenizer.special.image_pad
+        size = self.config.prefill_chunk_tokens or len(ids)
+        vision_row = 0  # feature rows of the image pads before the current piece
+        logits = None
+        for start in range(hit, len(ids), size):
+            self._check_cancelled()
+            stop = min(start + size, len(ids))
+            pads = sum(1 for t in ids[start:stop] if t == pad)
+            rows = vision.rows(vision_row, vision_row + pads) if vision is not None and pads else None
+            vision_row += pads
+            attn = self.with_eviction(lambda n=stop - start: e.cache.step(self.seq, n))
+            chunk = torch.tensor(ids[start:stop], dtype=torch.long, device=e.device)
+            logits = e.model.forward(chunk, turn.positions[:, start:stop].to(e.device), attn, vision=rows)
+        if logits is None:
+            raise RuntimeError("prefill of an empty turn")
         return logits
 
     def _check_cancelled(self) -> None:

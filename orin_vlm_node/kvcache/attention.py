@@ -11,9 +11,11 @@ Layouts an implementation receives (one layer at a time, all on the cache device
   Physical slot ``s`` is ``k_pool.view(-1, nkv, hd)[s]``, i.e. block ``s // page_size``, offset
   ``s % page_size``.
 * ``slot_mapping``: (L,) int64, the physical slot of each new token, in token order.
-* ``block_table``: int32, the sequence's physical blocks in logical order. For :meth:`attend` it holds at
-  least ``ceil(kv_len / page_size)`` valid entries; for :meth:`attend_decode` it is the full fixed-width
-  row (``max_blocks_per_sequence``) whose entries past the sequence's last block are ``-1``.
+* ``blocks`` (:meth:`attend`): a :class:`StepBlocks`, the sequence's table twice: on the device (int32,
+  at least ``ceil(kv_len / page_size)`` valid entries; what kernels read) and on the host as runs of
+  consecutive blocks (what the torch path reads in place, one view per run).
+* ``block_table`` (:meth:`attend_decode`): the fixed-width device row (``max_blocks_per_sequence`` or a
+  bucket's prefix of it) whose entries past the sequence's last block are ``-1``.
 * The block table a kernel reads has been uploaded before the step that needs it (``PagedKVCache.step``
   and ``prepare_static_decode`` upload changed entries before they return), never during a launch.
 
@@ -24,11 +26,32 @@ slot ``q_start + i`` and attends causally to slots ``0 .. q_start + i``; GQA map
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
 
-from .reference import causal_attention, masked_decode_attention
+from .reference import causal_attention_parts, masked_decode_attention
+
+
+@dataclass(frozen=True)
+class StepBlocks:
+    """The blocks a step attends over, for the device and for the host."""
+
+    table: torch.Tensor  # (max_blocks_per_sequence,) int32 on the cache device, -1 past the last block
+    runs: tuple[tuple[int, int], ...]  # (first block, count): the first ceil(kv_len / page) entries, in order
+
+
+def block_runs(blocks: Sequence[int]) -> tuple[tuple[int, int], ...]:
+    """``blocks`` as runs of consecutive ids: [7, 8, 9, 3, 4] -> ((7, 3), (3, 2))."""
+    runs: list[tuple[int, int]] = []
+    for block in blocks:
+        if runs and runs[-1][0] + runs[-1][1] == block:
+            runs[-1] = (runs[-1][0], runs[-1][1] + 1)
+        else:
+            runs.append((block, 1))
+    return tuple(runs)
 
 
 class PagedAttentionImpl(Protocol):
@@ -47,7 +70,7 @@ class PagedAttentionImpl(Protocol):
         q: torch.Tensor,
         k_pool: torch.Tensor,
         v_pool: torch.Tensor,
-        block_table: torch.Tensor,
+        blocks: StepBlocks,
         q_start: int,
         kv_len: int,
     ) -> torch.Tensor:
@@ -70,7 +93,13 @@ class PagedAttentionImpl(Protocol):
 
 
 class TorchPagedAttention:
-    """Reference implementation: gather the sequence's pages (one indexed copy, no per-token loop)."""
+    """Reference implementation on torch ops: each run of consecutive blocks is read in place as one view.
+
+    :meth:`attend` (prefill and the dynamic decode step) never copies K/V: one product per run, one
+    softmax over all of them. :meth:`attend_decode` (the static step a CUDA graph replays) cannot follow
+    a table that changes between replays without a kernel, so it gathers the bucket's blocks, as the
+    contiguous cache gathers its slab there; the CUDA kernels read in place on both paths.
+    """
 
     name = "torch"
 
@@ -86,20 +115,24 @@ class TorchPagedAttention:
         q: torch.Tensor,
         k_pool: torch.Tensor,
         v_pool: torch.Tensor,
-        block_table: torch.Tensor,
+        blocks: StepBlocks,
         q_start: int,
         kv_len: int,
     ) -> torch.Tensor:
         page = k_pool.shape[1]
-        blocks = block_table[: -(-kv_len // page)].long()
-        run = _consecutive_run(blocks)
-        if run is not None:  # the pages lie back to back in the pool: read them in place, no gather
-            k = k_pool[run].flatten(0, 1)[:kv_len].to(q.dtype)  # (kv_len, nkv, hd)
-            v = v_pool[run].flatten(0, 1)[:kv_len].to(q.dtype)
-        else:
-            k = k_pool[blocks].flatten(0, 1)[:kv_len].to(q.dtype)
-            v = v_pool[blocks].flatten(0, 1)[:kv_len].to(q.dtype)
-        return causal_attention(q, k, v, q_start)
+        k_slots, v_slots = k_pool.flatten(0, 1), v_pool.flatten(0, 1)  # (num_blocks * page, nkv, hd), views
+        k_parts, v_parts = [], []
+        left = kv_len
+        for first, count in blocks.runs:
+            n = min(count * page, left)
+            k_parts.append(k_slots[first * page : first * page + n])  # (n, nkv, hd), a view
+            v_parts.append(v_slots[first * page : first * page + n])
+            left -= n
+            if left == 0:
+                break
+        if left:
+            raise ValueError(f"the runs cover {kv_len - left} of kv_len={kv_len} slots")
+        return causal_attention_parts(q, k_parts, v_parts, q_start)
 
     def attend_decode(
         self,
@@ -111,21 +144,6 @@ class TorchPagedAttention:
     ) -> torch.Tensor:
         # Unused entries are -1; clamp them to a valid block, their slots are masked by kv_len anyway.
         blocks = block_table.clamp(min=0).long()
-        k = k_pool[blocks].flatten(0, 1).to(q.dtype)  # (max_blocks * page, nkv, hd)
-        v = v_pool[blocks].flatten(0, 1).to(q.dtype)
+        k = k_pool[blocks].flatten(0, 1)  # (blocks * page, nkv, hd)
+        v = v_pool[blocks].flatten(0, 1)
         return masked_decode_attention(q, k, v, kv_len)
-
-
-def _consecutive_run(blocks: torch.Tensor) -> slice | None:
-    """``slice(b, b + n)`` when the host-side table ``blocks`` (n,) is b, b+1, ..., b+n-1, else None.
-
-    A sequence that grew in a fresh or unfragmented pool gets consecutive blocks, and reading them as a
-    view saves one copy of its whole K and V per layer and step. Only checked for CPU tables: on a GPU
-    the check would be a host sync (and the CUDA kernels read pages in place anyway).
-    """
-    if blocks.device.type != "cpu" or blocks.numel() == 0:
-        return None
-    first = int(blocks[0])
-    if blocks.numel() > 1 and not bool(torch.equal(blocks, torch.arange(first, first + blocks.numel()))):
-        return None
-    return slice(first, first + blocks.numel())

@@ -2,17 +2,22 @@
 
 Every block is in exactly one state:
 
-* free      refcount 0, no content key; in the ``_free`` deque,
+* free      refcount 0, no content key; on the ``_free`` stack,
 * cached    refcount 0 with a content key; in the ``_cached_free`` LRU (reusable by a prefix hit, or
             evicted, oldest first, when the free deque is empty),
 * used      refcount > 0 (held by that many block tables); may carry a content key.
 
-All operations are O(1) per block (deque / OrderedDict / dict), so the engine can call them per step.
+All operations are O(1) per block (list / OrderedDict / dict), so the engine can call them per step.
+
+The free list is a stack (last freed, first reused): a released sequence frees its blocks tail first, so
+the next sequence pops them head first and gets the same consecutive run back. With a FIFO queue the
+freed blocks went to the back and, after a few requests, a 4k-token table was 60-130 scattered runs; the
+torch attention reads each run in place, so fewer runs means fewer, larger products per step.
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict, deque
+from collections import OrderedDict
 from dataclasses import dataclass
 
 from .errors import KVCacheError, PoolExhausted
@@ -38,7 +43,7 @@ class BlockPool:
     def reset(self) -> None:
         """Everything free, nothing cached."""
         self._ref = [0] * self.num_blocks
-        self._free: deque[int] = deque(range(self.num_blocks))
+        self._free: list[int] = list(range(self.num_blocks - 1, -1, -1))  # a stack: pop() gives 0, 1, 2, ...
         self._cached_free: OrderedDict[int, None] = OrderedDict()
         self._key: list[BlockKey | None] = [None] * self.num_blocks
         self._by_digest: dict[bytes, int] = {}
@@ -68,7 +73,7 @@ class BlockPool:
 
     def free_blocks(self) -> list[int]:
         """Snapshot of unreferenced blocks (free and cached-free), for checks and tests."""
-        return list(self._free) + list(self._cached_free)
+        return self._free[::-1] + list(self._cached_free)
 
     # -- refcounts -------------------------------------------------------------------------------
     def allocate(self, n: int) -> list[int]:
@@ -82,7 +87,7 @@ class BlockPool:
         out = []
         for _ in range(n):
             if self._free:
-                block = self._free.popleft()
+                block = self._free.pop()
             else:  # evict the least recently released cached block
                 block, _ = self._cached_free.popitem(last=False)
                 self.drop_key(block)

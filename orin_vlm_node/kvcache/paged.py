@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .attention import PagedAttentionImpl, TorchPagedAttention
+from .attention import PagedAttentionImpl, StepBlocks, TorchPagedAttention, block_runs
 from .base import ExtraKeys, KVCache, StaticDecodeBuffers
 from .block_pool import BlockKey, BlockPool
 from .config import KVCacheConfig, plan_pool
@@ -43,6 +43,7 @@ class _Seq:
     length: int = 0
     hashes: list[bytes] = field(default_factory=list)  # chained keys of its leading full blocks
     dirty: set[int] = field(default_factory=set)  # table indices not yet uploaded to dev_table
+    runs: tuple[tuple[int, int], ...] | None = None  # block_runs(table), None after any table change
 
 
 class PagedKVCache(KVCache):
@@ -62,6 +63,8 @@ class PagedKVCache(KVCache):
         shape = (2, config.num_layers, self.num_blocks, self.page_size, config.num_kv_heads, config.head_dim)
         # Zero-filled, not empty: a masked slot contributes weight 0, and 0 * NaN-garbage would be NaN.
         self.kv_storage = torch.zeros(shape, dtype=config.dtype, device=config.device)
+        # Per-layer views made once: indexing the storage again for every layer of every step costs dispatch.
+        self._pools = [(self.kv_storage[0, layer], self.kv_storage[1, layer]) for layer in range(config.num_layers)]
         self._seqs: dict[int, _Seq] = {}
         self._prefix_queries = 0
         self._prefix_hit_blocks = 0
@@ -70,10 +73,14 @@ class PagedKVCache(KVCache):
     # -- storage views ---------------------------------------------------------------------------
     def k_pool(self, layer: int) -> torch.Tensor:
         """(num_blocks, page_size, nkv, hd) keys of one layer (a view)."""
-        return self.kv_storage[0, layer]
+        return self._pools[layer][0]
 
     def v_pool(self, layer: int) -> torch.Tensor:
-        return self.kv_storage[1, layer]
+        return self._pools[layer][1]
+
+    def pools(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(K, V) pools of one layer, each (num_blocks, page_size, nkv, hd)."""
+        return self._pools[layer]
 
     def set_attention_impl(self, impl: PagedAttentionImpl | None) -> None:
         self.attention_impl = impl or TorchPagedAttention()
@@ -158,6 +165,7 @@ class PagedKVCache(KVCache):
         """Step 3: upload changed table entries (a small indexed H2D write; never during a graph capture)."""
         if not s.dirty:
             return
+        s.runs = None
         idx = sorted(s.dirty)
         vals = [s.table[i] if i < len(s.table) else -1 for i in idx]
         dev = s.dev_table.device
@@ -177,7 +185,10 @@ class PagedKVCache(KVCache):
         self._grow(s, new_len)
         s.length = new_len
         self._sync(s)
-        return PagedStep(self, self._slot_mapping(s, start, new_len), s.dev_table, start, new_len, num_new)
+        if s.runs is None:  # the table changed (a new page, copy-on-write): once per page, not per token
+            s.runs = block_runs(s.table)
+        blocks = StepBlocks(s.dev_table, s.runs)
+        return PagedStep(self, self._slot_mapping(s, start, new_len), blocks, start, new_len, num_new)
 
     def _slot_mapping(self, s: _Seq, start: int, end: int) -> torch.Tensor:
         """Step 4: physical slots of positions ``start..end-1`` as an (L,) int64 device tensor.
@@ -186,6 +197,9 @@ class PagedKVCache(KVCache):
         step touches) and sent in one small copy: cheaper than several tiny device kernels per step.
         """
         p = self.page_size
+        if end - start == 1:  # a decode token: one slot, no tensor math
+            slot = s.table[start // p] * p + start % p
+            return torch.tensor([slot], dtype=torch.int64, device=s.dev_table.device)
         first = start // p
         positions = torch.arange(start, end, dtype=torch.int64)
         pages = torch.tensor(s.table[first : -(-end // p)], dtype=torch.int64)

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from .attention import StepBlocks
 from .base import StaticDecodeBuffers, check_step_shapes
 
 if TYPE_CHECKING:
@@ -22,11 +23,11 @@ class PagedStep:
     """StepAttention of one paged step; valid until the sequence is next changed (step/fork/truncate)."""
 
     def __init__(
-        self, cache: PagedKVCache, slot_mapping: torch.Tensor, table: torch.Tensor, q_start: int, kv_len: int, n: int
+        self, cache: PagedKVCache, slot_mapping: torch.Tensor, blocks: StepBlocks, q_start: int, kv_len: int, n: int
     ) -> None:
         self._cache = cache
         self.slot_mapping = slot_mapping  # (L,) int64
-        self._table = table
+        self._blocks = blocks
         self.q_start = q_start
         self.kv_len = kv_len
         self._n = n
@@ -34,10 +35,10 @@ class PagedStep:
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         cache = self._cache
         check_step_shapes(self._n, q, k, v, cache.config)
-        kp, vp = cache.k_pool(layer), cache.v_pool(layer)
+        kp, vp = cache.pools(layer)
         impl = cache.attention_impl
         impl.write_kv(kp, vp, k, v, self.slot_mapping)
-        return impl.attend(q, kp, vp, self._table, self.q_start, self.kv_len)
+        return impl.attend(q, kp, vp, self._blocks, self.q_start, self.kv_len)
 
 
 class PagedStaticDecode:
@@ -51,6 +52,6 @@ class PagedStaticDecode:
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         cache, buf = self._cache, self._buf
         check_step_shapes(1, q, k, v, cache.config)
-        kp, vp = cache.k_pool(layer), cache.v_pool(layer)
+        kp, vp = cache.pools(layer)
         cache.attention_impl.write_kv(kp, vp, k, v, buf.slot_mapping)
         return cache.attention_impl.attend_decode(q, kp, vp, self._table, buf.kv_len)

@@ -1,11 +1,24 @@
-"""Torch reference attention: the ground truth every KV backend and kernel is compared against.
+"""Torch attention: the ground truth every KV backend and kernel is compared against, and the CPU path.
 
-It follows the transformers "eager" attention of Qwen3 exactly (scores in the input dtype, the additive
-causal mask, softmax in fp32, cast back to the input dtype before the product with V) so that a model
-running through our caches can be compared with a transformers checkpoint token for token.
+It follows the transformers "eager" attention of Qwen3 (scores in the input dtype, the additive causal
+mask, softmax in fp32, cast back to the input dtype before the product with V) so that a model running
+through our caches can be compared with a transformers checkpoint token for token.
+
+GQA without copies: transformers repeats every K/V head ``group`` times before the product; on a decode
+step that copy of the whole cache dominated the step (about three quarters of it at 4k context on the
+2B shape). Here the ``group`` query heads that share a KV head become rows of one matrix instead, so
+one batched product per KV head reads K and V in place: q (L, nq, hd) -> (nkv, group * L, hd), scores
+(nkv, group * L, T). Each score is still the dot product of one query row with one key row.
+
+Keys and values may come in *parts* (consecutive runs of slots that are not adjacent in memory, e.g.
+the runs of consecutive blocks of a paged sequence): the scores of all parts are concatenated before one
+softmax, so the result is the single-softmax formula over all slots; with one part it is exactly the
+one-tensor computation.
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import torch
 
@@ -18,29 +31,26 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_start:
     hold stale rows past ``q_start + L``). kv head ``j`` serves q heads ``j*g .. j*g+g-1``.
     Returns (L, nq, hd) in q's dtype.
     """
-    if q.dim() != 3 or k.dim() != 3 or v.dim() != 3:
-        raise ValueError(f"expected 3-D q/k/v, got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
-    L, nq, hd = q.shape
-    T, nkv, _ = k.shape
-    if k.shape != v.shape or k.shape[2] != hd:
-        raise ValueError(f"k {tuple(k.shape)} / v {tuple(v.shape)} do not match q head_dim {hd}")
-    if nq % nkv != 0:
-        raise ValueError(f"num q heads {nq} is not a multiple of num kv heads {nkv}")
-    if q_start < 0 or q_start + L > T:
-        raise ValueError(f"queries at slots {q_start}..{q_start + L - 1} need {q_start + L} kv slots, got {T}")
-    group = nq // nkv
-    # (nkv, T, hd) -> (nq, T, hd): repeat_interleave matches HF repeat_kv (head j*g+r reads kv head j).
-    kh = k.transpose(0, 1).repeat_interleave(group, dim=0)
-    vh = v.transpose(0, 1).repeat_interleave(group, dim=0)
-    qh = q.transpose(0, 1)  # (nq, L, hd)
-    scores = torch.matmul(qh, kh.transpose(1, 2)) * (hd**-0.5)  # (nq, L, T)
-    q_slots = torch.arange(q_start, q_start + L, device=q.device).unsqueeze(1)  # (L, 1)
-    k_slots = torch.arange(T, device=q.device).unsqueeze(0)  # (1, T)
-    mask = torch.zeros((L, T), dtype=scores.dtype, device=q.device)
-    mask.masked_fill_(k_slots > q_slots, torch.finfo(scores.dtype).min)
-    weights = torch.softmax(scores + mask, dim=-1, dtype=torch.float32).to(q.dtype)
-    out = torch.matmul(weights, vh)  # (nq, L, hd)
-    return out.transpose(0, 1).contiguous()
+    if k.dim() != 3 or v.dim() != 3:
+        raise ValueError(f"expected 3-D k/v, got {tuple(k.shape)}, {tuple(v.shape)}")
+    return causal_attention_parts(q, [k], [v], q_start)
+
+
+def causal_attention_parts(
+    q: torch.Tensor, k_parts: Sequence[torch.Tensor], v_parts: Sequence[torch.Tensor], q_start: int
+) -> torch.Tensor:
+    """:func:`causal_attention` over keys/values given as consecutive parts, each (T_i, nkv, hd), read in place."""
+    total = _check(q, k_parts, v_parts)
+    L = q.shape[0]
+    if q_start < 0 or q_start + L > total:
+        raise ValueError(f"queries at slots {q_start}..{q_start + L - 1} need {q_start + L} kv slots, got {total}")
+    mask = None
+    if L > 1 or q_start + L < total:  # a single query at the last slot sees every slot: nothing to mask
+        q_slots = torch.arange(q_start, q_start + L, device=q.device).unsqueeze(1)  # (L, 1)
+        k_slots = torch.arange(total, device=q.device).unsqueeze(0)  # (1, T)
+        mask = torch.zeros((L, total), dtype=q.dtype, device=q.device)
+        mask.masked_fill_(k_slots > q_slots, torch.finfo(q.dtype).min)
+    return _grouped_attention(q, k_parts, v_parts, mask)
 
 
 def masked_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_len: torch.Tensor) -> torch.Tensor:
@@ -53,16 +63,55 @@ def masked_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k
     """
     if q.dim() != 3 or q.shape[0] != 1:
         raise ValueError(f"decode attention takes one query (1, nq, hd), got {tuple(q.shape)}")
-    _, nq, hd = q.shape
-    T, nkv, _ = k.shape
+    total = _check(q, [k], [v])
+    invalid = torch.arange(total, device=q.device) >= kv_len.reshape(1).to(q.device)  # (T,)
+    mask = torch.zeros((1, total), dtype=q.dtype, device=q.device)
+    mask.masked_fill_(invalid.unsqueeze(0), torch.finfo(q.dtype).min)
+    return _grouped_attention(q, [k], [v], mask)
+
+
+def _check(q: torch.Tensor, k_parts: Sequence[torch.Tensor], v_parts: Sequence[torch.Tensor]) -> int:
+    """Validate shapes; the total number of key slots."""
+    if q.dim() != 3:
+        raise ValueError(f"expected 3-D q (L, nq, hd), got {tuple(q.shape)}")
+    if not k_parts or len(k_parts) != len(v_parts):
+        raise ValueError(f"need matching, non-empty K/V parts, got {len(k_parts)} and {len(v_parts)}")
+    nq, hd = q.shape[1], q.shape[2]
+    nkv = k_parts[0].shape[1] if k_parts[0].dim() == 3 else -1
+    for k, v in zip(k_parts, v_parts, strict=True):
+        if k.dim() != 3 or k.shape != v.shape or k.shape[1:] != (nkv, hd):
+            raise ValueError(f"k {tuple(k.shape)} / v {tuple(v.shape)} do not match q head_dim {hd}")
     if nq % nkv != 0:
         raise ValueError(f"num q heads {nq} is not a multiple of num kv heads {nkv}")
+    return sum(k.shape[0] for k in k_parts)
+
+
+def _grouped_attention(
+    q: torch.Tensor, k_parts: Sequence[torch.Tensor], v_parts: Sequence[torch.Tensor], mask: torch.Tensor | None
+) -> torch.Tensor:
+    """softmax(q k^T / sqrt(hd) + mask) v with the query heads of a KV head as rows of one matrix.
+
+    ``mask``: (L, T) additive in q's dtype, or None. Returns (L, nq, hd).
+    """
+    L, nq, hd = q.shape
+    nkv = k_parts[0].shape[1]
     group = nq // nkv
-    kh = k.transpose(0, 1).repeat_interleave(group, dim=0)  # (nq, T, hd)
-    vh = v.transpose(0, 1).repeat_interleave(group, dim=0)
-    scores = torch.matmul(q.transpose(0, 1), kh.transpose(1, 2)) * (hd**-0.5)  # (nq, 1, T)
-    invalid = torch.arange(T, device=q.device) >= kv_len.reshape(1).to(q.device)  # (T,)
-    mask = torch.zeros((1, T), dtype=scores.dtype, device=q.device)
-    mask.masked_fill_(invalid.unsqueeze(0), torch.finfo(scores.dtype).min)
-    weights = torch.softmax(scores + mask, dim=-1, dtype=torch.float32).to(q.dtype)
-    return torch.matmul(weights, vh).transpose(0, 1).contiguous()  # (1, nq, hd)
+    qg = q.reshape(L, nkv, group, hd).permute(1, 2, 0, 3).reshape(nkv, group * L, hd)  # row r*L+i: head j*g+r, query i
+    scores = [torch.matmul(qg, _as(k, q.dtype).permute(1, 2, 0)) for k in k_parts]  # (nkv, g*L, T_i), K in place
+    s = (scores[0] if len(scores) == 1 else torch.cat(scores, dim=-1)) * (hd**-0.5)  # (nkv, g*L, T)
+    if mask is not None:
+        s = (s.view(nkv, group, L, -1) + mask).view(nkv, group * L, -1)
+    weights = _as(torch.softmax(s, dim=-1, dtype=torch.float32), q.dtype)
+    out = None  # (nkv, g*L, hd)
+    start = 0
+    for v in v_parts:  # several parts: one rounding per part in bf16/fp16, within an ulp or two of one product
+        w = weights[..., start : start + v.shape[0]]
+        vh = _as(v, q.dtype).transpose(0, 1)  # (nkv, T_i, hd), a view
+        out = torch.matmul(w, vh) if out is None else out.baddbmm_(w, vh)
+        start += v.shape[0]
+    return out.view(nkv, group, L, hd).permute(2, 0, 1, 3).reshape(L, nq, hd)
+
+
+def _as(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``x.to(dtype)`` without a call when it already is (each call on a decode step costs dispatch)."""
+    return x if x.dtype == dtype else x.to(dtype)

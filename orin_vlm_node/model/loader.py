@@ -25,6 +25,7 @@ from .config import ModelConfig
 from .dtypes import resolve_dtype
 from .errors import CheckpointError
 from .qwen3_vl import Qwen3VLModel
+from .text import FusedLinear
 
 logger = logging.getLogger("orin_vlm_node.model")
 
@@ -43,11 +44,11 @@ def load_model(path: str | Path, dtype: torch.dtype | str = torch.float32, devic
     files = weight_files(root)
     with torch.device("meta"):
         model = Qwen3VLModel(config)
-    expected = _expected_parameters(model)
+    expected = {name: tuple(view.shape) for name, view in checkpoint_views(model).items()}
     plan = _plan(files, expected, config.tie_word_embeddings)
     _materialize(model, target, torch.device(device))
-    params = dict(model.named_parameters())
-    total = sum(params[name].numel() * params[name].element_size() for _, name in plan.values())
+    views = checkpoint_views(model)
+    total = sum(views[name].numel() * views[name].element_size() for _, name in plan.values())
     logger.info(
         "loading %s: %d tensors from %d file(s), %.1f MB as %s on %s",
         root,
@@ -69,9 +70,9 @@ def load_model(path: str | Path, dtype: torch.dtype | str = torch.float32, devic
                     raise CheckpointError(f"{file}: cannot read tensor {key} ({exc})") from exc
                 if not tensor.is_floating_point():
                     raise CheckpointError(f"{file.name}: tensor {key} has non-float dtype {tensor.dtype}")
-                param = params[name]
-                param.data.copy_(tensor)
-                done_bytes += param.numel() * param.element_size()
+                view = views[name]
+                view.copy_(tensor)
+                done_bytes += view.numel() * view.element_size()
                 del tensor
                 if done_bytes >= min(next_report, 1.0) * total:
                     logger.info("  %3.0f%% (%s)", 100 * done_bytes / total, file.name)
@@ -140,8 +141,22 @@ def name_to_checkpoint_key(name: str) -> str:
     return name if name.startswith("lm_head.") else "model." + name
 
 
-def _expected_parameters(model: nn.Module) -> dict[str, tuple[int, ...]]:
-    return {name: tuple(p.shape) for name, p in model.named_parameters()}
+def checkpoint_views(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Every tensor a checkpoint provides, by parameter name (as :func:`checkpoint_key_to_name` gives it),
+    as the tensor it is copied into: the parameter itself, or for a :class:`FusedLinear` the rows of its
+    weight that one checkpoint matrix fills (``...self_attn.q_proj.weight`` -> rows of ``qkv_proj.weight``).
+    Tied parameters appear once (under their first name)."""
+    fused = {f"{name}.weight": (name, m) for name, m in model.named_modules() if isinstance(m, FusedLinear)}
+    views: dict[str, torch.Tensor] = {}
+    for name, param in model.named_parameters():
+        if name not in fused:
+            views[name] = param
+            continue
+        module_name, module = fused[name]
+        parent = module_name.rpartition(".")[0]
+        for part, rows in module.part_rows().items():
+            views[f"{parent}.{part}.weight"] = param[rows]
+    return views
 
 
 def _plan(files: list[Path], expected: dict[str, tuple[int, ...]], tied: bool) -> dict[str, tuple[Path, str]]:

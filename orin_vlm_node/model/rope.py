@@ -11,6 +11,8 @@ The float expressions below are written in the same order as transformers' so fp
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 
@@ -51,11 +53,33 @@ def mrope_cos_sin(
     return angles.cos().to(dtype), angles.sin().to(dtype)
 
 
-def apply_text_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate (L, heads, hd) by (L, hd) tables, in x's dtype (cos/sin already cast)."""
-    cos = cos.unsqueeze(1)
-    sin = sin.unsqueeze(1)
-    return (x * cos) + (rotate_half(x) * sin)
+@dataclass(frozen=True)
+class TextRopeTables:
+    """The rotation of one step's tokens, built once per step and shared by every layer.
+
+    ``rotate_half(x) * sin`` equals ``swap_halves(x) * sin_signed`` bit for bit (negating a float is
+    exact), and swapping the halves is one op where ``rotate_half`` takes four: on a decode step, where
+    every op costs its dispatch, that matters.
+    """
+
+    cos: torch.Tensor  # (L, 1, hd) in the activation dtype
+    sin_signed: torch.Tensor  # (L, 1, hd): [-sin, sin] of the halves
+
+    @classmethod
+    def build(cls, cos: torch.Tensor, sin: torch.Tensor) -> TextRopeTables:
+        """From :func:`mrope_cos_sin`'s (L, hd) tables."""
+        half = sin.shape[-1] // 2
+        return cls(cos.unsqueeze(1), torch.cat((-sin[:, :half], sin[:, half:]), dim=-1).unsqueeze(1))
+
+
+def swap_halves(x: torch.Tensor) -> torch.Tensor:
+    """[x1, x2] -> [x2, x1] over the last dim."""
+    return x.unflatten(-1, (2, -1)).flip(-2).flatten(-2)
+
+
+def apply_text_rope(x: torch.Tensor, tables: TextRopeTables) -> torch.Tensor:
+    """Rotate (L, heads, hd) in x's dtype: ``x * cos + rotate_half(x) * sin`` as transformers writes it."""
+    return (x * tables.cos) + (swap_halves(x) * tables.sin_signed)
 
 
 def vision_inv_freq(head_dim: int, theta: float, device: torch.device | str | None = None) -> torch.Tensor:

@@ -1,8 +1,9 @@
 """Qwen3 decoder layers of Qwen3-VL (``model.language_model.*``).
 
-Per layer: RMSNorm -> q/k/v projections -> per-head RMSNorm on q and k *before* RoPE ->
+Per layer: RMSNorm -> q/k/v projections (one fused GEMM) -> per-head RMSNorm on q and k *before* RoPE ->
 interleaved M-RoPE in the activation dtype -> attention through the step's :class:`StepAttention`
-(the KV backend owns slots, masks and GQA) -> o_proj -> residual -> RMSNorm -> SwiGLU -> residual.
+(the KV backend owns slots, masks and GQA) -> o_proj -> residual -> RMSNorm -> SwiGLU (gate and up fused)
+-> residual.
 No biases anywhere. RMSNorm multiplies by its weight *after* casting back to the input dtype
 (docs/architecture.md, pitfall 8); that order is what makes bf16 results match transformers.
 """
@@ -15,7 +16,7 @@ from torch import nn
 
 from ..kvcache import StepAttention
 from .config import TextConfig
-from .rope import apply_text_rope, mrope_cos_sin, mrope_streams, text_inv_freq
+from .rope import TextRopeTables, apply_text_rope, mrope_cos_sin, mrope_streams, text_inv_freq
 
 
 class RMSNorm(nn.Module):
@@ -24,11 +25,40 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        in_dtype = x.dtype
-        xf = x.to(torch.float32)
+    def normalize(self, x: torch.Tensor) -> torch.Tensor:
+        """x / rms(x) over the last dim, computed in fp32, returned in x's dtype (no weight yet)."""
+        xf = x if x.dtype == torch.float32 else x.to(torch.float32)
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(in_dtype)
+        return xf if x.dtype == torch.float32 else xf.to(x.dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.weight * self.normalize(x)
+
+
+class FusedLinear(nn.Module):
+    """Several bias-free projections of the same input as one weight (their rows stacked): one GEMM and
+    one module call instead of several per layer and token. A decode step on the small models is
+    mostly dispatch, so fewer, larger products are what makes it faster.
+
+    The checkpoint keeps the separate matrices: ``parts`` names them (``q_proj``, ``k_proj``, ...) with
+    their row counts, and the loader copies each into its rows of ``weight`` (see ``loader.checkpoint_views``).
+    """
+
+    def __init__(self, in_features: int, parts: dict[str, int]):
+        super().__init__()
+        self.parts = dict(parts)  # checkpoint name (sibling of this module) -> rows, in weight order
+        self.weight = nn.Parameter(torch.empty(sum(parts.values()), in_features))
+
+    def part_rows(self) -> dict[str, slice]:
+        rows, start = {}, 0
+        for name, n in self.parts.items():
+            rows[name] = slice(start, start + n)
+            start += n
+        return rows
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """(L, in) -> (L, sum of the parts' rows): the parts side by side, in ``parts`` order."""
+        return F.linear(x, self.weight)
 
 
 class SelfAttention(nn.Module):
@@ -37,33 +67,36 @@ class SelfAttention(nn.Module):
         self.num_heads = cfg.num_attention_heads
         self.num_kv_heads = cfg.num_key_value_heads
         self.head_dim = cfg.head_dim
-        self.q_proj = nn.Linear(cfg.hidden_size, cfg.num_attention_heads * cfg.head_dim, bias=False)
-        self.k_proj = nn.Linear(cfg.hidden_size, cfg.num_key_value_heads * cfg.head_dim, bias=False)
-        self.v_proj = nn.Linear(cfg.hidden_size, cfg.num_key_value_heads * cfg.head_dim, bias=False)
+        q_rows, kv_rows = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
+        self.qkv_proj = FusedLinear(cfg.hidden_size, {"q_proj": q_rows, "k_proj": kv_rows, "v_proj": kv_rows})
         self.o_proj = nn.Linear(cfg.num_attention_heads * cfg.head_dim, cfg.hidden_size, bias=False)
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
 
-    def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: StepAttention, layer: int
-    ) -> torch.Tensor:
-        n = x.shape[0]
-        q = self.q_norm(self.q_proj(x).view(n, self.num_heads, self.head_dim))  # (L, nq, hd)
-        k = self.k_norm(self.k_proj(x).view(n, self.num_kv_heads, self.head_dim))  # (L, nkv, hd)
-        v = self.v_proj(x).view(n, self.num_kv_heads, self.head_dim)
-        out = attn(layer, apply_text_rope(q, cos, sin), apply_text_rope(k, cos, sin), v)  # (L, nq, hd)
-        return self.o_proj(out.reshape(n, self.num_heads * self.head_dim))
+    def forward(self, x: torch.Tensor, rope: TextRopeTables, attn: StepAttention, layer: int) -> torch.Tensor:
+        n, nq, nkv = x.shape[0], self.num_heads, self.num_kv_heads
+        # Leaf modules are applied as functions of their weights: a decode step is mostly dispatch, and a
+        # module call costs several times a plain function call.
+        heads = F.linear(x, self.qkv_proj.weight).view(n, nq + 2 * nkv, self.head_dim)  # q heads, k heads, v heads
+        # q_norm and k_norm normalise each head over head_dim: one pass over the q and k heads together,
+        # then each head times its norm's weight (what the two RMSNorms compute, bit for bit).
+        qk = self.q_norm.normalize(heads[:, : nq + nkv])  # (L, nq + nkv, hd)
+        weight = torch.cat((self.q_norm.weight.expand(nq, -1), self.k_norm.weight.expand(nkv, -1)))
+        qk = apply_text_rope(weight * qk, rope)
+        out = attn(layer, qk[:, :nq], qk[:, nq:], heads[:, nq + nkv :])  # (L, nq, hd)
+        return F.linear(out.reshape(n, nq * self.head_dim), self.o_proj.weight)
 
 
 class MLP(nn.Module):
     def __init__(self, cfg: TextConfig):
         super().__init__()
-        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        rows = cfg.intermediate_size
+        self.gate_up_proj = FusedLinear(cfg.hidden_size, {"gate_proj": rows, "up_proj": rows})
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = F.linear(x, self.gate_up_proj.weight).chunk(2, dim=-1)  # as SelfAttention: no module calls
+        return F.linear(F.silu(gate) * up, self.down_proj.weight)
 
 
 class DecoderLayer(nn.Module):
@@ -74,11 +107,10 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: StepAttention, layer: int
-    ) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, attn, layer)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x: torch.Tensor, rope: TextRopeTables, attn: StepAttention, layer: int) -> torch.Tensor:
+        norm, post_norm = self.input_layernorm, self.post_attention_layernorm
+        x = x + self.self_attn(norm.weight * norm.normalize(x), rope, attn, layer)
+        return x + self.mlp(post_norm.weight * post_norm.normalize(x))
 
 
 class TextDecoder(nn.Module):
@@ -108,6 +140,7 @@ class TextDecoder(nn.Module):
         self.init_buffers()
         return result
 
-    def rope_tables(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin (L, hd) in ``dtype`` for positions (3, L)."""
-        return mrope_cos_sin(positions.to(self.inv_freq.device), self.inv_freq, self.rope_streams, dtype)
+    def rope_tables(self, positions: torch.Tensor, dtype: torch.dtype) -> TextRopeTables:
+        """The rotation of positions (3, L) in ``dtype``, shared by every layer of the step."""
+        cos, sin = mrope_cos_sin(positions.to(self.inv_freq.device), self.inv_freq, self.rope_streams, dtype)
+        return TextRopeTables.build(cos, sin)

@@ -2,7 +2,7 @@
 
 Topics (relative, so namespaces and remaps apply): subscribes ``image`` (sensor_msgs/Image),
 ``image/compressed`` (sensor_msgs/CompressedImage) and ``prompt`` (std_msgs/String); publishes
-``tokens`` (one String per streamed text delta), ``response`` (the whole answer), ``status`` (one
+``tokens`` (streamed text, coalesced: ``token_stream.py``), ``response`` (the whole answer), ``status`` (one
 JSON object per event, see ``status``) and ``/diagnostics`` (about 1 Hz). Services ``~/reset``
 (forget the multi-turn conversation) and ``~/cancel`` (stop the running prompt, drop waiting ones).
 
@@ -50,6 +50,7 @@ from .params import (
 )
 from .request_queue import PendingPrompt, RequestQueue
 from .status import backend_summary, engine_diagnostics, status_json
+from .token_stream import TokenStream
 from .worker import Worker
 
 NODE_NAME = "orin_vlm"
@@ -82,13 +83,20 @@ def startup_config(values: Mapping[str, Any]) -> EngineConfig:
 
 
 class _Publishers:
-    """The worker's :class:`~.worker.Outputs`: the node's tokens, response and status topics."""
+    """The worker's :class:`~.worker.Outputs`: the node's tokens (coalesced, off the generation thread),
+    response and status topics."""
 
-    def __init__(self, node: VlmNode) -> None:
+    def __init__(self, node: VlmNode, token_period_ms: int) -> None:
         self._node = node
+        self.token_stream = TokenStream(lambda text: node._tokens_pub.publish(String(data=text)), token_period_ms / 1e3)
 
     def tokens(self, text: str) -> None:
-        self._node._tokens_pub.publish(String(data=text))
+        self.token_stream.push(text)
+
+    def end_tokens(self) -> None:
+        if not self.token_stream.flush():
+            self._node.get_logger().warning("tokens of the last answer were still being published after 5 s")
+        self.token_stream.start_answer()
 
     def response(self, text: str) -> None:
         self._node._response_pub.publish(String(data=text))
@@ -116,10 +124,11 @@ class VlmNode(Node):
         self._latest = LatestImage()
         self._queue = RequestQueue(int(self._values["max_queue"]))
         self._create_interfaces()
+        self._outputs = _Publishers(self, int(self._values["token_publish_period_ms"]))
         self._worker = Worker(
             self._engine,
             self._queue,
-            _Publishers(self),
+            self._outputs,
             engine_kwargs(self._values, RUNTIME_ENGINE_FIELDS),
             self._revert,
             self._current_session,
@@ -269,6 +278,8 @@ class VlmNode(Node):
             self._values.update(changes)
             if "multi_turn" in changes and bool(changes["multi_turn"]) != bool(current["multi_turn"]):
                 reset, self._session_id = self._session_id, self._new_session_id()
+        if "token_publish_period_ms" in changes:
+            self._outputs.token_stream.set_period(int(changes["token_publish_period_ms"]) / 1e3)
         if "max_queue" in changes:
             for dropped in self._queue.set_max_size(int(changes["max_queue"])):
                 self._publish_dropped(dropped, f"max_queue lowered to {changes['max_queue']}")
@@ -321,8 +332,10 @@ class VlmNode(Node):
     # ---------------------------------------------------------------- shutdown
 
     def shutdown(self, timeout_s: float = 2.0) -> None:
-        """Stop the worker: cancel the running prompt, wake the worker, wait briefly for it."""
+        """Stop the worker: cancel the running prompt, wake the worker, wait briefly for it; then publish the
+        tokens still pending."""
         self._worker.stop(timeout_s)
+        self._outputs.token_stream.close(timeout_s)
 
 
 def main(args: list[str] | None = None) -> int:

@@ -31,6 +31,10 @@ class Outputs(Protocol):
 
     def tokens(self, text: str) -> None: ...
 
+    def end_tokens(self) -> None:
+        """The answer's deltas are all pushed: publish what is pending before its response or error."""
+        ...
+
     def response(self, text: str) -> None: ...
 
     def status(self, event: str, request_id: str | None, **fields: Any) -> None: ...
@@ -161,7 +165,10 @@ class Worker:
             return
         queue_wait = time.monotonic() - item.accepted_at
         self.outputs.status("started", item.request_id, image_stamp=item.image_stamp)
-        finished = self._generate(item)
+        try:
+            finished = self._generate(item)
+        finally:
+            self.outputs.end_tokens()
         metrics = {**finished.metrics, "queue_wait_s": queue_wait}
         with self._lock:
             self._last_metrics = metrics
