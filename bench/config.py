@@ -22,9 +22,10 @@ class BenchConfig:
     repeats: int = 5  # recorded repeats per measurement (after one warm-up round)
     warmup: int = 1
     # engine vs transformers
-    max_new_tokens: int = 32  # tiny/default model
-    big_max_new_tokens: int = 6  # 2B-shape checkpoint (a CPU decode step takes seconds)
-    big_repeats: int = 2
+    max_new_tokens: int = 128  # default model; fixed-length answers (ignore_eos)
+    big_max_new_tokens: int = 64  # 2B-shape checkpoint, text prompt (about half a second per token on 1 core)
+    big_image_max_new_tokens: int = 2  # 2B image prompt: TTFT only (its decode is the text prompt's again)
+    big_repeats: int = 5
     big_checkpoint: bool = True  # build and run the 2B-shape random checkpoint
     big_dtypes: tuple[str, ...] = ("bf16", "fp32")
     big_config_path: str = str(CONFIG_2B)
@@ -32,17 +33,17 @@ class BenchConfig:
     image_size: tuple[int, int] = (224, 224)  # H, W of the benchmark image (tiny/default model)
     big_image_size: tuple[int, int] = (128, 128)  # keeps the 24-layer vision tower cheap on 2 cores
     # paged vs contiguous
-    context_lengths: tuple[int, ...] = (128, 512, 1024, 2048, 4096)
+    context_lengths: tuple[int, ...] = (512, 4096, 16384)
     page_sizes: tuple[int, ...] = (4, 16, 64)
-    paged_decode_tokens: int = 16
-    paged_repeats: int = 3
+    paged_decode_tokens: int = 64
+    paged_repeats: int = 5
     paged_layers: int = 2
     # prefix cache / sessions
     prefix_image_size: tuple[int, int] = (448, 448)
     prefix_max_new_tokens: int = 8
     # ROS
     ros: bool = True
-    ros_max_new_tokens: int = 32
+    ros_max_new_tokens: int = 400  # long answers: the per-token cost of publishing is what is measured
     ros_repeats: int = 5
     ros_startup_timeout_s: float = 120.0
     # GPU (CUDA only)
@@ -93,7 +94,7 @@ QUICK = replace(
     paged_layers=1,
     prefix_image_size=(64, 64),
     prefix_max_new_tokens=2,
-    ros_max_new_tokens=4,
+    ros_max_new_tokens=32,  # several tokens messages at the default 20 ms period
     ros_repeats=2,
     ros_startup_timeout_s=60.0,
 )

@@ -17,6 +17,22 @@ import numpy as np
 from bench.config import REPO, BenchConfig
 
 DEFAULT_MODEL_DIR = REPO / "orin_vlm_node" / "default_model"
+# The embedded default model's text and vision dimensions (its config.json), for random look-alikes.
+DEFAULT_MODEL_DIMS = dict(
+    hidden=128,
+    layers=4,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=32,
+    intermediate=384,
+    vocab_size=1024,  # the tiny tokenizer's (the default model has 768)
+    vision_depth=4,
+    vision_hidden=96,
+    vision_heads=4,
+    vision_intermediate=288,
+    num_position_embeddings=256,
+    deepstack=(0, 1, 2),
+)
 
 
 class BenchContext:
@@ -54,6 +70,20 @@ class BenchContext:
 
             self._checkpoints["tiny"] = make_tiny_checkpoint(self.scratch / "tiny")
         return self._checkpoints["tiny"]
+
+    def talkative_checkpoint(self) -> Path:
+        """Random weights with the default model's dimensions whose greedy answers never end (EOS rows of
+        the LM head zero): long answers where no ``ignore_eos`` can be asked for (through the ROS node)."""
+        if "talkative" not in self._checkpoints:
+            from support.checkpoints import make_tiny_checkpoint
+
+            self._checkpoints["talkative"] = make_tiny_checkpoint(
+                self.scratch / "talkative",
+                **DEFAULT_MODEL_DIMS,
+                tie=False,
+                silent_eos=True,
+            )
+        return self._checkpoints["talkative"]
 
     def kv_shape_checkpoint(self, num_layers: int) -> Path:
         """A small random model whose attention has the 2B's KV shape (16 q heads, 8 kv heads, head_dim 128)."""

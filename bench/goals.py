@@ -39,17 +39,19 @@ def _median(sec: dict[str, Any], key: str) -> float | None:
     return None if fig is None else float(fig["median"])
 
 
-def _worst_over(section: str, suffix: str, higher_is_better: bool):
-    """Worst median among figures of ``section`` whose key ends with ``suffix`` (every checkpoint/prompt
-    measured must meet the goal, so the weakest one decides)."""
+def _worst_over(section: str, suffix: str, higher_is_better: bool, prefix: str = ""):
+    """Worst median among figures of ``section`` whose key starts with ``prefix`` and ends with ``suffix``
+    (every checkpoint/prompt measured must meet the goal, so the weakest one decides)."""
 
     def ev(result: dict[str, Any]) -> tuple[float | None, str]:
         sec, why = _section(result, section)
         if sec is None:
             return None, why
-        found = {k: float(f["median"]) for k, f in sec["figures"].items() if k.endswith(suffix)}
+        found = {
+            k: float(f["median"]) for k, f in sec["figures"].items() if k.startswith(prefix) and k.endswith(suffix)
+        }
         if not found:
-            return None, f"no {suffix} figures in {section}"
+            return None, f"no {prefix}*{suffix} figures in {section}"
         pick = min if higher_is_better else max
         key = pick(found, key=found.__getitem__)
         return found[key], f"worst of {len(found)}: {key}"
@@ -57,16 +59,21 @@ def _worst_over(section: str, suffix: str, higher_is_better: bool):
     return ev
 
 
-def _paged_overhead_4k(result: dict[str, Any]) -> tuple[float | None, str]:
+PAGED_GOAL_KEYS = tuple(f"ctx{n}.{kv}.decode_overhead" for n in (4096, 16384) for kv in ("page16", "page16_churn"))
+
+
+def _paged_overhead(result: dict[str, Any]) -> tuple[float | None, str]:
+    """The worst of page 16 at 4k and 16k context, fresh and after churn: all four must be measured."""
     sec, why = _section(result, "paged_vs_contiguous")
     if sec is None:
         return None, why
-    key = "ctx4096.page16.decode_overhead"
-    value = _median(sec, key)
-    if value is None:
-        longest = sec.get("setup", {}).get("context_lengths", [])
-        return None, f"{key} not measured (context lengths run: {longest})"
-    return value, key
+    found = {key: _median(sec, key) for key in PAGED_GOAL_KEYS}
+    missing = [key for key, value in found.items() if value is None]
+    if missing:
+        run = sec.get("setup", {}).get("context_lengths", [])
+        return None, f"{', '.join(missing)} not measured (context lengths run: {run})"
+    key = max(found, key=found.__getitem__)
+    return found[key], f"worst of {len(found)}: {key}"
 
 
 def _prefix_cut(result: dict[str, Any]) -> tuple[float | None, str]:
@@ -110,27 +117,35 @@ def _gpu(suffix: str, higher_is_better: bool):
 GOALS: list[Goal] = [
     Goal(
         "cpu_decode_vs_hf",
-        "CPU decode tok/s >= 1.5x transformers generate on the same checkpoint",
+        "CPU decode tok/s >= 1.2x transformers generate, default model (answers of 64+ tokens)",
         "x",
-        1.5,
+        1.2,
         True,
-        _worst_over("vs_transformers", ".decode_ratio", True),
+        _worst_over("vs_transformers", ".decode_ratio", True, prefix="default."),
+    ),
+    Goal(
+        "cpu_decode_vs_hf_2b",
+        "CPU decode tok/s >= 1.0x transformers generate, 2B-shape checkpoint (both run the same weight GEMVs)",
+        "x",
+        1.0,
+        True,
+        _worst_over("vs_transformers", ".decode_ratio", True, prefix="2b_"),
     ),
     Goal(
         "cpu_ttft_vs_hf",
-        "CPU TTFT <= 0.8x transformers generate on the same checkpoint",
+        "CPU TTFT <= 0.8x transformers generate, default model",
         "x",
         0.8,
         False,
-        _worst_over("vs_transformers", ".ttft_ratio", False),
+        _worst_over("vs_transformers", ".ttft_ratio", False, prefix="default."),
     ),
     Goal(
-        "paged_overhead_4k",
-        "Paged decode overhead <= 5% vs contiguous at 4k context (page 16)",
+        "paged_overhead",
+        "Paged decode overhead <= 5% vs contiguous at 4k and 16k context, fresh and after churn (page 16)",
         "fraction",
         0.05,
         False,
-        _paged_overhead_4k,
+        _paged_overhead,
     ),
     Goal(
         "prefix_cache_ttft_cut",
@@ -142,7 +157,7 @@ GOALS: list[Goal] = [
     ),
     Goal(
         "ros_decode_overhead",
-        "ROS overhead <= 5% of decode time (subscriber tokens/s vs engine alone)",
+        "ROS overhead <= 5% of decode time with 400-token answers (subscriber tokens/s vs engine alone)",
         "fraction",
         0.05,
         False,

@@ -1,17 +1,26 @@
-"""Paged vs contiguous KV cache: prefill time and decode tokens/s over context lengths and page sizes.
+"""Paged vs contiguous KV cache: decode tokens/s at long context, on fresh and on churned block tables.
 
 Model: a small random checkpoint with the 2B's attention shape (16 q heads, 8 kv heads, head_dim 128)
 but a 256-wide hidden state and ``paged_layers`` layers, so attention (where paging costs something)
-dominates step time as it does at long context, and a 4k sweep fits in minutes on 2 cores. Prefix
-caching is off so every repeat really prefills. One engine per KV configuration, all loaded at once,
-and the configurations alternate within each repeat. Overheads are per repeat:
-``paged time per token / contiguous time per token - 1`` (decode) and ``paged prefill / contiguous - 1``.
+dominates a step as it does at long context. Prefix caching is off.
+
+For every context length each engine holds one conversation (a session): its first turn prefills a
+prompt of that length (in ``prefill_chunk_tokens`` pieces), then every repeat is a short follow-up turn
+that decodes ``paged_decode_tokens`` tokens (``ignore_eos``) at that context: decode is measured where it
+matters without prefilling 16k tokens again for every repeat. The engines alternate within each repeat;
+overheads are per repeat: ``paged time per token / contiguous time per token - 1``.
+
+``page16_churn`` is a paged engine whose pool has seen churn before each conversation: requests of mixed
+lengths, one after another, while another conversation stays open and grows between them (its blocks sit
+among everyone else's), so the measured conversation's table is what a long-running node has, not a
+fresh pool's. ``table_runs`` counts the runs of consecutive blocks its table ends with (1 = contiguous).
 """
 
 from __future__ import annotations
 
 import gc
 import math
+import random
 
 from bench.context import BenchContext
 from bench.prompts import text_of_tokens
@@ -19,6 +28,10 @@ from bench.section import SectionResult
 from bench.stats import alternate
 from bench.timing import GenTiming, run_engine
 from bench.vs_transformers import greedy, make_engine
+
+FOLLOW_UP = "Continue."
+CHURN_REQUESTS = 24
+KEEP = "churn-keep"  # the conversation that stays open during churn
 
 
 def _prefill_s(t: GenTiming) -> float:
@@ -28,16 +41,34 @@ def _prefill_s(t: GenTiming) -> float:
     return tokens / rate if rate > 0 and tokens > 0 else t.ttft_s
 
 
-def run(ctx: BenchContext) -> SectionResult:
+def _request(text: str, n: int, session: str | None, rid: str):
     from orin_vlm_node.engine.events import Request, Turn
+
+    return Request(turn=Turn(text=text), sampling=greedy(n, ignore_eos=True), session_id=session, request_id=rid)
+
+
+def _churn(engine, model_dir, longest: int, seed: int) -> None:
+    """Requests of mixed lengths, with the KEEP conversation growing between them."""
+    rng = random.Random(seed)
+    sizes = [n for n in (16, 64, 200, 500, 1000, 2000) if n <= longest // 2] or [16]
+    for i in range(CHURN_REQUESTS):
+        n = rng.choice(sizes)
+        run_engine(engine, _request(text_of_tokens(model_dir, n), rng.randint(1, 8), None, f"churn-{seed}-{i}"))
+        if i % 4 == 0:
+            run_engine(engine, _request(FOLLOW_UP, rng.randint(8, 40), KEEP, f"keep-{seed}-{i}"))
+
+
+def run(ctx: BenchContext) -> SectionResult:
+    from orin_vlm_node.kvcache.attention import block_runs
 
     cfg = ctx.config
     res = SectionResult("paged_vs_contiguous")
     model_dir = ctx.kv_shape_checkpoint(cfg.paged_layers)
-    max_ctx = max(cfg.context_lengths) + cfg.paged_decode_tokens + 64
-    max_ctx = 64 * math.ceil(max_ctx / 64)
+    longest = max(cfg.context_lengths)
+    # The conversation grows by every follow-up; the KEEP conversation of the churned engine needs room too.
+    max_ctx = 64 * math.ceil((longest + (cfg.paged_repeats + cfg.warmup + 1) * (cfg.paged_decode_tokens + 32)) / 64)
     bytes_per_token = 2 * cfg.paged_layers * 8 * 128 * 4  # K+V, layers, kv heads, head_dim, fp32
-    pool_mb = math.ceil(1.5 * max_ctx * bytes_per_token / 2**20)
+    pool_mb = math.ceil(2.5 * max_ctx * bytes_per_token / 2**20)
     res.setup.update(
         model=f"random, {cfg.paged_layers} layers, hidden 256, 16 q heads / 8 kv heads, head_dim 128, fp32",
         context_lengths=list(cfg.context_lengths),
@@ -46,82 +77,72 @@ def run(ctx: BenchContext) -> SectionResult:
         max_context_tokens=max_ctx,
         kv_pool_mb=pool_mb,
         repeats=cfg.paged_repeats,
-        engine="CPU, default dynamic decode step, prefix caching off",
+        churn=f"{CHURN_REQUESTS} requests of 16..2000 tokens and a conversation kept open, before each context",
+        engine="CPU, dynamic decode step, prefix caching off, one session per engine",
     )
     variants = {"contiguous": {"use_paged_attention": False}}
     for ps in cfg.page_sizes:
         variants[f"page{ps}"] = {"use_paged_attention": True, "page_size": ps}
+    variants["page16_churn"] = {"use_paged_attention": True, "page_size": 16, "max_sessions": 2}
     ctx.log(f"paged: loading {len(variants)} engines (max context {max_ctx})")
     engines = {
         name: make_engine(model_dir, "fp32", prefix_caching=False, max_context_tokens=max_ctx, kv_pool_mb=pool_mb, **kw)
         for name, kw in variants.items()
     }
-    prompt_tokens: dict[int, int] = {}
     try:
         for i, length in enumerate(sorted(cfg.context_lengths)):
-            text = text_of_tokens(model_dir, length)
+            ctx.log(f"paged: context {length}: opening the conversations")
+            session = f"ctx{length}"
+            opened = {}
+            for name, engine in engines.items():
+                if name.endswith("_churn"):
+                    _churn(engine, model_dir, longest, seed=length)
+                opened[name] = run_engine(engine, _request(text_of_tokens(model_dir, length), 1, session, session))
             counter = iter(range(10**6))
 
-            def runner(engine, text=text, counter=counter):
-                def go() -> GenTiming:
-                    req = Request(
-                        turn=Turn(text=text),
-                        sampling=greedy(cfg.paged_decode_tokens),
-                        request_id=f"paged-{next(counter)}",
-                    )
-                    return run_engine(engine, req)
+            def follow_up(engine, session=session, counter=counter):
+                return lambda: run_engine(
+                    engine, _request(FOLLOW_UP, cfg.paged_decode_tokens, session, f"paged-{next(counter)}")
+                )
 
-                return go
-
-            ctx.log(f"paged: context {length}")
+            ctx.log(f"paged: context {length}: {cfg.paged_repeats} alternating repeats")
             runs = alternate(
-                {name: runner(e) for name, e in engines.items()},
+                {name: follow_up(e) for name, e in engines.items()},
                 repeats=cfg.paged_repeats,
                 warmup=cfg.warmup if i == 0 else 0,
             )
-            prompt_tokens[length] = runs["contiguous"][-1].prompt_tokens
-            base_decode = [1.0 / r.decode_tok_s if r.decode_tok_s > 0 else math.inf for r in runs["contiguous"]]
-            base_prefill = [_prefill_s(r) for r in runs["contiguous"]]
-            for name, timings in runs.items():
-                labels = {"context": str(length), "kv": name}
-                res.add(
-                    f"ctx{length}.{name}.decode_tok_s",
-                    "tok/s",
-                    [r.decode_tok_s for r in timings],
-                    f"decode at ~{length} tokens of context",
-                    **labels,
-                )
-                res.add(
-                    f"ctx{length}.{name}.prefill_s",
-                    "s",
-                    [_prefill_s(r) for r in timings],
-                    f"prefill of a {length}-token prompt",
-                    **labels,
-                )
-                if name == "contiguous":
-                    continue
-                per_tok = [1.0 / r.decode_tok_s if r.decode_tok_s > 0 else math.inf for r in timings]
-                res.add(
-                    f"ctx{length}.{name}.decode_overhead",
-                    "fraction",
-                    [p / b - 1.0 for p, b in zip(per_tok, base_decode, strict=True)],
-                    "paged decode time per token / contiguous - 1 (per repeat)",
-                    **labels,
-                )
-                res.add(
-                    f"ctx{length}.{name}.prefill_overhead",
-                    "fraction",
-                    [p / b - 1.0 for p, b in zip([_prefill_s(r) for r in timings], base_prefill, strict=True)],
-                    "paged prefill time / contiguous - 1 (per repeat)",
-                    **labels,
-                )
+            _record(res, length, runs, opened)
+            churned = engines["page16_churn"]
+            seq = churned.session_store.get(session).seq
+            res.add(f"ctx{length}.page16_churn.table_runs", "runs", [len(block_runs(churned.cache.block_table(seq)))],
+                    "runs of consecutive blocks in the churned engine's table (1 = contiguous)",
+                    context=str(length), kv="page16_churn")  # fmt: skip
+            for engine in engines.values():
+                engine.reset(session)
+            engines["page16_churn"].reset(KEEP)
     finally:
         engines.clear()
         gc.collect()
-    res.setup["prompt_tokens"] = {str(k): v for k, v in prompt_tokens.items()}
     res.setup["summary"] = (
-        f"Model: {res.setup['model']} (2B KV shape, few layers to keep time down). Prompt lengths "
-        f"{list(cfg.context_lengths)}, then {cfg.paged_decode_tokens} greedy decode tokens; dynamic decode step, "
-        f"prefix caching off; {cfg.paged_repeats} alternating repeats. Overhead > 0 means paged is slower."
+        f"Model: {res.setup['model']} (2B KV shape, few layers to keep time down). One conversation per "
+        f"context length {list(cfg.context_lengths)}, then {cfg.paged_repeats} follow-up turns of "
+        f"{cfg.paged_decode_tokens} decode tokens each; dynamic decode step, prefix caching off; page16_churn "
+        f"after {CHURN_REQUESTS} mixed requests with a conversation kept open. Overhead > 0 means paged is slower."
     )
     return res
+
+
+def _record(res: SectionResult, length: int, runs: dict[str, list[GenTiming]], opened: dict[str, GenTiming]) -> None:
+    base = [1.0 / r.decode_tok_s if r.decode_tok_s > 0 else math.inf for r in runs["contiguous"]]
+    for name, timings in runs.items():
+        labels = {"context": str(length), "kv": name}
+        res.add(f"ctx{length}.{name}.decode_tok_s", "tok/s", [r.decode_tok_s for r in timings],
+                f"decode at ~{length} tokens of context", **labels)  # fmt: skip
+        res.add(f"ctx{length}.{name}.prefill_s", "s", [_prefill_s(opened[name])],
+                f"prefill of the {length}-token first turn (one sample)", **labels)  # fmt: skip
+        if name == "contiguous":
+            continue
+        per_tok = [1.0 / r.decode_tok_s if r.decode_tok_s > 0 else math.inf for r in timings]
+        overhead = [p / b - 1.0 for p, b in zip(per_tok, base, strict=True)]
+        res.add(f"ctx{length}.{name}.decode_overhead", "fraction", overhead,
+                "paged decode time per token / contiguous - 1 (per repeat)", **labels)  # fmt: skip

@@ -68,13 +68,16 @@ def make_tiny_checkpoint(
     legacy_rope_keys: bool = False,
     with_tokenizer: bool = True,
     device: str = "cpu",
+    silent_eos: bool = False,
 ) -> Path:
     """Build, perturb and ``save_pretrained`` a tiny Qwen3-VL; return the directory.
 
     ``legacy_rope_keys`` rewrites config.json's text RoPE settings in the 4.57 spelling
     (``rope_theta`` + ``rope_scaling``) instead of 5.x ``rope_parameters``. ``device``: where the weights
     are made ("cuda" builds a 2B-shape checkpoint in seconds instead of minutes; the values then differ
-    from a CPU build with the same seed).
+    from a CPU build with the same seed). ``silent_eos`` (untied only): the LM head rows of the EOS tokens
+    are zero, so their logit is 0 while the largest of the others is positive: greedy answers never end on
+    their own (long answers through interfaces without ``ignore_eos``, e.g. the ROS node in benchmarks).
     """
     from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
 
@@ -123,6 +126,11 @@ def make_tiny_checkpoint(
     with torch.device(device):
         model = Qwen3VLForConditionalGeneration(config).eval()
     _perturb(model, seed)
+    if silent_eos:
+        if tie:
+            raise ValueError("silent_eos needs an untied LM head (zeroing a tied row changes the embedding)")
+        with torch.no_grad():
+            model.lm_head.weight[[IM_END, ENDOFTEXT]] = 0.0
     model.to(dtype)
     model.save_pretrained(out)
     if legacy_rope_keys:
