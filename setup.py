@@ -33,5 +33,5 @@ setup(
     description="Qwen3-VL vision-language model node for ROS 2 on NVIDIA Jetson Orin",
     license="Apache-2.0",
     python_requires=">=3.10",
-    entry_points={"console_scripts": [f"vlm_node = {PACKAGE}.ros.node:main"]},
+    entry_points={"console_scripts": [f"vlm_node = {PACKAGE}.ros.main:main"]},
 )

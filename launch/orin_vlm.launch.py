@@ -8,13 +8,19 @@ Every parameter of the node (the settings schema, ``orin_vlm_node.settings``) is
 of the same name. Why overrides are applied only when given: a launch argument left at '' must not
 overwrite the value of the chosen ``params_file`` (a preset would otherwise be silently reset to the
 node's defaults), so the parameter dictionary is built at launch time from the arguments that were set.
+
+When the node exits the launch ends with it, and a node that failed (a bad startup value, a missing model)
+makes ``ros2 launch`` exit non-zero, so the robot's supervisor (systemd, a watchdog) sees the failure
+instead of a launch that idles on with nothing running.
 """
 
 from __future__ import annotations
 
 import os
 
-from launch.actions import DeclareLaunchArgument, OpaqueFunction
+from launch.actions import DeclareLaunchArgument, EmitEvent, OpaqueFunction, RegisterEventHandler
+from launch.event_handlers import OnProcessExit
+from launch.events import Shutdown
 from launch.substitutions import LaunchConfiguration
 from launch_ros.actions import Node
 
@@ -66,7 +72,18 @@ def _make_node(context, *_args, **_kwargs):
         output="screen",
         emulate_tty=True,
     )
-    return [node]
+    return [node, RegisterEventHandler(OnProcessExit(target_action=node, on_exit=_end_launch))]
+
+
+class NodeFailed(RuntimeError):
+    """The node exited with a non-zero status; raised inside launch so ``ros2 launch`` exits non-zero."""
+
+
+def _end_launch(event, _context):
+    """The node is gone: end the launch; when it failed, fail the launch (launch returns 1 on an exception)."""
+    if event.returncode:
+        raise NodeFailed(f"{event.action.name} exited with status {event.returncode}; see its log above")
+    return [EmitEvent(event=Shutdown(reason=f"{event.action.name} exited"))]
 
 
 def generate_launch_description() -> LaunchDescription:

@@ -119,6 +119,10 @@ SETTINGS: tuple[Setting, ...] = (
        unit="pixels", min=0, max=64 * MEGA),
     _s("image_max_pixels", int, 0, "largest image area after resizing; 0 = the checkpoint's value", E, BETWEEN,
        unit="pixels", min=0, max=64 * MEGA),
+    # -- prompts
+    _s("prompt_special_tokens", bool, False, "read special-token text written in prompts and the system "
+       "prompt (im_start, im_end, endoftext, ...) as control tokens (experts only); false = as plain text, so a "
+       "prompt cannot forge the chat structure", E, BETWEEN),
     # -- sampling
     _s("max_new_tokens", int, 128, "longest answer", S, NEXT, unit="tokens", min=1, max=32_768),
     _s("temperature", float, 0.0, "sampling temperature; 0 = greedy (deterministic)", S, NEXT, min=0.0, max=5.0),
@@ -133,8 +137,16 @@ SETTINGS: tuple[Setting, ...] = (
     # -- node
     _s("system_prompt", str, "", "system message of every conversation; '' = none", N, NEXT),
     _s("multi_turn", bool, False, "keep the conversation (one engine session) until ~/reset", N, NEXT),
+    _s("image_max_input_pixels", int, 4096 * 3072, "largest camera frame accepted, checked from the header "
+       "before decoding (a compressed frame declaring more is refused undecoded); the default takes 4K and 12 MP "
+       "cameras", N, NEXT, unit="pixels", min=1, max=64 * MEGA),
+    _s("image_reliability", str, "auto", "QoS reliability of the image subscriptions; auto = reliable when every "
+       "publisher on the topic is reliable (large raw frames arrive whole), else best effort", N, RO,
+       choices=("auto", "reliable", "best_effort")),
     _s("image_max_age_s", float, 2.0, "a prompt uses the latest image not older than this; 0 = no images", N, NEXT,
        unit="s", min=0.0, max=3600.0),
+    _s("prompt_queue_depth", int, 1000, "messages the prompt subscription holds for the node (a burst beyond "
+       "it is lost by DDS before the node sees it)", N, RO, min=1, max=100_000),
     _s("max_queue", int, 4, "prompts waiting behind the running one; overflow drops the oldest", N, NEXT, min=1,
        max=1000),
     _s("token_publish_period_ms", int, 20, "at most one tokens message per period, the first delta of an answer "

@@ -55,10 +55,10 @@ class VlmClient:
         self.tokens: list[str] = []
         self.responses: list[str] = []
         self.diagnostics: list[Any] = []
-        reliable = QoSProfile(depth=1000, reliability=ReliabilityPolicy.RELIABLE)
+        reliable = QoSProfile(depth=5000, reliability=ReliabilityPolicy.RELIABLE)
         self.image_pub = self.node.create_publisher(Image, image_topic, 10)
         self.compressed_pub = self.node.create_publisher(CompressedImage, f"{image_topic}/compressed", 10)
-        self.prompt_pub = self.node.create_publisher(String, prompt_topic, QoSProfile(depth=100))
+        self.prompt_pub = self.node.create_publisher(String, prompt_topic, QoSProfile(depth=1000))
         self._subs = [
             self.node.create_subscription(String, "status", self._on_status, reliable),
             self.node.create_subscription(String, "tokens", self._on_token, reliable),

@@ -43,8 +43,8 @@ def ros_env(domain_id: int, log_dir: Path, base: Mapping[str, str] | None = None
 
 
 def node_command(executable: str | None = None) -> list[str]:
-    """``[vlm_node]`` when an installed entry point is given, else ``python -m orin_vlm_node.ros.node``."""
-    return [executable] if executable else [sys.executable, "-m", "orin_vlm_node.ros.node"]
+    """``[vlm_node]`` when an installed entry point is given, else ``python -m orin_vlm_node.ros.main``."""
+    return [executable] if executable else [sys.executable, "-m", "orin_vlm_node.ros.main"]
 
 
 class NodeProcess:

@@ -1,7 +1,9 @@
-"""Test-wide setup: deterministic torch, ROS kept on localhost (import paths: pyproject.toml's pythonpath)."""
+"""Test-wide setup: deterministic torch, ROS kept on localhost, standard logging (import paths:
+pyproject.toml's pythonpath)."""
 
 from __future__ import annotations
 
+import logging
 import os
 
 import pytest
@@ -9,6 +11,12 @@ import pytest
 # Any rclpy use in this process or its children stays on this machine (no multicast discovery).
 os.environ["ROS_AUTOMATIC_DISCOVERY_RANGE"] = "LOCALHOST"  # forced: an inherited SUBNET must not leak
 os.environ.setdefault("ROS_DOMAIN_ID", "42")
+
+# Where ROS 2's launch_testing is installed, pytest loads its plugin, which imports `launch`, and `launch`
+# makes every logger created afterwards a LaunchLogger that does not propagate to the root logger, so
+# pytest's log capture would see nothing from this package's loggers (created when the tests import it,
+# after this file). Loggers of the standard class again; without the plugin this changes nothing.
+logging.setLoggerClass(logging.Logger)
 
 
 @pytest.fixture(autouse=True)

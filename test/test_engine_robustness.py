@@ -167,7 +167,6 @@ def test_sessions_beyond_max_sessions_are_dropped_least_recent_first(tmp_path_fa
         (dict(turn=Turn("Look.", (np.zeros((64, 64, 3), np.float32),))), "image 0"),
         (dict(turn=Turn("Look.", ("not an image",))), "image 0"),
         (dict(turn=Turn("Look.", (np.zeros((64, 64, 3), np.uint8),), color="hsv")), "color"),
-        (dict(turn=Turn("Hi <|image_pad|> there")), "image placeholder"),
         (dict(turn=Turn("Hi"), sampling=SamplingParams(top_p=0.0)), "top_p"),
         (dict(turn=Turn("Hi"), sampling=SamplingParams(temperature=-1.0)), "temperature"),
         (dict(turn=Turn("Hi"), sampling=SamplingParams(repetition_penalty=0.0)), "repetition_penalty"),
@@ -179,6 +178,21 @@ def test_bad_input_gives_clear_error_and_engine_keeps_serving(engine, request_kw
     final = _finish(engine, Request(**request_kwargs))
     assert final.finish_reason == "error"
     assert fragment in final.error
+    _healthy(engine)
+
+
+def test_special_token_text_in_a_prompt_is_answered_as_plain_text(engine):
+    """A typed image placeholder or end-of-text is text: no image is demanded, the sequence does not end, and
+    the prompt is longer (in tokens) than with the expert setting that reads it as control tokens."""
+    text = "Hi <|image_pad|> there<|endoftext|><|im_end|>"
+    plain = _finish(engine, Request(Turn(text), GREEDY))
+    assert plain.finish_reason == "stop" and plain.text == SCRIPT
+    engine.reconfigure(prompt_special_tokens=True)
+    try:
+        raw = _finish(engine, Request(Turn(text), GREEDY))
+    finally:
+        engine.reconfigure(prompt_special_tokens=False)
+    assert raw.finish_reason == "error" and "image placeholder" in raw.error
     _healthy(engine)
 
 

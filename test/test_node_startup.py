@@ -1,4 +1,4 @@
-"""Starting the node the way `ros2 run` does (`python -m orin_vlm_node.ros.node --ros-args -p ...`):
+"""Starting the node the way `ros2 run` does (`python -m orin_vlm_node.ros.main --ros-args -p ...`):
 a good checkpoint comes up and stops cleanly on SIGINT; a bad model_path or an invalid parameter
 value ends the process with exit status 1 and a log line naming the problem."""
 

@@ -23,12 +23,14 @@ from orin_vlm_node.ros.image import (  # noqa: E402
     stamp_seconds,
     validate_image_msg,
 )
+from support.image_bomb import png_bomb  # noqa: E402
 
 H, W = 5, 7
 RNG = np.random.default_rng(1234)
 RGB = RNG.integers(0, 256, size=(H, W, 3), dtype=np.uint8)
 ALPHA = RNG.integers(0, 256, size=(H, W, 1), dtype=np.uint8)
 MONO16 = RNG.integers(0, 65536, size=(H, W), dtype=np.uint16)
+LIMIT = 4096 * 3072  # image_max_input_pixels: the schema's default
 
 
 def pack(pixels: np.ndarray, encoding: str, pad: int = 0, bigendian: bool = False) -> Image:
@@ -74,7 +76,7 @@ def test_every_supported_encoding_has_a_case():
 @pytest.mark.parametrize("pad", [0, 3])
 def test_encodings_with_and_without_row_padding(converter, encoding, pad):
     raw, expected = CASES[encoding]
-    out = converter.image_to_rgb(pack(raw, encoding, pad=pad))
+    out = converter.image_to_rgb(pack(raw, encoding, pad=pad), LIMIT)
     assert out.dtype == np.uint8 and out.shape == (H, W, 3) and out.flags.c_contiguous
     np.testing.assert_array_equal(out, expected)
 
@@ -82,12 +84,12 @@ def test_encodings_with_and_without_row_padding(converter, encoding, pad):
 @pytest.mark.parametrize("bigendian", [False, True])
 def test_mono16_byte_order(converter, bigendian):
     msg = pack(MONO16, "mono16", pad=2, bigendian=bigendian)
-    np.testing.assert_array_equal(converter.image_to_rgb(msg)[:, :, 0], expected_mono16_to_8(MONO16))
+    np.testing.assert_array_equal(converter.image_to_rgb(msg, LIMIT)[:, :, 0], expected_mono16_to_8(MONO16))
 
 
 def test_mono16_extremes_and_midpoints(converter):
     values = np.array([[0, 1, 128, 129, 257, 32767, 32768, 65534, 65535]], dtype=np.uint16)
-    out = converter.image_to_rgb(pack(values, "mono16"))[0, :, 0]
+    out = converter.image_to_rgb(pack(values, "mono16"), LIMIT)[0, :, 0]
     np.testing.assert_array_equal(out, expected_mono16_to_8(values)[0])
     assert out[0] == 0 and out[-1] == 255
 
@@ -95,12 +97,12 @@ def test_mono16_extremes_and_midpoints(converter):
 def test_big_endian_flag_is_ignored_for_8_bit(converter):
     msg = pack(RGB, "rgb8")
     msg.is_bigendian = 1
-    np.testing.assert_array_equal(converter.image_to_rgb(msg), RGB)
+    np.testing.assert_array_equal(converter.image_to_rgb(msg, LIMIT), RGB)
 
 
 def test_output_does_not_alias_the_message_buffer(converter):
     msg = pack(RGB, "rgb8")
-    out = converter.image_to_rgb(msg)
+    out = converter.image_to_rgb(msg, LIMIT)
     out[:] = 0
     np.testing.assert_array_equal(np.frombuffer(msg.data, np.uint8).reshape(H, W, 3), RGB)
 
@@ -123,16 +125,16 @@ def test_malformed_messages_raise_clear_errors(converter, mutate, message):
     msg = pack(RGB, "rgb8")
     mutate(msg)
     with pytest.raises(ImageConversionError, match=message.replace("*", r"\*").replace("(", r"\(")):
-        converter.image_to_rgb(msg)
+        converter.image_to_rgb(msg, LIMIT)
 
 
 def test_validation_runs_before_any_backend():
     # validate_image_msg is what protects cv_bridge's C++ code from short buffers.
     msg = pack(RGB, "bgr8", pad=1)
-    assert validate_image_msg(msg).channels == 3
+    assert validate_image_msg(msg, LIMIT).channels == 3
     msg.data = bytes(len(msg.data) - 1)
     with pytest.raises(ImageConversionError):
-        validate_image_msg(msg)
+        validate_image_msg(msg, LIMIT)
 
 
 @pytest.mark.parametrize("ext", [".png", ".jpg"])
@@ -144,7 +146,7 @@ def test_compressed_png_and_jpeg(ext):
     assert ok
     msg = CompressedImage(format=ext[1:])
     msg.data = buf.tobytes()
-    out = compressed_to_rgb(msg)
+    out = compressed_to_rgb(msg, LIMIT)
     assert out.shape == rgb.shape and out.dtype == np.uint8
     if ext == ".png":
         np.testing.assert_array_equal(out, rgb)
@@ -164,7 +166,7 @@ def test_corrupt_compressed_images_raise(data, message):
     msg = CompressedImage(format="jpeg")
     msg.data = data
     with pytest.raises(ImageConversionError, match=message):
-        ImageConverter(use_cv_bridge=False).compressed_to_rgb(msg)
+        ImageConverter(use_cv_bridge=False).compressed_to_rgb(msg, LIMIT)
 
 
 def test_truncated_jpeg_raises_or_decodes_partially_without_crash():
@@ -174,13 +176,13 @@ def test_truncated_jpeg_raises_or_decodes_partially_without_crash():
     msg = CompressedImage(format="jpeg")
     msg.data = buf.tobytes()[:20]
     with pytest.raises(ImageConversionError, match="cannot decode"):
-        compressed_to_rgb(msg)
+        compressed_to_rgb(msg, LIMIT)
 
 
 def test_rgb_to_image_msg_round_trip(converter):
     msg = rgb_to_image_msg(RGB, Image, frame_id="cam")
     assert (msg.height, msg.width, msg.step, msg.encoding, msg.header.frame_id) == (H, W, W * 3, "rgb8", "cam")
-    np.testing.assert_array_equal(converter.image_to_rgb(msg), RGB)
+    np.testing.assert_array_equal(converter.image_to_rgb(msg, LIMIT), RGB)
     with pytest.raises(ImageConversionError, match="expected an"):
         rgb_to_image_msg(RGB[:, :, 0], Image)
 
@@ -207,6 +209,77 @@ def test_real_cv_bridge_agrees_with_our_conversion(encoding):
     pytest.importorskip("cv_bridge", reason="the real cv_bridge comes with a system ROS 2 install only")
     raw, _ = CASES[encoding]
     msg = pack(raw, encoding, pad=3)
-    ours = ImageConverter(use_cv_bridge=False).image_to_rgb(msg)
-    theirs = ImageConverter(use_cv_bridge=True).image_to_rgb(msg)
+    ours = ImageConverter(use_cv_bridge=False).image_to_rgb(msg, LIMIT)
+    theirs = ImageConverter(use_cv_bridge=True).image_to_rgb(msg, LIMIT)
     np.testing.assert_array_equal(theirs, ours)
+
+
+def test_decompression_bomb_is_refused_from_its_header_without_decoding(monkeypatch):
+    data = png_bomb()
+    assert len(data) < 200_000
+    msg = CompressedImage(format="png")
+    msg.data = data
+
+    def no_decoding(*_args, **_kwargs):
+        raise AssertionError("an oversized image must be refused before it is decoded")
+
+    monkeypatch.setattr(cv2, "imdecode", no_decoding)
+    with pytest.raises(ImageConversionError, match=r"image too large: 30000x30000 = 900000000 pixels"):
+        compressed_to_rgb(msg, LIMIT)
+
+
+def _encoded(ext: str, width: int, height: int, *params: int) -> bytes:
+    bgr = RNG.integers(0, 256, size=(height, width, 3), dtype=np.uint8)
+    ok, buf = cv2.imencode(ext, bgr, list(params))
+    assert ok
+    return buf.tobytes()
+
+
+@pytest.mark.parametrize(
+    ("ext", "params", "kind"),
+    [
+        (".png", (), "PNG"),
+        (".jpg", (), "JPEG"),
+        (".jpg", (cv2.IMWRITE_JPEG_PROGRESSIVE, 1), "JPEG"),
+        (".webp", (cv2.IMWRITE_WEBP_QUALITY, 80), "WebP"),
+        (".webp", (cv2.IMWRITE_WEBP_QUALITY, 101), "WebP"),  # above 100: lossless (VP8L)
+        (".bmp", (), "BMP"),
+    ],
+    ids=["png", "jpeg", "jpeg_progressive", "webp_lossy", "webp_lossless", "bmp"],
+)
+@pytest.mark.parametrize(("width", "height"), [(1, 1), (37, 23), (640, 480)])
+def test_header_size_is_the_size_opencv_decodes(ext, params, kind, width, height):
+    from orin_vlm_node.ros.image_header import declared_size
+
+    data = _encoded(ext, width, height, *params)
+    assert declared_size(data) == (kind, width, height)
+    assert cv2.imdecode(np.frombuffer(data, np.uint8), cv2.IMREAD_COLOR).shape[:2] == (height, width)
+
+
+def test_frames_up_to_the_limit_decode_and_larger_ones_are_refused():
+    msg = CompressedImage(format="png")
+    msg.data = _encoded(".png", 40, 30)
+    assert compressed_to_rgb(msg, 40 * 30).shape == (30, 40, 3)
+    with pytest.raises(ImageConversionError, match="image_max_input_pixels=1199"):
+        compressed_to_rgb(msg, 40 * 30 - 1)
+    raw = rgb_to_image_msg(np.zeros((30, 40, 3), np.uint8), Image)
+    assert ImageConverter(use_cv_bridge=False).image_to_rgb(raw, 40 * 30).shape == (30, 40, 3)
+    with pytest.raises(ImageConversionError, match="image too large: 40x30"):
+        ImageConverter(use_cv_bridge=False).image_to_rgb(raw, 40 * 30 - 1)
+
+
+@pytest.mark.parametrize(
+    ("data", "message"),
+    [
+        (lambda: _encoded(".tiff", 8, 8), "not a JPEG, PNG, WebP, BMP image"),
+        (lambda: b"\x89PNG\r\n\x1a\n\x00\x00\x00\x0dIHDX" + bytes(20), "PNG without an IHDR header"),
+        (lambda: b"\xff\xd8\xff\xda\x00\x02" + bytes(20), "JPEG scan before its frame header"),
+        (lambda: b"RIFF\x00\x00\x00\x00WEBPVP8Z" + bytes(20), "WebP without"),
+    ],
+    ids=["tiff", "png_without_ihdr", "jpeg_scan_first", "webp_unknown_chunk"],
+)
+def test_data_whose_size_cannot_be_read_is_not_decoded(data, message):
+    msg = CompressedImage(format="unknown")
+    msg.data = data()
+    with pytest.raises(ImageConversionError, match=message):
+        compressed_to_rgb(msg, LIMIT)

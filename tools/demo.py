@@ -1,7 +1,7 @@
 """`make demo`: start the node with the embedded default model, show it pictures, print its answers.
 
 What it does, in the order a ROS user would: starts ``vlm_node`` (the installed entry point, else
-``python -m orin_vlm_node.ros.node``) as a child in its own process group, with DDS discovery kept on
+``python -m orin_vlm_node.ros.main``) as a child in its own process group, with DDS discovery kept on
 this machine, its own ROS_DOMAIN_ID and a temporary ROS_LOG_DIR; publishes a sample image
 (``sensor_msgs/Image``, rgb8) and a prompt (``std_msgs/String``); prints the tokens as they stream
 on ``tokens``, then the metrics from ``status``; finally stops the node with SIGINT (SIGKILL if it
@@ -83,7 +83,7 @@ def main() -> int:
     installed = Path(sys.executable).with_name("vlm_node")
     params = {"model_path": args.model_path, "max_new_tokens": args.max_new_tokens, "temperature": 0.0}
     print(
-        f"starting the node ({installed if installed.exists() else 'python -m orin_vlm_node.ros.node'}), "
+        f"starting the node ({installed if installed.exists() else 'python -m orin_vlm_node.ros.main'}), "
         f"ROS_DOMAIN_ID={domain}, localhost discovery, logs in {workdir}",
         flush=True,
     )

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from ..processing import ChatTemplate, PromptError, Tokenizer, build_prompt_ids, expand_image_pads
+from ..processing import ChatTemplate, PromptError, Tokenizer, build_prompt_ids, expand_image_pads, render_prompt
 from ..processing.tokenizer import IM_END
 from .events import Turn
 
@@ -34,33 +34,36 @@ class ConversationRenderer:
         self.template = template
 
     def first_turn(
-        self, system_prompt: str | None, turn: Turn, image_tokens: Sequence[int]
+        self, system_prompt: str | None, turn: Turn, image_tokens: Sequence[int], plain_text: bool = True
     ) -> tuple[list[int], list[dict]]:
-        """(prompt ids, messages) of a conversation's first turn, generation prompt included."""
+        """(prompt ids, messages) of a conversation's first turn, generation prompt included; message text
+        is plain text unless ``plain_text=False`` (see ``processing.prompt``)."""
         messages: list[dict] = []
         if system_prompt:
             messages.append({"role": "system", "content": system_prompt})
         messages.append(user_message(turn))
-        return build_prompt_ids(self.tokenizer, self.template, messages, list(image_tokens)), messages
+        ids = build_prompt_ids(self.tokenizer, self.template, messages, list(image_tokens), plain_text=plain_text)
+        return ids, messages
 
     def next_turn(
-        self, history: list[dict], answer_text: str, turn: Turn, image_tokens: Sequence[int]
+        self, history: list[dict], answer_text: str, turn: Turn, image_tokens: Sequence[int], plain_text: bool = True
     ) -> tuple[list[int], list[dict]]:
         """(ids after the history's final ``<|im_end|>``, messages incl. the answer and the new turn)."""
         before = [*history, {"role": "assistant", "content": answer_text}]
         after = [*before, user_message(turn)]
-        text_before = self.template.render(before, add_generation_prompt=False)
-        text_after = self.template.render(after, add_generation_prompt=True)
-        anchor = text_before.rfind(IM_END)
-        if anchor < 0:
+        specials = self.tokenizer.special_texts
+        prompt_before = render_prompt(self.template, before, specials, False, plain_text)
+        prompt_after = render_prompt(self.template, after, specials, True, plain_text)
+        closing = [end for start, end in prompt_before.control if prompt_before.text[start:end] == IM_END]
+        if not closing:
             raise PromptError(
                 "the chat template does not close assistant turns with <|im_end|>; cannot continue a session"
             )
-        anchor += len(IM_END)
-        if text_after[:anchor] != text_before[:anchor]:
+        anchor = closing[-1]
+        if prompt_after.text[:anchor] != prompt_before.text[:anchor]:
             raise PromptError(
                 "the chat template renders earlier turns differently once a new turn is added, so the cached "
                 "session cannot be continued; reset the session"
             )
-        ids = self.tokenizer.encode(text_after[anchor:])
+        ids = self.tokenizer.encode_prompt(prompt_after.tail(anchor))
         return expand_image_pads(ids, self.tokenizer.special.image_pad, image_tokens), after

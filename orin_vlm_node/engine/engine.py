@@ -180,6 +180,11 @@ class Engine:
             raise KeyError(f"unknown session {session_id!r}")
         return session.token_ids + session.pending_ids
 
+    def shortest_prompt_tokens(self, system_prompt: str | None) -> int:
+        """Tokens a conversation's first turn takes before any question text: the chat template's structure
+        and ``system_prompt`` (reads only; safe from any thread)."""
+        return self.turns.shortest_prompt(system_prompt, plain_text=not self._config.prompt_special_tokens)
+
     def validate_changes(self, **fields: Any) -> None:
         """Check a reconfiguration without applying it; ValueError names the first problem."""
         pool = self._stats_snapshot.get("pool_bytes", 0)

@@ -52,16 +52,24 @@ class TurnPreparer:
         self.image_pad = tokenizer.special.image_pad
         self.model = model
 
-    def prepare(self, turn: Turn, system_prompt: str | None, session: Session | None, limit: int) -> PreparedTurn:
-        """ValueError (a ProcessingError among them) for a bad turn or one past ``limit`` tokens in all."""
+    def shortest_prompt(self, system_prompt: str | None, plain_text: bool = True) -> int:
+        """Tokens of a first turn with no question text and no image (the floor of every prompt)."""
+        ids, _ = self.renderer.first_turn(system_prompt, Turn(text=""), [], plain_text)
+        return len(ids)
+
+    def prepare(
+        self, turn: Turn, system_prompt: str | None, session: Session | None, limit: int, plain_text: bool = True
+    ) -> PreparedTurn:
+        """ValueError (a ProcessingError among them) for a bad turn or one past ``limit`` tokens in all.
+        Message text is plain text unless ``plain_text=False`` (``processing.prompt``)."""
         check_turn(turn)
         batch = self.image_processor.preprocess(list(turn.images), color=turn.color) if turn.images else None
         counts = list(batch.num_tokens) if batch is not None else []
         if session is not None:
-            delta, messages = self.renderer.next_turn(session.messages, session.answer, turn, counts)
+            delta, messages = self.renderer.next_turn(session.messages, session.answer, turn, counts, plain_text)
             new_ids, history, start = session.pending_ids + delta, len(session.token_ids), session.next_position
         else:
-            new_ids, messages = self.renderer.first_turn(system_prompt, turn, counts)
+            new_ids, messages = self.renderer.first_turn(system_prompt, turn, counts, plain_text)
             history, start = 0, 0
         if history + len(new_ids) > limit:
             earlier = f" ({history} from earlier turns)" if history else ""

@@ -90,7 +90,13 @@ class RequestRun:
         e, request = self.engine, self.request
         params = resolve_sampling(e.generation_defaults, self.config.sampling, request.sampling)
         session = self.session = e.session_store.get(request.session_id)
-        turn = e.turns.prepare(request.turn, request.system_prompt, session, self.config.max_context_tokens)
+        turn = e.turns.prepare(
+            request.turn,
+            request.system_prompt,
+            session,
+            self.config.max_context_tokens,
+            plain_text=not self.config.prompt_special_tokens,
+        )
         self.metrics.prompt_tokens = turn.total_tokens
         self._check_cancelled()
         hit = self._take_sequence(turn)

@@ -16,11 +16,21 @@ Messages use the Hugging Face format::
 
 An image part may carry the image itself under another key (e.g. "image"); only its position matters
 here, the pixels go through ``ImageProcessor``.
+
+Why bounded: the sandbox stops escapes, not cost. A template can loop for minutes or build gigabytes
+(``'x' * 10**9``, a string doubled in a loop), and the render runs on the thread that serves every
+prompt. So a render stops with ChatTemplateError after :data:`RENDER_TIME_LIMIT_S` or once its output or
+any value it builds exceeds :data:`RENDER_MAX_CHARS` (:class:`_RenderBudget`). One call into C (a
+filter given an enormous width) cannot be interrupted; sizes that multiplication and ``%`` formatting
+would build are checked before they are built.
 """
 
 from __future__ import annotations
 
 import json
+import re
+import sys
+import time
 from collections.abc import Mapping, Sequence
 from datetime import datetime
 from pathlib import Path
@@ -36,6 +46,10 @@ from .files import read_json_object
 from .tokenizer import IM_END, IM_START, IMAGE_PAD, VISION_END, VISION_START
 
 ROLES = ("system", "user", "assistant")
+# Bounds of one render: a Qwen template renders a long conversation in milliseconds and a prompt longer
+# than this many characters could not fit any context this node serves.
+RENDER_TIME_LIMIT_S = 2.0
+RENDER_MAX_CHARS = 4_000_000
 _SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "pad_token", "unk_token")
 
 
@@ -100,10 +114,77 @@ def count_images(messages: Sequence[Mapping[str, Any]]) -> int:
 
 
 class _Sandbox(ImmutableSandboxedEnvironment):
-    """Immutable sandbox in which touching an unsafe attribute fails right away with SecurityError."""
+    """Immutable sandbox in which touching an unsafe attribute fails right away with SecurityError, and
+    ``*``, ``**`` and ``%`` refuse results larger than a render may build."""
+
+    intercepted_binops = frozenset({"*", "**", "%"})
 
     def unsafe_undefined(self, obj: Any, attribute: str) -> jinja2.Undefined:
         raise SecurityError(f"access to attribute {attribute!r} of a {type(obj).__name__!r} object is not allowed")
+
+    def call_binop(self, context: Any, operator: str, left: Any, right: Any) -> Any:
+        if operator == "*":
+            for seq, times in ((left, right), (right, left)):
+                if (
+                    isinstance(seq, (str, list, tuple))
+                    and isinstance(times, int)
+                    and len(seq) * times > RENDER_MAX_CHARS
+                ):
+                    raise ChatTemplateError(f"chat template builds a value of {len(seq) * times} items (limit "
+                                            f"{RENDER_MAX_CHARS})")  # fmt: skip
+        elif operator == "**" and isinstance(right, int) and abs(right) > 4096 and left not in (0, 1, -1):
+            raise ChatTemplateError(f"chat template raises a number to the power {right} (limit 4096)")
+        elif operator == "%" and isinstance(left, str):
+            widths = [int(w) for w in re.findall(r"%[-+ #0]*(\d+)", left)]
+            if widths and max(widths) > RENDER_MAX_CHARS:
+                raise ChatTemplateError(f"chat template formats a field {max(widths)} characters wide")
+        return super().call_binop(context, operator, left, right)
+
+
+class _RenderBudget:
+    """Stops a render that runs too long or builds too much, from a trace function on the template's own
+    frames (Jinja compiles a template to Python code whose file name is ``<template>``): every line of
+    template code checks the clock and the sizes of the values the frame holds."""
+
+    def __init__(self, time_limit_s: float, max_chars: int) -> None:
+        self._deadline = time.monotonic() + time_limit_s
+        self._time_limit_s = time_limit_s
+        self._max_chars = max_chars
+
+    def __enter__(self) -> _RenderBudget:
+        self._previous = sys.gettrace()
+        sys.settrace(self._on_call)
+        return self
+
+    def __exit__(self, *_exc: Any) -> None:
+        sys.settrace(self._previous)
+
+    def _on_call(self, frame: Any, event: str, _arg: Any) -> Any:
+        return self._on_line if frame.f_code.co_filename == "<template>" else None
+
+    def _on_line(self, frame: Any, event: str, _arg: Any) -> Any:
+        if event == "line":
+            self.check_time()
+            for value in frame.f_locals.values():
+                self.check_size(_size(value))
+        return self._on_line
+
+    def check_time(self) -> None:
+        if time.monotonic() > self._deadline:
+            raise ChatTemplateError(f"chat template took longer than {self._time_limit_s:g} s to render")
+
+    def check_size(self, size: int) -> None:
+        if size > self._max_chars:
+            raise ChatTemplateError(f"chat template built {size} characters (limit {self._max_chars})")
+
+
+def _size(value: Any) -> int:
+    """Characters a template value holds: a string's length, a namespace's longest string."""
+    if isinstance(value, str):
+        return len(value)
+    if isinstance(value, jinja2.utils.Namespace):
+        return max((len(v) for v in value._Namespace__attrs.values() if isinstance(v, str)), default=0)
+    return 0
 
 
 class _Namespace(jinja2.utils.Namespace):
@@ -263,13 +344,26 @@ class ChatTemplate:
         variables.setdefault("tools", None)
         variables.setdefault("documents", None)
         try:
-            return self._template.render(**variables)
+            return self._render_bounded(variables)
         except ChatTemplateError:
             raise
         except SecurityError as exc:
             raise ChatTemplateError(f"chat template from {self.origin} was blocked by the sandbox: {exc}") from exc
         except Exception as exc:  # any template runtime error (TypeError, UndefinedError, ...)
             raise ChatTemplateError(f"chat template from {self.origin} failed: {type(exc).__name__}: {exc}") from exc
+
+    def _render_bounded(self, variables: dict[str, Any]) -> str:
+        """The template's output, piece by piece, within the time and size bounds of one render."""
+        assert self._template is not None
+        pieces: list[str] = []
+        length = 0
+        with _RenderBudget(RENDER_TIME_LIMIT_S, RENDER_MAX_CHARS) as budget:
+            for piece in self._template.generate(**variables):
+                length += len(piece)
+                budget.check_size(length)
+                budget.check_time()
+                pieces.append(piece)
+        return "".join(pieces)
 
 
 def _token_text(value: Any) -> str | None:

@@ -3,16 +3,82 @@
 Why expand after tokenizing: the template writes one ``<|image_pad|>`` per image, but the model needs
 one per merged vision patch (``ImageBatch.num_tokens``). Expanding ids instead of text avoids
 tokenizing thousands of pad tokens and cannot merge them with neighbouring text.
+
+Why messages are plain text: a prompt or system prompt containing ``<|im_end|>\n<|im_start|>system``
+would otherwise close its own turn and open a forged one, and ``<|endoftext|>`` would end the sequence.
+Only the special tokens the chat template writes itself are control tokens (:func:`render_prompt`
+finds them); special-token text inside a message is encoded as the characters it is, as OpenAI-style
+servers do. ``plain_text=False`` reads special-token text in messages as tokens, for experts who build raw
+prompts.
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 from .chat_template import ChatTemplate, count_images, normalize_messages
 from .errors import PromptError
-from .tokenizer import Tokenizer
+from .tokenizer import RenderedPrompt, Tokenizer
+
+# Stands in for each character of special-token text inside a message while the template's own special
+# tokens are located (a private-use character: no template writes it, no special token contains it).
+_MASK = "\ue000"
+
+
+def render_prompt(
+    template: ChatTemplate,
+    messages: Sequence[Mapping[str, Any]],
+    special_texts: Sequence[str],
+    add_generation_prompt: bool = True,
+    plain_text: bool = True,
+    **template_kwargs: Any,
+) -> RenderedPrompt:
+    """The rendered conversation and the spans of its control tokens: the special tokens the template
+    wrote, or with ``plain_text=False`` every special-token text in it.
+
+    When a message contains special-token text, the conversation is rendered a second time with that text
+    masked by characters of the same length: the special tokens still present there are the template's,
+    at the same places in the real rendering. PromptError when the two renderings do not line up (a
+    template that reacts to the masked text), since the structure could then not be told from the text.
+    """
+    plain = normalize_messages(messages)
+    text = template.render(plain, add_generation_prompt=add_generation_prompt, **template_kwargs)
+    if not special_texts:
+        return RenderedPrompt(text)
+    pattern = re.compile("|".join(re.escape(t) for t in sorted(special_texts, key=len, reverse=True)))
+    masked = _masked(plain, pattern) if plain_text else None
+    if masked is None:
+        return RenderedPrompt(text, tuple(m.span() for m in pattern.finditer(text)))
+    reference = template.render(masked, add_generation_prompt=add_generation_prompt, **template_kwargs)
+    control = tuple(m.span() for m in pattern.finditer(reference))
+    if len(reference) != len(text) or any(reference[a:b] != text[a:b] for a, b in control):
+        raise PromptError(
+            "a message contains special-token text and the chat template renders it in a way that hides which "
+            "special tokens are the template's; remove the special-token text from the message"
+        )
+    return RenderedPrompt(text, control)
+
+
+def _masked(messages: list[dict[str, Any]], pattern: re.Pattern[str]) -> list[dict[str, Any]] | None:
+    """The messages with special-token text replaced by masks of equal length; None when none has any."""
+
+    def mask(text: str) -> str:
+        return pattern.sub(lambda m: _MASK * len(m.group()), text)
+
+    found = False
+    out: list[dict[str, Any]] = []
+    for message in messages:
+        content = message["content"]
+        if isinstance(content, str):
+            found |= pattern.search(content) is not None
+            content = mask(content)
+        else:
+            found |= any(pattern.search(p["text"]) for p in content if p["type"] == "text")
+            content = [{**p, "text": mask(p["text"])} if p["type"] == "text" else p for p in content]
+        out.append({**message, "content": content})
+    return out if found else None
 
 
 def build_prompt_ids(
@@ -21,13 +87,15 @@ def build_prompt_ids(
     messages: Sequence[Mapping[str, Any]],
     image_token_counts: Sequence[int],
     add_generation_prompt: bool = True,
+    plain_text: bool = True,
     **template_kwargs: Any,
 ) -> list[int]:
     """Token ids of the rendered conversation, the i-th ``<|image_pad|>`` repeated image_token_counts[i] times.
 
-    Raises ``PromptError`` when the images given do not match the image parts of the conversation or
-    the placeholders in the rendered prompt (e.g. a user typed ``<|image_pad|>`` into the text, or a
-    template drops images), and ``ChatTemplateError`` for malformed conversations.
+    Message text is plain text unless ``plain_text=False``. Raises ``PromptError`` when the images given do
+    not match the image parts of the conversation or the placeholders in the rendered prompt (a template
+    that drops images; with ``plain_text=False``, ``<|image_pad|>`` typed into a message), and
+    ``ChatTemplateError`` for malformed conversations.
     """
     counts = list(image_token_counts)
     for i, n in enumerate(counts):
@@ -37,8 +105,10 @@ def build_prompt_ids(
     n_parts = count_images(plain)
     if n_parts != len(counts):
         raise PromptError(f"the conversation has {n_parts} image part(s) but {len(counts)} image(s) were given")
-    text = template.render(plain, add_generation_prompt=add_generation_prompt, **template_kwargs)
-    return expand_image_pads(tokenizer.encode(text), tokenizer.special.image_pad, counts)
+    rendered = render_prompt(
+        template, plain, tokenizer.special_texts, add_generation_prompt, plain_text, **template_kwargs
+    )
+    return expand_image_pads(tokenizer.encode_prompt(rendered), tokenizer.special.image_pad, counts)
 
 
 def expand_image_pads(ids: Sequence[int], pad: int, image_token_counts: Sequence[int]) -> list[int]:

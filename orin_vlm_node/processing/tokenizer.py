@@ -4,12 +4,17 @@ Why a wrapper: the engine needs a few facts the raw tokenizer does not give dire
 the chat/vision special tokens, the stop ids from ``generation_config.json``) and must never add a
 BOS token (Qwen has none). Special token ids are looked up by their text in the tokenizer, never
 hard-coded, so tiny test tokenizers and real checkpoints go through the same code.
+
+Two encodings: :meth:`Tokenizer.encode` turns special-token text (``<|im_end|>``) into its id, which only
+the chat template's own structure may do; :meth:`Tokenizer.encode_plain` encodes such text as ordinary
+characters, which is how text from users must be read (a prompt must not be able to close its turn or
+end the sequence). :meth:`Tokenizer.encode_prompt` combines them for a rendered prompt.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from tokenizers import Tokenizer as _HFTokenizer
@@ -39,11 +44,30 @@ class SpecialTokens:
     video_pad: int
 
 
+@dataclass(frozen=True)
+class RenderedPrompt:
+    """Prompt text and where in it the chat template wrote special tokens (``control``: ``[start, end)``
+    character spans); special-token text anywhere else came from a message and is plain text."""
+
+    text: str
+    control: tuple[tuple[int, int], ...] = field(default=())
+
+    def tail(self, start: int) -> RenderedPrompt:
+        """The prompt from character ``start`` on (a control span must not straddle ``start``)."""
+        return RenderedPrompt(self.text[start:], tuple((a - start, b - start) for a, b in self.control if a >= start))
+
+
 class Tokenizer:
     """Encode/decode text with a checkpoint's tokenizer; knows the special and stop token ids."""
 
     def __init__(self, backend: _HFTokenizer, eos_token_ids: Sequence[int] | None = None):
         self._tok = backend
+        # A second backend that reads special-token text as characters (the flag is per backend object,
+        # so two objects keep both encodings thread-safe).
+        self._plain = _HFTokenizer.from_str(backend.to_str())
+        self._plain.encode_special_tokens = True
+        added = backend.get_added_tokens_decoder().values()
+        self.special_texts: tuple[str, ...] = tuple(sorted((t.content for t in added if t.special), key=len))[::-1]
         self.special = SpecialTokens(
             im_start=self._require(IM_START),
             im_end=self._require(IM_END),
@@ -92,6 +116,32 @@ class Tokenizer:
         if not isinstance(text, str):
             raise TokenizerError(f"encode takes a str, got {type(text).__name__}")
         return self._tok.encode(text, add_special_tokens=False).ids
+
+    def encode_plain(self, text: str) -> list[int]:
+        """Token ids of ``text`` read as plain characters: ``<|im_end|>`` in it is ten characters, not a token."""
+        if not isinstance(text, str):
+            raise TokenizerError(f"encode_plain takes a str, got {type(text).__name__}")
+        return self._plain.encode(text, add_special_tokens=False).ids
+
+    def encode_prompt(self, prompt: RenderedPrompt) -> list[int]:
+        """Ids of a rendered prompt: its control spans as special tokens, everything between them plain.
+
+        Equal to :meth:`encode` of the text when no message contains special-token text (special tokens
+        split the text before anything else in both encodings).
+        """
+        ids: list[int] = []
+        at = 0
+        for start, end in prompt.control:
+            if start > at:
+                ids += self.encode_plain(prompt.text[at:start])
+            token = self._tok.token_to_id(prompt.text[start:end])
+            if token is None:
+                raise TokenizerError(f"control span {prompt.text[start:end]!r} is not a token")
+            ids.append(token)
+            at = end
+        if at < len(prompt.text):
+            ids += self.encode_plain(prompt.text[at:])
+        return ids
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
         """Text of ``ids``; bytes that do not form complete UTF-8 characters become U+FFFD."""

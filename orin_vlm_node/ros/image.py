@@ -21,6 +21,8 @@ from typing import Any
 import cv2
 import numpy as np
 
+from .image_header import HeaderError, declared_size
+
 
 class ImageConversionError(ValueError):
     """A message that cannot be turned into an RGB image; the text says why."""
@@ -48,9 +50,6 @@ ENCODINGS: dict[str, _Layout] = {
     "16UC1": _Layout(1, 2, "mono"),
 }
 
-# A guard against absurd headers (a 100k x 100k "image" would be 30 GB once converted).
-MAX_PIXELS = 64_000_000
-
 
 def _load_cv_bridge() -> Any | None:
     """The real cv_bridge when this machine has a ROS install with it, else None."""
@@ -68,7 +67,8 @@ class ImageConverter:
     """Converts image messages to HWC uint8 RGB; one instance per node.
 
     ``use_cv_bridge=None`` picks the real cv_bridge when importable; ``False`` forces our own
-    conversion (tests compare the two).
+    conversion (tests compare the two). Every conversion takes the largest frame accepted
+    (``image_max_input_pixels``), checked before any pixel is touched.
     """
 
     def __init__(self, use_cv_bridge: bool | None = None) -> None:
@@ -80,9 +80,9 @@ class ImageConverter:
     def backend(self) -> str:
         return "cv_bridge" if self._bridge is not None else "numpy"
 
-    def image_to_rgb(self, msg: Any) -> np.ndarray:
+    def image_to_rgb(self, msg: Any, max_pixels: int) -> np.ndarray:
         """``sensor_msgs/Image`` -> (H, W, 3) uint8 RGB. Raises ImageConversionError."""
-        layout = validate_image_msg(msg)
+        layout = validate_image_msg(msg, max_pixels)
         if self._bridge is not None:
             try:
                 rgb = self._bridge.imgmsg_to_cv2(msg, desired_encoding="rgb8")
@@ -91,18 +91,24 @@ class ImageConverter:
             return np.ascontiguousarray(rgb, dtype=np.uint8)
         return _convert_raw(msg, layout)
 
-    def compressed_to_rgb(self, msg: Any) -> np.ndarray:
-        """``sensor_msgs/CompressedImage`` (JPEG, PNG, ...) -> (H, W, 3) uint8 RGB."""
-        return compressed_to_rgb(msg)
+    def compressed_to_rgb(self, msg: Any, max_pixels: int) -> np.ndarray:
+        """``sensor_msgs/CompressedImage`` (JPEG, PNG, WebP, BMP) -> (H, W, 3) uint8 RGB."""
+        return compressed_to_rgb(msg, max_pixels)
 
 
-def validate_image_msg(msg: Any) -> _Layout:
-    """Check a raw image header against its data; return the pixel layout of its encoding."""
+def _check_size(width: int, height: int, max_pixels: int) -> None:
+    if width * height > max_pixels:
+        raise ImageConversionError(
+            f"image too large: {width}x{height} = {width * height} pixels (image_max_input_pixels={max_pixels})"
+        )
+
+
+def validate_image_msg(msg: Any, max_pixels: int) -> _Layout:
+    """Check a raw image header against its data and the size limit; return the pixel layout of its encoding."""
     height, width, step = int(msg.height), int(msg.width), int(msg.step)
     if height <= 0 or width <= 0:
         raise ImageConversionError(f"empty image: {width}x{height} pixels")
-    if height * width > MAX_PIXELS:
-        raise ImageConversionError(f"image too large: {width}x{height} pixels (limit {MAX_PIXELS})")
+    _check_size(width, height, max_pixels)
     encoding = str(msg.encoding)
     layout = ENCODINGS.get(encoding)
     if layout is None:
@@ -150,12 +156,20 @@ def _convert_raw(msg: Any, layout: _Layout) -> np.ndarray:
     return np.array(rgb, dtype=np.uint8, order="C", copy=True)
 
 
-def compressed_to_rgb(msg: Any) -> np.ndarray:
-    """Decode a CompressedImage with OpenCV; corrupt or empty data raises ImageConversionError."""
+def compressed_to_rgb(msg: Any, max_pixels: int) -> np.ndarray:
+    """Decode a CompressedImage with OpenCV once its header's size is within ``max_pixels``; corrupt, empty,
+    oversized or unsupported data raises ImageConversionError."""
     data = np.frombuffer(msg.data, dtype=np.uint8)
     fmt = str(getattr(msg, "format", "")) or "unknown format"
     if data.size == 0:
         raise ImageConversionError(f"compressed image ({fmt}) has no data")
+    try:
+        kind, width, height = declared_size(data[:65536].tobytes())
+    except HeaderError as exc:
+        raise ImageConversionError(f"cannot decode compressed image ({fmt}, {data.size} bytes): {exc}") from exc
+    if width <= 0 or height <= 0:
+        raise ImageConversionError(f"empty image: {kind} declares {width}x{height} pixels")
+    _check_size(width, height, max_pixels)
     try:
         bgr = cv2.imdecode(data, cv2.IMREAD_COLOR)
     except cv2.error as exc:
@@ -164,8 +178,8 @@ def compressed_to_rgb(msg: Any) -> np.ndarray:
         raise ImageConversionError(
             f"cannot decode compressed image ({fmt}, {data.size} bytes): corrupt or unknown format"
         )
-    if bgr.shape[0] * bgr.shape[1] > MAX_PIXELS:
-        raise ImageConversionError(f"image too large: {bgr.shape[1]}x{bgr.shape[0]} pixels (limit {MAX_PIXELS})")
+    if bgr.shape[:2] != (height, width):
+        raise ImageConversionError(f"{kind} decoded to {bgr.shape[1]}x{bgr.shape[0]} but declares {width}x{height}")
     return np.ascontiguousarray(bgr[:, :, ::-1])
 
 

@@ -17,28 +17,26 @@ so ``ros2 param set`` gets a reason for a refusal, then applied between two requ
 
 from __future__ import annotations
 
-import logging
-import os
-import sys
 import threading
 import time
 from collections.abc import Mapping
 from typing import Any
 
-import rclpy
 from diagnostic_msgs.msg import DiagnosticArray, DiagnosticStatus, KeyValue
 from rcl_interfaces.msg import SetParametersResult
 from rclpy.callback_groups import MutuallyExclusiveCallbackGroup, ReentrantCallbackGroup
-from rclpy.executors import ExternalShutdownException, MultiThreadedExecutor
+from rclpy.duration import Duration
 from rclpy.node import Node
 from rclpy.parameter import Parameter
-from rclpy.qos import QoSProfile, ReliabilityPolicy, qos_profile_sensor_data
+from rclpy.qos import QoSProfile, ReliabilityPolicy
 from sensor_msgs.msg import CompressedImage, Image
 from std_msgs.msg import String
 from std_srvs.srv import Trigger
 
-from ..engine import Engine, EngineConfig, EngineError
+from ..engine import Engine, EngineConfig
 from .image import ImageConversionError, ImageConverter, LatestImage, stamp_seconds
+from .image_inputs import ImageInputs
+from .main import NODE_NAME
 from .params import (
     RUNTIME_ENGINE_FIELDS,
     SAMPLING_FIELDS,
@@ -53,12 +51,21 @@ from .status import backend_summary, engine_diagnostics, status_json
 from .token_stream import TokenStream
 from .worker import Worker
 
-NODE_NAME = "orin_vlm"
 # Identical image errors (a broken camera at 30 Hz) are reported at most this often.
 IMAGE_ERROR_INTERVAL_S = 1.0
 # Subscribers that exist when the node comes up match its new publishers within milliseconds on one
 # machine; announcing `ready` a moment later lets them receive it.
 READY_ANNOUNCE_DELAY_S = 0.5
+
+
+def prompt_problem(text: str) -> str | None:
+    """Why a prompt cannot be answered as it arrived, or None. A NUL is refused rather than cut at: ROS
+    strings end at the first NUL on most paths, so the text could not be what the sender meant."""
+    if "\x00" in text:
+        return f"prompt contains a NUL character at position {text.index(chr(0))}: refused, not truncated"
+    if not text.strip():
+        return "empty prompt: nothing to answer"
+    return None
 
 
 class StartupError(RuntimeError):
@@ -115,10 +122,14 @@ class VlmNode(Node):
         config = startup_config(self._values)
         t0 = time.monotonic()
         self._engine = Engine(config)
+        reason = self._context_problem(self._values)
+        if reason:
+            raise StartupError(reason)
         self._session_counter = 0
         self._session_id = self._new_session_id()
         self._request_counter = 0
         self._image_errors: dict[str, float] = {}
+        self._closing = False  # set by shutdown(): prompts from then on are refused with an event
 
         self._converter = ImageConverter()
         self._latest = LatestImage()
@@ -144,21 +155,30 @@ class VlmNode(Node):
         self._ready_timer = self.create_timer(READY_ANNOUNCE_DELAY_S, self._announce_ready)
 
     def _create_interfaces(self) -> None:
-        """Publishers, subscriptions, services and timers; callbacks in groups that keep services responsive."""
-        stream_qos = QoSProfile(depth=1000, reliability=ReliabilityPolicy.RELIABLE)
+        """Publishers, subscriptions, services and timers; callbacks in groups that keep services responsive.
+
+        Depths: the prompt subscription holds ``prompt_queue_depth`` messages (a burst beyond it would be
+        lost by DDS before the node could report it), and ``status``/``tokens`` keep three events per prompt
+        of such a burst, so no event is overwritten before a subscriber took it.
+        """
+        prompt_depth = int(self._values["prompt_queue_depth"])
+        stream_qos = QoSProfile(depth=max(1000, 3 * prompt_depth), reliability=ReliabilityPolicy.RELIABLE)
         self._tokens_pub = self.create_publisher(String, "tokens", stream_qos)
         self._response_pub = self.create_publisher(String, "response", 10)
-        self._status_pub = self.create_publisher(String, "status", QoSProfile(depth=200))
+        self._status_pub = self.create_publisher(String, "status", stream_qos)
         self._diag_pub = self.create_publisher(DiagnosticArray, "/diagnostics", 10)
 
-        images = MutuallyExclusiveCallbackGroup()
         prompts = MutuallyExclusiveCallbackGroup()
         services = ReentrantCallbackGroup()
-        self.create_subscription(Image, "image", self._on_image, qos_profile_sensor_data, callback_group=images)
-        self.create_subscription(
-            CompressedImage, "image/compressed", self._on_compressed, qos_profile_sensor_data, callback_group=images
+        self._images = ImageInputs(
+            self,
+            str(self._values["image_reliability"]),
+            [("image", Image, self._on_image), ("image/compressed", CompressedImage, self._on_compressed)],
+            MutuallyExclusiveCallbackGroup(),
         )
-        self.create_subscription(String, "prompt", self._on_prompt, QoSProfile(depth=100), callback_group=prompts)
+        self.create_subscription(
+            String, "prompt", self._on_prompt, QoSProfile(depth=prompt_depth), callback_group=prompts
+        )
         self.create_service(Trigger, "~/reset", self._on_reset, callback_group=services)
         self.create_service(Trigger, "~/cancel", self._on_cancel, callback_group=services)
         self.create_timer(1.0, self._publish_diagnostics, callback_group=MutuallyExclusiveCallbackGroup())
@@ -176,7 +196,7 @@ class VlmNode(Node):
             return  # images disabled: do not spend CPU converting frames nobody will use
         stamp = stamp_seconds(msg.header.stamp)
         try:
-            self._latest.set(self._converter.image_to_rgb(msg), stamp)
+            self._latest.set(self._converter.image_to_rgb(msg, int(self._values["image_max_input_pixels"])), stamp)
         except ImageConversionError as exc:
             self._report_image_error(f"image rejected: {exc}", stamp)
 
@@ -185,7 +205,8 @@ class VlmNode(Node):
             return
         stamp = stamp_seconds(msg.header.stamp)
         try:
-            self._latest.set(self._converter.compressed_to_rgb(msg), stamp)
+            rgb = self._converter.compressed_to_rgb(msg, int(self._values["image_max_input_pixels"]))
+            self._latest.set(rgb, stamp)
         except ImageConversionError as exc:
             self._report_image_error(f"compressed image rejected: {exc}", stamp)
 
@@ -205,8 +226,9 @@ class VlmNode(Node):
             request_id = f"req-{self._request_counter}"
             values = dict(self._values)
         text = msg.data
-        if not text.strip():
-            self._publish_status("error", request_id, finish_reason="error", error="empty prompt: nothing to answer")
+        refused = prompt_problem(text) or (self._closing and "node shutting down: prompt not accepted")
+        if refused:
+            self._publish_status("error", request_id, finish_reason="error", error=refused)
             return
         image, stamp, note = self._latest.pick(float(values["image_max_age_s"]))
         system_prompt = str(values["system_prompt"]) or None
@@ -257,9 +279,11 @@ class VlmNode(Node):
             current = dict(self._values)
         pending = self._worker.pending_changes()
         reason = check_changes(changes)
+        after = {**current, **changes}
+        if not reason and changes.keys() & {"max_context_tokens", "system_prompt"}:
+            reason = self._context_problem(after)
         if reason:
             return SetParametersResult(successful=False, reason=reason)
-        after = {**current, **changes}
         before_kw, after_kw = engine_kwargs(current, RUNTIME_ENGINE_FIELDS), engine_kwargs(after, RUNTIME_ENGINE_FIELDS)
         # Fields that follow from a changed parameter (max_sessions from multi_turn) change with it.
         engine_changes = {
@@ -285,6 +309,17 @@ class VlmNode(Node):
                 self._publish_dropped(dropped, f"max_queue lowered to {changes['max_queue']}")
         self._worker.queue_changes(engine_changes, reset_session=reset)
         return SetParametersResult(successful=True)
+
+    def _context_problem(self, values: Mapping[str, Any]) -> str | None:
+        """Why ``max_context_tokens`` cannot hold any prompt with this ``system_prompt``, or None."""
+        floor = self._engine.shortest_prompt_tokens(str(values["system_prompt"]) or None)
+        limit = int(values["max_context_tokens"])
+        if limit >= floor + 2:
+            return None
+        return (
+            f"max_context_tokens={limit} leaves no room for a question: the chat template and system prompt "
+            f"alone take {floor} tokens, and a question and its answer need at least one token each"
+        )
 
     def _revert(self, applied: Mapping[str, Any]) -> None:
         """Put the parameters of a failed reconfiguration back to what the engine really runs."""
@@ -331,52 +366,12 @@ class VlmNode(Node):
 
     # ---------------------------------------------------------------- shutdown
 
-    def shutdown(self, timeout_s: float = 2.0) -> None:
-        """Stop the worker: cancel the running prompt, wake the worker, wait briefly for it; then publish the
-        tokens still pending."""
-        self._worker.stop(timeout_s)
+    def shutdown(self, why: str, timeout_s: float = 2.0) -> None:
+        """Stop in order while the ROS context can still publish: refuse new prompts, drop the waiting ones
+        and cancel the running one, each with its terminal event (``dropped``; ``finished`` with reason
+        ``cancelled``), publish the tokens still pending, then give subscribers a moment to take it all."""
+        self._closing = True
+        self._worker.stop(timeout_s, why)
         self._outputs.token_stream.close(timeout_s)
-
-
-def main(args: list[str] | None = None) -> int:
-    """Entry point of ``vlm_node`` / ``python -m orin_vlm_node.ros.node``.
-
-    Returns 1 when the node cannot start (the reason is logged). After a clean shutdown (SIGINT,
-    ``ros2 launch`` stopping it) the process exits right away with ``os._exit(0)`` once ROS is shut
-    down and output is flushed: the interpreter's own teardown of torch takes seconds on a loaded
-    Jetson, and launch escalates to SIGTERM/SIGKILL when a node lingers.
-    """
-    rclpy.init(args=args)
-    try:
-        node = VlmNode()
-    except Exception as exc:
-        if not rclpy.ok():  # SIGINT while the model was loading: a requested stop, not a failure
-            print(f"{NODE_NAME}: interrupted during startup", file=sys.stderr, flush=True)
-            return 0
-        if not isinstance(exc, (StartupError, EngineError, ValueError)):
-            raise
-        message = str(exc) if isinstance(exc, EngineError) else f"cannot start: {exc}"
-        rclpy.logging.get_logger(NODE_NAME).fatal(message)
-        rclpy.try_shutdown()
-        return 1
-    executor = MultiThreadedExecutor(num_threads=4)
-    executor.add_node(node)
-    try:
-        executor.spin()
-    except (KeyboardInterrupt, ExternalShutdownException):
-        pass
-    finally:
-        # The context is already shut down here, so no rosout logging: plain stderr.
-        print(f"{NODE_NAME}: shutting down", file=sys.stderr, flush=True)
-        node.shutdown()
-        executor.shutdown(timeout_sec=1.0)
-        node.destroy_node()
-        rclpy.try_shutdown()
-    logging.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+        for publisher in (self._status_pub, self._tokens_pub, self._response_pub):
+            publisher.wait_for_all_acked(Duration(seconds=1.0))

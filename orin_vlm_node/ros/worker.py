@@ -12,6 +12,7 @@ No rclpy import: the node passes its publishing functions in.
 from __future__ import annotations
 
 import logging
+import re
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -24,6 +25,15 @@ from .request_queue import PendingPrompt, RequestQueue
 from .status import backend_summary
 
 log = logging.getLogger("orin_vlm_node.ros")
+
+_UNSENDABLE = re.compile("[\x00\ud800-\udfff]")
+
+
+def wire_text(text: str) -> str:
+    """Text as a ``std_msgs/String`` can carry it: NUL (where the wire cuts a string) and what UTF-8 cannot
+    encode (lone surrogates) become U+FFFD. Applied to every delta and to the response alike, character by
+    character, so the joined ``tokens`` stay equal to ``response``."""
+    return _UNSENDABLE.sub("\ufffd", text)
 
 
 class Outputs(Protocol):
@@ -75,6 +85,7 @@ class Worker:
         self._last_metrics: dict[str, float] = {}
         self._completed = 0
         self._stopping = threading.Event()
+        self._stop_reason = ""
         self._thread = threading.Thread(target=self._loop, name="orin_vlm_worker", daemon=True)
         self._thread.start()
 
@@ -105,19 +116,35 @@ class Worker:
         with self._lock:
             return WorkerState(self._current_id, dict(self._last_metrics), self._completed)
 
-    def stop(self, timeout_s: float) -> None:
-        """Cancel the running prompt, wake the thread, wait briefly for it."""
+    def stop(self, timeout_s: float, why: str) -> None:
+        """End every prompt with its terminal event: the waiting ones ``dropped`` (``why``), the running one
+        cancelled (it ends with ``finished``, reason ``cancelled``); wait up to ``timeout_s`` for that, and
+        report it ourselves (``error``) when the engine does not stop in time."""
+        self._stop_reason = why
         self._stopping.set()
-        self.cancel_running()
+        for item in self.queue.drain():
+            self._drop(item, why)
+        current = self.cancel_running()
         self.queue.wake()
         self._thread.join(timeout=timeout_s)
+        for item in self.queue.drain():  # accepted by a callback that ran while the worker stopped
+            self._drop(item, why)
+        if self._thread.is_alive() and current is not None:
+            self.outputs.status("error", current, finish_reason="error", error=f"{why}: the request did not stop "
+                                f"within {timeout_s:g} s and was abandoned")  # fmt: skip
+
+    def _drop(self, item: PendingPrompt, why: str) -> None:
+        self.outputs.status("dropped", item.request_id, note=why, image_stamp=item.image_stamp)
 
     # -- the thread ---------------------------------------------------------------------------------
     def _loop(self) -> None:
         while not self._stopping.is_set():
             self._apply_pending()
             item = self.queue.get(timeout=0.5)
-            if item is None or self._stopping.is_set():
+            if item is None:
+                continue
+            if self._stopping.is_set():  # taken just as the node began to stop
+                self._drop(item, self._stop_reason)
                 continue
             self._apply_pending()
             try:
@@ -160,8 +187,7 @@ class Worker:
             self._current_id = item.request_id
             cancelled = item.request_id in self._cancelled
         if cancelled:
-            self.outputs.status("dropped", item.request_id, note="cancelled by ~/cancel before it started",
-                                image_stamp=item.image_stamp)  # fmt: skip
+            self._drop(item, "cancelled by ~/cancel before it started")
             return
         queue_wait = time.monotonic() - item.accepted_at
         self.outputs.status("started", item.request_id, image_stamp=item.image_stamp)
@@ -178,9 +204,11 @@ class Worker:
                                 error=finished.error or "generation failed", metrics=metrics,
                                 image_stamp=item.image_stamp)  # fmt: skip
             return
-        self.outputs.response(finished.text)
+        self.outputs.response(wire_text(finished.text))
+        stopped = self._stopping.is_set() and finished.finish_reason == "cancelled"
         self.outputs.status("finished", item.request_id, finish_reason=finished.finish_reason, error=finished.error,
-                            metrics=metrics, image_stamp=item.image_stamp, note=item.note)  # fmt: skip
+                            metrics=metrics, image_stamp=item.image_stamp,
+                            note=self._stop_reason if stopped else item.note)  # fmt: skip
 
     def _generate(self, item: PendingPrompt) -> Finished:
         request = Request(
@@ -199,7 +227,7 @@ class Worker:
                 cancel_sent = True
             if isinstance(event, TextDelta):
                 if event.text:
-                    self.outputs.tokens(event.text)
+                    self.outputs.tokens(wire_text(event.text))
             elif isinstance(event, Finished):
                 finished = event
         if finished is None:

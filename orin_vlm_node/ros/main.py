@@ -1,0 +1,112 @@
+"""Entry point of ``vlm_node`` (``python -m orin_vlm_node.ros.main``): signal handling first, then the node.
+
+Why a module of its own: SIGINT or SIGTERM can come at any moment, also while torch and rclpy are
+being imported or the model is loading (seconds on a Jetson). The handlers are installed here, before
+any of that is imported, so every stop takes one of two clean paths and exits 0 with one log line:
+
+* during startup the signal raises :class:`StopRequested` in the main thread, which abandons the load;
+* once the node serves, the signal only sets a flag; the spin loop sees it within 0.1 s and the node
+  shuts down in order (``VlmNode.shutdown``: no new prompts, the running one cancelled, a terminal
+  event for every prompt, publishers flushed), while the ROS context is still valid to publish.
+
+rclpy's own signal handlers are therefore turned off (they would shut the context down first).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import sys
+import threading
+from typing import Any
+
+NODE_NAME = "orin_vlm"
+
+
+class StopRequested(BaseException):
+    """SIGINT/SIGTERM while the node was starting (a BaseException, so no ``except Exception`` in a
+    library swallows it)."""
+
+
+class StopSignals:
+    """SIGINT and SIGTERM as a stop request: raised while starting, a flag once :meth:`serving`."""
+
+    def __init__(self) -> None:
+        self.requested = threading.Event()
+        self.signal_name = ""
+        self._serving = False
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, self._handle)
+
+    def serving(self) -> None:
+        """From now on a signal sets :attr:`requested` and the serving loop stops the node."""
+        self._serving = True
+
+    def _handle(self, signum: int, _frame: Any) -> None:
+        self.signal_name = signal.Signals(signum).name
+        first = not self.requested.is_set()
+        self.requested.set()
+        if first and not self._serving:
+            raise StopRequested(self.signal_name)
+
+
+def serve(stop: StopSignals, args: list[str] | None = None) -> int:
+    """Start the node and serve until ``stop`` is requested or ROS shuts down; 1 when it cannot start (the
+    reason is logged). Signals are ``stop``'s, not rclpy's. torch and rclpy are imported here, under ``stop``'s
+    handlers."""
+    import rclpy
+    from rclpy.executors import ExternalShutdownException, MultiThreadedExecutor
+    from rclpy.signals import SignalHandlerOptions
+
+    from ..engine import EngineError
+    from .node import StartupError, VlmNode
+
+    rclpy.init(args=args, signal_handler_options=SignalHandlerOptions.NO)
+    try:
+        node = VlmNode()
+    except (StartupError, EngineError, ValueError) as exc:
+        message = str(exc) if isinstance(exc, EngineError) else f"cannot start: {exc}"
+        rclpy.logging.get_logger(NODE_NAME).fatal(message)
+        rclpy.try_shutdown()
+        return 1
+    except BaseException:
+        rclpy.try_shutdown()
+        raise
+    executor = MultiThreadedExecutor(num_threads=4)
+    executor.add_node(node)
+    stop.serving()
+    try:
+        while not stop.requested.is_set() and rclpy.ok():
+            executor.spin_once(timeout_sec=0.1)
+    except ExternalShutdownException:
+        pass
+    why = f"{stop.signal_name} received" if stop.signal_name else "ROS shut down"
+    node.get_logger().info(f"shutting down ({why})")
+    node.shutdown(f"node shutting down ({why})")
+    executor.shutdown(timeout_sec=1.0)
+    node.destroy_node()
+    rclpy.try_shutdown()
+    return 0
+
+
+def main(args: list[str] | None = None) -> int:
+    """Run the node; the exit status is 0 after a stop by signal or ROS shutdown, 1 when it cannot start.
+
+    The process ends with ``os._exit`` once output is flushed: the interpreter's own teardown of torch
+    takes seconds on a loaded Jetson, and ``ros2 launch`` escalates to SIGKILL when a node lingers.
+    """
+    stop = StopSignals()
+    try:
+        code = serve(stop, args)
+    except StopRequested as why:
+        print(f"{NODE_NAME}: {why} during startup: stopped before serving", file=sys.stderr, flush=True)
+        code = 0
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,52 @@
+"""The launch file ends the launch with the node, and a node that fails makes the launch fail: a robot's
+supervisor (systemd, a watchdog) must see a node that could not start, not a launch idling with nothing
+running. Runs the real ``launch`` (a sourced ROS 2 install, or ``../shared/ros2-cli`` in CI) in a child
+process, like ``ros2 launch``; skipped where launch is not installed."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("launch", reason="ROS 2 launch comes with a ROS 2 install only")
+pytest.importorskip("launch_ros", reason="launch_ros comes with a ROS 2 install only")
+
+from ros_harness import domain_id_for  # noqa: E402
+
+LAUNCH_FILE = Path(__file__).resolve().parent.parent / "launch" / "orin_vlm.launch.py"
+RUN_LAUNCH = """
+import sys
+from launch import LaunchDescription, LaunchService
+from launch.actions import IncludeLaunchDescription
+from launch.launch_description_sources import PythonLaunchDescriptionSource
+
+service = LaunchService()
+arguments = dict(a.split(":=", 1) for a in sys.argv[2:])
+service.include_launch_description(LaunchDescription([
+    IncludeLaunchDescription(PythonLaunchDescriptionSource(sys.argv[1]), launch_arguments=arguments.items())
+]))
+sys.exit(service.run())
+"""
+
+
+def run_launch(tmp_path: Path, *arguments: str) -> subprocess.CompletedProcess:
+    env = {
+        **os.environ,
+        "ROS_AUTOMATIC_DISCOVERY_RANGE": "LOCALHOST",
+        "ROS_DOMAIN_ID": str(domain_id_for(__name__)),
+        "ROS_LOG_DIR": str(tmp_path / "ros_log"),
+    }
+    command = [sys.executable, "-c", RUN_LAUNCH, str(LAUNCH_FILE), *arguments]
+    return subprocess.run(command, env=env, capture_output=True, text=True, timeout=180, cwd=tmp_path)
+
+
+def test_a_node_that_cannot_start_fails_the_launch(tmp_path):
+    result = run_launch(tmp_path, "page_size:=3")
+    output = result.stdout + result.stderr
+    assert result.returncode == 1, output[-3000:]
+    assert "page_size must be a power of two" in output
+    assert "exited with status 1" in output

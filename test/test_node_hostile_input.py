@@ -1,0 +1,192 @@
+"""The node under hostile input and rough handling, end to end over real DDS (a separate node process, as in
+test_node_integration): a decompression bomb, a burst of prompts far beyond the queue, large raw frames from a
+reliable publisher, values refused when set rather than after, and stops by signal while generating or
+while starting. Every prompt that reaches the node gets exactly one terminal event."""
+
+from __future__ import annotations
+
+import signal
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+pytest.importorskip("rclpy", reason="rclpy (ROS 2 wheels) is installed by `make test`")
+
+from builtin_interfaces.msg import Time  # noqa: E402
+from ros_harness import FAST_PARAMS, domain_id_for, running_node  # noqa: E402
+from sensor_msgs.msg import CompressedImage, Image  # noqa: E402
+
+from orin_vlm_node.ros.image import rgb_to_image_msg  # noqa: E402
+from orin_vlm_node.ros.params import defaults  # noqa: E402
+from support.checkpoints import cached_tiny_checkpoint  # noqa: E402
+from support.image_bomb import png_bomb  # noqa: E402
+from support.node_process import NodeProcess  # noqa: E402
+
+PARAMS = {**FAST_PARAMS, "device": "cpu", "max_queue": 4, "max_new_tokens": 4}
+TERMINAL = ("finished", "dropped", "error")
+LONG_PROMPT = "Describe this image."  # runs to max_new_tokens with the tiny checkpoint (test_node_integration)
+
+
+@pytest.fixture(scope="module")
+def values():
+    return {**defaults(), **PARAMS, "model_path": str(cached_tiny_checkpoint())}
+
+
+@pytest.fixture(scope="module")
+def vlm(values, tmp_path_factory):
+    with running_node(values, tmp_path_factory.mktemp("node"), __name__) as (node, client):
+        yield node, client
+
+
+def peak_rss_mb(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024
+    raise AssertionError("no VmHWM in /proc status")
+
+
+def new_events(client, known: set) -> list[dict]:
+    return [e for e in client.status if e["request_id"] and e["request_id"] not in known]
+
+
+def test_decompression_bomb_is_refused_with_bounded_memory(vlm):
+    node, client = vlm
+    before = peak_rss_mb(node.proc.pid)
+    msg = CompressedImage(format="png")
+    msg.data = png_bomb()
+    n = len(client.status)
+    client.publish_compressed(msg)
+    error = client.wait_for(
+        lambda: next((e for e in client.status[n:] if e["event"] == "error"), None), 30, "the bomb's error event"
+    )
+    assert "image too large: 30000x30000" in error["error"] and "image_max_input_pixels" in error["error"]
+    assert peak_rss_mb(node.proc.pid) - before < 200  # decoding it would take 900 MB and more
+    assert client.ask("What is this?")["status"]["event"] == "finished"
+
+
+def test_a_burst_of_500_prompts_gets_one_terminal_event_each(vlm):
+    _, client = vlm
+    known = {e["request_id"] for e in client.status}
+    for i in range(500):
+        client.send_prompt(f"Question {i}?")
+
+    def ended() -> dict | None:
+        done: dict[str, list[str]] = {}
+        for e in new_events(client, known):
+            if e["event"] in TERMINAL:
+                done.setdefault(e["request_id"], []).append(e["event"])
+        return done if len(done) == 500 else None
+
+    done = client.wait_for(ended, 180, "500 terminal events")
+    time.sleep(1.0)  # any duplicate would arrive by now
+    done = ended()
+    assert done is not None and all(len(events) == 1 for events in done.values())
+    accepted = [e for e in new_events(client, known) if e["event"] == "accepted"]
+    assert len(accepted) == 500
+
+
+def test_large_raw_frames_from_a_reliable_publisher_are_used(vlm):
+    """A 1280x720 rgb8 frame is 2.7 MB in hundreds of fragments: the node subscribes reliable to a reliable
+    publisher (image_reliability auto), so every frame arrives whole: each one published once is used."""
+    node, client = vlm
+    client.wait_for(lambda: "image subscription /image: now reliable" in node.output(), 10, "a reliable subscription")
+    rgb = np.random.default_rng(3).integers(0, 256, size=(720, 1280, 3), dtype=np.uint8)
+    for n in range(5):
+        client.publish_image(rgb_to_image_msg(rgb, Image, stamp=Time(sec=720 + n, nanosec=0)), repeat=1)
+        time.sleep(1.0)  # 2.7 MB through the loopback
+        result = client.ask("What do you see?")
+        assert result["status"].get("image_stamp") == pytest.approx(720.0 + n), result["status"]
+        assert result["status"]["metrics"]["prompt_tokens"] > 20  # the image pads are part of the prompt
+
+
+@pytest.mark.parametrize(
+    ("name", "value", "reason"),
+    [
+        ("kv_pool_blocks", 16_777_216, "does not fit"),
+        ("kv_pool_mb", 262_144, "does not fit"),
+        ("max_context_tokens", 16, "leaves no room for a question"),
+    ],
+)
+def test_values_that_cannot_work_are_refused_when_set(vlm, name, value, reason):
+    _, client = vlm
+    overrides = {"system_prompt": "You are the robot's eyes. Answer in one short sentence."}
+    if name == "max_context_tokens":
+        (ok,) = client.set_params(overrides)
+        assert ok.successful, ok.reason
+    try:
+        before = client.get_params([name])
+        n = len(client.status)
+        (result,) = client.set_params({name: value})
+        assert not result.successful and reason in result.reason
+        assert client.get_params([name]) == before
+        assert client.ask("Still there?")["status"]["event"] == "finished"
+        assert not [e for e in client.status[n:] if e["event"] == "error"]
+    finally:
+        client.set_params({"system_prompt": ""})
+
+
+def _long_generation(client, queued: int) -> tuple[str, list[str]]:
+    """Start an endless answer and queue ``queued`` prompts behind it; (running id, queued ids)."""
+    known = {e["request_id"] for e in client.status}
+    client.send_prompt(LONG_PROMPT)
+    for i in range(queued):
+        client.send_prompt(f"Waiting question {i}?")
+    started = client.wait_for(
+        lambda: next((e for e in new_events(client, known) if e["event"] == "started"), None), 30, "generation"
+    )
+    client.wait_for(
+        lambda: len([e for e in new_events(client, known) if e["event"] == "accepted"]) == queued + 1, 30, "accepts"
+    )
+    n_tokens = len(client.tokens)
+    client.wait_for(lambda: len(client.tokens) > n_tokens, 30, "tokens")
+    waiting = [e["request_id"] for e in new_events(client, known) if e["event"] == "accepted"]
+    waiting.remove(started["request_id"])
+    return started["request_id"], waiting
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_a_signal_while_generating_ends_every_prompt_then_exits_0(values, tmp_path, sig):
+    params = {**values, "max_new_tokens": 3000, "image_max_age_s": 0.0}
+    with running_node(params, tmp_path, f"{__name__}-{sig.name}") as (node, client):
+        running, waiting = _long_generation(client, queued=2)
+        node.signal_group(sig)
+        rc = node.wait(10.0)
+        assert rc == 0, node.output()[-3000:]
+        ends = {e["request_id"]: e for e in client.status if e["event"] in TERMINAL}
+        assert ends[running]["event"] == "finished" and ends[running]["finish_reason"] == "cancelled"
+        assert f"{sig.name} received" in ends[running]["note"]
+        assert all(ends[rid]["event"] == "dropped" and "shutting down" in ends[rid]["note"] for rid in waiting)
+        output = node.output()
+        assert "Traceback" not in output and "context is invalid" not in output, output[-3000:]
+
+
+@pytest.mark.parametrize("delay_s", [0.3, 1.5, 3.0])
+def test_sigint_while_starting_exits_0_with_one_line(values, tmp_path, delay_s):
+    """Whether the signal lands while Python imports torch, while the model loads or just after: exit 0, no
+    traceback."""
+    node = NodeProcess(values, tmp_path, domain_id_for(f"{__name__}-start-{delay_s}"))
+    try:
+        time.sleep(delay_s)
+        node.signal_group(signal.SIGINT)
+        rc = node.wait(20.0)
+    finally:
+        node.stop()
+    output = node.output()
+    assert rc == 0, output[-3000:]
+    assert "Traceback" not in output and "KeyboardInterrupt" not in output, output[-3000:]
+    if delay_s < 1.0:  # surely before the node served
+        assert "SIGINT during startup: stopped before serving" in output
+
+
+@pytest.mark.parametrize(
+    ("text", "problem"),
+    [("abc\x00def", "NUL character at position 3"), ("  \n", "empty prompt"), ("What is this?", None)],
+)
+def test_prompts_with_nul_are_refused_not_truncated(text, problem):
+    """rclpy itself cuts a published string at a NUL; other clients (C++) can deliver one."""
+    from orin_vlm_node.ros.node import prompt_problem
+
+    reason = prompt_problem(text)
+    assert (reason is None) if problem is None else (problem in reason)

@@ -1,0 +1,122 @@
+"""The node's worker thread without ROS: text fit for the wire, and a stop that ends every prompt with exactly
+one terminal event (dropped for the waiting ones, finished/cancelled for the running one)."""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+from orin_vlm_node.engine.events import Finished, SamplingParams, TextDelta
+from orin_vlm_node.ros.request_queue import PendingPrompt, RequestQueue
+from orin_vlm_node.ros.worker import Worker, wire_text
+
+TERMINAL = {"finished", "dropped", "error"}
+
+
+class Recorder:
+    """The worker's Outputs, kept in lists."""
+
+    def __init__(self) -> None:
+        self.deltas: list[str] = []
+        self.responses: list[str] = []
+        self.events: list[dict[str, Any]] = []
+        self.lock = threading.Lock()
+
+    def tokens(self, text: str) -> None:
+        self.deltas.append(text)
+
+    def end_tokens(self) -> None:
+        pass
+
+    def response(self, text: str) -> None:
+        self.responses.append(text)
+
+    def status(self, event: str, request_id: str | None, **fields: Any) -> None:
+        with self.lock:
+            self.events.append({"event": event, "request_id": request_id, **fields})
+
+
+class ScriptedEngine:
+    """Streams ``pieces`` (then the rest of an endless answer when ``endless``) until cancelled."""
+
+    def __init__(self, pieces: list[str], endless: bool = False, ignores_cancel: bool = False) -> None:
+        self.pieces, self.endless, self.ignores_cancel = pieces, endless, ignores_cancel
+        self.cancelled: set[str] = set()
+        self.started = threading.Event()
+
+    def cancel(self, request_id: str) -> None:
+        self.cancelled.add(request_id)
+
+    def generate(self, request: Any):
+        self.started.set()
+        text = ""
+        for piece in self.pieces:
+            text += piece
+            yield TextDelta(request.request_id, piece, ())
+        while self.endless and (self.ignores_cancel or request.request_id not in self.cancelled):
+            time.sleep(0.01)
+            text += "x"
+            yield TextDelta(request.request_id, "x", ())
+        reason = "cancelled" if request.request_id in self.cancelled else "stop"
+        yield Finished(request.request_id, reason, text, (), {"generated_tokens": len(text)})
+
+
+def prompt(n: int) -> PendingPrompt:
+    return PendingPrompt(request_id=f"req-{n}", text=f"question {n}", sampling=SamplingParams(), system_prompt=None)
+
+
+def start(engine: ScriptedEngine, queue: RequestQueue, outputs: Recorder) -> Worker:
+    return Worker(engine, queue, outputs, {}, lambda _applied: None, lambda: None)  # type: ignore[arg-type]
+
+
+def wait_until(predicate, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.01)
+
+
+def test_wire_text_replaces_what_a_ros_string_cannot_carry():
+    assert wire_text("a\x00b\ud800c") == "a\ufffdb\ufffdc"
+    assert wire_text("plain 文字 ✓") == "plain 文字 ✓"
+
+
+def test_an_answer_with_nul_characters_streams_tokens_that_add_up_to_the_response():
+    outputs, queue = Recorder(), RequestQueue(4)
+    worker = start(ScriptedEngine(["a\x00", "b", "\x00c"]), queue, outputs)
+    try:
+        queue.put(prompt(1))
+        wait_until(lambda: any(e["event"] == "finished" for e in outputs.events))
+    finally:
+        worker.stop(2.0, "test over")
+    assert outputs.responses == ["a\ufffdb\ufffdc"]
+    assert "".join(outputs.deltas) == outputs.responses[0]
+
+
+def test_stop_ends_every_prompt_with_one_terminal_event():
+    outputs, queue = Recorder(), RequestQueue(10)
+    engine = ScriptedEngine(["start "], endless=True)
+    worker = start(engine, queue, outputs)
+    for n in range(4):
+        queue.put(prompt(n))
+    engine.started.wait(10)
+    worker.stop(5.0, "node shutting down (SIGTERM received)")
+    ends = [e for e in outputs.events if e["event"] in TERMINAL]
+    assert sorted(e["request_id"] for e in ends) == [f"req-{n}" for n in range(4)]
+    running = next(e for e in ends if e["request_id"] == "req-0")
+    assert running["event"] == "finished" and running["finish_reason"] == "cancelled"
+    assert running["note"] == "node shutting down (SIGTERM received)"
+    assert all(e["event"] == "dropped" and "SIGTERM" in e["note"] for e in ends if e["request_id"] != "req-0")
+
+
+def test_a_request_that_does_not_stop_in_time_is_reported_when_the_worker_gives_up():
+    outputs, queue = Recorder(), RequestQueue(4)
+    engine = ScriptedEngine([], endless=True, ignores_cancel=True)
+    worker = start(engine, queue, outputs)
+    queue.put(prompt(1))
+    engine.started.wait(10)
+    worker.stop(0.3, "node shutting down (SIGINT received)")
+    (end,) = [e for e in outputs.events if e["event"] in TERMINAL]
+    assert end["event"] == "error" and end["request_id"] == "req-1" and "did not stop within 0.3 s" in end["error"]
+    engine.ignores_cancel = False  # let the daemon thread finish
