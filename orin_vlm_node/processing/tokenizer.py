@@ -67,7 +67,7 @@ class Tokenizer:
         self._plain = _HFTokenizer.from_str(backend.to_str())
         self._plain.encode_special_tokens = True
         added = backend.get_added_tokens_decoder().values()
-        self.special_texts: tuple[str, ...] = tuple(sorted((t.content for t in added if t.special), key=len))[::-1]
+        self.special_texts: tuple[str, ...] = tuple(t.content for t in added if t.special)
         self.special = SpecialTokens(
             im_start=self._require(IM_START),
             im_end=self._require(IM_END),
