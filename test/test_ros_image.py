@@ -256,6 +256,15 @@ def test_header_size_is_the_size_opencv_decodes(ext, params, kind, width, height
     assert cv2.imdecode(np.frombuffer(data, np.uint8), cv2.IMREAD_COLOR).shape[:2] == (height, width)
 
 
+def test_jpeg_whose_metadata_runs_past_64_kb_is_decoded():
+    """Cameras write EXIF and ICC segments (each up to 64 kB, several of them) before the frame header."""
+    jpeg = _encoded(".jpg", 40, 30)
+    app = b"\xff\xe2" + (65535).to_bytes(2, "big") + bytes(65533)  # an APP2 segment of maximal length
+    msg = CompressedImage(format="jpeg")
+    msg.data = jpeg[:2] + app * 2 + jpeg[2:]
+    assert compressed_to_rgb(msg, LIMIT).shape == (30, 40, 3)
+
+
 def test_frames_up_to_the_limit_decode_and_larger_ones_are_refused():
     msg = CompressedImage(format="png")
     msg.data = _encoded(".png", 40, 30)

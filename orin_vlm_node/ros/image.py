@@ -164,7 +164,7 @@ def compressed_to_rgb(msg: Any, max_pixels: int) -> np.ndarray:
     if data.size == 0:
         raise ImageConversionError(f"compressed image ({fmt}) has no data")
     try:
-        kind, width, height = declared_size(data[:65536].tobytes())
+        kind, width, height = declared_size(memoryview(data))  # no copy; JPEG metadata may run past 64 kB
     except HeaderError as exc:
         raise ImageConversionError(f"cannot decode compressed image ({fmt}, {data.size} bytes): {exc}") from exc
     if width <= 0 or height <= 0:

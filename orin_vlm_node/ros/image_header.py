@@ -26,8 +26,9 @@ class HeaderError(ValueError):
     """The data is not one of :data:`FORMATS`, or its header is cut short or malformed."""
 
 
-def declared_size(data: bytes) -> tuple[str, int, int]:
-    """(format, width, height) the header of ``data`` declares. Raises HeaderError."""
+def declared_size(data: bytes | memoryview) -> tuple[str, int, int]:
+    """(format, width, height) the header of ``data`` declares (only the header is read). Raises HeaderError."""
+    data = memoryview(data).cast("B")
     if data[:8] == b"\x89PNG\r\n\x1a\n":
         return ("PNG", *_png(data))
     if data[:2] == b"\xff\xd8":
@@ -36,7 +37,7 @@ def declared_size(data: bytes) -> tuple[str, int, int]:
         return ("WebP", *_webp(data))
     if data[:2] == b"BM":
         return ("BMP", *_bmp(data))
-    raise HeaderError(f"not a {FORMATS} image (first bytes {data[:8].hex()})")
+    raise HeaderError(f"not a {FORMATS} image (first bytes {bytes(data[:8]).hex()})")
 
 
 def _png(data: bytes) -> tuple[int, int]:
