@@ -53,9 +53,13 @@ from .worker import Worker
 
 # Identical image errors (a broken camera at 30 Hz) are reported at most this often.
 IMAGE_ERROR_INTERVAL_S = 1.0
-# Subscribers that exist when the node comes up match its new publishers within milliseconds on one
-# machine; announcing `ready` a moment later lets them receive it.
-READY_ANNOUNCE_DELAY_S = 0.5
+# `status` is volatile, so `ready` reaches only subscribers already matched to the new publisher. Discovery
+# between processes takes milliseconds on an idle machine and seconds on a loaded one: the node announces
+# once a subscriber has matched and others that came up with it had a moment to match too, or after the
+# longest wait when nobody listens.
+READY_POLL_S = 0.05
+READY_SETTLE_S = 0.25
+READY_LONGEST_WAIT_S = 3.0
 
 
 def prompt_problem(text: str) -> str | None:
@@ -118,6 +122,8 @@ class VlmNode(Node):
     def __init__(self, **node_kwargs: Any) -> None:
         super().__init__(NODE_NAME, **node_kwargs)
         self._lock = threading.Lock()  # guards _values, _session_id and the counters
+        self._status_lock = threading.Lock()  # orders status events; guards _ready_announced
+        self._ready_announced = False
         self._values: dict[str, Any] = declare_parameters(self)
         config = startup_config(self._values)
         t0 = time.monotonic()
@@ -152,7 +158,8 @@ class VlmNode(Node):
             f"dtype {described.get('dtype', '?')}, images via {self._converter.backend}; {backend}"
         )
         self._ready_note = backend
-        self._ready_timer = self.create_timer(READY_ANNOUNCE_DELAY_S, self._announce_ready)
+        self._ready_deadline = time.monotonic() + READY_LONGEST_WAIT_S
+        self._ready_timer = self.create_timer(READY_POLL_S, self._announce_ready)
 
     def _create_interfaces(self) -> None:
         """Publishers, subscriptions, services and timers; callbacks in groups that keep services responsive.
@@ -185,9 +192,20 @@ class VlmNode(Node):
         self.add_on_set_parameters_callback(self._on_set_parameters)
 
     def _announce_ready(self) -> None:
-        """The first status event: the node serves, and which attention path and KV pool it runs with."""
+        """The first status event: the node serves, and which attention path and KV pool it runs with.
+
+        A prompt's first event announces it at once if it comes sooner (see ``_publish_status``).
+        """
+        now = time.monotonic()
+        with self._status_lock:
+            announced = self._ready_announced
+        if not announced and now < self._ready_deadline:
+            if self._status_pub.get_subscription_count() > 0:
+                self._ready_deadline = min(self._ready_deadline, now + READY_SETTLE_S)
+            return
         self.destroy_timer(self._ready_timer)
-        self._publish_status("ready", None, note=self._ready_note)
+        if not announced:
+            self._publish_status("ready", None, note=self._ready_note)
 
     # ---------------------------------------------------------------- inputs (executor threads)
 
@@ -335,7 +353,13 @@ class VlmNode(Node):
     # ---------------------------------------------------------------- reporting
 
     def _publish_status(self, event: str, request_id: str | None, **fields: Any) -> None:
-        self._status_pub.publish(String(data=status_json(event, request_id, **fields)))  # type: ignore[arg-type]
+        """Publish one event; ``ready`` always comes first, whichever thread reports first."""
+        with self._status_lock:
+            if not self._ready_announced:
+                self._ready_announced = True
+                if event != "ready":
+                    self._status_pub.publish(String(data=status_json("ready", None, note=self._ready_note)))  # type: ignore[arg-type]
+            self._status_pub.publish(String(data=status_json(event, request_id, **fields)))  # type: ignore[arg-type]
 
     def _publish_dropped(self, item: PendingPrompt, why: str) -> None:
         self._publish_status("dropped", item.request_id, note=why, image_stamp=item.image_stamp)
