@@ -218,8 +218,12 @@ def _measure(ctx: BenchContext, res: SectionResult, node, model_dir: Path, domai
         "engine": [int(s.finished["metrics"]["generated_tokens"]) for s in e],
         "ros": [int(s.finished["metrics"]["generated_tokens"]) for s in r],
     }
-    if "".join(e[-1].texts) != "".join(r[-1].texts):
-        res.notes.append("the node's answer differs from the engine-alone answer (same greedy request)")
+    # Same greedy request on both sides: a different answer (e.g. an image the node never received) times
+    # different tokens, so every pair is checked and the mismatches named.
+    differing = [i for i, (a, b) in enumerate(zip(e, r, strict=True)) if "".join(a.texts) != "".join(b.texts)]
+    res.setup["same_answers"] = not differing
+    if differing:
+        res.notes.append(f"the node's answer differs from the engine-alone answer in repeats {differing}")
 
 
 def _decode_figures(res: SectionResult, e_tps: list[float], r_tps: list[float], node_tps: list[float]) -> None:

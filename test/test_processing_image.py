@@ -261,6 +261,22 @@ def test_non_contiguous_input(small_dir):
     assert torch.equal(ours.preprocess([view]).pixel_values, ours.preprocess([view.copy()]).pixel_values)
 
 
+def test_digest_follows_pixel_values(small_dir):
+    """Equal digests exactly when pixel_values and grid are equal: the prefix cache keys images by them."""
+    ours = ImageProcessor.from_pretrained(small_dir)
+    rng = np.random.default_rng(8)
+    image = _image(rng, 140, 180)
+    changed = image.copy()
+    changed[70, 90, 1] ^= 0x40  # one channel of one pixel: survives the resize
+    batch = ours.preprocess([image, image.copy(), changed, image[:, :150], image[:, :150]])
+    rows = torch.split(batch.pixel_values, batch.grid_thw.prod(-1).tolist())
+    for i in range(5):
+        for j in range(5):
+            same = batch.grid_thw[i].tolist() == batch.grid_thw[j].tolist() and torch.equal(rows[i], rows[j])
+            assert (batch.digests[i] == batch.digests[j]) == same, (i, j)
+    assert batch.digests[0] == batch.digests[1] and batch.digests[0] != batch.digests[2]
+
+
 # --------------------------------------------------------------------------------------------- config
 
 

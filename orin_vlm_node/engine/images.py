@@ -11,7 +11,6 @@ image entirely inside the hit need not go through the vision tower at all.
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Hashable, Sequence
 
 import torch
@@ -21,20 +20,8 @@ from ..processing import ImageBatch
 
 
 def image_keys(batch: ImageBatch | None) -> list[str]:
-    """One content hash per image (blake2b over grid + pixel_values bytes)."""
-    if batch is None:
-        return []
-    keys: list[str] = []
-    offset = 0
-    for t, h, w in batch.grid_thw.tolist():
-        n = t * h * w
-        rows = batch.pixel_values[offset : offset + n].contiguous()
-        digest = hashlib.blake2b(digest_size=16)
-        digest.update(f"{t}x{h}x{w}".encode())
-        digest.update(rows.numpy().tobytes())
-        keys.append("img:" + digest.hexdigest())
-        offset += n
-    return keys
+    """One content key per image (the preprocessor's digest of its resized pixels and grid)."""
+    return [] if batch is None else ["img:" + digest for digest in batch.digests]
 
 
 def token_extra_keys(

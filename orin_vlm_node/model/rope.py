@@ -98,7 +98,7 @@ def vision_cos_sin(rows_cols: torch.Tensor, inv_freq: torch.Tensor) -> tuple[tor
 
 
 def apply_vision_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate (N, heads, hd) in fp32 with fp32 (N, hd) tables, cast back to x's dtype."""
+    """Rotate (N, ..., heads, hd) in fp32 with fp32 (N, ..., hd) tables, cast back to x's dtype."""
     xf = x.to(torch.float32)
     cos = cos.unsqueeze(-2)
     sin = sin.unsqueeze(-2)

@@ -75,17 +75,24 @@ class VisionAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, seg_lens: list[int]) -> torch.Tensor:
         n = x.shape[0]
-        q, k, v = self.qkv(x).reshape(n, 3, self.num_heads, self.head_dim).permute(1, 0, 2, 3).unbind(0)
-        q = apply_vision_rope(q, cos, sin)
-        k = apply_vision_rope(k, cos, sin)
-        # (heads, N, hd); bidirectional attention inside each segment only (block-diagonal).
-        q, k, v = (t.transpose(0, 1) for t in (q, k, v))
-        outs = [
-            F.scaled_dot_product_attention(qs, ks, vs)
-            for qs, ks, vs in zip(q.split(seg_lens, 1), k.split(seg_lens, 1), v.split(seg_lens, 1), strict=True)
-        ]
-        out = torch.cat(outs, dim=1) if len(outs) > 1 else outs[0]
-        return self.proj(out.transpose(0, 1).reshape(n, -1))
+        qkv = self.qkv(x).reshape(n, 3, self.num_heads, self.head_dim)
+        # q and k rotated in one pass: (N, 2, heads, hd) with the tables broadcast over both.
+        q, k = apply_vision_rope(qkv[:, :2], cos[:, None], sin[:, None]).unbind(1)
+        # (1, heads, N, hd): bidirectional attention inside each segment only (block-diagonal). The batch
+        # axis is there for torch's fused CPU kernel, which takes 4-D inputs only (3-D ones run the
+        # unfused math path, ~3x slower at the default model's sizes).
+        q, k, v = (t.transpose(0, 1)[None] for t in (q, k, qkv[:, 2]))
+        if len(seg_lens) == 1:
+            out = F.scaled_dot_product_attention(q, k, v)
+        else:
+            out = torch.cat(
+                [
+                    F.scaled_dot_product_attention(qs, ks, vs)
+                    for qs, ks, vs in zip(q.split(seg_lens, 2), k.split(seg_lens, 2), v.split(seg_lens, 2), strict=True)
+                ],
+                dim=2,
+            )
+        return self.proj(out[0].transpose(0, 1).reshape(n, -1))
 
 
 class VisionMLP(nn.Module):
@@ -130,6 +137,21 @@ class PatchMerger(nn.Module):
         return self.linear_fc2(F.gelu(self.linear_fc1(x)))
 
 
+# Grid sets whose position/rotary tables the tower keeps (a few camera sizes; a few MB at most).
+GRID_TABLES_KEPT = 8
+
+
+@dataclass(frozen=True)
+class _GridTables:
+    """What the tower computes from the grids alone: (N, D) fp32 position embedding, (N, hd) fp32 cos
+    and sin, and the attention segment lengths (one per image and temporal slice)."""
+
+    position: torch.Tensor
+    cos: torch.Tensor
+    sin: torch.Tensor
+    seg_lens: list[int]
+
+
 class VisionTower(nn.Module):
     def __init__(self, cfg: VisionConfig):
         super().__init__()
@@ -142,25 +164,43 @@ class VisionTower(nn.Module):
         self.deepstack_merger_list = nn.ModuleList(
             PatchMerger(cfg, postshuffle_norm=True) for _ in cfg.deepstack_visual_indexes
         )
+        self._tables: dict[tuple, _GridTables] = {}  # oldest first; see _grid_tables
 
     def forward(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> VisionFeatures:
         """``pixel_values`` (N, 1536) patches of all images in merge-block order; ``grid_thw`` (n, 3)."""
         cfg = self.cfg
         grids = _validate_inputs(cfg, pixel_values, grid_thw)
-        device = self.pos_embed.weight.device
-        rows_cols = _patch_rows_cols(grids, cfg.spatial_merge_size).to(device)  # (N, 2) unmerged grid coords
-        x = self.patch_embed(pixel_values.to(device))
-        x = x + self._position_embedding(grids, rows_cols).to(x.dtype)
-        cos, sin = vision_cos_sin(rows_cols, vision_inv_freq(cfg.head_dim, cfg.rope_theta, device))
-        seg_lens = [h * w for t, h, w in grids for _ in range(t)]
+        tables = self._grid_tables(tuple(grids))
+        x = self.patch_embed(pixel_values.to(tables.position.device))
+        x = x + tables.position.to(x.dtype)
         deepstack: list[torch.Tensor] = []
         for index, block in enumerate(self.blocks):
-            x = block(x, cos, sin, seg_lens)
+            x = block(x, tables.cos, tables.sin, tables.seg_lens)
             if index in cfg.deepstack_visual_indexes:
                 merger = self.deepstack_merger_list[cfg.deepstack_visual_indexes.index(index)]
                 deepstack.append(merger(x))
         tokens = tuple(t * h * w // cfg.merge_unit for t, h, w in grids)
         return VisionFeatures(self.merger(x), deepstack, tokens)
+
+    def _grid_tables(self, grids: tuple[tuple[int, int, int], ...]) -> _GridTables:
+        """The position embedding and rotary tables of these grids, computed once per grid set.
+
+        A robot's cameras send frames of one size, so every frame has the same grids: the tables are
+        kept (the last ``GRID_TABLES_KEPT`` grid sets) and rebuilt when the position table changes.
+        """
+        weight = self.pos_embed.weight
+        key = (grids, weight.device, weight._version, weight.data_ptr())
+        tables = self._tables.get(key)
+        if tables is None:
+            device = weight.device
+            rows_cols = _patch_rows_cols(list(grids), self.cfg.spatial_merge_size).to(device)  # (N, 2)
+            cos, sin = vision_cos_sin(rows_cols, vision_inv_freq(self.cfg.head_dim, self.cfg.rope_theta, device))
+            seg_lens = [h * w for t, h, w in grids for _ in range(t)]
+            tables = _GridTables(self._position_embedding(list(grids), rows_cols), cos, sin, seg_lens)
+            while len(self._tables) >= GRID_TABLES_KEPT:
+                self._tables.pop(next(iter(self._tables)))
+            self._tables[key] = tables
+        return tables
 
     def _position_embedding(self, grids: list[tuple[int, int, int]], rows_cols: torch.Tensor) -> torch.Tensor:
         """(N, D) fp32: bilinear (align_corners=True) resample of the learned table at each patch."""

@@ -11,6 +11,7 @@ Qwen2-VL's (patch 14, CLIP mean/std), so silently defaulting would feed a Qwen3-
 
 from __future__ import annotations
 
+import hashlib
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -191,6 +192,9 @@ class ImageBatch:
     pixel_values: torch.Tensor  # (N, patch_dim) float32, N = sum of t*h*w over images, merge-block order
     grid_thw: torch.Tensor  # (n_images, 3) long: (1, h/patch, w/patch) per image
     num_tokens: list[int]  # <|image_pad|> tokens per image: t*h*w / merge**2
+    # Content digest per image (hex): the resized uint8 pixels and grid, from which this processor's
+    # pixel_values follow; equal digests mean equal pixel_values (the prefix cache keys images by it).
+    digests: list[str]
 
 
 class ImageProcessor:
@@ -240,23 +244,27 @@ class ImageProcessor:
         rows: list[np.ndarray] = []
         grids: list[list[int]] = []
         tokens: list[int] = []
+        digests: list[str] = []
         for i, image in enumerate(images):
             try:
                 rgb = to_rgb(image, color)
                 h, w = self.target_size(rgb.shape[0], rgb.shape[1])
             except ImageError as exc:
                 raise ImageError(f"image {i}: {exc}") from None
-            resized = resize_bicubic(rgb, h, w)  # (h, w, 3) uint8
+            resized = resize_bicubic(rgb, h, w)  # (h, w, 3) uint8, C-contiguous
             rows.append(self._patchify(resized))
             gh, gw = h // c.patch_size, w // c.patch_size
             grids.append([1, gh, gw])
+            digest = hashlib.blake2b(f"1x{gh}x{gw}".encode(), digest_size=16)
+            digest.update(resized.data)
+            digests.append(digest.hexdigest())
             tokens.append(gh * gw // (c.merge_size * c.merge_size))
         if rows:
             pixel_values = torch.from_numpy(np.concatenate(rows, axis=0))
         else:
             pixel_values = torch.empty((0, c.patch_dim), dtype=torch.float32)
         grid_thw = torch.tensor(grids, dtype=torch.long).reshape(-1, 3)
-        return ImageBatch(pixel_values=pixel_values, grid_thw=grid_thw, num_tokens=tokens)
+        return ImageBatch(pixel_values=pixel_values, grid_thw=grid_thw, num_tokens=tokens, digests=digests)
 
     def _patchify(self, resized: np.ndarray) -> np.ndarray:
         """(h, w, 3) uint8 -> (gh*gw, patch_dim) float32 rows in merge-block order.

@@ -22,6 +22,7 @@ x86 core: 1280x720 -> 1280x704 ~25 ms, 1920x1080 -> 672x384 ~65 ms).
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -49,7 +50,9 @@ class _Taps:
     weight: np.ndarray  # (out, K) int32 or int64 fixed-point weights (2**22 == 1.0)
 
 
+@functools.lru_cache(maxsize=64)
 def _taps(in_size: int, out_size: int) -> _Taps:
+    """Taps for one axis; cached, since a camera sends frames of one size (read-only arrays)."""
     scale = in_size / out_size
     filterscale = max(scale, 1.0)
     support = _CUBIC_SUPPORT * filterscale
@@ -77,7 +80,9 @@ def _taps(in_size: int, out_size: int) -> _Taps:
     peak = 255 * int(np.clip(fixed, 0, None).sum(axis=1).max(initial=0)) + (1 << (_PRECISION_BITS - 1))
     dtype = np.int32 if peak < 2**31 else np.int64
     index = np.minimum(xmin[:, None] + j[None, :], in_size - 1)
-    return _Taps(index=index, weight=fixed.astype(dtype))
+    weight = fixed.astype(dtype)
+    index.flags.writeable = weight.flags.writeable = False
+    return _Taps(index=index, weight=weight)
 
 
 def _resample_rows(src: np.ndarray, taps: _Taps) -> np.ndarray:
