@@ -14,6 +14,10 @@ overheads are per repeat: ``paged time per token / contiguous time per token - 1
 lengths, one after another, while another conversation stays open and grows between them (its blocks sit
 among everyone else's), so the measured conversation's table is what a long-running node has, not a
 fresh pool's. ``table_runs`` counts the runs of consecutive blocks its table ends with (1 = contiguous).
+
+``contiguous_control`` is a second contiguous engine, identical to the first and built last. Its
+"overhead" is what two engines doing the same work differ by in this run (where their memory landed,
+what the machine did meanwhile): a paged overhead within that spread is not a cost of paging.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ from bench.vs_transformers import greedy, make_engine
 FOLLOW_UP = "Continue."
 CHURN_REQUESTS = 24
 KEEP = "churn-keep"  # the conversation that stays open during churn
+CONTROL = "contiguous_control"  # a second contiguous engine: the spread between identical engines
 
 
 def _prefill_s(t: GenTiming) -> float:
@@ -79,11 +84,13 @@ def run(ctx: BenchContext) -> SectionResult:
         repeats=cfg.paged_repeats,
         churn=f"{CHURN_REQUESTS} requests of 16..2000 tokens and a conversation kept open, before each context",
         engine="CPU, dynamic decode step, prefix caching off, one session per engine",
+        control=f"{CONTROL}: a second contiguous engine, same settings, built last",
     )
     variants = {"contiguous": {"use_paged_attention": False}}
     for ps in cfg.page_sizes:
         variants[f"page{ps}"] = {"use_paged_attention": True, "page_size": ps}
     variants["page16_churn"] = {"use_paged_attention": True, "page_size": 16, "max_sessions": 2}
+    variants[CONTROL] = {"use_paged_attention": False}
     ctx.log(f"paged: loading {len(variants)} engines (max context {max_ctx})")
     engines = {
         name: make_engine(model_dir, "fp32", prefix_caching=False, max_context_tokens=max_ctx, kv_pool_mb=pool_mb, **kw)
@@ -127,7 +134,8 @@ def run(ctx: BenchContext) -> SectionResult:
         f"Model: {res.setup['model']} (2B KV shape, few layers to keep time down). One conversation per "
         f"context length {list(cfg.context_lengths)}, then {cfg.paged_repeats} follow-up turns of "
         f"{cfg.paged_decode_tokens} decode tokens each; dynamic decode step, prefix caching off; page16_churn "
-        f"after {CHURN_REQUESTS} mixed requests with a conversation kept open. Overhead > 0 means paged is slower."
+        f"after {CHURN_REQUESTS} mixed requests with a conversation kept open; {CONTROL} is a second contiguous "
+        f"engine (the spread between identical engines). Overhead > 0 means slower than contiguous."
     )
     return res
 
@@ -145,4 +153,4 @@ def _record(res: SectionResult, length: int, runs: dict[str, list[GenTiming]], o
         per_tok = [1.0 / r.decode_tok_s if r.decode_tok_s > 0 else math.inf for r in timings]
         overhead = [p / b - 1.0 for p, b in zip(per_tok, base, strict=True)]
         res.add(f"ctx{length}.{name}.decode_overhead", "fraction", overhead,
-                "paged decode time per token / contiguous - 1 (per repeat)", **labels)  # fmt: skip
+                "decode time per token / contiguous - 1 (per repeat)", **labels)  # fmt: skip

@@ -119,6 +119,9 @@ SETTINGS: tuple[Setting, ...] = (
        unit="pixels", min=0, max=64 * MEGA),
     _s("image_max_pixels", int, 0, "largest image area after resizing; 0 = the checkpoint's value", E, BETWEEN,
        unit="pixels", min=0, max=64 * MEGA),
+    _s("vision_cache_images", int, 4, "vision-tower outputs kept for the last distinct images (by content), so "
+       "another question about the same frame skips the vision tower; 0 = off", E, BETWEEN, unit="images", min=0,
+       max=256),
     # -- prompts
     _s("prompt_special_tokens", bool, False, "read special-token text written in prompts and the system "
        "prompt (im_start, im_end, endoftext, ...) as control tokens (experts only); false = as plain text, so a "

@@ -52,6 +52,7 @@ class EngineConfig:
     kernel_cache_dir: str = _default("kernel_cache_dir")
     image_min_pixels: int = _default("image_min_pixels")
     image_max_pixels: int = _default("image_max_pixels")
+    vision_cache_images: int = _default("vision_cache_images")
     prompt_special_tokens: bool = _default("prompt_special_tokens")
     max_sessions: int = 1  # conversations kept between requests (least recently used dropped beyond); sizes the pool
     sampling: SamplingParams = field(default_factory=SamplingParams)
@@ -83,6 +84,7 @@ REBUILDS: dict[str, frozenset[str]] = {
         {"use_cuda_kernels", "use_cuda_graph", "allow_kernel_fallback", "kernel_dir", "kernel_cache_dir"}
     ),
     "images": frozenset({"image_min_pixels", "image_max_pixels"}),
+    "vision_cache": frozenset({"vision_cache_images"}),
 }
 
 

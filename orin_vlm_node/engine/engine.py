@@ -40,6 +40,7 @@ from .config import EngineConfig, check_fields
 from .decode_step import build_decode_step
 from .device import resolve_device, resolve_dtype
 from .events import Event, Request
+from .images import VisionCache
 from .prompt import TurnPreparer
 from .reconfigure import changed_fields, check_changes, check_kernel_dir, kv_cache_config, rebuilds
 from .request import RequestRun
@@ -69,7 +70,7 @@ class Engine:
             check_fields(dataclasses.asdict(self._config) | {"sampling": self._config.sampling})
             check_kernel_dir(self._config.kernel_dir)
             check_page_size(self._config.page_size)  # before the model loads: a typo should not cost a load
-            self._build({"model", "kv_cache", "backend", "images"})
+            self._build({"model", "kv_cache", "backend", "images", "vision_cache"})
         except (CheckpointError, ProcessingError, KernelsUnavailable, ValueError, OSError) as exc:
             raise EngineError(f"cannot start the engine: {exc}") from exc
 
@@ -82,6 +83,8 @@ class Engine:
             self._load_model()
         if parts & {"model", "images"}:
             self._load_processing()
+        if parts & {"model", "images", "vision_cache"}:  # features of another model or resize are stale
+            self.vision_cache = VisionCache(self._config.vision_cache_images)
         if parts & {"model", "kv_cache", "backend"}:
             self.attention = select_attention(self._config, self.model_config, self.dtype, self.device)
         if parts & {"model", "kv_cache"}:
@@ -250,6 +253,7 @@ class Engine:
             "kernels_degraded": self.attention.degraded,
             "decode": self.decode_step.describe(),
             "sessions": len(self.session_store),
+            "vision_cache": self.vision_cache.stats(),
             "requests_served": self._requests_served,
             "eos_token_ids": list(self.tokenizer.eos_token_ids),
             "last_metrics": dict(self._last_metrics),

@@ -103,7 +103,7 @@ class RequestRun:
         self.metrics.prefix_hit_tokens = turn.history + hit
         self.metrics.mark_prefill_start()
         skip_pads = sum(1 for t in turn.new_ids[:hit] if t == e.tokenizer.special.image_pad)
-        vision = encode_needed(e.model, turn.images, skip_pads) if turn.images is not None else None
+        vision = encode_needed(e.model, turn.images, skip_pads, e.vision_cache) if turn.images is not None else None
         logits = self._prefill(turn, hit, vision)
         self.metrics.prefill_tokens = len(turn.new_ids) - hit
         self.metrics.mark_prefill_done()
