@@ -41,6 +41,8 @@ def _typed(name: str, raw: str, kind: type) -> Value:
         if low in ("false", "0", "no", "off"):
             return False
         raise ValueError(f"launch argument {name}:={raw!r} is not a boolean (true/false)")
+    if kind is list:  # image_topics:="[front, wrist]" or image_topics:=front,wrist
+        return [item.strip().strip("'\"") for item in raw.strip().strip("[]").split(",") if item.strip()]
     try:
         return kind(raw)
     except ValueError as exc:

@@ -21,11 +21,11 @@ process, which must not pay for torch.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
-Value = bool | int | float | str
+Value = bool | int | float | str | list[str]
 Applies = Literal["read_only", "between_requests", "next_prompt"]
 Consumer = Literal["engine", "sampling", "node"]
 
@@ -34,7 +34,8 @@ APPLIES_TEXT = {"read_only": "read-only", "between_requests": "between requests"
 
 @dataclass(frozen=True)
 class Setting:
-    """One setting. ``min``/``max`` are inclusive bounds; ``choices`` the accepted strings."""
+    """One setting. ``min``/``max`` are inclusive bounds (of a list: its length); ``choices`` the accepted
+    strings. A list setting is a list of distinct, non-empty strings (a ROS string array)."""
 
     name: str
     type: type
@@ -55,15 +56,27 @@ class Setting:
             ok = isinstance(value, int) and not isinstance(value, bool)
         elif self.type is float:
             ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+        elif self.type is list:
+            ok = isinstance(value, (list, tuple)) and all(isinstance(v, str) and v for v in value)
         else:
             ok = isinstance(value, str)
         if not ok:
             return f"{self.name} must be {_TYPE_TEXT[self.type]}, got {value!r}"
+        if self.type is list:
+            return self._list_problem(value)
         if self.choices and value not in self.choices:
             return f"{self.name} must be one of {', '.join(self.choices)}, got {value!r}"
         if (self.min is not None and value < self.min) or (self.max is not None and value > self.max):
             unit = f" {self.unit}" if self.unit else ""
             return f"{self.name} must be in {self.min:g}..{self.max:g}{unit}, got {value!r}"
+        return None
+
+    def _list_problem(self, value: Sequence[str]) -> str | None:
+        repeated = sorted({v for v in value if value.count(v) > 1})
+        if repeated:
+            return f"{self.name} lists {', '.join(repeated)} more than once"
+        if not self.min <= len(value) <= self.max:
+            return f"{self.name} must have {self.min}..{self.max} entries, got {len(value)}"
         return None
 
     @property
@@ -72,7 +85,13 @@ class Setting:
         return "--" + self.name.replace("_", "-")
 
 
-_TYPE_TEXT = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}
+_TYPE_TEXT = {
+    bool: "true or false",
+    int: "an integer",
+    float: "a number",
+    str: "a string",
+    list: "a list of non-empty strings",
+}
 
 
 def _s(name, type_, default, description, consumer, applies, **bounds) -> Setting:
@@ -146,8 +165,10 @@ SETTINGS: tuple[Setting, ...] = (
     _s("image_reliability", str, "auto", "QoS reliability of the image subscriptions; auto = reliable when every "
        "publisher on the topic is reliable (large raw frames arrive whole), else best effort", N, RO,
        choices=("auto", "reliable", "best_effort")),
-    _s("image_max_age_s", float, 2.0, "a prompt uses the latest image not older than this; 0 = no images", N, NEXT,
-       unit="s", min=0.0, max=3600.0),
+    _s("image_topics", list, ["image"], "cameras a prompt looks at: the latest frame of each (raw, and compressed "
+       "on <topic>/compressed), in this order, as the prompt's images", N, RO, unit="topics", min=1, max=8),
+    _s("image_max_age_s", float, 2.0, "a prompt uses the latest image of each topic not older than this; 0 = no "
+       "images", N, NEXT, unit="s", min=0.0, max=3600.0),
     _s("prompt_queue_depth", int, 1000, "messages the prompt subscription holds for the node (a burst beyond "
        "it is lost by DDS before the node sees it)", N, RO, min=1, max=100_000),
     _s("max_queue", int, 4, "prompts waiting behind the running one; overflow drops the oldest", N, NEXT, min=1,
@@ -164,7 +185,8 @@ def settings_for(consumer: Consumer) -> tuple[Setting, ...]:
 
 
 def defaults() -> dict[str, Value]:
-    return {s.name: s.default for s in SETTINGS}
+    """Every setting's default (lists copied: a caller may change its dict's values)."""
+    return {s.name: list(s.default) if isinstance(s.default, list) else s.default for s in SETTINGS}
 
 
 def problem(values: Mapping[str, Any]) -> str | None:

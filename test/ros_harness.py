@@ -41,7 +41,7 @@ def running_node(
     node = NodeProcess(params, workdir, domain, env=env)
     client = None
     try:
-        client = VlmClient(domain)
+        client = VlmClient(domain, image_topic=params.get("image_topics", ["image"])[0])
         client.wait_until_connected(node, timeout=ready_timeout)
         yield node, client
     finally:

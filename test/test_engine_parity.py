@@ -52,6 +52,9 @@ CASES = {
     "text_only": Turn("Describe the robot arm and the red cube."),
     "one_image": Turn("Describe this image in detail.", (_image(96, 160, 1),)),
     "two_images": Turn("What objects are in front of the camera?", (_image(128, 96, 2), _image(70, 200, 3))),
+    "three_images": Turn(
+        "Head, wrist and rear camera: what changed?", (_image(64, 64, 4), _image(96, 160, 5), _image(160, 48, 6))
+    ),
 }
 
 
@@ -119,5 +122,5 @@ def test_greedy_matches_transformers_generate_second_checkpoint(parity_root):
     engine = Engine(EngineConfig(model_path=path, max_context_tokens=256))
     for layout in (dict(use_paged_attention=True, page_size=4), dict(use_paged_attention=False, use_cuda_graph=False)):
         engine.reconfigure(**layout)
-        for name in ("one_image", "two_images"):
+        for name in ("one_image", "two_images", "three_images"):
             assert list(_greedy(engine, CASES[name]).token_ids) == refs[name][1], f"{name} {layout}"

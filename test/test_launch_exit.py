@@ -50,3 +50,10 @@ def test_a_node_that_cannot_start_fails_the_launch(tmp_path):
     assert result.returncode == 1, output[-3000:]
     assert "page_size must be a power of two" in output
     assert "exited with status 1" in output
+
+
+def test_image_topics_pass_through_the_launch_as_a_list_and_bad_names_fail_it(tmp_path):
+    result = run_launch(tmp_path, "image_topics:=[front, 'front camera']")
+    output = result.stdout + result.stderr
+    assert result.returncode == 1, output[-3000:]
+    assert "image_topics entry 'front camera' is not a valid ROS topic name" in output

@@ -6,7 +6,7 @@ import json
 
 from orin_vlm_node.ros.status import TERMINAL_EVENTS, diagnostic_values, status_json
 
-KEYS = {"event", "request_id", "finish_reason", "error", "metrics", "image_stamp", "note", "changes"}
+KEYS = {"event", "request_id", "finish_reason", "error", "metrics", "image_stamp", "images", "note", "changes"}
 
 
 def test_every_event_has_the_same_keys():
@@ -22,6 +22,7 @@ def test_finished_event_round_trips():
             finish_reason="length",
             metrics={"ttft_s": 0.25, "generated_tokens": 8.0},
             image_stamp=12.5,
+            images=(("front", 12.5), ("wrist", 12.25)),
         )
     )
     assert doc == {
@@ -31,6 +32,7 @@ def test_finished_event_round_trips():
         "error": None,
         "metrics": {"ttft_s": 0.25, "generated_tokens": 8.0},
         "image_stamp": 12.5,
+        "images": [{"topic": "front", "stamp": 12.5}, {"topic": "wrist", "stamp": 12.25}],
         "note": None,
         "changes": None,
     }

@@ -59,6 +59,14 @@ def test_readme_parameter_table_is_the_rendered_schema():
         ("multi_turn", "yes", "multi_turn must be true or false"),
         ("kernel_dir", 3, "kernel_dir must be a string"),
         ("flux_capacitor", 1, "unknown setting 'flux_capacitor'"),
+        ("image_topics", ["front", "wrist"], None),
+        ("image_topics", ("front",), None),
+        ("image_topics", "front", "image_topics must be a list of non-empty strings"),
+        ("image_topics", ["front", ""], "image_topics must be a list of non-empty strings"),
+        ("image_topics", ["front", 3], "image_topics must be a list of non-empty strings"),
+        ("image_topics", [], "image_topics must have 1..8 entries, got 0"),
+        ("image_topics", [f"cam{i}" for i in range(9)], "image_topics must have 1..8 entries, got 9"),
+        ("image_topics", ["front", "rear", "front"], "image_topics lists front more than once"),
     ],
 )
 def test_bounds_types_and_choices_are_checked_in_one_place(name, value, reason):

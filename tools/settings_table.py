@@ -15,6 +15,8 @@ def _value(s: settings.Setting, value: settings.Value) -> str:
         return str(value).lower()
     if s.type is str:
         return f'"{value}"'
+    if s.type is list:
+        return "[" + ", ".join(f'"{v}"' for v in value) + "]"
     return str(value) if s.type is int else f"{value:g}"
 
 
@@ -23,6 +25,8 @@ def _bounds(s: settings.Setting) -> str:
         return " \\| ".join(s.choices)
     if s.min is None:
         return ""
+    if s.type is list:
+        return f"{s.min}…{s.max} {s.unit or 'entries'}"
     return f"{_value(s, s.min)}…{_value(s, s.max)}" + (f" {s.unit}" if s.unit else "")
 
 

@@ -233,3 +233,47 @@ class LatestImage:
         if age > max_age_s:
             return None, stamp, f"image ignored: received {age:.1f} s ago (image_max_age_s={max_age_s:g})"
         return rgb, stamp, None
+
+
+@dataclass(frozen=True)
+class PickedFrames:
+    """What a prompt takes from the cameras: the frames in ``image_topics`` order, and why others were not."""
+
+    images: tuple[np.ndarray, ...] = ()  # (H, W, 3) uint8 RGB each
+    used: tuple[tuple[str, float], ...] = ()  # (topic, header stamp) of each image, same order
+    note: str | None = None  # the topics left out and why
+
+    @property
+    def first_stamp(self) -> float | None:
+        return self.used[0][1] if self.used else None
+
+
+class LatestFrames:
+    """The newest frame of every image topic, shared by the image callbacks and the prompt callback."""
+
+    def __init__(self, topics: list[str]) -> None:
+        self.topics = list(topics)
+        self._latest = {topic: LatestImage() for topic in self.topics}
+
+    def set(self, topic: str, rgb: np.ndarray, stamp: float) -> None:
+        self._latest[topic].set(rgb, stamp)
+
+    def pick(self, max_age_s: float) -> PickedFrames:
+        """Every topic's frame if it is fresh enough; the note names each topic left out and why.
+
+        With one topic that never delivered there is nothing to say (a text-only robot); with several,
+        a silent camera is named, since the answer then covers fewer views than asked for.
+        """
+        if max_age_s <= 0:
+            return PickedFrames()
+        images, used, notes = [], [], []
+        for topic in self.topics:
+            rgb, stamp, why = self._latest[topic].pick(max_age_s)
+            if rgb is not None:
+                images.append(rgb)
+                used.append((topic, stamp))
+            elif why is not None:
+                notes.append(why if len(self.topics) == 1 else f"{topic}: {why}")
+            elif len(self.topics) > 1:
+                notes.append(f"{topic}: no image received yet")
+        return PickedFrames(tuple(images), tuple(used), "; ".join(notes) or None)

@@ -17,24 +17,27 @@ so ``ros2 param set`` gets a reason for a refusal, then applied between two requ
 
 from __future__ import annotations
 
+import functools
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from diagnostic_msgs.msg import DiagnosticArray, DiagnosticStatus, KeyValue
 from rcl_interfaces.msg import SetParametersResult
 from rclpy.callback_groups import MutuallyExclusiveCallbackGroup, ReentrantCallbackGroup
 from rclpy.duration import Duration
+from rclpy.exceptions import InvalidTopicNameException
 from rclpy.node import Node
 from rclpy.parameter import Parameter
 from rclpy.qos import QoSProfile, ReliabilityPolicy
+from rclpy.validate_topic_name import validate_topic_name
 from sensor_msgs.msg import CompressedImage, Image
 from std_msgs.msg import String
 from std_srvs.srv import Trigger
 
 from ..engine import Engine, EngineConfig
-from .image import ImageConversionError, ImageConverter, LatestImage, stamp_seconds
+from .image import ImageConversionError, ImageConverter, LatestFrames, stamp_seconds
 from .image_inputs import ImageInputs
 from .main import NODE_NAME
 from .params import (
@@ -79,7 +82,7 @@ class StartupError(RuntimeError):
 def startup_config(values: Mapping[str, Any]) -> EngineConfig:
     """The engine config of the declared parameter values; StartupError before anything loads when the
     values are out of bounds or the model directory is not one."""
-    reason = check_changes(values)
+    reason = check_changes(values) or image_topics_problem(values["image_topics"])
     if reason:
         raise StartupError(f"invalid parameter value: {reason}")
     config = engine_config(values)
@@ -91,6 +94,16 @@ def startup_config(values: Mapping[str, Any]) -> EngineConfig:
             "pass -p model_path:=/path/to/Qwen3-VL-... or leave it empty for the embedded default model"
         )
     return config
+
+
+def image_topics_problem(topics: Sequence[str]) -> str | None:
+    """Why an ``image_topics`` entry cannot be subscribed (ROS topic name rules), or None."""
+    for topic in topics:
+        try:
+            validate_topic_name(f"{topic}/compressed")  # the raw topic's name is valid when this one is
+        except InvalidTopicNameException as exc:
+            return f"image_topics entry {topic!r} is not a valid ROS topic name: {str(exc).splitlines()[0]}"
+    return None
 
 
 class _Publishers:
@@ -138,7 +151,7 @@ class VlmNode(Node):
         self._closing = False  # set by shutdown(): prompts from then on are refused with an event
 
         self._converter = ImageConverter()
-        self._latest = LatestImage()
+        self._frames = LatestFrames(list(self._values["image_topics"]))
         self._queue = RequestQueue(int(self._values["max_queue"]))
         self._create_interfaces()
         self._outputs = _Publishers(self, int(self._values["token_publish_period_ms"]))
@@ -180,7 +193,14 @@ class VlmNode(Node):
         self._images = ImageInputs(
             self,
             str(self._values["image_reliability"]),
-            [("image", Image, self._on_image), ("image/compressed", CompressedImage, self._on_compressed)],
+            [
+                entry
+                for topic in self._frames.topics
+                for entry in (
+                    (topic, Image, functools.partial(self._on_image, topic)),
+                    (f"{topic}/compressed", CompressedImage, functools.partial(self._on_compressed, topic)),
+                )
+            ],
             MutuallyExclusiveCallbackGroup(),
         )
         self.create_subscription(
@@ -209,24 +229,29 @@ class VlmNode(Node):
 
     # ---------------------------------------------------------------- inputs (executor threads)
 
-    def _on_image(self, msg: Image) -> None:
+    def _on_image(self, topic: str, msg: Image) -> None:
         if float(self._values["image_max_age_s"]) <= 0:
             return  # images disabled: do not spend CPU converting frames nobody will use
         stamp = stamp_seconds(msg.header.stamp)
         try:
-            self._latest.set(self._converter.image_to_rgb(msg, int(self._values["image_max_input_pixels"])), stamp)
+            rgb = self._converter.image_to_rgb(msg, int(self._values["image_max_input_pixels"]))
+            self._frames.set(topic, rgb, stamp)
         except ImageConversionError as exc:
-            self._report_image_error(f"image rejected: {exc}", stamp)
+            self._report_image_error(f"image rejected{self._from(topic)}: {exc}", stamp)
 
-    def _on_compressed(self, msg: CompressedImage) -> None:
+    def _on_compressed(self, topic: str, msg: CompressedImage) -> None:
         if float(self._values["image_max_age_s"]) <= 0:
             return
         stamp = stamp_seconds(msg.header.stamp)
         try:
             rgb = self._converter.compressed_to_rgb(msg, int(self._values["image_max_input_pixels"]))
-            self._latest.set(rgb, stamp)
+            self._frames.set(topic, rgb, stamp)
         except ImageConversionError as exc:
-            self._report_image_error(f"compressed image rejected: {exc}", stamp)
+            self._report_image_error(f"compressed image rejected{self._from(topic)}: {exc}", stamp)
+
+    def _from(self, topic: str) -> str:
+        """`` from <topic>`` when there are several cameras to tell apart."""
+        return f" from {topic}" if len(self._frames.topics) > 1 else ""
 
     def _report_image_error(self, error: str, stamp: float) -> None:
         now = time.monotonic()
@@ -248,20 +273,18 @@ class VlmNode(Node):
         if refused:
             self._publish_status("error", request_id, finish_reason="error", error=refused)
             return
-        image, stamp, note = self._latest.pick(float(values["image_max_age_s"]))
+        frames = self._frames.pick(float(values["image_max_age_s"]))
         system_prompt = str(values["system_prompt"]) or None
         item = PendingPrompt(
             request_id=request_id,
             text=text,
             sampling=sampling_params(values),
             system_prompt=system_prompt,
-            image=image,
-            image_stamp=stamp if image is not None else None,
+            frames=frames,
             accepted_at=time.monotonic(),
-            note=note,
         )
         # accepted goes out before the item is visible to the worker, so it always precedes started.
-        self._publish_status("accepted", request_id, image_stamp=item.image_stamp, note=note)
+        self._publish_status("accepted", request_id, note=frames.note, **item.image_fields())
         for dropped in self._queue.put(item):
             self._publish_dropped(
                 dropped, f"queue full (max_queue={self._queue.max_size}): oldest waiting prompt dropped"
@@ -362,7 +385,7 @@ class VlmNode(Node):
             self._status_pub.publish(String(data=status_json(event, request_id, **fields)))  # type: ignore[arg-type]
 
     def _publish_dropped(self, item: PendingPrompt, why: str) -> None:
-        self._publish_status("dropped", item.request_id, note=why, image_stamp=item.image_stamp)
+        self._publish_status("dropped", item.request_id, note=why, **item.image_fields())
 
     def _describe(self) -> dict[str, Any]:
         try:

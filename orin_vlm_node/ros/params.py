@@ -76,15 +76,16 @@ def declare_parameters(node: Any) -> dict[str, Value]:
         descriptor = ParameterDescriptor(name=s.name, description=s.description, read_only=s.applies == "read_only")
         notes = [f"one of: {', '.join(s.choices)}"] if s.choices else []
         notes += [f"unit: {s.unit}"] if s.unit else []
+        notes += [f"{s.min}..{s.max} distinct names"] if s.type is list else []
         notes += [f"applies: {settings.APPLIES_TEXT[s.applies]}"]
         descriptor.additional_constraints = "; ".join(notes)
-        if s.min is not None and s.max is not None:
+        if s.min is not None and s.max is not None and s.type is not list:
             if s.type is float:
                 descriptor.floating_point_range = [
                     FloatingPointRange(from_value=float(s.min), to_value=float(s.max), step=0.0)
                 ]
             else:
                 descriptor.integer_range = [IntegerRange(from_value=int(s.min), to_value=int(s.max), step=1)]
-        param = node.declare_parameter(s.name, s.default, descriptor)
-        values[s.name] = param.value
+        param = node.declare_parameter(s.name, defaults()[s.name], descriptor)
+        values[s.name] = list(param.value) if s.type is list else param.value
     return values

@@ -13,17 +13,17 @@ from __future__ import annotations
 import threading
 from collections import deque
 from dataclasses import dataclass
-
-import numpy as np
+from typing import Any
 
 from ..engine.events import SamplingParams
+from .image import PickedFrames
 
 
 @dataclass
 class PendingPrompt:
     """A prompt accepted by the node, waiting for the worker.
 
-    Sampling settings and the image are fixed when the prompt arrives (what the user saw and had
+    Sampling settings and the images are fixed when the prompt arrives (what the user saw and had
     set when asking); the session is chosen when it starts, after any pending reset.
     """
 
@@ -31,10 +31,16 @@ class PendingPrompt:
     text: str
     sampling: SamplingParams
     system_prompt: str | None
-    image: np.ndarray | None = None  # (H, W, 3) uint8 RGB
-    image_stamp: float | None = None
+    frames: PickedFrames = PickedFrames()  # the cameras' frames it asks about, and why others are missing
     accepted_at: float = 0.0  # time.monotonic()
-    note: str | None = None  # e.g. why the image was not used
+
+    @property
+    def note(self) -> str | None:
+        return self.frames.note
+
+    def image_fields(self) -> dict[str, Any]:
+        """The status fields that say which frames the prompt uses."""
+        return {"image_stamp": self.frames.first_stamp, "images": self.frames.used}
 
 
 class RequestQueue:

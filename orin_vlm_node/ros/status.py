@@ -5,10 +5,12 @@ ROS wheels CI uses), any language can read it, and ``ros2 topic echo`` shows it 
 
 Every status message is one JSON object with the same keys, so consumers never test for presence:
 ``event`` (ready | accepted | started | finished | error | dropped | reconfigured), ``request_id``,
-``finish_reason``, ``error``, ``metrics``, ``image_stamp``, plus ``note`` (a human-readable remark,
-e.g. why an image was not used; for ``ready`` and ``reconfigured`` the attention path:
-``kernels: on (...)`` or ``kernels: off (<reason>)``, the decode path and the KV pool size and why) and
-``changes`` (the applied parameter values of a ``reconfigured``).
+``finish_reason``, ``error``, ``metrics``, ``image_stamp`` (the header stamp of the prompt's first image),
+``images`` (every frame the prompt uses: ``[{"topic": ..., "stamp": ...}]``, in ``image_topics`` order),
+plus ``note`` (a human-readable remark, e.g. which cameras' frames were missing or too old, and why;
+for ``ready`` and ``reconfigured`` the attention path: ``kernels: on (...)`` or ``kernels: off
+(<reason>)``, the decode path and the KV pool size and why) and ``changes`` (the applied parameter
+values of a ``reconfigured``).
 Each prompt ends with exactly one of ``finished``, ``dropped`` or ``error``.
 """
 
@@ -16,7 +18,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 
 EventName = Literal["ready", "accepted", "started", "finished", "error", "dropped", "reconfigured"]
@@ -44,6 +46,7 @@ def status_json(
     error: str | None = None,
     metrics: Mapping[str, float] | None = None,
     image_stamp: float | None = None,
+    images: Sequence[tuple[str, float]] | None = None,
     note: str | None = None,
     changes: Mapping[str, Any] | None = None,
 ) -> str:
@@ -57,6 +60,7 @@ def status_json(
                 "error": error,
                 "metrics": dict(metrics) if metrics is not None else None,
                 "image_stamp": image_stamp,
+                "images": [{"topic": t, "stamp": st} for t, st in images] if images is not None else None,
                 "note": note,
                 "changes": dict(changes) if changes is not None else None,
             }

@@ -134,7 +134,7 @@ class Worker:
                                 f"within {timeout_s:g} s and was abandoned")  # fmt: skip
 
     def _drop(self, item: PendingPrompt, why: str) -> None:
-        self.outputs.status("dropped", item.request_id, note=why, image_stamp=item.image_stamp)
+        self.outputs.status("dropped", item.request_id, note=why, **item.image_fields())
 
     # -- the thread ---------------------------------------------------------------------------------
     def _loop(self) -> None:
@@ -190,7 +190,7 @@ class Worker:
             self._drop(item, "cancelled by ~/cancel before it started")
             return
         queue_wait = time.monotonic() - item.accepted_at
-        self.outputs.status("started", item.request_id, image_stamp=item.image_stamp)
+        self.outputs.status("started", item.request_id, **item.image_fields())
         try:
             finished = self._generate(item)
         finally:
@@ -202,17 +202,17 @@ class Worker:
         if finished.finish_reason == "error":
             self.outputs.status("error", item.request_id, finish_reason="error",
                                 error=finished.error or "generation failed", metrics=metrics,
-                                image_stamp=item.image_stamp)  # fmt: skip
+                                **item.image_fields())  # fmt: skip
             return
         self.outputs.response(wire_text(finished.text))
         stopped = self._stopping.is_set() and finished.finish_reason == "cancelled"
         self.outputs.status("finished", item.request_id, finish_reason=finished.finish_reason, error=finished.error,
-                            metrics=metrics, image_stamp=item.image_stamp,
-                            note=self._stop_reason if stopped else item.note)  # fmt: skip
+                            metrics=metrics, note=self._stop_reason if stopped else item.note,
+                            **item.image_fields())  # fmt: skip
 
     def _generate(self, item: PendingPrompt) -> Finished:
         request = Request(
-            turn=Turn(text=item.text, images=(item.image,) if item.image is not None else ()),
+            turn=Turn(text=item.text, images=item.frames.images),
             sampling=item.sampling,
             system_prompt=item.system_prompt,
             session_id=self._session_id(),
