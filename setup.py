@@ -1,10 +1,10 @@
 """ament_python package definition for orin_vlm_node.
 
 Installs what `ros2 run` / `ros2 launch` look for: the ament index marker, package.xml, launch files,
-configs and kernel sources under share/orin_vlm_node/, and the `vlm_node` executable under
-lib/orin_vlm_node/. colcon honours setup.cfg's install_scripts (console script there); a plain
-`pip install .` ignores setup.cfg for scripts, so the same launcher also ships as a data file in
-lib/orin_vlm_node/ and both installs end up with one working `vlm_node` there.
+configs and kernel sources under share/orin_vlm_node/, and the `vlm_node` and `vlm_lifecycle_node`
+executables under lib/orin_vlm_node/. colcon honours setup.cfg's install_scripts (console scripts there); a
+plain `pip install .` ignores setup.cfg for scripts, so the same launchers also ship as data files in
+lib/orin_vlm_node/ and both installs end up with one working copy of each there.
 """
 
 from glob import glob
@@ -24,7 +24,7 @@ setup(
         (f"share/{PACKAGE}/launch", glob("launch/*.py")),
         (f"share/{PACKAGE}/config", glob("config/*.yaml")),
         (f"share/{PACKAGE}/kernels", glob("kernels/*.cu") + glob("kernels/*.cuh")),
-        (f"lib/{PACKAGE}", ["resource/vlm_node"]),
+        (f"lib/{PACKAGE}", ["resource/vlm_node", "resource/vlm_lifecycle_node"]),
     ],
     install_requires=["setuptools"],
     zip_safe=False,
@@ -33,5 +33,10 @@ setup(
     description="Qwen3-VL vision-language model node for ROS 2 on NVIDIA Jetson Orin",
     license="Apache-2.0",
     python_requires=">=3.10",
-    entry_points={"console_scripts": [f"vlm_node = {PACKAGE}.ros.main:main"]},
+    entry_points={
+        "console_scripts": [
+            f"vlm_node = {PACKAGE}.ros.main:main",
+            f"vlm_lifecycle_node = {PACKAGE}.ros.main:main_lifecycle",
+        ]
+    },
 )

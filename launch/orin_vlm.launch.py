@@ -4,6 +4,9 @@
     ros2 launch orin_vlm_node orin_vlm.launch.py params_file:=<share>/config/jetson_2b.yaml \
         model_path:=/opt/models/Qwen3-VL-2B-Instruct image_topic:=/camera/color/image_raw namespace:=robot1
 
+``lifecycle:=true`` starts the managed node instead (``vlm_lifecycle_node``: the model loads on ``configure``,
+the node serves once ``active``; drive it with ``ros2 lifecycle set`` or a lifecycle manager).
+
 Every parameter of the node (the settings schema, ``orin_vlm_node.settings``) is also a launch argument
 of the same name. Why overrides are applied only when given: a launch argument left at '' must not
 overwrite the value of the chosen ``params_file`` (a preset would otherwise be silently reset to the
@@ -56,6 +59,7 @@ def _make_node(context, *_args, **_kwargs):
         raw = LaunchConfiguration(setting.name).perform(context)
         if raw != "":
             overrides[setting.name] = _typed(setting.name, raw, setting.type)
+    lifecycle = LaunchConfiguration("lifecycle").perform(context)
     image_topic = LaunchConfiguration("image_topic").perform(context)
     compressed_topic = LaunchConfiguration("compressed_image_topic").perform(context) or f"{image_topic}/compressed"
     remappings = [
@@ -65,7 +69,7 @@ def _make_node(context, *_args, **_kwargs):
     ]
     node = Node(
         package="orin_vlm_node",
-        executable="vlm_node",
+        executable="vlm_lifecycle_node" if _typed("lifecycle", lifecycle, bool) else "vlm_node",
         name="orin_vlm",
         namespace=LaunchConfiguration("namespace").perform(context),
         parameters=[params_file, overrides] if overrides else [params_file],
@@ -100,6 +104,11 @@ def generate_launch_description() -> LaunchDescription:
         ),
         DeclareLaunchArgument("prompt_topic", default_value="prompt", description="std_msgs/String prompts"),
         DeclareLaunchArgument("log_level", default_value="info", description="debug, info, warn, error"),
+        DeclareLaunchArgument(
+            "lifecycle",
+            default_value="false",
+            description="true: the managed node (vlm_lifecycle_node): loads the model on configure, serves once active",
+        ),
     ]
     arguments += [
         DeclareLaunchArgument(

@@ -226,6 +226,21 @@ class VlmClient:
 
         return self._call(Trigger, f"{self.fqn}/{which}", Trigger.Request())
 
+    def lifecycle_state(self) -> str:
+        """The managed node's state label (unconfigured, inactive, active, finalized)."""
+        from lifecycle_msgs.srv import GetState
+
+        return self._call(GetState, f"{self.fqn}/get_state", GetState.Request()).current_state.label
+
+    def change_state(self, transition: str) -> bool:
+        """Ask the managed node for a transition by label (configure, activate, deactivate, cleanup,
+        shutdown); whether it succeeded."""
+        from lifecycle_msgs.msg import Transition
+        from lifecycle_msgs.srv import ChangeState
+
+        request = ChangeState.Request(transition=Transition(label=transition))
+        return bool(self._call(ChangeState, f"{self.fqn}/change_state", request, timeout=60.0).success)
+
     def set_params(self, values: Mapping[str, Any]) -> list[Any]:
         """Set parameters through ``/orin_vlm/set_parameters`` (one result per parameter)."""
         from rcl_interfaces.srv import SetParameters

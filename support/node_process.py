@@ -42,8 +42,15 @@ def ros_env(domain_id: int, log_dir: Path, base: Mapping[str, str] | None = None
     return env
 
 
+MANAGED = "managed"  # ``executable`` for the lifecycle node of this interpreter's orin_vlm_node
+
+
 def node_command(executable: str | None = None) -> list[str]:
-    """``[vlm_node]`` when an installed entry point is given, else ``python -m orin_vlm_node.ros.main``."""
+    """``[vlm_node]`` when an installed entry point is given, the lifecycle node's main for :data:`MANAGED`,
+    else ``python -m orin_vlm_node.ros.main``."""
+    if executable == MANAGED:
+        return [sys.executable, "-c", "import sys; from orin_vlm_node.ros.main import main_lifecycle; "
+                "sys.exit(main_lifecycle())"]  # fmt: skip
     return [executable] if executable else [sys.executable, "-m", "orin_vlm_node.ros.main"]
 
 

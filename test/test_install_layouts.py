@@ -98,7 +98,8 @@ def test_the_ros2_run_launcher_starts_the_installed_node(layout, request, tmp_pa
     this install (a bad parameter makes it stop right after parsing, before the model loads)."""
     prefix: Path = request.getfixturevalue(layout)
     launcher = prefix / "lib" / PACKAGE / "vlm_node"
-    assert launcher.is_file() and os.access(launcher, os.X_OK)
+    for name in ("vlm_node", "vlm_lifecycle_node"):  # the managed node's launcher is installed beside it
+        assert os.access(prefix / "lib" / PACKAGE / name, os.X_OK), name
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "AMENT_PREFIX_PATH")}
     env.update(PYTHONPATH=str(_site_packages(prefix)), ROS_LOG_DIR=str(tmp_path / "ros_log"))
     # pip keeps the launcher's "#!/usr/bin/env python3": the python of the active environment (as with a

@@ -67,7 +67,9 @@ def prompt(n: int) -> PendingPrompt:
 
 
 def start(engine: ScriptedEngine, queue: RequestQueue, outputs: Recorder) -> Worker:
-    return Worker(engine, queue, outputs, {}, lambda _applied: None, lambda: None)  # type: ignore[arg-type]
+    worker = Worker(engine, queue, outputs, {}, lambda _applied: None, lambda: None)  # type: ignore[arg-type]
+    worker.start()
+    return worker
 
 
 def wait_until(predicate, timeout: float = 10.0) -> None:
@@ -120,3 +122,18 @@ def test_a_request_that_does_not_stop_in_time_is_reported_when_the_worker_gives_
     (end,) = [e for e in outputs.events if e["event"] in TERMINAL]
     assert end["event"] == "error" and end["request_id"] == "req-1" and "did not stop within 0.3 s" in end["error"]
     engine.ignores_cancel = False  # let the daemon thread finish
+
+
+def test_a_stopped_worker_starts_again_and_serves_the_next_prompts():
+    """A managed node deactivated and activated again: the same worker, a new thread, answers as before."""
+    outputs, queue = Recorder(), RequestQueue(4)
+    worker = start(ScriptedEngine(["hello"]), queue, outputs)
+    worker.stop(2.0, "node deactivated")
+    worker.start()
+    try:
+        queue.put(prompt(7))
+        wait_until(lambda: any(e["event"] == "finished" for e in outputs.events))
+    finally:
+        worker.stop(2.0, "test over")
+    assert outputs.responses == ["hello"]
+    assert [e["event"] for e in outputs.events] == ["started", "finished"]

@@ -78,6 +78,13 @@ class ImageInputs:
         )
         item.reliability = reliability
 
+    def close(self) -> None:
+        """Unsubscribe every topic and stop checking (the node stops serving)."""
+        self._node.destroy_timer(self._timer)
+        for item in self._inputs:
+            self._node.destroy_subscription(item.subscription)
+            item.subscription = None
+
     def check(self) -> None:
         """Match each subscription to its publishers; name topics whose publishers deliver nothing."""
         now = time.monotonic()

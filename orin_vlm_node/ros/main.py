@@ -51,10 +51,11 @@ class StopSignals:
             raise StopRequested(self.signal_name)
 
 
-def serve(stop: StopSignals, args: list[str] | None = None) -> int:
-    """Start the node and serve until ``stop`` is requested or ROS shuts down; 1 when it cannot start (the
-    reason is logged). Signals are ``stop``'s, not rclpy's. torch and rclpy are imported here, under ``stop``'s
-    handlers."""
+def serve(stop: StopSignals, args: list[str] | None = None, managed: bool = False) -> int:
+    """Start the node and serve until ``stop`` is requested, ROS shuts down or the node is done (a managed
+    node after its ``shutdown`` transition); 1 when it cannot start (the reason is logged). Signals are
+    ``stop``'s, not rclpy's. torch and rclpy are imported here, under ``stop``'s handlers. ``managed``: the
+    lifecycle node, which loads nothing until it is configured."""
     import rclpy
     from rclpy.executors import ExternalShutdownException, MultiThreadedExecutor
     from rclpy.signals import SignalHandlerOptions
@@ -64,7 +65,12 @@ def serve(stop: StopSignals, args: list[str] | None = None) -> int:
 
     rclpy.init(args=args, signal_handler_options=SignalHandlerOptions.NO)
     try:
-        node = VlmNode()
+        if managed:
+            from .lifecycle_node import VlmLifecycleNode
+
+            node = VlmLifecycleNode()
+        else:
+            node = VlmNode()
     except (StartupError, EngineError, ValueError) as exc:
         message = str(exc) if isinstance(exc, EngineError) else f"cannot start: {exc}"
         rclpy.logging.get_logger(NODE_NAME).fatal(message)
@@ -77,20 +83,21 @@ def serve(stop: StopSignals, args: list[str] | None = None) -> int:
     executor.add_node(node)
     stop.serving()
     try:
-        while not stop.requested.is_set() and rclpy.ok():
+        while not stop.requested.is_set() and rclpy.ok() and not node.finished:
             executor.spin_once(timeout_sec=0.1)
     except ExternalShutdownException:
         pass
-    why = f"{stop.signal_name} received" if stop.signal_name else "ROS shut down"
-    node.get_logger().info(f"shutting down ({why})")
-    node.shutdown(f"node shutting down ({why})")
+    if not node.finished:
+        why = f"{stop.signal_name} received" if stop.signal_name else "ROS shut down"
+        node.get_logger().info(f"shutting down ({why})")
+        node.shutdown(f"node shutting down ({why})")
     executor.shutdown(timeout_sec=1.0)
     node.destroy_node()
     rclpy.try_shutdown()
     return 0
 
 
-def main(args: list[str] | None = None) -> int:
+def main(args: list[str] | None = None, managed: bool = False) -> int:
     """Run the node; the exit status is 0 after a stop by signal or ROS shutdown, 1 when it cannot start.
 
     The process ends with ``os._exit`` once output is flushed: the interpreter's own teardown of torch
@@ -98,7 +105,7 @@ def main(args: list[str] | None = None) -> int:
     """
     stop = StopSignals()
     try:
-        code = serve(stop, args)
+        code = serve(stop, args, managed)
     except StopRequested as why:
         print(f"{NODE_NAME}: {why} during startup: stopped before serving", file=sys.stderr, flush=True)
         code = 0
@@ -106,6 +113,11 @@ def main(args: list[str] | None = None) -> int:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
+
+
+def main_lifecycle(args: list[str] | None = None) -> int:
+    """``vlm_lifecycle_node``: the managed node (``configure`` loads the model, ``activate`` serves)."""
+    return main(args, managed=True)
 
 
 if __name__ == "__main__":

@@ -18,11 +18,13 @@ so ``ros2 param set`` gets a reason for a refusal, then applied between two requ
 from __future__ import annotations
 
 import functools
+import gc
 import threading
 import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import torch
 from diagnostic_msgs.msg import DiagnosticArray, DiagnosticStatus, KeyValue
 from rcl_interfaces.msg import SetParametersResult
 from rclpy.callback_groups import MutuallyExclusiveCallbackGroup, ReentrantCallbackGroup
@@ -129,31 +131,59 @@ class _Publishers:
         self._node._publish_status(event, request_id, **fields)
 
 
-class VlmNode(Node):
-    """The ``orin_vlm`` node. Construction loads the model; raises StartupError/EngineError."""
+class VlmServing:
+    """The node's work, shared by the plain node (:class:`VlmNode`) and the managed one
+    (``lifecycle_node.VlmLifecycleNode``); the class it is mixed into is an rclpy ``Node``.
 
-    def __init__(self, **node_kwargs: Any) -> None:
-        super().__init__(NODE_NAME, **node_kwargs)
+    Four steps, which the plain node takes at once and the managed node one per lifecycle transition:
+    :meth:`_declare` (parameters; settable from then on), :meth:`_load` (the model, the publishers, the
+    queue and the worker: everything that lives as long as the model), :meth:`_open` (subscriptions,
+    services, diagnostics, the worker thread: serving), and back: :meth:`_close` (every open prompt ends
+    with its terminal event) and :meth:`_unload` (the model and its memory freed).
+    """
+
+    def _declare(self) -> None:
         self._lock = threading.Lock()  # guards _values, _session_id and the counters
         self._status_lock = threading.Lock()  # orders status events; guards _ready_announced
         self._ready_announced = False
         self._values: dict[str, Any] = declare_parameters(self)
+        self._engine: Engine | None = None  # None until loaded (a managed node before configure)
+        self._worker: Worker | None = None
+        self._refusing: str | None = "node not serving"  # why prompts are refused; None while serving
+        self._session_counter = 0
+        self._request_counter = 0
+        self._image_errors: dict[str, float] = {}
+        self._serving_entities: list[Any] = []  # subscriptions, services and timers of the serving state
+        self.finished = False  # the node is done and its process may exit (a managed node shut down)
+        self.add_on_set_parameters_callback(self._on_set_parameters)
+
+    def _make_publisher(self, msg_type: Any, topic: str, qos: QoSProfile | int) -> Any:
+        return self.create_publisher(msg_type, topic, qos)
+
+    def _load(self) -> float:
+        """Load the model and create what lives as long as it; the seconds it took. StartupError/EngineError
+        (nothing left loaded) when the parameters or the model are unusable.
+
+        Depths: ``status``/``tokens`` keep three events per prompt of a ``prompt_queue_depth`` burst, so no
+        event is overwritten before a subscriber took it.
+        """
         config = startup_config(self._values)
         t0 = time.monotonic()
         self._engine = Engine(config)
         reason = self._context_problem(self._values)
         if reason:
+            self._engine = None
             raise StartupError(reason)
-        self._session_counter = 0
         self._session_id = self._new_session_id()
-        self._request_counter = 0
-        self._image_errors: dict[str, float] = {}
-        self._closing = False  # set by shutdown(): prompts from then on are refused with an event
-
         self._converter = ImageConverter()
         self._frames = LatestFrames(list(self._values["image_topics"]))
         self._queue = RequestQueue(int(self._values["max_queue"]))
-        self._create_interfaces()
+        prompt_depth = int(self._values["prompt_queue_depth"])
+        stream_qos = QoSProfile(depth=max(1000, 3 * prompt_depth), reliability=ReliabilityPolicy.RELIABLE)
+        self._tokens_pub = self._make_publisher(String, "tokens", stream_qos)
+        self._response_pub = self._make_publisher(String, "response", 10)
+        self._status_pub = self._make_publisher(String, "status", stream_qos)
+        self._diag_pub = self._make_publisher(DiagnosticArray, "/diagnostics", 10)
         self._outputs = _Publishers(self, int(self._values["token_publish_period_ms"]))
         self._worker = Worker(
             self._engine,
@@ -163,31 +193,14 @@ class VlmNode(Node):
             self._revert,
             self._current_session,
         )
-        described = self._describe()
-        backend = backend_summary(described)
-        log = self.get_logger().warning if described.get("kernels_degraded") else self.get_logger().info
-        log(
-            f"ready in {time.monotonic() - t0:.1f} s: model {config.model_dir}, device {described.get('device', '?')}, "
-            f"dtype {described.get('dtype', '?')}, images via {self._converter.backend}; {backend}"
-        )
-        self._ready_note = backend
-        self._ready_deadline = time.monotonic() + READY_LONGEST_WAIT_S
-        self._ready_timer = self.create_timer(READY_POLL_S, self._announce_ready)
+        return time.monotonic() - t0
 
-    def _create_interfaces(self) -> None:
-        """Publishers, subscriptions, services and timers; callbacks in groups that keep services responsive.
+    def _open(self, load_s: float) -> None:
+        """Serve: subscriptions, services and diagnostics, the worker thread; ``ready`` announced.
 
-        Depths: the prompt subscription holds ``prompt_queue_depth`` messages (a burst beyond it would be
-        lost by DDS before the node could report it), and ``status``/``tokens`` keep three events per prompt
-        of such a burst, so no event is overwritten before a subscriber took it.
+        Callback groups keep services responsive during a generation; the prompt subscription holds
+        ``prompt_queue_depth`` messages (a burst beyond it would be lost by DDS before the node saw it).
         """
-        prompt_depth = int(self._values["prompt_queue_depth"])
-        stream_qos = QoSProfile(depth=max(1000, 3 * prompt_depth), reliability=ReliabilityPolicy.RELIABLE)
-        self._tokens_pub = self.create_publisher(String, "tokens", stream_qos)
-        self._response_pub = self.create_publisher(String, "response", 10)
-        self._status_pub = self.create_publisher(String, "status", stream_qos)
-        self._diag_pub = self.create_publisher(DiagnosticArray, "/diagnostics", 10)
-
         prompts = MutuallyExclusiveCallbackGroup()
         services = ReentrantCallbackGroup()
         self._images = ImageInputs(
@@ -203,13 +216,59 @@ class VlmNode(Node):
             ],
             MutuallyExclusiveCallbackGroup(),
         )
-        self.create_subscription(
-            String, "prompt", self._on_prompt, QoSProfile(depth=prompt_depth), callback_group=prompts
+        depth = QoSProfile(depth=int(self._values["prompt_queue_depth"]))
+        diagnostics = MutuallyExclusiveCallbackGroup()
+        self._serving_entities = [  # (how to remove it, it)
+            (self.destroy_subscription, self.create_subscription(String, "prompt", self._on_prompt, depth,
+                                                                 callback_group=prompts)),
+            (self.destroy_service, self.create_service(Trigger, "~/reset", self._on_reset, callback_group=services)),
+            (self.destroy_service, self.create_service(Trigger, "~/cancel", self._on_cancel, callback_group=services)),
+            (self.destroy_timer, self.create_timer(1.0, self._publish_diagnostics, callback_group=diagnostics)),
+        ]  # fmt: skip
+        with self._status_lock:
+            self._ready_announced = False
+        self._refusing = None
+        self._worker.start()
+        described = self._describe()
+        backend = backend_summary(described)
+        log = self.get_logger().warning if described.get("kernels_degraded") else self.get_logger().info
+        log(
+            f"ready in {load_s:.1f} s: model {self._engine.config.model_dir}, device {described.get('device', '?')}, "
+            f"dtype {described.get('dtype', '?')}, images via {self._converter.backend}; {backend}"
         )
-        self.create_service(Trigger, "~/reset", self._on_reset, callback_group=services)
-        self.create_service(Trigger, "~/cancel", self._on_cancel, callback_group=services)
-        self.create_timer(1.0, self._publish_diagnostics, callback_group=MutuallyExclusiveCallbackGroup())
-        self.add_on_set_parameters_callback(self._on_set_parameters)
+        self._ready_note = backend
+        self._ready_deadline = time.monotonic() + READY_LONGEST_WAIT_S
+        self._ready_timer = self.create_timer(READY_POLL_S, self._announce_ready)
+
+    def _close(self, why: str, timeout_s: float = 2.0) -> None:
+        """Stop serving while the ROS context can still publish: refuse new prompts, drop the waiting ones
+        and cancel the running one, each with its terminal event (``dropped``; ``finished`` with reason
+        ``cancelled``), publish the tokens still pending, give subscribers a moment to take it all, then
+        remove the subscriptions, services and timers."""
+        self._refusing = why
+        self._images.close()
+        for destroy, entity in self._serving_entities:
+            destroy(entity)
+        self._serving_entities = []
+        self._worker.stop(timeout_s, why)
+        self._outputs.token_stream.flush(timeout_s)
+        for publisher in (self._status_pub, self._tokens_pub, self._response_pub):
+            publisher.wait_for_all_acked(Duration(seconds=1.0))
+        self.destroy_timer(self._ready_timer)
+
+    def _unload(self) -> None:
+        """Free the model and everything that lived as long as it (after :meth:`_close`)."""
+        self._outputs.token_stream.close()
+        for publisher in (self._tokens_pub, self._response_pub, self._status_pub, self._diag_pub):
+            self._destroy_publisher(publisher)
+        device = self._engine.device
+        self._engine = self._worker = None
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    def _destroy_publisher(self, publisher: Any) -> None:
+        self.destroy_publisher(publisher)
 
     def _announce_ready(self) -> None:
         """The first status event: the node serves, and which attention path and KV pool it runs with.
@@ -269,7 +328,7 @@ class VlmNode(Node):
             request_id = f"req-{self._request_counter}"
             values = dict(self._values)
         text = msg.data
-        refused = prompt_problem(text) or (self._closing and "node shutting down: prompt not accepted")
+        refused = prompt_problem(text) or (self._refusing and f"{self._refusing}: prompt not accepted")
         if refused:
             self._publish_status("error", request_id, finish_reason="error", error=refused)
             return
@@ -315,11 +374,16 @@ class VlmNode(Node):
     # ---------------------------------------------------------------- parameters
 
     def _on_set_parameters(self, params: list[Parameter]) -> SetParametersResult:
-        changes = {p.name: p.value for p in params}
+        changes = {p.name: list(p.value) if isinstance(p.value, (list, tuple)) else p.value for p in params}
         with self._lock:
             current = dict(self._values)
-        pending = self._worker.pending_changes()
         reason = check_changes(changes)
+        if self._engine is None:  # a managed node before configure: the values are taken when it loads
+            if not reason:
+                with self._lock:
+                    self._values.update(changes)
+            return SetParametersResult(successful=not reason, reason=reason or "")
+        pending = self._worker.pending_changes()
         after = {**current, **changes}
         if not reason and changes.keys() & {"max_context_tokens", "system_prompt"}:
             reason = self._context_problem(after)
@@ -411,14 +475,16 @@ class VlmNode(Node):
         self._session_counter += 1
         return f"{NODE_NAME}-session-{self._session_counter}"
 
-    # ---------------------------------------------------------------- shutdown
+
+class VlmNode(VlmServing, Node):
+    """The ``orin_vlm`` node. Construction loads the model and serves; raises StartupError/EngineError."""
+
+    def __init__(self, **node_kwargs: Any) -> None:
+        Node.__init__(self, NODE_NAME, **node_kwargs)
+        self._declare()
+        self._open(self._load())
 
     def shutdown(self, why: str, timeout_s: float = 2.0) -> None:
-        """Stop in order while the ROS context can still publish: refuse new prompts, drop the waiting ones
-        and cancel the running one, each with its terminal event (``dropped``; ``finished`` with reason
-        ``cancelled``), publish the tokens still pending, then give subscribers a moment to take it all."""
-        self._closing = True
-        self._worker.stop(timeout_s, why)
+        """Stop in order while the ROS context can still publish (see :meth:`VlmServing._close`)."""
+        self._close(why, timeout_s)
         self._outputs.token_stream.close(timeout_s)
-        for publisher in (self._status_pub, self._tokens_pub, self._response_pub):
-            publisher.wait_for_all_acked(Duration(seconds=1.0))

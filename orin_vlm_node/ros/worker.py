@@ -86,6 +86,14 @@ class Worker:
         self._completed = 0
         self._stopping = threading.Event()
         self._stop_reason = ""
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        """Serve the queue on a thread of its own; again after :meth:`stop` (a managed node re-activated).
+        Changes queued meanwhile are applied before the first prompt."""
+        if self._thread is not None and self._thread.is_alive():
+            raise RuntimeError("the worker is already running")
+        self._stopping.clear()
         self._thread = threading.Thread(target=self._loop, name="orin_vlm_worker", daemon=True)
         self._thread.start()
 
@@ -126,10 +134,11 @@ class Worker:
             self._drop(item, why)
         current = self.cancel_running()
         self.queue.wake()
-        self._thread.join(timeout=timeout_s)
+        if self._thread is not None:
+            self._thread.join(timeout=timeout_s)
         for item in self.queue.drain():  # accepted by a callback that ran while the worker stopped
             self._drop(item, why)
-        if self._thread.is_alive() and current is not None:
+        if self._thread is not None and self._thread.is_alive() and current is not None:
             self.outputs.status("error", current, finish_reason="error", error=f"{why}: the request did not stop "
                                 f"within {timeout_s:g} s and was abandoned")  # fmt: skip
 
