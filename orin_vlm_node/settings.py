@@ -47,6 +47,7 @@ class Setting:
     min: int | float | None = None
     max: int | float | None = None
     choices: tuple[str, ...] = ()
+    per_channel: bool = False  # a channel may override it (``<channel>.<name>``); unset = this value
 
     def problem(self, value: Any) -> str | None:
         """Why ``value`` is not acceptable (type, choices, bounds), or None."""
@@ -146,7 +147,7 @@ SETTINGS: tuple[Setting, ...] = (
        "prompt (im_start, im_end, endoftext, ...) as control tokens (experts only); false = as plain text, so a "
        "prompt cannot forge the chat structure", E, BETWEEN),
     # -- sampling
-    _s("max_new_tokens", int, 128, "longest answer", S, NEXT, unit="tokens", min=1, max=32_768),
+    _s("max_new_tokens", int, 128, "longest answer", S, NEXT, unit="tokens", min=1, max=32_768, per_channel=True),
     _s("temperature", float, 0.0, "sampling temperature; 0 = greedy (deterministic)", S, NEXT, min=0.0, max=5.0),
     _s("top_p", float, 1.0, "nucleus sampling mass, above 0; 1 = off", S, NEXT, min=0.0, max=1.0),
     _s("top_k", int, 0, "keep the k most likely tokens; 0 = off", S, NEXT, min=0, max=1_000_000),
@@ -157,7 +158,7 @@ SETTINGS: tuple[Setting, ...] = (
        min=-2.0, max=2.0),
     _s("seed", int, -1, "sampling seed; -1 = a fresh random seed per prompt", S, NEXT, min=-1, max=2**31 - 1),
     # -- node
-    _s("system_prompt", str, "", "system message of every conversation; '' = none", N, NEXT),
+    _s("system_prompt", str, "", "system message of every conversation; '' = none", N, NEXT, per_channel=True),
     _s("multi_turn", bool, False, "keep the conversation (one engine session) until ~/reset", N, NEXT),
     _s("image_max_input_pixels", int, 4096 * 3072, "largest camera frame accepted, checked from the header "
        "before decoding (a compressed frame declaring more is refused undecoded); the default takes 4K and 12 MP "
@@ -166,7 +167,8 @@ SETTINGS: tuple[Setting, ...] = (
        "publisher on the topic is reliable (large raw frames arrive whole), else best effort", N, RO,
        choices=("auto", "reliable", "best_effort")),
     _s("image_topics", list, ["image"], "cameras a prompt looks at: the latest frame of each (raw, and compressed "
-       "on <topic>/compressed), in this order, as the prompt's images", N, RO, unit="topics", min=1, max=8),
+       "on <topic>/compressed), in this order, as the prompt's images", N, RO, unit="topics", min=1, max=8,
+       per_channel=True),
     _s("image_max_age_s", float, 2.0, "a prompt uses the latest image of each topic not older than this; 0 = no "
        "images", N, NEXT, unit="s", min=0.0, max=3600.0),
     _s("prompt_queue_depth", int, 1000, "messages the prompt subscription holds for the node (a burst beyond "
@@ -175,7 +177,12 @@ SETTINGS: tuple[Setting, ...] = (
        max=1000),
     _s("token_publish_period_ms", int, 20, "at most one tokens message per period, the first delta of an answer "
        "at once; 0 = one message per delta", N, NEXT, unit="ms", min=0, max=1000),
+    _s("channels", list, [], "askers served side by side, each on <channel>/prompt, tokens, response, status and "
+       "~/<channel>/reset, cancel with its own conversation and queue; names are letters, digits and _; empty = "
+       "one asker on prompt, tokens, response, status", N, RO, unit="channels", min=0, max=16),
 )  # fmt: skip
+
+CHANNEL_SETTINGS: tuple[Setting, ...] = tuple(s for s in SETTINGS if s.per_channel)
 
 BY_NAME: dict[str, Setting] = {s.name: s for s in SETTINGS}
 

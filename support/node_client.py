@@ -35,8 +35,11 @@ class VlmClient:
         namespace: str = "",
         on_token: Callable[[str], None] | None = None,
         image_topic: str = "image",
-        prompt_topic: str = "prompt",
+        prompt_topic: str | None = None,
+        channel: str = "",
     ) -> None:
+        """``channel``: talk to that channel of a node with ``channels`` (its topics and services);
+        ``prompt_topic`` overrides where prompts go (a remapped node)."""
         import rclpy
         from rclpy.executors import SingleThreadedExecutor
         from rclpy.qos import QoSProfile, ReliabilityPolicy
@@ -50,6 +53,8 @@ class VlmClient:
         self.node = rclpy.create_node(f"vlm_client_{os.getpid()}", context=self.context, namespace=namespace)
         ns = namespace.strip("/")
         self.fqn = f"/{ns}/{node_name}" if ns else f"/{node_name}"  # the node's fully qualified name
+        self.channel_fqn = f"{self.fqn}/{channel}" if channel else self.fqn  # where the channel's services are
+        under = f"{channel}/" if channel else ""
         self._cond = threading.Condition()
         self.status: list[dict[str, Any]] = []
         self.tokens: list[str] = []
@@ -58,11 +63,13 @@ class VlmClient:
         reliable = QoSProfile(depth=5000, reliability=ReliabilityPolicy.RELIABLE)
         self.image_pub = self.node.create_publisher(Image, image_topic, 10)
         self.compressed_pub = self.node.create_publisher(CompressedImage, f"{image_topic}/compressed", 10)
-        self.prompt_pub = self.node.create_publisher(String, prompt_topic, QoSProfile(depth=1000))
+        self.prompt_pub = self.node.create_publisher(String, prompt_topic or f"{under}prompt", QoSProfile(depth=1000))
         self._subs = [
-            self.node.create_subscription(String, "status", self._on_status, reliable),
-            self.node.create_subscription(String, "tokens", self._on_token, reliable),
-            self.node.create_subscription(String, "response", lambda m: self._append(self.responses, m.data), reliable),
+            self.node.create_subscription(String, f"{under}status", self._on_status, reliable),
+            self.node.create_subscription(String, f"{under}tokens", self._on_token, reliable),
+            self.node.create_subscription(
+                String, f"{under}response", lambda m: self._append(self.responses, m.data), reliable
+            ),
         ]
         self._string = String
         self._token_callback = on_token
@@ -130,7 +137,7 @@ class VlmClient:
         """The node creates its topics and services after the model is loaded, so matching all of
         them means it is ready to answer."""
         deadline = time.monotonic() + timeout
-        services = [f"{self.fqn}/reset", f"{self.fqn}/cancel", f"{self.fqn}/set_parameters"]
+        services = [f"{self.channel_fqn}/reset", f"{self.channel_fqn}/cancel", f"{self.fqn}/set_parameters"]
         while time.monotonic() < deadline:
             if node is not None and not node.alive():
                 raise AssertionError(f"node exited with {node.proc.returncode} during startup:\n{node.output()}")
@@ -224,7 +231,7 @@ class VlmClient:
     def trigger(self, which: str) -> Any:
         from std_srvs.srv import Trigger
 
-        return self._call(Trigger, f"{self.fqn}/{which}", Trigger.Request())
+        return self._call(Trigger, f"{self.channel_fqn}/{which}", Trigger.Request())
 
     def lifecycle_state(self) -> str:
         """The managed node's state label (unconfigured, inactive, active, finalized)."""

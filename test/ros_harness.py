@@ -33,7 +33,8 @@ def domain_id_for(salt: str) -> int:
 def running_node(
     params: Mapping[str, Any], workdir: Path, salt: str, ready_timeout: float = 120.0
 ) -> Iterator[tuple[NodeProcess, VlmClient]]:
-    """Start the node with ``params``, connect a client, yield both; always stop and clean up."""
+    """Start the node with ``params``, connect a client (to the first channel, when there are channels),
+    yield both; always stop and clean up."""
     domain = domain_id_for(salt)
     # One torch thread: the test machines are small and shared, and the in-process reference engine
     # uses one thread too (same reduction order, same greedy tokens).
@@ -41,7 +42,9 @@ def running_node(
     node = NodeProcess(params, workdir, domain, env=env)
     client = None
     try:
-        client = VlmClient(domain, image_topic=params.get("image_topics", ["image"])[0])
+        channel = (params.get("channels") or [""])[0]
+        topics = params.get(f"{channel}.image_topics") or params.get("image_topics") or ["image"]
+        client = VlmClient(domain, image_topic=topics[0], channel=channel)
         client.wait_until_connected(node, timeout=ready_timeout)
         yield node, client
     finally:

@@ -17,10 +17,12 @@ from orin_vlm_node.engine.events import SamplingParams
 from orin_vlm_node.ros.params import (
     ENGINE_FIELDS,
     SAMPLING_FIELDS,
+    channel_values,
     check_changes,
     defaults,
     engine_config,
     engine_kwargs,
+    max_sessions,
     sampling_params,
 )
 from orin_vlm_node.settings import BY_NAME
@@ -126,6 +128,52 @@ def test_declared_descriptors_enforce_ranges_and_read_only(tmp_path, monkeypatch
         assert (described.integer_range[0].from_value, described.integer_range[0].to_value) == (1, 256)
         assert "one of: auto, bf16, fp16, fp32" in node.describe_parameter("dtype").additional_constraints
         assert "unit: tokens; applies: between requests" in node.describe_parameter("page_size").additional_constraints
+        node.destroy_node()
+    finally:
+        rclpy.shutdown(context=context)
+
+
+def test_channel_overrides_are_checked_as_the_setting_they_override():
+    assert check_changes({"arm.max_new_tokens": 64, "arm.system_prompt": "x", "nav.image_topics": ["a", "b"]}) is None
+    assert check_changes({"arm.max_new_tokens": None}) is None  # not set: the node-wide value
+    assert check_changes({"arm.max_new_tokens": 0}) == "arm.max_new_tokens must be in 1..32768 tokens, got 0"
+    assert check_changes({"nav.image_topics": ["a", "a"]}) == "nav.image_topics lists a more than once"
+    assert check_changes({"arm.temperature": 0.5}) == "unknown setting 'arm.temperature'"
+
+
+def test_a_channel_uses_its_overrides_that_are_set_and_the_node_wide_rest():
+    values = {**defaults(), "channels": ["arm", "nav"], "system_prompt": "node", "max_new_tokens": 50,
+              "arm.max_new_tokens": 5, "arm.system_prompt": None, "nav.system_prompt": ""}  # fmt: skip
+    arm, nav = channel_values(values, "arm"), channel_values(values, "nav")
+    assert (arm["max_new_tokens"], arm["system_prompt"]) == (5, "node")
+    assert (nav["max_new_tokens"], nav["system_prompt"]) == (50, "")  # set to empty: no system prompt
+    assert channel_values(values, "") == values
+    assert max_sessions({**values, "multi_turn": True}) == 2  # one conversation per channel
+    assert max_sessions({**defaults(), "multi_turn": True}) == 1
+
+
+def test_each_channel_gets_its_override_parameters_declared_unset(tmp_path, monkeypatch):
+    rclpy = pytest.importorskip("rclpy", reason="rclpy (ROS 2 wheels) is installed by `make test`")
+    from rclpy.parameter import Parameter
+
+    from orin_vlm_node.ros.params import declare_parameters
+
+    monkeypatch.setenv("ROS_LOG_DIR", str(tmp_path))
+    context = rclpy.Context()
+    rclpy.init(context=context, domain_id=(os.getpid() % 90) + 10)
+    try:
+        overrides = [Parameter("channels", value=["arm", "nav"]), Parameter("nav.max_new_tokens", value=9)]
+        node = rclpy.create_node("channels_probe", context=context, parameter_overrides=overrides)
+        values = declare_parameters(node)
+        assert values["channels"] == ["arm", "nav"]
+        assert [values[f"{ch}.max_new_tokens"] for ch in ("arm", "nav")] == [None, 9]
+        assert values["arm.image_topics"] is None and values["arm.system_prompt"] is None
+        described = node.describe_parameter("arm.max_new_tokens")
+        assert (described.integer_range[0].from_value, described.integer_range[0].to_value) == (1, 32_768)
+        assert "not set = the node-wide max_new_tokens" in described.description
+        assert node.set_parameters([Parameter("arm.max_new_tokens", value=5)])[0].successful
+        refused = node.set_parameters([Parameter("arm.image_topics", value=["front"])])[0]
+        assert not refused.successful and "read-only" in refused.reason
         node.destroy_node()
     finally:
         rclpy.shutdown(context=context)

@@ -1,4 +1,5 @@
-"""The node's bounded prompt queue: FIFO order, drop-oldest overflow, shrinking, wake-ups, threads."""
+"""The node's bounded prompt queue: FIFO order, drop-oldest overflow, shrinking, wake-ups, threads, and
+channels taken in turn with a bound each."""
 
 from __future__ import annotations
 
@@ -11,8 +12,10 @@ from orin_vlm_node.engine.events import SamplingParams
 from orin_vlm_node.ros.request_queue import PendingPrompt, RequestQueue
 
 
-def prompt(i: int) -> PendingPrompt:
-    return PendingPrompt(request_id=f"req-{i}", text=f"q{i}", sampling=SamplingParams(), system_prompt=None)
+def prompt(i: int, channel: str = "") -> PendingPrompt:
+    return PendingPrompt(
+        request_id=f"{channel}req-{i}", text=f"q{i}", sampling=SamplingParams(), system_prompt=None, channel=channel
+    )
 
 
 def ids(items: list[PendingPrompt]) -> list[str]:
@@ -104,3 +107,26 @@ def test_concurrent_producers_lose_nothing_silently():
     consumer.join()
     all_ids = ids(dropped) + ids(consumed)
     assert len(all_ids) == 200 and len(set(all_ids)) == 200
+
+
+def test_channels_are_served_in_turn_so_a_burst_does_not_starve_another():
+    q = RequestQueue(4)
+    for i in range(3):
+        q.put(prompt(i, "arm"))
+    q.put(prompt(3, "nav"))
+    q.put(prompt(4, "ui"))
+    assert len(q) == 5 and q.waiting("arm") == 3 and q.waiting("nav") == 1
+    assert ids([q.get(0.0) for _ in range(5)]) == ["armreq-0", "navreq-3", "uireq-4", "armreq-1", "armreq-2"]
+    # A channel that just had its turn goes behind the others that are waiting.
+    q.put(prompt(5, "arm"))
+    q.put(prompt(6, "nav"))
+    assert ids([q.get(0.0), q.get(0.0)]) == ["navreq-6", "armreq-5"]
+
+
+def test_each_channel_has_its_own_bound_and_drain():
+    q = RequestQueue(2)
+    q.put(prompt(0, "nav"))
+    assert [ids(q.put(prompt(i, "arm"))) for i in range(1, 5)] == [[], [], ["armreq-1"], ["armreq-2"]]
+    assert q.waiting("nav") == 1, "arm's burst never drops nav's prompt"
+    assert ids(q.drain("arm")) == ["armreq-3", "armreq-4"]
+    assert ids(q.drain()) == ["navreq-0"]

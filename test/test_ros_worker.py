@@ -67,7 +67,7 @@ def prompt(n: int) -> PendingPrompt:
 
 
 def start(engine: ScriptedEngine, queue: RequestQueue, outputs: Recorder) -> Worker:
-    worker = Worker(engine, queue, outputs, {}, lambda _applied: None, lambda: None)  # type: ignore[arg-type]
+    worker = Worker(engine, queue, {"": outputs}, {}, lambda _applied: None, lambda _channel: None)  # type: ignore[arg-type]
     worker.start()
     return worker
 

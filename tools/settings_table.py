@@ -33,7 +33,7 @@ def _bounds(s: settings.Setting) -> str:
 def render() -> str:
     rows = [
         f"| `{s.name}` | {s.type.__name__} | `{_value(s, s.default)}` | {_bounds(s)} "
-        f"| {settings.APPLIES_TEXT[s.applies]} | {s.description} |"
+        f"| {settings.APPLIES_TEXT[s.applies]}{'; per channel' if s.per_channel else ''} | {s.description} |"
         for s in settings.SETTINGS
     ]
     return "\n".join([HEADER, *rows]) + "\n"

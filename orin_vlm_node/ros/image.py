@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -258,22 +259,24 @@ class LatestFrames:
     def set(self, topic: str, rgb: np.ndarray, stamp: float) -> None:
         self._latest[topic].set(rgb, stamp)
 
-    def pick(self, max_age_s: float) -> PickedFrames:
-        """Every topic's frame if it is fresh enough; the note names each topic left out and why.
+    def pick(self, max_age_s: float, topics: Sequence[str] | None = None) -> PickedFrames:
+        """The frame of each of ``topics`` (default: all, in order) if it is fresh enough; the note names
+        each topic left out and why.
 
         With one topic that never delivered there is nothing to say (a text-only robot); with several,
         a silent camera is named, since the answer then covers fewer views than asked for.
         """
         if max_age_s <= 0:
             return PickedFrames()
+        topics = self.topics if topics is None else list(topics)
         images, used, notes = [], [], []
-        for topic in self.topics:
+        for topic in topics:
             rgb, stamp, why = self._latest[topic].pick(max_age_s)
             if rgb is not None:
                 images.append(rgb)
                 used.append((topic, stamp))
             elif why is not None:
-                notes.append(why if len(self.topics) == 1 else f"{topic}: {why}")
-            elif len(self.topics) > 1:
+                notes.append(why if len(topics) == 1 else f"{topic}: {why}")
+            elif len(topics) > 1:
                 notes.append(f"{topic}: no image received yet")
         return PickedFrames(tuple(images), tuple(used), "; ".join(notes) or None)

@@ -1,10 +1,11 @@
 """The ROS 2 node ``orin_vlm``: camera images + text prompts in, streamed tokens out.
 
-Topics (relative, so namespaces and remaps apply): subscribes ``image`` (sensor_msgs/Image),
-``image/compressed`` (sensor_msgs/CompressedImage) and ``prompt`` (std_msgs/String); publishes
-``tokens`` (streamed text, coalesced: ``token_stream.py``), ``response`` (the whole answer), ``status`` (one
-JSON object per event, see ``status``) and ``/diagnostics`` (about 1 Hz). Services ``~/reset``
-(forget the multi-turn conversation) and ``~/cancel`` (stop the running prompt, drop waiting ones).
+Topics (relative, so namespaces and remaps apply): subscribes each of ``image_topics`` (sensor_msgs/Image,
+default ``image``) with ``<topic>/compressed`` (sensor_msgs/CompressedImage) and ``prompt`` (std_msgs/String);
+publishes ``tokens`` (streamed text, coalesced: ``token_stream.py``), ``response`` (the whole answer),
+``status`` (one JSON object per event, see ``status``) and ``/diagnostics`` (about 1 Hz). Services ``~/reset``
+(forget the multi-turn conversation) and ``~/cancel`` (stop the running prompt, drop waiting ones). With
+``channels`` every asker has these prompt/answer topics and services under its name (``channel.py``).
 
 Threading, and why: generation takes seconds, so it runs on one worker thread (``worker.py``) that owns every
 mutating engine call (``generate``, ``reconfigure``, ``reset``). ROS callbacks only enqueue work or
@@ -39,12 +40,14 @@ from std_msgs.msg import String
 from std_srvs.srv import Trigger
 
 from ..engine import Engine, EngineConfig
+from .channel import Channel, channel_names_problem
 from .image import ImageConversionError, ImageConverter, LatestFrames, stamp_seconds
 from .image_inputs import ImageInputs
 from .main import NODE_NAME
 from .params import (
     RUNTIME_ENGINE_FIELDS,
     SAMPLING_FIELDS,
+    channel_values,
     check_changes,
     declare_parameters,
     engine_config,
@@ -53,7 +56,6 @@ from .params import (
 )
 from .request_queue import PendingPrompt, RequestQueue
 from .status import backend_summary, engine_diagnostics, status_json
-from .token_stream import TokenStream
 from .worker import Worker
 
 # Identical image errors (a broken camera at 30 Hz) are reported at most this often.
@@ -84,7 +86,11 @@ class StartupError(RuntimeError):
 def startup_config(values: Mapping[str, Any]) -> EngineConfig:
     """The engine config of the declared parameter values; StartupError before anything loads when the
     values are out of bounds or the model directory is not one."""
-    reason = check_changes(values) or image_topics_problem(values["image_topics"])
+    reason = (
+        check_changes(values)
+        or channel_names_problem(values["channels"])
+        or image_topics_problem([t for ch in channel_list(values) for t in channel_values(values, ch)["image_topics"]])
+    )
     if reason:
         raise StartupError(f"invalid parameter value: {reason}")
     config = engine_config(values)
@@ -98,6 +104,11 @@ def startup_config(values: Mapping[str, Any]) -> EngineConfig:
     return config
 
 
+def channel_list(values: Mapping[str, Any]) -> list[str]:
+    """The node's channels: those of ``channels``, or the one unnamed channel on the plain topics."""
+    return list(values["channels"]) or [""]
+
+
 def image_topics_problem(topics: Sequence[str]) -> str | None:
     """Why an ``image_topics`` entry cannot be subscribed (ROS topic name rules), or None."""
     for topic in topics:
@@ -106,29 +117,6 @@ def image_topics_problem(topics: Sequence[str]) -> str | None:
         except InvalidTopicNameException as exc:
             return f"image_topics entry {topic!r} is not a valid ROS topic name: {str(exc).splitlines()[0]}"
     return None
-
-
-class _Publishers:
-    """The worker's :class:`~.worker.Outputs`: the node's tokens (coalesced, off the generation thread),
-    response and status topics."""
-
-    def __init__(self, node: VlmNode, token_period_ms: int) -> None:
-        self._node = node
-        self.token_stream = TokenStream(lambda text: node._tokens_pub.publish(String(data=text)), token_period_ms / 1e3)
-
-    def tokens(self, text: str) -> None:
-        self.token_stream.push(text)
-
-    def end_tokens(self) -> None:
-        if not self.token_stream.flush():
-            self._node.get_logger().warning("tokens of the last answer were still being published after 5 s")
-        self.token_stream.start_answer()
-
-    def response(self, text: str) -> None:
-        self._node._response_pub.publish(String(data=text))
-
-    def status(self, event: str, request_id: str | None, **fields: Any) -> None:
-        self._node._publish_status(event, request_id, **fields)
 
 
 class VlmServing:
@@ -143,15 +131,16 @@ class VlmServing:
     """
 
     def _declare(self) -> None:
-        self._lock = threading.Lock()  # guards _values, _session_id and the counters
+        self._lock = threading.Lock()  # guards _values, the channels' session ids and the counters
         self._status_lock = threading.Lock()  # orders status events; guards _ready_announced
-        self._ready_announced = False
+        self._ready_announced: set[str] = set()  # channels whose status has carried ``ready``
         self._values: dict[str, Any] = declare_parameters(self)
         self._engine: Engine | None = None  # None until loaded (a managed node before configure)
         self._worker: Worker | None = None
         self._refusing: str | None = "node not serving"  # why prompts are refused; None while serving
         self._session_counter = 0
         self._request_counter = 0
+        self._channels: dict[str, Channel] = {}
         self._image_errors: dict[str, float] = {}
         self._serving_entities: list[Any] = []  # subscriptions, services and timers of the serving state
         self.finished = False  # the node is done and its process may exit (a managed node shut down)
@@ -174,21 +163,24 @@ class VlmServing:
         if reason:
             self._engine = None
             raise StartupError(reason)
-        self._session_id = self._new_session_id()
         self._converter = ImageConverter()
-        self._frames = LatestFrames(list(self._values["image_topics"]))
+        names = channel_list(self._values)
+        topics = [t for ch in names for t in channel_values(self._values, ch)["image_topics"]]
+        self._frames = LatestFrames(list(dict.fromkeys(topics)))  # each camera once, in first-use order
         self._queue = RequestQueue(int(self._values["max_queue"]))
         prompt_depth = int(self._values["prompt_queue_depth"])
         stream_qos = QoSProfile(depth=max(1000, 3 * prompt_depth), reliability=ReliabilityPolicy.RELIABLE)
-        self._tokens_pub = self._make_publisher(String, "tokens", stream_qos)
-        self._response_pub = self._make_publisher(String, "response", 10)
-        self._status_pub = self._make_publisher(String, "status", stream_qos)
+        period_s = int(self._values["token_publish_period_ms"]) / 1e3
+        self._channels = {
+            name: Channel(name, self._make_publisher, stream_qos, period_s, self._on_channel_status,
+                          self.get_logger().warning, self._new_session_id())
+            for name in names
+        }  # fmt: skip
         self._diag_pub = self._make_publisher(DiagnosticArray, "/diagnostics", 10)
-        self._outputs = _Publishers(self, int(self._values["token_publish_period_ms"]))
         self._worker = Worker(
             self._engine,
             self._queue,
-            self._outputs,
+            self._channels,
             engine_kwargs(self._values, RUNTIME_ENGINE_FIELDS),
             self._revert,
             self._current_session,
@@ -219,14 +211,19 @@ class VlmServing:
         depth = QoSProfile(depth=int(self._values["prompt_queue_depth"]))
         diagnostics = MutuallyExclusiveCallbackGroup()
         self._serving_entities = [  # (how to remove it, it)
-            (self.destroy_subscription, self.create_subscription(String, "prompt", self._on_prompt, depth,
-                                                                 callback_group=prompts)),
-            (self.destroy_service, self.create_service(Trigger, "~/reset", self._on_reset, callback_group=services)),
-            (self.destroy_service, self.create_service(Trigger, "~/cancel", self._on_cancel, callback_group=services)),
             (self.destroy_timer, self.create_timer(1.0, self._publish_diagnostics, callback_group=diagnostics)),
-        ]  # fmt: skip
+        ]
+        for ch in self._channels.values():
+            self._serving_entities += [
+                (self.destroy_subscription, self.create_subscription(
+                    String, ch.topic("prompt"), functools.partial(self._on_prompt, ch), depth, callback_group=prompts)),
+                (self.destroy_service, self.create_service(
+                    Trigger, ch.service("reset"), functools.partial(self._on_reset, ch), callback_group=services)),
+                (self.destroy_service, self.create_service(
+                    Trigger, ch.service("cancel"), functools.partial(self._on_cancel, ch), callback_group=services)),
+            ]  # fmt: skip
         with self._status_lock:
-            self._ready_announced = False
+            self._ready_announced = set()
         self._refusing = None
         self._worker.start()
         described = self._describe()
@@ -251,16 +248,19 @@ class VlmServing:
             destroy(entity)
         self._serving_entities = []
         self._worker.stop(timeout_s, why)
-        self._outputs.token_stream.flush(timeout_s)
-        for publisher in (self._status_pub, self._tokens_pub, self._response_pub):
+        for ch in self._channels.values():
+            ch.token_stream.flush(timeout_s)
+        for publisher in (p for ch in self._channels.values() for p in ch.publishers):
             publisher.wait_for_all_acked(Duration(seconds=1.0))
         self.destroy_timer(self._ready_timer)
 
     def _unload(self) -> None:
         """Free the model and everything that lived as long as it (after :meth:`_close`)."""
-        self._outputs.token_stream.close()
-        for publisher in (self._tokens_pub, self._response_pub, self._status_pub, self._diag_pub):
+        for ch in self._channels.values():
+            ch.token_stream.close()
+        for publisher in (*(p for ch in self._channels.values() for p in ch.publishers), self._diag_pub):
             self._destroy_publisher(publisher)
+        self._channels = {}
         device = self._engine.device
         self._engine = self._worker = None
         gc.collect()
@@ -273,18 +273,18 @@ class VlmServing:
     def _announce_ready(self) -> None:
         """The first status event: the node serves, and which attention path and KV pool it runs with.
 
-        A prompt's first event announces it at once if it comes sooner (see ``_publish_status``).
+        A prompt's first event announces it at once if it comes sooner (see ``_on_channel_status``).
         """
         now = time.monotonic()
         with self._status_lock:
-            announced = self._ready_announced
-        if not announced and now < self._ready_deadline:
-            if self._status_pub.get_subscription_count() > 0:
+            waiting = [ch for ch in self._channels.values() if ch.name not in self._ready_announced]
+        if waiting and now < self._ready_deadline:
+            if all(ch.status_pub.get_subscription_count() > 0 for ch in waiting):
                 self._ready_deadline = min(self._ready_deadline, now + READY_SETTLE_S)
             return
         self.destroy_timer(self._ready_timer)
-        if not announced:
-            self._publish_status("ready", None, note=self._ready_note)
+        for ch in waiting:
+            ch.status("ready", None, note=self._ready_note)
 
     # ---------------------------------------------------------------- inputs (executor threads)
 
@@ -296,7 +296,7 @@ class VlmServing:
             rgb = self._converter.image_to_rgb(msg, int(self._values["image_max_input_pixels"]))
             self._frames.set(topic, rgb, stamp)
         except ImageConversionError as exc:
-            self._report_image_error(f"image rejected{self._from(topic)}: {exc}", stamp)
+            self._report_image_error(topic, f"image rejected{self._from(topic)}: {exc}", stamp)
 
     def _on_compressed(self, topic: str, msg: CompressedImage) -> None:
         if float(self._values["image_max_age_s"]) <= 0:
@@ -306,13 +306,14 @@ class VlmServing:
             rgb = self._converter.compressed_to_rgb(msg, int(self._values["image_max_input_pixels"]))
             self._frames.set(topic, rgb, stamp)
         except ImageConversionError as exc:
-            self._report_image_error(f"compressed image rejected{self._from(topic)}: {exc}", stamp)
+            self._report_image_error(topic, f"compressed image rejected{self._from(topic)}: {exc}", stamp)
 
     def _from(self, topic: str) -> str:
         """`` from <topic>`` when there are several cameras to tell apart."""
         return f" from {topic}" if len(self._frames.topics) > 1 else ""
 
-    def _report_image_error(self, error: str, stamp: float) -> None:
+    def _report_image_error(self, topic: str, error: str, stamp: float) -> None:
+        """Log and tell the channels that look at ``topic`` (identical errors at most once a second)."""
         now = time.monotonic()
         if now - self._image_errors.get(error, -1e9) < IMAGE_ERROR_INTERVAL_S:
             return
@@ -320,19 +321,21 @@ class VlmServing:
             self._image_errors = {k: t for k, t in self._image_errors.items() if now - t < IMAGE_ERROR_INTERVAL_S}
         self._image_errors[error] = now
         self.get_logger().warning(error)
-        self._publish_status("error", None, error=error, image_stamp=stamp)
+        for ch in self._channels.values():
+            if topic in channel_values(self._values, ch.name)["image_topics"]:
+                ch.status("error", None, error=error, image_stamp=stamp)
 
-    def _on_prompt(self, msg: String) -> None:
+    def _on_prompt(self, ch: Channel, msg: String) -> None:
         with self._lock:
             self._request_counter += 1
-            request_id = f"req-{self._request_counter}"
-            values = dict(self._values)
+            request_id = f"{ch.name}-req-{self._request_counter}" if ch.name else f"req-{self._request_counter}"
+            values = channel_values(self._values, ch.name)
         text = msg.data
         refused = prompt_problem(text) or (self._refusing and f"{self._refusing}: prompt not accepted")
         if refused:
-            self._publish_status("error", request_id, finish_reason="error", error=refused)
+            ch.status("error", request_id, finish_reason="error", error=refused)
             return
-        frames = self._frames.pick(float(values["image_max_age_s"]))
+        frames = self._frames.pick(float(values["image_max_age_s"]), values["image_topics"])
         system_prompt = str(values["system_prompt"]) or None
         item = PendingPrompt(
             request_id=request_id,
@@ -341,9 +344,10 @@ class VlmServing:
             system_prompt=system_prompt,
             frames=frames,
             accepted_at=time.monotonic(),
+            channel=ch.name,
         )
         # accepted goes out before the item is visible to the worker, so it always precedes started.
-        self._publish_status("accepted", request_id, note=frames.note, **item.image_fields())
+        ch.status("accepted", request_id, note=frames.note, **item.image_fields())
         for dropped in self._queue.put(item):
             self._publish_dropped(
                 dropped, f"queue full (max_queue={self._queue.max_size}): oldest waiting prompt dropped"
@@ -351,18 +355,17 @@ class VlmServing:
 
     # ---------------------------------------------------------------- services
 
-    def _on_reset(self, _request: Trigger.Request, response: Trigger.Response) -> Trigger.Response:
+    def _on_reset(self, ch: Channel, _request: Trigger.Request, response: Trigger.Response) -> Trigger.Response:
         with self._lock:
-            old = self._session_id
-            self._session_id = self._new_session_id()
-        self._worker.queue_changes({}, reset_session=old)
+            old, ch.session_id = ch.session_id, self._new_session_id()
+        self._worker.queue_changes({}, reset_sessions=[old])
         response.success = True
         response.message = "conversation reset: the next prompt starts a new session"
         return response
 
-    def _on_cancel(self, _request: Trigger.Request, response: Trigger.Response) -> Trigger.Response:
-        current = self._worker.cancel_running()
-        waiting = self._queue.drain()
+    def _on_cancel(self, ch: Channel, _request: Trigger.Request, response: Trigger.Response) -> Trigger.Response:
+        current = self._worker.cancel_running(ch.name)
+        waiting = self._queue.drain(ch.name)
         for item in waiting:
             self._publish_dropped(item, "cancelled by ~/cancel before it started")
         response.success = True
@@ -385,7 +388,7 @@ class VlmServing:
             return SetParametersResult(successful=not reason, reason=reason or "")
         pending = self._worker.pending_changes()
         after = {**current, **changes}
-        if not reason and changes.keys() & {"max_context_tokens", "system_prompt"}:
+        if not reason and any(name.rpartition(".")[2] in ("max_context_tokens", "system_prompt") for name in changes):
             reason = self._context_problem(after)
         if reason:
             return SetParametersResult(successful=False, reason=reason)
@@ -394,37 +397,43 @@ class VlmServing:
         engine_changes = {
             name: value for name, value in after_kw.items() if name in changes or value != before_kw[name]
         }
-        to_validate: dict[str, Any] = {**pending, **engine_changes}
-        if changes.keys() & set(SAMPLING_FIELDS):
-            to_validate["sampling"] = sampling_params(after)  # checked now, used per request
-        if to_validate:
-            try:
-                self._engine.validate_changes(**to_validate)
-            except ValueError as exc:
-                return SetParametersResult(successful=False, reason=str(exc))
-        reset = None
+        try:
+            if pending or engine_changes:
+                self._engine.validate_changes(**pending, **engine_changes)
+            if any(name.rpartition(".")[2] in SAMPLING_FIELDS for name in changes):
+                for channel in self._channels:  # checked now, used per request
+                    self._engine.validate_changes(sampling=sampling_params(channel_values(after, channel)))
+        except ValueError as exc:
+            return SetParametersResult(successful=False, reason=str(exc))
+        resets = []
         with self._lock:
             self._values.update(changes)
             if "multi_turn" in changes and bool(changes["multi_turn"]) != bool(current["multi_turn"]):
-                reset, self._session_id = self._session_id, self._new_session_id()
+                for ch in self._channels.values():
+                    resets.append(ch.session_id)
+                    ch.session_id = self._new_session_id()
         if "token_publish_period_ms" in changes:
-            self._outputs.token_stream.set_period(int(changes["token_publish_period_ms"]) / 1e3)
+            for ch in self._channels.values():
+                ch.token_stream.set_period(int(changes["token_publish_period_ms"]) / 1e3)
         if "max_queue" in changes:
             for dropped in self._queue.set_max_size(int(changes["max_queue"])):
                 self._publish_dropped(dropped, f"max_queue lowered to {changes['max_queue']}")
-        self._worker.queue_changes(engine_changes, reset_session=reset)
+        self._worker.queue_changes(engine_changes, reset_sessions=resets)
         return SetParametersResult(successful=True)
 
     def _context_problem(self, values: Mapping[str, Any]) -> str | None:
-        """Why ``max_context_tokens`` cannot hold any prompt with this ``system_prompt``, or None."""
-        floor = self._engine.shortest_prompt_tokens(str(values["system_prompt"]) or None)
+        """Why ``max_context_tokens`` cannot hold any prompt with a channel's ``system_prompt``, or None."""
         limit = int(values["max_context_tokens"])
-        if limit >= floor + 2:
-            return None
-        return (
-            f"max_context_tokens={limit} leaves no room for a question: the chat template and system prompt "
-            f"alone take {floor} tokens, and a question and its answer need at least one token each"
-        )
+        for channel in channel_list(values):
+            system_prompt = str(channel_values(values, channel)["system_prompt"]) or None
+            floor = self._engine.shortest_prompt_tokens(system_prompt)
+            if limit < floor + 2:
+                whose = f"channel {channel}'s system prompt" if channel else "system prompt"
+                return (
+                    f"max_context_tokens={limit} leaves no room for a question: the chat template and {whose} "
+                    f"alone take {floor} tokens, and a question and its answer need at least one token each"
+                )
+        return None
 
     def _revert(self, applied: Mapping[str, Any]) -> None:
         """Put the parameters of a failed reconfiguration back to what the engine really runs."""
@@ -432,24 +441,26 @@ class VlmServing:
         if revert:
             self.set_parameters(revert)
 
-    def _current_session(self) -> str | None:
-        """The conversation a prompt joins when it starts (after any pending reset); None without multi_turn."""
+    def _current_session(self, channel: str) -> str | None:
+        """The channel's conversation a prompt joins when it starts (after any pending reset); None without
+        multi_turn."""
         with self._lock:
-            return self._session_id if self._values["multi_turn"] else None
+            return self._channels[channel].session_id if self._values["multi_turn"] else None
 
     # ---------------------------------------------------------------- reporting
 
-    def _publish_status(self, event: str, request_id: str | None, **fields: Any) -> None:
-        """Publish one event; ``ready`` always comes first, whichever thread reports first."""
+    def _on_channel_status(self, ch: Channel, event: str, request_id: str | None, fields: dict[str, Any]) -> None:
+        """Publish one event on the channel's status; ``ready`` always comes first, whichever thread reports
+        first."""
         with self._status_lock:
-            if not self._ready_announced:
-                self._ready_announced = True
+            if ch.name not in self._ready_announced:
+                self._ready_announced.add(ch.name)
                 if event != "ready":
-                    self._status_pub.publish(String(data=status_json("ready", None, note=self._ready_note)))  # type: ignore[arg-type]
-            self._status_pub.publish(String(data=status_json(event, request_id, **fields)))  # type: ignore[arg-type]
+                    ch.status_pub.publish(String(data=status_json("ready", None, note=self._ready_note)))  # type: ignore[arg-type]
+            ch.status_pub.publish(String(data=status_json(event, request_id, **fields)))  # type: ignore[arg-type]
 
     def _publish_dropped(self, item: PendingPrompt, why: str) -> None:
-        self._publish_status("dropped", item.request_id, note=why, **item.image_fields())
+        self._channels[item.channel].status("dropped", item.request_id, note=why, **item.image_fields())
 
     def _describe(self) -> dict[str, Any]:
         try:
@@ -462,8 +473,16 @@ class VlmServing:
         state = "generating" if worker.current_id else "idle"
         described = self._describe()
         level, message, values = engine_diagnostics(
-            described, state, len(self._queue), worker.completed, worker.last_metrics
+            described, state, len(self._queue), sum(worker.completed.values()), worker.last_metrics
         )
+        if len(self._channels) > 1 or "" not in self._channels:
+            for ch in self._channels.values():
+                prefix = f"channel.{ch.name}."
+                values += [
+                    (prefix + "state", "generating" if worker.current_channel == ch.name else "idle"),
+                    (prefix + "queue_waiting", str(self._queue.waiting(ch.name))),
+                    (prefix + "requests_completed", str(worker.completed.get(ch.name, 0))),
+                ]
         status = DiagnosticStatus(name=f"{self.get_name()}: engine", level=level, message=message)
         status.values = [KeyValue(key=k, value=v) for k, v in values]
         status.hardware_id = str(described.get("device", NODE_NAME))
@@ -487,4 +506,5 @@ class VlmNode(VlmServing, Node):
     def shutdown(self, why: str, timeout_s: float = 2.0) -> None:
         """Stop in order while the ROS context can still publish (see :meth:`VlmServing._close`)."""
         self._close(why, timeout_s)
-        self._outputs.token_stream.close(timeout_s)
+        for ch in self._channels.values():
+            ch.token_stream.close(timeout_s)

@@ -27,6 +27,7 @@ RUNTIME_ENGINE_FIELDS: tuple[str, ...] = tuple(
     s.name for s in settings.settings_for("engine") if s.applies != "read_only"
 )
 SAMPLING_FIELDS: tuple[str, ...] = tuple(s.name for s in settings.settings_for("sampling"))
+CHANNEL_FIELDS: tuple[str, ...] = tuple(s.name for s in settings.CHANNEL_SETTINGS)
 
 
 def defaults() -> dict[str, Value]:
@@ -38,14 +39,31 @@ def check_changes(changes: Mapping[str, Any]) -> str | None:
 
     rclpy already enforces types, ranges and read-only flags from the descriptors; choices (``dtype``)
     have no descriptor field, so they are checked here. Everything beyond bounds is the engine's:
-    ``Engine.validate_changes``.
+    ``Engine.validate_changes``. A channel's override (``arm.max_new_tokens``) is checked as the setting it
+    overrides; None (not set) means "the node-wide value".
     """
-    return settings.problem(changes)
+    for name, value in changes.items():
+        channel, _, base = name.rpartition(".")
+        if channel and base not in CHANNEL_FIELDS:
+            return f"unknown setting {name!r}"
+        if channel and value is None:
+            continue
+        reason = settings.problem({base: value})
+        if reason:
+            return f"{channel}.{reason}" if channel else reason
+    return None
+
+
+def channel_values(values: Mapping[str, Any], channel: str) -> dict[str, Any]:
+    """The values a channel's prompts use: the node-wide ones, with the channel's overrides that are set."""
+    overrides = {name: values.get(f"{channel}.{name}") for name in CHANNEL_FIELDS} if channel else {}
+    return {**values, **{name: value for name, value in overrides.items() if value is not None}}
 
 
 def max_sessions(values: Mapping[str, Any]) -> int:
-    """The conversations the node keeps: one with ``multi_turn``, else none (the KV pool is sized for it)."""
-    return 1 if values["multi_turn"] else 0
+    """The conversations the node keeps: one per channel with ``multi_turn``, else none (the KV pool is sized
+    for them)."""
+    return max(1, len(values["channels"])) if values["multi_turn"] else 0
 
 
 def engine_kwargs(values: Mapping[str, Any], names: tuple[str, ...] = ENGINE_FIELDS) -> dict[str, Any]:
@@ -64,28 +82,55 @@ def engine_config(values: Mapping[str, Any]) -> EngineConfig:
 
 
 def declare_parameters(node: Any) -> dict[str, Value]:
-    """Declare every setting on ``node`` with a descriptor; return the resulting values.
+    """Declare every setting on ``node`` with a descriptor, then each channel's overrides
+    (``<channel>.<name>``, declared without a value: not set = the node-wide value); return the values
+    (an override not set is None).
 
     Integer and float ranges go into the descriptor (so ``ros2 param describe`` shows them and rclpy
     refuses out-of-range values itself); choices and units are written into ``additional_constraints``.
+    A list whose default is empty is declared by type, since rclpy cannot tell an empty list's type.
     """
-    from rcl_interfaces.msg import FloatingPointRange, IntegerRange, ParameterDescriptor
-
     values: dict[str, Value] = {}
     for s in SETTINGS:
-        descriptor = ParameterDescriptor(name=s.name, description=s.description, read_only=s.applies == "read_only")
-        notes = [f"one of: {', '.join(s.choices)}"] if s.choices else []
-        notes += [f"unit: {s.unit}"] if s.unit else []
-        notes += [f"{s.min}..{s.max} distinct names"] if s.type is list else []
-        notes += [f"applies: {settings.APPLIES_TEXT[s.applies]}"]
-        descriptor.additional_constraints = "; ".join(notes)
-        if s.min is not None and s.max is not None and s.type is not list:
-            if s.type is float:
-                descriptor.floating_point_range = [
-                    FloatingPointRange(from_value=float(s.min), to_value=float(s.max), step=0.0)
-                ]
-            else:
-                descriptor.integer_range = [IntegerRange(from_value=int(s.min), to_value=int(s.max), step=1)]
-        param = node.declare_parameter(s.name, defaults()[s.name], descriptor)
-        values[s.name] = list(param.value) if s.type is list else param.value
+        default = defaults()[s.name]
+        typed = _parameter_type(s.type) if default == [] else default
+        param = node.declare_parameter(s.name, typed, _descriptor(s, s.name))
+        values[s.name] = _value(s, param.value)
+    for channel in values["channels"]:
+        for s in settings.CHANNEL_SETTINGS:
+            name = f"{channel}.{s.name}"
+            param = node.declare_parameter(name, _parameter_type(s.type), _descriptor(s, name, channel))
+            values[name] = None if param.value is None else _value(s, param.value)
     return values
+
+
+def _descriptor(s: settings.Setting, name: str, channel: str = "") -> Any:
+    from rcl_interfaces.msg import FloatingPointRange, IntegerRange, ParameterDescriptor
+
+    description = f"channel {channel}: {s.description}; not set = the node-wide {s.name}" if channel else s.description
+    descriptor = ParameterDescriptor(name=name, description=description, read_only=s.applies == "read_only")
+    notes = [f"one of: {', '.join(s.choices)}"] if s.choices else []
+    notes += [f"unit: {s.unit}"] if s.unit else []
+    notes += [f"{s.min}..{s.max} distinct names"] if s.type is list else []
+    notes += [f"applies: {settings.APPLIES_TEXT[s.applies]}"]
+    descriptor.additional_constraints = "; ".join(notes)
+    if s.min is not None and s.max is not None and s.type is not list:
+        if s.type is float:
+            descriptor.floating_point_range = [
+                FloatingPointRange(from_value=float(s.min), to_value=float(s.max), step=0.0)
+            ]
+        else:
+            descriptor.integer_range = [IntegerRange(from_value=int(s.min), to_value=int(s.max), step=1)]
+    return descriptor
+
+
+def _value(s: settings.Setting, value: Any) -> Value:
+    """A declared parameter's value as the schema types it (a string array as a list; not set as empty)."""
+    return list(value or ()) if s.type is list else value
+
+
+def _parameter_type(python_type: type) -> Any:
+    from rclpy.parameter import Parameter
+
+    return {bool: Parameter.Type.BOOL, int: Parameter.Type.INTEGER, float: Parameter.Type.DOUBLE,
+            str: Parameter.Type.STRING, list: Parameter.Type.STRING_ARRAY}[python_type]  # fmt: skip

@@ -1,9 +1,14 @@
-"""The node's bounded prompt queue: the newest prompts win.
+"""The node's bounded prompt queue: the newest prompts win, and no channel waits behind another's burst.
 
 Why drop the *oldest*: on a robot a question asked a while ago about an old camera frame is worth
 less than the one just asked, and a bounded queue keeps the latency of the newest prompt bounded.
 Every dropped item is returned to the caller so it can publish a ``dropped`` event for it; nothing
 disappears silently.
+
+Why one queue per channel, taken in turn: the askers (manipulation, navigation, an operator UI) share one
+model; each channel's bound is its own (a chatty asker drops its own oldest prompts, never another's) and
+the worker takes the channels round-robin, so a burst on one channel delays another's prompt by at most one
+answer per channel ahead of it.
 
 Plain Python (no ROS), shared between the subscription callbacks (put) and the worker thread (get).
 """
@@ -33,6 +38,7 @@ class PendingPrompt:
     system_prompt: str | None
     frames: PickedFrames = PickedFrames()  # the cameras' frames it asks about, and why others are missing
     accepted_at: float = 0.0  # time.monotonic()
+    channel: str = ""  # the asker's channel; "" = the node's only one
 
     @property
     def note(self) -> str | None:
@@ -44,28 +50,33 @@ class PendingPrompt:
 
 
 class RequestQueue:
-    """Thread-safe FIFO with a bound; ``put`` beyond the bound evicts the oldest waiting items."""
+    """Thread-safe FIFO per channel with a bound each; ``put`` beyond the bound evicts the channel's oldest
+    waiting items; ``get`` takes the channels in turn."""
 
     def __init__(self, max_size: int) -> None:
         if max_size < 1:
             raise ValueError(f"max_queue must be >= 1, got {max_size}")
-        self._items: deque[PendingPrompt] = deque()
+        self._items: dict[str, deque[PendingPrompt]] = {}  # channel -> its waiting prompts; order = turn order
         self._max = max_size
         self._cond = threading.Condition()
         self._wakeups = 0
 
     def __len__(self) -> int:
         with self._cond:
-            return len(self._items)
+            return sum(len(items) for items in self._items.values())
+
+    def waiting(self, channel: str) -> int:
+        with self._cond:
+            return len(self._items.get(channel, ()))
 
     @property
     def max_size(self) -> int:
         return self._max
 
     def put(self, item: PendingPrompt) -> list[PendingPrompt]:
-        """Append ``item``; return the items evicted to respect the bound (oldest first)."""
+        """Append ``item`` to its channel; return the items evicted to respect the bound (oldest first)."""
         with self._cond:
-            self._items.append(item)
+            self._items.setdefault(item.channel, deque()).append(item)
             dropped = self._trim()
             self._cond.notify_all()
             return dropped
@@ -79,18 +90,27 @@ class RequestQueue:
             return self._trim()
 
     def get(self, timeout: float) -> PendingPrompt | None:
-        """The oldest item, waiting up to ``timeout`` s; None on timeout or after :meth:`wake`."""
+        """The oldest item of the next channel in turn that has one, waiting up to ``timeout`` s; None on
+        timeout or after :meth:`wake`. The channel served goes to the back of the turn order."""
         with self._cond:
             seen = self._wakeups
-            if not self._items:
-                self._cond.wait_for(lambda: self._items or self._wakeups != seen, timeout=timeout)
-            return self._items.popleft() if self._items else None
+            self._cond.wait_for(lambda: self._has_items() or self._wakeups != seen, timeout=timeout)
+            for channel, items in self._items.items():
+                if items:
+                    item = items.popleft()
+                    del self._items[channel]
+                    self._items[channel] = items  # dicts keep insertion order: now last in turn
+                    return item
+            return None
 
-    def drain(self) -> list[PendingPrompt]:
-        """Remove and return every waiting item."""
+    def drain(self, channel: str | None = None) -> list[PendingPrompt]:
+        """Remove and return every waiting item (of ``channel`` only, when given)."""
         with self._cond:
-            items = list(self._items)
-            self._items.clear()
+            items = []
+            for name, waiting in self._items.items():
+                if channel is None or name == channel:
+                    items += waiting
+                    waiting.clear()
             return items
 
     def wake(self) -> None:
@@ -99,8 +119,12 @@ class RequestQueue:
             self._wakeups += 1
             self._cond.notify_all()
 
+    def _has_items(self) -> bool:
+        return any(self._items.values())
+
     def _trim(self) -> list[PendingPrompt]:
-        dropped: list[PendingPrompt] = []
-        while len(self._items) > self._max:
-            dropped.append(self._items.popleft())
+        dropped = []
+        for items in self._items.values():
+            while len(items) > self._max:
+                dropped.append(items.popleft())
         return dropped

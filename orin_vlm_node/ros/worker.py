@@ -3,8 +3,8 @@
 Why one thread: generation takes seconds and the engine serves one request at a time, so ROS callbacks
 only enqueue work (prompts in the :class:`~.request_queue.RequestQueue`, engine changes and session resets
 here) or flag a cancellation; the worker applies the queued changes between two requests and runs the
-prompts one after another, publishing through :class:`Outputs`. ``Engine.cancel`` is the only engine call
-made from another thread (it is thread-safe by contract).
+prompts one after another (the channels in turn), publishing each through its channel's :class:`Outputs`.
+``Engine.cancel`` is the only engine call made from another thread (it is thread-safe by contract).
 
 No rclpy import: the node passes its publishing functions in.
 """
@@ -15,7 +15,7 @@ import logging
 import re
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -52,11 +52,13 @@ class Outputs(Protocol):
 
 @dataclass
 class WorkerState:
-    """What diagnostics read: the running request, the last request's metrics, how many completed."""
+    """What diagnostics read: the running request and its channel, the last request's metrics, how many
+    completed (per channel)."""
 
     current_id: str | None
+    current_channel: str | None
     last_metrics: dict[str, float]
-    completed: int
+    completed: dict[str, int]
 
 
 class Worker:
@@ -66,24 +68,24 @@ class Worker:
         self,
         engine: Engine,
         queue: RequestQueue,
-        outputs: Outputs,
+        outputs: Mapping[str, Outputs],
         applied: Mapping[str, Any],
         revert: Callable[[Mapping[str, Any]], None],
-        session_id: Callable[[], str | None],
+        session_id: Callable[[str], str | None],
     ) -> None:
         self.engine = engine
         self.queue = queue
-        self.outputs = outputs
+        self.outputs = dict(outputs)  # channel -> where its answers go; node-wide events go to every channel
         self._revert = revert  # puts parameters back to the values the engine really runs
-        self._session_id = session_id  # the conversation a prompt joins when it starts (None: none kept)
+        self._session_id = session_id  # a channel's conversation a prompt joins when it starts (None: none kept)
         self._lock = threading.Lock()
         self._applied = dict(applied)  # engine settings in effect
         self._pending: dict[str, Any] = {}
         self._resets: list[str] = []
-        self._current_id: str | None = None
+        self._current: PendingPrompt | None = None
         self._cancelled: set[str] = set()
         self._last_metrics: dict[str, float] = {}
-        self._completed = 0
+        self._completed = dict.fromkeys(self.outputs, 0)
         self._stopping = threading.Event()
         self._stop_reason = ""
         self._thread: threading.Thread | None = None
@@ -102,27 +104,32 @@ class Worker:
         with self._lock:
             return dict(self._pending)
 
-    def queue_changes(self, engine_changes: Mapping[str, Any], reset_session: str | None = None) -> None:
-        """Engine settings (validated already) and a session to forget, applied before the next prompt."""
+    def queue_changes(self, engine_changes: Mapping[str, Any], reset_sessions: Sequence[str] = ()) -> None:
+        """Engine settings (validated already) and sessions to forget, applied before the next prompt."""
         with self._lock:
             self._pending.update(engine_changes)
-            if reset_session is not None:
-                self._resets.append(reset_session)
+            self._resets += reset_sessions
         self.queue.wake()
 
-    def cancel_running(self) -> str | None:
-        """Cancel the running prompt (if any); its id."""
+    def cancel_running(self, channel: str | None = None) -> str | None:
+        """Cancel the running prompt (if any; of ``channel`` only, when given); its id."""
         with self._lock:
-            current = self._current_id
-            if current is not None:
-                self._cancelled.add(current)
-        if current is not None:
-            self.engine.cancel(current)
-        return current
+            current = self._current
+            if current is None or (channel is not None and current.channel != channel):
+                return None
+            self._cancelled.add(current.request_id)
+        self.engine.cancel(current.request_id)
+        return current.request_id
 
     def state(self) -> WorkerState:
         with self._lock:
-            return WorkerState(self._current_id, dict(self._last_metrics), self._completed)
+            current = self._current
+            return WorkerState(
+                current.request_id if current else None,
+                current.channel if current else None,
+                dict(self._last_metrics),
+                dict(self._completed),
+            )
 
     def stop(self, timeout_s: float, why: str) -> None:
         """End every prompt with its terminal event: the waiting ones ``dropped`` (``why``), the running one
@@ -132,18 +139,25 @@ class Worker:
         self._stopping.set()
         for item in self.queue.drain():
             self._drop(item, why)
+        with self._lock:
+            running = self._current
         current = self.cancel_running()
         self.queue.wake()
         if self._thread is not None:
             self._thread.join(timeout=timeout_s)
         for item in self.queue.drain():  # accepted by a callback that ran while the worker stopped
             self._drop(item, why)
-        if self._thread is not None and self._thread.is_alive() and current is not None:
-            self.outputs.status("error", current, finish_reason="error", error=f"{why}: the request did not stop "
-                                f"within {timeout_s:g} s and was abandoned")  # fmt: skip
+        if self._thread is not None and self._thread.is_alive() and running is not None and current is not None:
+            self.outputs[running.channel].status("error", current, finish_reason="error", error=f"{why}: the request "
+                                                 f"did not stop within {timeout_s:g} s and was abandoned")  # fmt: skip
 
     def _drop(self, item: PendingPrompt, why: str) -> None:
-        self.outputs.status("dropped", item.request_id, note=why, **item.image_fields())
+        self.outputs[item.channel].status("dropped", item.request_id, note=why, **item.image_fields())
+
+    def _broadcast(self, event: str, **fields: Any) -> None:
+        """A node-wide event (not about one prompt) on every channel's status."""
+        for outputs in self.outputs.values():
+            outputs.status(event, None, **fields)
 
     # -- the thread ---------------------------------------------------------------------------------
     def _loop(self) -> None:
@@ -160,10 +174,11 @@ class Worker:
                 self._run(item)
             except Exception as exc:  # a bug must cost one request, never the node
                 log.error("request %s failed: %r", item.request_id, exc)
-                self.outputs.status("error", item.request_id, finish_reason="error", error=f"internal error: {exc!r}")
+                error = f"internal error: {exc!r}"
+                self.outputs[item.channel].status("error", item.request_id, finish_reason="error", error=error)
             finally:
                 with self._lock:
-                    self._current_id = None
+                    self._current = None
                     self._cancelled.discard(item.request_id)
 
     def _apply_pending(self) -> None:
@@ -184,47 +199,48 @@ class Worker:
         except Exception as exc:
             error = f"reconfigure {changes} failed, parameters reverted: {exc}"
             log.error("%s", error)
-            self.outputs.status("error", None, error=error, changes=changes)
+            self._broadcast("error", error=error, changes=changes)
             self._revert({k: self._applied[k] for k in changes if k in self._applied})
             return
         self._applied.update(changes)
         log.info("reconfigured: %s", changes)
-        self.outputs.status("reconfigured", None, changes=changes, note=backend_summary(self.engine.describe()))
+        self._broadcast("reconfigured", changes=changes, note=backend_summary(self.engine.describe()))
 
     def _run(self, item: PendingPrompt) -> None:
         with self._lock:
-            self._current_id = item.request_id
+            self._current = item
             cancelled = item.request_id in self._cancelled
         if cancelled:
             self._drop(item, "cancelled by ~/cancel before it started")
             return
         queue_wait = time.monotonic() - item.accepted_at
-        self.outputs.status("started", item.request_id, **item.image_fields())
+        outputs = self.outputs[item.channel]
+        outputs.status("started", item.request_id, **item.image_fields())
         try:
-            finished = self._generate(item)
+            finished = self._generate(item, outputs)
         finally:
-            self.outputs.end_tokens()
+            outputs.end_tokens()
         metrics = {**finished.metrics, "queue_wait_s": queue_wait}
         with self._lock:
             self._last_metrics = metrics
-            self._completed += 1
+            self._completed[item.channel] += 1
         if finished.finish_reason == "error":
-            self.outputs.status("error", item.request_id, finish_reason="error",
-                                error=finished.error or "generation failed", metrics=metrics,
+            outputs.status("error", item.request_id, finish_reason="error",
+                           error=finished.error or "generation failed", metrics=metrics,
                                 **item.image_fields())  # fmt: skip
             return
-        self.outputs.response(wire_text(finished.text))
+        outputs.response(wire_text(finished.text))
         stopped = self._stopping.is_set() and finished.finish_reason == "cancelled"
-        self.outputs.status("finished", item.request_id, finish_reason=finished.finish_reason, error=finished.error,
-                            metrics=metrics, note=self._stop_reason if stopped else item.note,
-                            **item.image_fields())  # fmt: skip
+        outputs.status("finished", item.request_id, finish_reason=finished.finish_reason, error=finished.error,
+                       metrics=metrics, note=self._stop_reason if stopped else item.note,
+                       **item.image_fields())  # fmt: skip
 
-    def _generate(self, item: PendingPrompt) -> Finished:
+    def _generate(self, item: PendingPrompt, outputs: Outputs) -> Finished:
         request = Request(
             turn=Turn(text=item.text, images=item.frames.images),
             sampling=item.sampling,
             system_prompt=item.system_prompt,
-            session_id=self._session_id(),
+            session_id=self._session_id(item.channel),
             request_id=item.request_id,
         )
         finished: Finished | None = None
@@ -236,7 +252,7 @@ class Worker:
                 cancel_sent = True
             if isinstance(event, TextDelta):
                 if event.text:
-                    self.outputs.tokens(wire_text(event.text))
+                    outputs.tokens(wire_text(event.text))
             elif isinstance(event, Finished):
                 finished = event
         if finished is None:
