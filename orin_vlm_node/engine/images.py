@@ -106,7 +106,7 @@ def encode_needed(
     missing = [i for i in wanted if per_image[i] is None]
     fresh = _encode(model, batch, missing) if missing else None
     row = 0
-    for i in missing:
+    for i in missing if cache.capacity > 0 else ():  # with the cache off the batch is used as it came
         one = fresh.rows(row, row + counts[i])
         row += counts[i]
         if len(missing) > 1:  # an entry must not keep the whole batch's storage alive
