@@ -136,7 +136,7 @@ def _engine(model_dir: Path, dtype: str, cache_dir: str, **overrides):
     from orin_vlm_node.engine import Engine, EngineConfig
 
     config = dict(
-        model_path=str(model_dir), device="cuda", dtype=dtype, prefix_caching=False, max_sessions=0,
+        model_path=str(model_dir), device="cuda", dtype=dtype, prefix_caching=False, max_sessions=0, max_batch=1,
         kernel_cache_dir=cache_dir, max_context_tokens=4096,
     )  # fmt: skip
     return Engine(EngineConfig(**(config | overrides)))

@@ -30,7 +30,7 @@ def main() -> int:
 
     model_dir, h, w, n, dtype = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), sys.argv[5]
     after_import = vm_kib("VmRSS")
-    engine = Engine(EngineConfig(model_path=model_dir, device="cpu", dtype=dtype))
+    engine = Engine(EngineConfig(model_path=model_dir, device="cpu", dtype=dtype, max_batch=1))
     after_load = vm_kib("VmRSS")
     image = np.random.default_rng(0).integers(0, 256, size=(h, w, 3), dtype=np.uint8)
     req = Request(

@@ -32,6 +32,7 @@ def main() -> int:
         kernel_cache_dir=cache_dir,
         max_context_tokens=int(max_context),
         max_sessions=0,
+        max_batch=1,
     )
     engine = Engine(config)
     torch.cuda.synchronize()

@@ -43,7 +43,8 @@ def make_engine(model_dir: Path, dtype: str, **overrides):
     from orin_vlm_node.engine import Engine
     from orin_vlm_node.engine.config import EngineConfig
 
-    return Engine(EngineConfig(model_path=str(model_dir), device="cpu", dtype=dtype, **overrides))
+    config = {"model_path": str(model_dir), "device": "cpu", "dtype": dtype, "max_batch": 1} | overrides
+    return Engine(EngineConfig(**config))  # one request at a time, like transformers' generate
 
 
 def greedy(max_new_tokens: int, ignore_eos: bool = False):

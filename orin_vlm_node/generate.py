@@ -69,7 +69,8 @@ def read_images(paths: Sequence[str]) -> list:
 def _engine(values: dict) -> Engine:
     """Bounds first, from the schema (a typo should not cost a model load), then the engine's own rules."""
     settings.check(values)
-    return Engine(config_from_settings(values, max_sessions=0))  # one request: no conversation to keep
+    # One request: no conversation to keep, nothing to batch with.
+    return Engine(config_from_settings(values, max_sessions=0, max_batch=1))
 
 
 def _report(final: Finished, backend: dict, as_json: bool, verbose: bool) -> int:

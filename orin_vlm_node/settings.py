@@ -124,6 +124,9 @@ SETTINGS: tuple[Setting, ...] = (
     _s("prefix_caching", bool, True, "reuse the KV blocks of an identical prompt prefix (paged only)", E, BETWEEN),
     _s("max_context_tokens", int, 4096, "longest sequence: prompt, image tokens and answer", E, BETWEEN,
        unit="tokens", min=16, max=262_144),
+    _s("max_batch", int, 4, "requests decoded together, one token each per step (continuous batching); the "
+       "automatic KV pool holds this many contexts (a node: at most one per channel)", E, BETWEEN, unit="requests",
+       min=1, max=16),
     _s("prefill_chunk_tokens", int, 512, "a prompt is prefilled in pieces of at most this many tokens (bounds "
        "the attention scratch memory of a long prompt); 0 = in one piece", E, BETWEEN, unit="tokens", min=0,
        max=262_144),

@@ -15,7 +15,7 @@ import torch
 from orin_vlm_node.engine.decode_step import (
     DynamicDecodeStep,
     StaticDecodeStep,
-    build_decode_step,
+    build_decode_steps,
     context_buckets,
 )
 from orin_vlm_node.kvcache import ContiguousKVCache, KVCacheConfig
@@ -93,5 +93,6 @@ def test_context_buckets_double_up_to_the_limit_and_the_step_is_chosen_by_device
         cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, num_blocks=8, max_context_tokens=64
     )
     cache = PagedKVCache(kv)
-    assert isinstance(build_decode_step(model, cache, torch.device("cpu"), use_graphs=True), DynamicDecodeStep)
-    assert build_decode_step(model, cache, torch.device("cpu"), use_graphs=True).describe() == {"step": "dynamic"}
+    one, several = build_decode_steps(model, cache, torch.device("cpu"), use_graphs=True)
+    assert isinstance(one, DynamicDecodeStep) and one is several  # on the CPU one step serves every batch
+    assert one.describe() == {"step": "dynamic"}

@@ -325,7 +325,7 @@ def test_describe_and_auto_device_dtype(engine):
         assert info["device"] == "cpu" and info["dtype"] == "float32"
         assert info["decode_path"] == "torch reference (dynamic step)"
         assert info["kernels"] == "kernels: off (cpu device)" and not info["kernels_degraded"]
-        assert "auto: 2 x 256-token context" in info["kv_pool"]  # the request + max_sessions=1
+        assert "auto: 5 x 256-token context" in info["kv_pool"]  # max_batch=4 requests + max_sessions=1
     _finish(engine, Request(Turn("Go."), GREEDY))
     metrics = engine.describe()["last_metrics"]
     for key in (

@@ -1,5 +1,5 @@
 """Channels: several askers served by one node (one model, one KV pool), each on its own topics and
-services, with its own settings, queue and conversation.
+services, with its own settings, queue and conversation; prompts of different channels decode together.
 
 A node process with ``channels: [arm, nav]`` over real DDS. ``arm`` answers at most 3 tokens
 (``arm.max_new_tokens``), ``nav`` has its own system prompt (``nav.system_prompt``); answers are compared
@@ -79,19 +79,42 @@ def test_each_channel_answers_on_its_own_topics_with_its_own_settings(vlm, refer
     assert len(arm.responses) == arm_responses, "nav's answer reached arm"
 
 
-def test_cancel_on_one_channel_leaves_the_other_running(vlm):
+def test_channels_asking_at_once_decode_together_and_get_their_answers_alone(vlm, reference):
     _, arm, nav = vlm
-    assert all(r.successful for r in nav.set_params({"nav.max_new_tokens": 4000}))
+    long = {"nav.max_new_tokens": 300}  # nav still answers when arm's prompt arrives
+    assert all(r.successful for r in nav.set_params(long))
     try:
-        nav_before, arm_before = len(nav.status), len(arm.status)
+        arm_before, nav_before = len(arm.status), len(nav.status)
         nav.send_prompt(QUESTION)
         nav.wait_for(lambda: [e for e in nav.status[nav_before:] if e["event"] == "started"], 30, "nav started")
-        arm.send_prompt(QUESTION)  # waits behind nav's answer
-        arm.wait_for(lambda: [e for e in arm.status[arm_before:] if e["event"] == "accepted"], 10, "arm accepted")
+        arm.send_prompt("What is ahead?")
+        arm_end = arm.wait_for(lambda: [e for e in arm.status[arm_before:] if e["event"] == "finished"], 60, "arm")
+        nav_end = nav.wait_for(lambda: [e for e in nav.status[nav_before:] if e["event"] == "finished"], 60, "nav")
+    finally:
+        assert all(r.successful for r in nav.set_params({"nav.max_new_tokens": 12}))
+    assert arm_end[0]["metrics"]["batch_size"] == nav_end[0]["metrics"]["batch_size"] == 2
+    assert arm.responses[-1] == reference("arm", "What is ahead?").text
+    assert nav.responses[-1] == reference("nav", QUESTION, **long).text
+
+
+def test_cancel_on_one_channel_leaves_the_other_running(vlm):
+    _, arm, nav = vlm
+    assert all(r.successful for r in nav.set_params({"nav.max_new_tokens": 4000, "arm.max_new_tokens": 4000}))
+    try:
+        nav_before, arm_before, arm_tokens = len(nav.status), len(arm.status), len(arm.tokens)
+        nav.send_prompt(QUESTION)
+        nav.wait_for(lambda: [e for e in nav.status[nav_before:] if e["event"] == "started"], 30, "nav started")
+        arm.send_prompt(QUESTION)  # answered beside nav's, not after it
+        arm.send_prompt(QUESTION)  # waits for arm's first answer
+        started = arm.wait_for(
+            lambda: [e for e in arm.status[arm_before:] if e["event"] == "started"], 30, "arm started"
+        )
+        arm.wait_for(lambda: len(arm.tokens) > arm_tokens, 30, "arm's first tokens")  # decoding beside nav
 
         reply = arm.trigger("cancel")
-        assert reply.success and "nothing running" in reply.message and "dropped 1" in reply.message
-        arm.wait_for(lambda: [e for e in arm.status[arm_before:] if e["event"] == "dropped"], 10, "arm dropped")
+        assert reply.success and started[0]["request_id"] in reply.message and "dropped 1" in reply.message
+        end = arm.wait_for(lambda: [e for e in arm.status[arm_before:] if e["event"] == "finished"], 30, "arm end")
+        assert end[0]["finish_reason"] == "cancelled" and end[0]["metrics"]["batch_size"] == 2
         assert not [e for e in nav.status[nav_before:] if e["event"] in ("finished", "dropped", "error")]
 
         reply = nav.trigger("cancel")
@@ -101,7 +124,7 @@ def test_cancel_on_one_channel_leaves_the_other_running(vlm):
         )
         assert end[0]["finish_reason"] == "cancelled"
     finally:
-        assert all(r.successful for r in nav.set_params({"nav.max_new_tokens": 12}))
+        assert all(r.successful for r in nav.set_params({"nav.max_new_tokens": 12, "arm.max_new_tokens": 3}))
 
 
 def test_each_channel_keeps_its_own_conversation(vlm, reference):

@@ -40,16 +40,21 @@ class Recorder:
 class ScriptedEngine:
     """Streams ``pieces`` (then the rest of an endless answer when ``endless``) until cancelled."""
 
-    def __init__(self, pieces: list[str], endless: bool = False, ignores_cancel: bool = False) -> None:
+    def __init__(
+        self, pieces: list[str], endless: bool = False, ignores_cancel: bool = False, max_batch: int = 1
+    ) -> None:
         self.pieces, self.endless, self.ignores_cancel = pieces, endless, ignores_cancel
+        self.max_batch = max_batch
         self.cancelled: set[str] = set()
         self.started = threading.Event()
+        self.running: set[str] = set()
 
     def cancel(self, request_id: str) -> None:
         self.cancelled.add(request_id)
 
     def generate(self, request: Any):
         self.started.set()
+        self.running.add(request.request_id)
         text = ""
         for piece in self.pieces:
             text += piece
@@ -62,12 +67,15 @@ class ScriptedEngine:
         yield Finished(request.request_id, reason, text, (), {"generated_tokens": len(text)})
 
 
-def prompt(n: int) -> PendingPrompt:
-    return PendingPrompt(request_id=f"req-{n}", text=f"question {n}", sampling=SamplingParams(), system_prompt=None)
+def prompt(n: int, channel: str = "") -> PendingPrompt:
+    return PendingPrompt(
+        request_id=f"{channel}req-{n}", text=f"q {n}", sampling=SamplingParams(), system_prompt=None, channel=channel
+    )
 
 
-def start(engine: ScriptedEngine, queue: RequestQueue, outputs: Recorder) -> Worker:
-    worker = Worker(engine, queue, {"": outputs}, {}, lambda _applied: None, lambda _channel: None)  # type: ignore[arg-type]
+def start(engine: ScriptedEngine, queue: RequestQueue, outputs: Recorder | dict[str, Recorder]) -> Worker:
+    channels = outputs if isinstance(outputs, dict) else {"": outputs}
+    worker = Worker(engine, queue, channels, {}, lambda _applied: None, lambda _channel: None)  # type: ignore[arg-type]
     worker.start()
     return worker
 
@@ -137,3 +145,23 @@ def test_a_stopped_worker_starts_again_and_serves_the_next_prompts():
         worker.stop(2.0, "test over")
     assert outputs.responses == ["hello"]
     assert [e["event"] for e in outputs.events] == ["started", "finished"]
+
+
+def test_channels_answer_side_by_side_one_prompt_each_and_cancel_only_their_own():
+    outputs = {"arm": Recorder(), "nav": Recorder()}
+    queue, engine = RequestQueue(4), ScriptedEngine(["go "], endless=True, max_batch=2)
+    worker = start(engine, queue, outputs)
+    try:
+        for prompt_ in (prompt(1, "arm"), prompt(2, "arm"), prompt(3, "nav")):
+            queue.put(prompt_)
+        wait_until(lambda: engine.running == {"armreq-1", "navreq-3"})  # one per channel, both at once
+        assert sorted(worker.state().running.items()) == [("arm", "armreq-1"), ("nav", "navreq-3")]
+        assert queue.waiting("arm") == 1, "arm's second prompt waits for its first answer"
+        assert worker.cancel_running("nav") == ["navreq-3"]
+        wait_until(lambda: any(e["event"] == "finished" for e in outputs["nav"].events))
+        assert "armreq-1" not in engine.cancelled
+    finally:
+        worker.stop(5.0, "test over")
+    arm_ends = [e for e in outputs["arm"].events if e["event"] in TERMINAL]
+    assert {e["request_id"]: e["event"] for e in arm_ends} == {"armreq-1": "finished", "armreq-2": "dropped"}
+    assert not [e for e in outputs["nav"].events if e["request_id"] and e["request_id"].startswith("arm")]

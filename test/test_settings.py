@@ -36,8 +36,9 @@ def test_sampling_settings_are_sampling_params_fields():
 
 def test_config_from_settings_round_trips_every_engine_value():
     values = settings.defaults() | {"page_size": 32, "kv_pool_mb": 64, "use_cuda_graph": False, "top_k": 5}
-    config = config_from_settings(values, max_sessions=2)
+    config = config_from_settings(values, max_sessions=2, max_batch=3)
     assert (config.page_size, config.kv_pool_mb, config.use_cuda_graph, config.max_sessions) == (32, 64, False, 2)
+    assert config.max_batch == 3  # the frontend says how many requests it runs at once
     assert config.sampling.top_k == 5 and config.model_dir.name == "default_model"
 
 

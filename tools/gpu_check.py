@@ -228,7 +228,7 @@ ckpt = make_tiny_checkpoint(out, layers=2, tie=False, seed=3, num_heads=4, num_k
 image = np.random.default_rng(0).integers(0, 256, size=(96, 128, 3), dtype=np.uint8)
 result = {}
 for dtype, torch_dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16), ("fp16", torch.float16)):
-    engine = Engine(EngineConfig(model_path=str(ckpt), device="cuda", dtype=dtype, max_sessions=0))
+    engine = Engine(EngineConfig(model_path=str(ckpt), device="cuda", dtype=dtype, max_sessions=0, max_batch=1))
     sampling = SamplingParams(temperature=0.0, max_new_tokens=n, ignore_eos=True)
     ours = list(list(engine.generate(Request(Turn(prompt, (image,)), sampling)))[-1].token_ids)
     batch = engine.image_processor.preprocess([image])

@@ -44,6 +44,7 @@ class EngineConfig:
     kv_memory_reserve_mb: int = _default("kv_memory_reserve_mb")
     prefix_caching: bool = _default("prefix_caching")
     max_context_tokens: int = _default("max_context_tokens")
+    max_batch: int = _default("max_batch")
     prefill_chunk_tokens: int = _default("prefill_chunk_tokens")
     use_cuda_kernels: bool = _default("use_cuda_kernels")
     use_cuda_graph: bool = _default("use_cuda_graph")
@@ -77,6 +78,7 @@ REBUILDS: dict[str, frozenset[str]] = {
             "kv_prefix_share",
             "kv_memory_reserve_mb",
             "max_sessions",
+            "max_batch",
             "max_context_tokens",
         }
     ),
@@ -96,10 +98,11 @@ def sampling_from_settings(values: Mapping[str, Any]) -> SamplingParams:
     return SamplingParams(**fields)
 
 
-def config_from_settings(values: Mapping[str, Any], max_sessions: int) -> EngineConfig:
+def config_from_settings(values: Mapping[str, Any], max_sessions: int, max_batch: int) -> EngineConfig:
     """An EngineConfig from setting values (the node's parameters, the CLI's flags): every ``engine``
-    setting, the ``sampling`` ones as its default sampling, and the conversations the frontend keeps."""
-    engine = {name: values[name] for name in SCHEMA_FIELDS}
+    setting, the ``sampling`` ones as its default sampling, the conversations the frontend keeps and the
+    most requests it runs at once (``max_batch`` as the frontend can use it: it sizes the automatic pool)."""
+    engine = {name: values[name] for name in SCHEMA_FIELDS} | {"max_batch": max_batch}
     return EngineConfig(**engine, max_sessions=max_sessions, sampling=sampling_from_settings(values))
 
 

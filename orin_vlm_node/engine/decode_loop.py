@@ -1,28 +1,25 @@
-"""The decode loop of one request: sample a token, stream its text, decide whether to stop, feed it back.
+"""The decode loop of one request: sample a token, stream its text, decide whether to stop.
 
 It owns what only matters token by token: the sampler (with its seeded generator), the ids the
 repetition and presence penalties look at, the incremental detokenizer (never splits a UTF-8
-character) and the stop-string matcher (holds back text that may still become a stop string). What it
-does not own comes in as two callbacks from the engine: ``feed(token)`` runs the decode step (and may
-raise PoolExhausted) and ``interrupt()`` says whether the request must stop early (context full,
-cancelled). The generated ids and text stay readable after an exception, so the engine can settle the
-request's KV with what was produced.
+character) and the stop-string matcher (holds back text that may still become a stop string). It does
+not run the model: :meth:`DecodeLoop.accept` takes the logits of the last position fed and returns the
+token to feed next, so the scheduler can feed the tokens of several requests in one batched step.
+``interrupt()`` says whether the request must stop early (context full, cancelled). The generated ids
+and text stay readable after an exception, so the engine can settle the request's KV with what was
+produced.
 """
 
 from __future__ import annotations
 
-import logging
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
-from ..kvcache import PoolExhausted
 from ..processing import IncrementalDetokenizer, Tokenizer
 from .metrics import RequestMetrics
 from .sampling import ResolvedSampling, Sampler
 from .stop_strings import StopStringMatcher
-
-log = logging.getLogger("orin_vlm_node.engine")
 
 
 class DecodeLoop:
@@ -47,45 +44,48 @@ class DecodeLoop:
         self._detok = IncrementalDetokenizer(tokenizer, skip_special_tokens=True)
         self._stops = StopStringMatcher(params.stop)
         self._metrics = metrics
+        self._delta_ids: list[int] = []  # tokens sampled since the last text piece went out
 
     @property
     def text(self) -> str:
         return "".join(self.text_parts)
 
-    def run(
-        self, logits: torch.Tensor, feed: Callable[[int], torch.Tensor], interrupt: Callable[[], str | None]
-    ) -> Iterator[tuple[str, tuple[int, ...]]]:
-        """Yield (text, token ids) pieces from the prefill's ``logits`` on; :attr:`reason` says why it ended."""
-        delta_ids: list[int] = []
-        while True:
-            token = self._sample(logits)
-            if token in self._eos and not self.params.ignore_eos:
-                self.reason = "stop"
-                break
-            delta_ids.append(token)
-            piece = self._stops.push(self._detok.push(token))
-            if piece:
-                self.text_parts.append(piece)
-                yield piece, tuple(delta_ids)
-                delta_ids = []
-            if self._stops.stopped:
-                self.reason = "stop"
-                break
-            stop = "length" if len(self.generated) >= self.params.max_new_tokens else interrupt()
-            if stop:
-                self.reason = stop
-                break
-            try:
-                logits = feed(token)
-            except PoolExhausted as exc:
-                log.warning("%s", exc)
-                self.reason = "kv_pool_exhausted"
-                break
+    def accept(
+        self, logits: torch.Tensor, interrupt: Callable[[], str | None]
+    ) -> tuple[list[tuple[str, tuple[int, ...]]], int | None]:
+        """Take the logits of the last position fed (the prompt's, then each fed token's): sample a token,
+        stream its text, decide whether to stop. Returns the (text, token ids) pieces to emit and the token
+        to feed next, or None when the answer ended (:attr:`reason` says why; the pieces then end with the
+        text held back until now)."""
+        pieces: list[tuple[str, tuple[int, ...]]] = []
+        token = self._sample(logits)
+        if token in self._eos and not self.params.ignore_eos:
+            return self._end("stop", pieces), None
+        self._delta_ids.append(token)
+        piece = self._stops.push(self._detok.push(token))
+        if piece:
+            self.text_parts.append(piece)
+            pieces.append((piece, tuple(self._delta_ids)))
+            self._delta_ids = []
+        if self._stops.stopped:
+            return self._end("stop", pieces), None
+        stop = "length" if len(self.generated) >= self.params.max_new_tokens else interrupt()
+        if stop:
+            return self._end(stop, pieces), None
+        return pieces, token
+
+    def end(self, reason: str) -> list[tuple[str, tuple[int, ...]]]:
+        """The answer ends before the next token could be fed (``kv_pool_exhausted``): the held-back text."""
+        return self._end(reason, [])
+
+    def _end(self, reason: str, pieces: list[tuple[str, tuple[int, ...]]]) -> list[tuple[str, tuple[int, ...]]]:
+        self.reason = reason
         if not self._stops.stopped:
             tail = self._stops.push(self._detok.flush()) + self._stops.flush()
             if tail:
                 self.text_parts.append(tail)
-                yield tail, tuple(delta_ids)
+                pieces.append((tail, tuple(self._delta_ids)))
+        return pieces
 
     def _sample(self, logits: torch.Tensor) -> int:
         generated = None

@@ -1,13 +1,16 @@
-"""The decode step: one token in, (1, vocab) logits out, split into a host half and a device half.
+"""The decode step: one token of each of up to ``max_batch`` sequences in, (B, vocab) logits out, split
+into a host half and a device half.
 
-``prepare(seq, token, rope_delta)`` is the host half: it reserves the next KV slot (may raise
-PoolExhausted before any change, so the engine can evict and retry) and stages the inputs. ``run()`` is
-the device half. Two implementations, chosen in one place (:func:`build_decode_step`):
+``prepare(seq, token, rope_delta)`` is the host half, called once per sequence of the step: it reserves
+the sequence's next KV slot (may raise PoolExhausted before any change, so the engine can evict and
+retry, or leave that sequence out) and stages the token. ``run()`` is the device half: the logits of the
+staged tokens, in staging order. Two implementations, chosen in one place (:func:`build_decode_step`):
 
-* :class:`DynamicDecodeStep` (CPU): fresh tensors and the cache's ordinary ``step`` every token; its work
-  follows the tokens held.
-* :class:`StaticDecodeStep` (CUDA): everything that changes from one token to the next (input token, RoPE
-  position, KV slot, block-table row) lives in tensors allocated once and refilled in place by
+* :class:`DynamicDecodeStep` (CPU, and batches of several sequences on CUDA): fresh tensors and the
+  cache's ordinary ``step`` every token; its work follows the tokens held. Several sequences go through
+  the model as the rows of one forward (their attention per sequence, :class:`~..kvcache.SequencesAttention`).
+* :class:`StaticDecodeStep` (CUDA, one sequence): everything that changes from one token to the next (input
+  token, RoPE position, KV slot, block-table row) lives in tensors allocated once and refilled in place by
   ``prepare``, so ``run`` can be captured as a CUDA graph and replayed. ``prepare`` always goes through
   ``KVCache.prepare_static_decode``, which allocates the block and uploads the table row before any
   replay (docs/architecture.md, "Paging under CUDA graphs").
@@ -28,7 +31,7 @@ from typing import Protocol
 import torch
 
 from ..cuda import DecodeGraph
-from ..kvcache import KVCache
+from ..kvcache import KVCache, SequencesAttention, StepAttention
 from ..model.positions import decode_positions
 
 SMALLEST_BUCKET = 256  # tokens
@@ -46,14 +49,17 @@ def context_buckets(max_context_tokens: int, smallest: int = SMALLEST_BUCKET) ->
 
 
 class DecodeStep(Protocol):
-    """What the engine's decode loop calls for every generated token."""
+    """What the scheduler calls for every batch of generated tokens."""
+
+    max_batch: int  # sequences one step takes
 
     def prepare(self, seq: int, token_id: int, rope_delta: int) -> None:
-        """Host half: reserve KV slot ``length(seq)`` for ``token_id`` at RoPE position slot + rope_delta."""
+        """Host half: stage ``token_id`` of ``seq`` in this step: reserve KV slot ``length(seq)`` for it at
+        RoPE position slot + rope_delta."""
         ...
 
     def run(self) -> torch.Tensor:
-        """Device half: (1, vocab) logits of the prepared token."""
+        """Device half: (B, vocab) logits of the staged tokens, in the order they were staged."""
         ...
 
     def describe(self) -> dict:
@@ -62,26 +68,36 @@ class DecodeStep(Protocol):
 
 
 class DynamicDecodeStep:
-    """The ordinary decode step: ``cache.step`` and fresh input tensors every token."""
+    """The ordinary decode step: ``cache.step`` and fresh input tensors every token; any number of
+    sequences, each token a row of one forward."""
+
+    max_batch = 1 << 30
 
     def __init__(self, model: torch.nn.Module, cache: KVCache):
         self.model = model
         self.cache = cache
-        self._staged: tuple[torch.Tensor, torch.Tensor, object] | None = None
+        self._tokens: list[int] = []
+        self._positions: list[int] = []
+        self._steps: list[StepAttention] = []
 
     def prepare(self, seq: int, token_id: int, rope_delta: int) -> None:
         slot = self.cache.length(seq)
-        attn = self.cache.step(seq, 1)
-        device = self.model.device
-        ids = torch.tensor([token_id], dtype=torch.long, device=device)
-        self._staged = (ids, decode_positions(slot, rope_delta, device=device), attn)
+        self._steps.append(self.cache.step(seq, 1))
+        self._tokens.append(token_id)
+        self._positions.append(slot + rope_delta)
 
     def run(self) -> torch.Tensor:
-        if self._staged is None:
+        if not self._steps:
             raise RuntimeError("run() without prepare()")
-        ids, positions, attn = self._staged
-        self._staged = None
-        return self.model.forward(ids, positions, attn)
+        tokens, positions, steps = self._tokens, self._positions, self._steps
+        self._tokens, self._positions, self._steps = [], [], []
+        device = self.model.device
+        ids = torch.tensor(tokens, dtype=torch.long, device=device)  # (B,)
+        if len(steps) == 1:
+            return self.model.forward(ids, decode_positions(positions[0], 0, device=device), steps[0])
+        rope = torch.tensor(positions, dtype=torch.long, device=device).unsqueeze(0).expand(3, -1)  # (3, B)
+        rows = torch.arange(len(steps), device=device)
+        return self.model.forward(ids, rope, SequencesAttention(steps), logits_index=rows)
 
     def describe(self) -> dict:
         return {"step": "dynamic"}
@@ -91,8 +107,10 @@ class StaticDecodeStep:
     """Fixed buffers, one attention per context bucket, and the bucket's graph runner.
 
     With ``use_graphs`` on a CUDA device each bucket's forward is captured once and replayed; otherwise
-    (CPU, graphs disabled, a failed capture) it runs eagerly over the same buffers.
+    (CPU, graphs disabled, a failed capture) it runs eagerly over the same buffers. One sequence per step.
     """
+
+    max_batch = 1
 
     def __init__(
         self,
@@ -146,9 +164,15 @@ class StaticDecodeStep:
         }
 
 
-def build_decode_step(model: torch.nn.Module, cache: KVCache, device: torch.device, use_graphs: bool) -> DecodeStep:
-    """The one place that decides how decode runs: the static step on CUDA (CUDA graphs when
-    ``use_graphs``), the dynamic step on CPU (where a graph gains nothing)."""
+def build_decode_steps(
+    model: torch.nn.Module, cache: KVCache, device: torch.device, use_graphs: bool
+) -> tuple[DecodeStep, DecodeStep]:
+    """The one place that decides how decode runs: (the step of one sequence, the step of several).
+
+    On CUDA one sequence takes the static step (CUDA graphs when ``use_graphs``) and a batch the dynamic
+    one, eagerly (graphs per batch size are not captured yet); on CPU, where a graph gains nothing, the
+    dynamic step does both."""
+    dynamic = DynamicDecodeStep(model, cache)
     if device.type == "cuda":
-        return StaticDecodeStep(model, cache, device, use_graphs)
-    return DynamicDecodeStep(model, cache)
+        return StaticDecodeStep(model, cache, device, use_graphs), dynamic
+    return dynamic, dynamic

@@ -1,20 +1,22 @@
-"""The generation engine: one model, one KV cache, one request at a time, streamed as events.
+"""The generation engine: one model, one KV cache, up to ``max_batch`` requests decoding together,
+each streamed as events.
 
 Life of a request (``generate``, carried out by :class:`.request.RequestRun`): resolve sampling
 (checkpoint defaults < ``EngineConfig.sampling`` < request), prepare the turn (:mod:`.prompt`: images,
 rendering, positions; a session's later turn only adds the delta after its cached tokens), take a KV
-sequence (the session's, or a new one with the longest cached prefix attached), prefill the rest in one
-forward, then decode token by token (:mod:`.decode_loop`, through the decode step of
+sequence (the session's, or a new one with the longest cached prefix attached), prefill the rest piece
+by piece, then decode token by token (:mod:`.decode_loop`, through the decode step of
 :mod:`.decode_step`) until EOS, a stop string, ``max_new_tokens``, the context limit, cancellation or
 pool exhaustion. Every request ends with exactly one ``Finished`` event; exceptions become
 ``Finished("error")`` and leave the engine usable.
 
-Concurrency policy: ``generate`` holds the engine lock while its iterator runs, so requests are served
-one after another in the order their iterators start. ``cancel`` is thread-safe and takes effect at the
-next token boundary (or before prefill). ``reconfigure`` and ``reset`` take the same lock, i.e. they wait
-for the in-flight request; a caller that wants them now cancels the request first. Changing the KV
-layout (paging, page size, pool size, context limit) or the model drops every session, because their KV
-lives in the cache being replaced.
+Concurrency policy (:mod:`.scheduler`): requests from several threads are admitted in the order their
+iterators start, up to ``max_batch`` at a time, and decode together, one token each per step; more wait.
+A single caller sees what it always saw: its request alone, token by token. ``cancel`` is thread-safe
+and takes effect at the next token boundary (or between prefill pieces). ``reconfigure`` and ``reset``
+wait until the running requests have finished (admitting no new ones meanwhile); a caller that wants
+them now cancels the requests first. Changing the KV layout (paging, page size, pool size, context
+limit) or the model drops every session, because their KV lives in the cache being replaced.
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ from ..model.errors import CheckpointError
 from ..processing import ChatTemplate, ImageProcessor, ProcessingError, Tokenizer
 from .backend import decode_path, select_attention
 from .config import EngineConfig, check_fields
-from .decode_step import build_decode_step
+from .decode_step import build_decode_steps
 from .device import resolve_device, resolve_dtype
 from .events import Event, Request
 from .images import VisionCache
@@ -45,6 +47,7 @@ from .prompt import TurnPreparer
 from .reconfigure import changed_fields, check_changes, check_kernel_dir, kv_cache_config, rebuilds
 from .request import RequestRun
 from .sampling import load_generation_defaults
+from .scheduler import Scheduler
 from .session import SessionStore
 
 log = logging.getLogger("orin_vlm_node.engine")
@@ -59,7 +62,7 @@ class Engine:
 
     def __init__(self, config: EngineConfig):
         self._config = dataclasses.replace(config)
-        self._lock = threading.Lock()  # held while a request runs, and by reconfigure/reset
+        self.scheduler = Scheduler(self, self._on_finished)
         self._flags = threading.Lock()  # guards the cancellation bookkeeping only
         self._known: set[str] = set()  # requests submitted and not finished
         self._cancelled: set[str] = set()
@@ -92,7 +95,9 @@ class Engine:
         elif "backend" in parts:
             self.cache.set_attention_impl(self.attention.attention_impl)  # the cache and sessions stay
         if parts & {"model", "kv_cache", "backend"}:
-            self.decode_step = build_decode_step(self.model, self.cache, self.device, self._config.use_cuda_graph)
+            self.decode_step, self.batch_step = build_decode_steps(
+                self.model, self.cache, self.device, self._config.use_cuda_graph
+            )
             log.log(logging.WARNING if self.attention.degraded else logging.INFO, "%s", self.attention.status)
             log.info("decode path: %s", decode_path(self.attention, self.decode_step))
 
@@ -118,7 +123,7 @@ class Engine:
 
     def _build_cache(self) -> None:
         """A new KV cache (sessions dropped). The old pool is freed first, so both never coexist."""
-        self.cache = self.decode_step = None
+        self.cache = self.decode_step = self.batch_step = None
         gc.collect()
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
@@ -135,6 +140,11 @@ class Engine:
         """A copy of the settings in effect."""
         return dataclasses.replace(self._config)
 
+    @property
+    def max_batch(self) -> int:
+        """Requests that decode together (read by the scheduler every step: no copy of the config)."""
+        return self._config.max_batch
+
     def generate(self, request: Request) -> Iterator[Event]:
         """Stream ``TextDelta`` events, then exactly one ``Finished``.
 
@@ -142,8 +152,9 @@ class Engine:
         ``Finished.token_ids`` are all sampled tokens, including the EOS token that ended generation;
         ``Finished.text`` (and the deltas) exclude special tokens and are cut before a stop string.
 
-        The request runs while the returned iterator is consumed and holds the engine until it is
-        exhausted or closed (closing it mid-stream frees the request's KV like a cancel). With a
+        The request runs while the returned iterator is consumed (by this caller's steps, or by those of the
+        other callers whose requests decode in the same batch); closing it mid-stream cancels the request
+        and frees its KV. With a
         ``session_id`` whose session exists, the turn continues it: ``system_prompt`` is taken from
         the session's first turn and ignored here. A session keeps a turn that finished with stop,
         length or cancelled (the answer so far); a turn that failed before its first token leaves the
@@ -164,8 +175,9 @@ class Engine:
             return True
 
     def reset(self, session_id: str | None = None) -> None:
-        """Forget one session (``session_id``) or all of them, freeing their KV blocks."""
-        with self._lock:
+        """Forget one session (``session_id``) or all of them, freeing their KV blocks (after the running
+        requests)."""
+        with self.scheduler.exclusive():
             if session_id is None:
                 self.session_store.drop_all()
             else:
@@ -201,7 +213,7 @@ class Engine:
         step (captured graphs are dropped) but keep the cache and sessions; ``prefix_caching`` is
         switched in place; sampling defaults and image limits apply to the next request.
         """
-        with self._lock:
+        with self.scheduler.exclusive():
             self.validate_changes(**fields)
             changed = changed_fields(self._config, fields)
             if not changed:
@@ -225,12 +237,10 @@ class Engine:
         Safe to call from any thread: while a request runs (``busy``), the KV figures are those taken
         at the end of the previous request, so the cache is never read while it changes.
         """
-        busy = not self._lock.acquire(blocking=False)
-        if not busy:
-            try:
+        with self.scheduler.if_idle() as idle:
+            if idle:
                 self._stats_snapshot = self.cache.stats()
-            finally:
-                self._lock.release()
+        busy = not idle
         stats = dict(self._stats_snapshot)
         cfg = self._config
         return {
@@ -265,19 +275,17 @@ class Engine:
 
     def _serve(self, request: Request) -> Iterator[Event]:
         try:
-            with self._lock:
-                run = RequestRun(self, request)
-                try:
-                    yield from run.events()
-                finally:
-                    self._stats_snapshot = self.cache.stats()
-                    if run.finished is not None:
-                        self._last_metrics = run.finished.metrics
-                        self._requests_served += 1
+            yield from self.scheduler.stream(RequestRun(self, request))
         finally:
             with self._flags:
                 self._known.discard(request.request_id)
                 self._cancelled.discard(request.request_id)
+
+    def _on_finished(self, run: RequestRun) -> None:
+        """Bookkeeping of a finished request (on the thread running the step)."""
+        self._stats_snapshot = self.cache.stats()
+        self._last_metrics = run.finished.metrics
+        self._requests_served += 1
 
     def is_cancelled(self, request_id: str) -> bool:
         """Whether ``cancel`` was called for the request (thread-safe)."""

@@ -21,6 +21,7 @@ class RequestMetrics:
     prefix_hit_tokens: int = 0  # tokens served from cache (session history or shared prefix)
     generated_tokens: int = 0
     blocks_in_use: int = 0
+    batch_size: int = 1  # the most requests that decoded together with this one (itself included)
     peak_memory_mb: float = 0.0
     ttft_s: float = 0.0
     prefill_s: float = 0.0
@@ -58,6 +59,7 @@ class RequestMetrics:
             "prefix_hit_tokens": float(self.prefix_hit_tokens),
             "generated_tokens": float(self.generated_tokens),
             "blocks_in_use": float(self.blocks_in_use),
+            "batch_size": float(self.batch_size),
             "peak_memory_mb": self.peak_memory_mb,
         }
 

@@ -26,8 +26,8 @@ from .device import resolve_device, resolve_dtype
 def kv_cache_config(
     config: EngineConfig, model: ModelConfig, dtype: torch.dtype, device: torch.device
 ) -> KVCacheConfig:
-    """The KV cache an engine config implies: explicit sizes, or sized by need for the running request plus
-    ``max_sessions`` kept conversations (see ``kvcache.config.plan_pool``)."""
+    """The KV cache an engine config implies: explicit sizes, or sized by need for ``max_batch`` running
+    requests plus ``max_sessions`` kept conversations (see ``kvcache.config.plan_pool``)."""
     text = model.text
     return KVCacheConfig(
         num_layers=text.num_hidden_layers,
@@ -38,7 +38,7 @@ def kv_cache_config(
         page_size=config.page_size,
         num_blocks=config.kv_pool_blocks or None,
         pool_mb=config.kv_pool_mb or None,
-        sequences=1 + config.max_sessions,
+        sequences=config.max_batch + config.max_sessions,
         prefix_share=float(config.kv_prefix_share),
         reserve_mb=float(config.kv_memory_reserve_mb),
         max_context_tokens=config.max_context_tokens,

@@ -1,10 +1,12 @@
 """One request from start to ``Finished``: prepare the turn, take a KV sequence, prefill, decode, settle.
 
-Runs under the engine's lock (``Engine._serve``), on the engine's model, KV cache, session store and
-decode step. Whatever way it ends -- finished, cancelled, an exception, the consumer closing the stream
--- :meth:`RequestRun.settle` leaves the KV as the session invariants say (:mod:`.session`): a kept
-session holds its whole conversation, a turn that never reached prefill is undone, everything else is
-released.
+The scheduler (:mod:`.scheduler`) drives it phase by phase, on the engine's model, KV cache, session
+store and decode step, interleaved with the other requests of the batch: :meth:`RequestRun.advance_prefill`
+one prompt piece at a time, then per token :meth:`~RequestRun.accept` (sample, stream, decide),
+:meth:`~RequestRun.stage` (reserve the KV slot in the batched decode step) and :meth:`~RequestRun.fed`.
+Whatever way it ends -- finished, cancelled, an exception, the consumer closing the stream --
+:meth:`RequestRun.settle` leaves the KV as the session invariants say (:mod:`.session`): a kept session
+holds its whole conversation, a turn that never reached prefill is undone, everything else is released.
 """
 
 from __future__ import annotations
@@ -17,15 +19,16 @@ import torch
 
 from ..kvcache import PoolExhausted
 from .decode_loop import DecodeLoop
-from .events import Event, Finished, Request, TextDelta
+from .events import Finished, Request, TextDelta
 from .images import encode_needed
 from .metrics import RequestMetrics, peak_memory_mb, reset_peak_memory
 from .prompt import PreparedTurn
-from .sampling import resolve_sampling
+from .sampling import ResolvedSampling, resolve_sampling
 from .session import Session, SessionSnapshot
 
 if TYPE_CHECKING:
     from ..model.vision import VisionFeatures
+    from .decode_step import DecodeStep
     from .engine import Engine
 
 log = logging.getLogger("orin_vlm_node.engine")
@@ -50,6 +53,10 @@ class RequestRun:
         self.prefill_done = False
         self.loop: DecodeLoop | None = None
         self.finished: Finished | None = None
+        self._pieces: Iterator[tuple[torch.Tensor, bool]] | None = None  # the prefill, piece by piece
+        self._turn: PreparedTurn | None = None
+        self._hit = 0  # prompt tokens served from the cache
+        self._params: ResolvedSampling | None = None
 
     @property
     def generated(self) -> list[int]:
@@ -59,38 +66,68 @@ class RequestRun:
     def text(self) -> str:
         return self.loop.text if self.loop is not None else ""
 
-    def events(self) -> Iterator[Event]:
-        """``TextDelta``s, then exactly one ``Finished`` (also kept in :attr:`finished`)."""
-        reset_peak_memory(self.engine.device)
-        reason, error = "error", None
-        try:
-            logits = self.start()
-            for text, ids in self.decode(logits):
-                yield TextDelta(self.rid, text, ids)
-            reason = self.loop.reason
-        except GeneratorExit:
-            # The consumer closed the iterator mid-stream: no event can be sent, but the KV must be freed.
-            self.settle("cancelled")
-            raise
-        except _Cancelled:
-            reason = "cancelled"
-        except PoolExhausted as exc:
-            log.warning("request %s: %s", self.rid, exc)
-            reason = "kv_pool_exhausted"
-        except ValueError as exc:  # bad input (a ProcessingError or ContextLimitExceeded among them)
-            reason, error = "error", str(exc)
-        except Exception as exc:  # noqa: BLE001 - any failure must end as an event, never kill the node
-            log.exception("request %s failed", self.rid)
-            reason, error = "error", f"{type(exc).__name__}: {exc}"
-        self.finished = self.finish(reason, error)
-        yield self.finished
+    # -- the phases the scheduler drives ------------------------------------------------------------
+    def advance_prefill(self) -> torch.Tensor | None:
+        """One piece of the prefill (the first call also prepares the turn and takes the KV sequence);
+        (1, vocab) logits of the last prompt token once the whole prompt is in, else None."""
+        if self._pieces is None:
+            reset_peak_memory(self.engine.device)
+            self._pieces = self._start()
+        logits, done = next(self._pieces)
+        if not done:
+            return None
+        e = self.engine
+        self.metrics.prefill_tokens = len(self._turn.new_ids) - self._hit
+        self.metrics.mark_prefill_done()
+        self.prefill_done = True
+        self.session = self._commit_turn(self._turn)
+        self.loop = DecodeLoop(self._params, e.tokenizer, self.session.token_ids, logits.device, self.metrics)
+        return logits
 
-    def start(self) -> torch.Tensor:
-        """Prepare the turn, take a KV sequence, prefill; (1, vocab) logits of the last prompt token."""
+    def accept(self, logits: torch.Tensor) -> tuple[list[TextDelta], int | None]:
+        """The logits of the last position fed: the text to stream and the token to feed next (None: the
+        answer ended, :attr:`loop` ``.reason`` says why)."""
+        e, seq, limit = self.engine, self.seq, self.config.max_context_tokens
+
+        def interrupt() -> str | None:
+            if e.cache.length(seq) + 1 > limit:
+                return "length"
+            return "cancelled" if e.is_cancelled(self.rid) else None
+
+        pieces, token = self.loop.accept(logits, interrupt)
+        return [TextDelta(self.rid, text, ids) for text, ids in pieces], token
+
+    def stage(self, step: DecodeStep, token: int) -> None:
+        """Stage ``token`` in the decode step (its KV slot reserved; idle sessions evicted for room). May raise
+        PoolExhausted before any change."""
+        self.with_eviction(lambda: step.prepare(self.seq, token, self.session.rope_delta))
+
+    def fed(self, token: int) -> None:
+        """``token`` went through the model: the session holds it."""
+        self.session.append([token], [None])
+
+    def end_early(self, reason: str) -> list[TextDelta]:
+        """The answer ends before its next token could be fed (the pool is exhausted): the held-back text."""
+        return [TextDelta(self.rid, text, ids) for text, ids in self.loop.end(reason)]
+
+    def outcome(self, exc: BaseException) -> tuple[str, str | None]:
+        """(finish reason, error) of a request that raised ``exc``."""
+        if isinstance(exc, _Cancelled):
+            return "cancelled", None
+        if isinstance(exc, PoolExhausted):
+            log.warning("request %s: %s", self.rid, exc)
+            return "kv_pool_exhausted", None
+        if isinstance(exc, ValueError):  # bad input (a ProcessingError or ContextLimitExceeded among them)
+            return "error", str(exc)
+        log.error("request %s failed", self.rid, exc_info=exc)
+        return "error", f"{type(exc).__name__}: {exc}"
+
+    def _start(self) -> Iterator[tuple[torch.Tensor, bool]]:
+        """Prepare the turn, take a KV sequence, encode the images not cached, then prefill piece by piece."""
         e, request = self.engine, self.request
-        params = resolve_sampling(e.generation_defaults, self.config.sampling, request.sampling)
+        self._params = resolve_sampling(e.generation_defaults, self.config.sampling, request.sampling)
         session = self.session = e.session_store.get(request.session_id)
-        turn = e.turns.prepare(
+        turn = self._turn = e.turns.prepare(
             request.turn,
             request.system_prompt,
             session,
@@ -99,31 +136,31 @@ class RequestRun:
         )
         self.metrics.prompt_tokens = turn.total_tokens
         self._check_cancelled()
-        hit = self._take_sequence(turn)
+        hit = self._hit = self._take_sequence(turn)
         self.metrics.prefix_hit_tokens = turn.history + hit
         self.metrics.mark_prefill_start()
         skip_pads = sum(1 for t in turn.new_ids[:hit] if t == e.tokenizer.special.image_pad)
         vision = encode_needed(e.model, turn.images, skip_pads, e.vision_cache) if turn.images is not None else None
-        logits = self._prefill(turn, hit, vision)
-        self.metrics.prefill_tokens = len(turn.new_ids) - hit
-        self.metrics.mark_prefill_done()
-        self.prefill_done = True
-        self.session = self._commit_turn(turn)
-        self.loop = DecodeLoop(params, e.tokenizer, self.session.token_ids, logits.device, self.metrics)
-        return logits
+        yield from self._prefill(turn, hit, vision)
 
-    def _prefill(self, turn: PreparedTurn, hit: int, vision: VisionFeatures | None) -> torch.Tensor:
+    def _prefill(
+        self, turn: PreparedTurn, hit: int, vision: VisionFeatures | None
+    ) -> Iterator[tuple[torch.Tensor, bool]]:
         """Tokens ``hit:`` of the turn into the KV cache, ``prefill_chunk_tokens`` at a time (each piece
-        attends to everything before it, so the result is the one-piece prefill's); logits of the last.
+        attends to everything before it, so the result is the one-piece prefill's): each piece's logits, and
+        whether it was the last.
 
         Why pieces: the torch attention of a piece of L tokens over T slots holds an L x T score matrix per
-        head, which for a long prompt in one piece would be gigabytes. A cancel is honoured between pieces.
+        head, which for a long prompt in one piece would be gigabytes; and between two pieces the other
+        requests of the batch decode a token, so a long prompt does not stall their answers. A cancel is
+        honoured between pieces.
         """
         e = self.engine
         ids, pad = turn.new_ids, e.tokenizer.special.image_pad
         size = self.config.prefill_chunk_tokens or len(ids)
         vision_row = 0  # feature rows of the image pads before the current piece
-        logits = None
+        if hit >= len(ids):
+            raise RuntimeError("prefill of an empty turn")
         for start in range(hit, len(ids), size):
             self._check_cancelled()
             stop = min(start + size, len(ids))
@@ -133,9 +170,7 @@ class RequestRun:
             attn = self.with_eviction(lambda n=stop - start: e.cache.step(self.seq, n))
             chunk = torch.tensor(ids[start:stop], dtype=torch.long, device=e.device)
             logits = e.model.forward(chunk, turn.positions[:, start:stop].to(e.device), attn, vision=rows)
-        if logits is None:
-            raise RuntimeError("prefill of an empty turn")
-        return logits
+            yield logits, stop == len(ids)
 
     def _check_cancelled(self) -> None:
         if self.engine.is_cancelled(self.rid):
@@ -166,24 +201,6 @@ class RequestRun:
         if self._prefix_caching:
             self.engine.cache.register_prefix(self.seq, session.token_ids, session.extra_keys)
         return session
-
-    def decode(self, logits: torch.Tensor) -> Iterator[tuple[str, tuple[int, ...]]]:
-        """The decode loop over the engine's decode step; the session holds every token fed back."""
-        e, session, seq, limit = self.engine, self.session, self.seq, self.config.max_context_tokens
-
-        def feed(token: int) -> torch.Tensor:
-            step = e.decode_step
-            self.with_eviction(lambda: step.prepare(seq, token, session.rope_delta))
-            logits = step.run()
-            session.append([token], [None])
-            return logits
-
-        def interrupt() -> str | None:
-            if e.cache.length(seq) + 1 > limit:
-                return "length"
-            return "cancelled" if e.is_cancelled(self.rid) else None
-
-        yield from self.loop.run(logits, feed, interrupt)
 
     def finish(self, reason: str, error: str | None) -> Finished:
         """Metrics, what the KV keeps, the Finished event. A cleanup failure clears the cache (never a leak)."""

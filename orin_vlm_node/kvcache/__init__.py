@@ -63,7 +63,7 @@ from .base import KVCache, StaticDecodeBuffers
 from .config import KVCacheConfig, PoolPlan, check_page_size, plan_pool
 from .contiguous import ContiguousKVCache
 from .errors import ContextLimitExceeded, KVCacheError, PoolExhausted
-from .interface import StepAttention
+from .interface import SequencesAttention, StepAttention
 from .paged import PagedKVCache
 from .reference import causal_attention, masked_decode_attention
 
@@ -77,6 +77,7 @@ __all__ = [
     "PagedKVCache",
     "PoolExhausted",
     "PoolPlan",
+    "SequencesAttention",
     "StaticDecodeBuffers",
     "StepAttention",
     "TorchPagedAttention",

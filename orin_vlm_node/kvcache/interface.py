@@ -3,7 +3,9 @@
 The model never computes cache addresses and never branches on paged vs contiguous: for each forward
 step the KV backend hands it a :class:`StepAttention`, and every decoder layer calls it with the new
 tokens' (already rotated) q, k, v. The backend writes k/v to the slots of this step and returns the
-attention output over everything the sequence has cached (prefix + these tokens, causally).
+attention output over everything the sequence has cached (prefix + these tokens, causally). A batched
+decode step, one token of each of several sequences, hands the model a :class:`SequencesAttention`
+that gives each row to its own sequence's step.
 
 Positions are split on purpose (dual position tracking): RoPE positions are applied by the model
 before the call; KV slot indices (cache placement and the causal mask) live only in the backend.
@@ -26,3 +28,20 @@ class StepAttention(Protocol):
     """
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor: ...
+
+
+class SequencesAttention:
+    """One decode step of several sequences in one forward: row ``i`` of q, k, v is the new token of the
+    sequence whose step is ``steps[i]``.
+
+    Only attention is per sequence; the model's projections and MLPs run once over all rows, which is
+    what makes a batch cheaper than its members one after another (a decode step reads every weight once,
+    whatever the number of rows).
+    """
+
+    def __init__(self, steps: list[StepAttention]) -> None:
+        self.steps = steps
+
+    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        # q (B, nq, hd), k and v (B, nkv, hd) -> (B, nq, hd)
+        return torch.cat([step(layer, q[i : i + 1], k[i : i + 1], v[i : i + 1]) for i, step in enumerate(self.steps)])

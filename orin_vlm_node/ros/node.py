@@ -364,7 +364,7 @@ class VlmServing:
         return response
 
     def _on_cancel(self, ch: Channel, _request: Trigger.Request, response: Trigger.Response) -> Trigger.Response:
-        current = self._worker.cancel_running(ch.name)
+        current = ", ".join(self._worker.cancel_running(ch.name))
         waiting = self._queue.drain(ch.name)
         for item in waiting:
             self._publish_dropped(item, "cancelled by ~/cancel before it started")
@@ -470,16 +470,17 @@ class VlmServing:
 
     def _publish_diagnostics(self) -> None:
         worker = self._worker.state()
-        state = "generating" if worker.current_id else "idle"
+        state = "generating" if worker.running else "idle"
         described = self._describe()
         level, message, values = engine_diagnostics(
             described, state, len(self._queue), sum(worker.completed.values()), worker.last_metrics
         )
+        values.append(("running_requests", str(len(worker.running))))  # decoding together in one batch
         if len(self._channels) > 1 or "" not in self._channels:
             for ch in self._channels.values():
                 prefix = f"channel.{ch.name}."
                 values += [
-                    (prefix + "state", "generating" if worker.current_channel == ch.name else "idle"),
+                    (prefix + "state", "generating" if ch.name in worker.running else "idle"),
                     (prefix + "queue_waiting", str(self._queue.waiting(ch.name))),
                     (prefix + "requests_completed", str(worker.completed.get(ch.name, 0))),
                 ]

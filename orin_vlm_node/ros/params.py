@@ -67,8 +67,17 @@ def max_sessions(values: Mapping[str, Any]) -> int:
 
 
 def engine_kwargs(values: Mapping[str, Any], names: tuple[str, ...] = ENGINE_FIELDS) -> dict[str, Any]:
-    """Parameter values -> the ``EngineConfig`` fields ``names`` plus ``max_sessions`` (no parameter of its own)."""
-    return {name: values[name] for name in names} | {"max_sessions": max_sessions(values)}
+    """Parameter values -> the ``EngineConfig`` fields ``names`` plus ``max_sessions`` (no parameter of its own),
+    with ``max_batch`` as the node can use it (:func:`max_batch`; the automatic KV pool is sized by it)."""
+    kwargs = {name: values[name] for name in names} | {"max_sessions": max_sessions(values)}
+    if "max_batch" in kwargs:
+        kwargs["max_batch"] = max_batch(values)
+    return kwargs
+
+
+def max_batch(values: Mapping[str, Any]) -> int:
+    """Requests the node runs at once: ``max_batch``, but never more than it has channels."""
+    return min(int(values["max_batch"]), len(values["channels"]) or 1)
 
 
 def sampling_params(values: Mapping[str, Any]) -> SamplingParams:
@@ -78,7 +87,7 @@ def sampling_params(values: Mapping[str, Any]) -> SamplingParams:
 
 def engine_config(values: Mapping[str, Any]) -> EngineConfig:
     """The startup ``EngineConfig`` for a full set of parameter values."""
-    return config_from_settings(values, max_sessions(values))
+    return config_from_settings(values, max_sessions(values), max_batch(values))
 
 
 def declare_parameters(node: Any) -> dict[str, Value]:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import threading
 from collections import deque
+from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Any
 
@@ -89,14 +90,15 @@ class RequestQueue:
             self._max = max_size
             return self._trim()
 
-    def get(self, timeout: float) -> PendingPrompt | None:
-        """The oldest item of the next channel in turn that has one, waiting up to ``timeout`` s; None on
-        timeout or after :meth:`wake`. The channel served goes to the back of the turn order."""
+    def get(self, timeout: float, skip: Collection[str] = ()) -> PendingPrompt | None:
+        """The oldest item of the next channel in turn that has one (channels in ``skip`` left out: they are
+        busy), waiting up to ``timeout`` s; None on timeout or after :meth:`wake`. The channel served goes to
+        the back of the turn order."""
         with self._cond:
             seen = self._wakeups
-            self._cond.wait_for(lambda: self._has_items() or self._wakeups != seen, timeout=timeout)
+            self._cond.wait_for(lambda: self._has_items(skip) or self._wakeups != seen, timeout=timeout)
             for channel, items in self._items.items():
-                if items:
+                if items and channel not in skip:
                     item = items.popleft()
                     del self._items[channel]
                     self._items[channel] = items  # dicts keep insertion order: now last in turn
@@ -119,8 +121,8 @@ class RequestQueue:
             self._wakeups += 1
             self._cond.notify_all()
 
-    def _has_items(self) -> bool:
-        return any(self._items.values())
+    def _has_items(self, skip: Collection[str]) -> bool:
+        return any(items for channel, items in self._items.items() if channel not in skip)
 
     def _trim(self) -> list[PendingPrompt]:
         dropped = []

@@ -1,10 +1,12 @@
-"""The node's worker thread: the one caller of the engine's mutating methods (generate, reconfigure, reset).
+"""The node's worker: the one caller of the engine's mutating methods (generate, reconfigure, reset).
 
-Why one thread: generation takes seconds and the engine serves one request at a time, so ROS callbacks
-only enqueue work (prompts in the :class:`~.request_queue.RequestQueue`, engine changes and session resets
-here) or flag a cancellation; the worker applies the queued changes between two requests and runs the
-prompts one after another (the channels in turn), publishing each through its channel's :class:`Outputs`.
-``Engine.cancel`` is the only engine call made from another thread (it is thread-safe by contract).
+Why: generation takes seconds, so ROS callbacks only enqueue work (prompts in the
+:class:`~.request_queue.RequestQueue`, engine changes and session resets here) or flag a cancellation.
+The worker thread takes the prompts (the channels in turn) and runs each on a thread of its own, at most
+one per channel (a channel's answers never interleave on its topics) and at most ``Engine.max_batch`` at
+once: those decode together in the engine's batch. Engine changes are applied between requests
+(``Engine.reconfigure`` waits for the running ones). Each answer goes out through its channel's
+:class:`Outputs`. ``Engine.cancel`` is the only engine call made from a ROS callback (it is thread-safe).
 
 No rclpy import: the node passes its publishing functions in.
 """
@@ -52,11 +54,10 @@ class Outputs(Protocol):
 
 @dataclass
 class WorkerState:
-    """What diagnostics read: the running request and its channel, the last request's metrics, how many
-    completed (per channel)."""
+    """What diagnostics read: the running requests (channel -> request id), the last request's metrics, how
+    many completed (per channel)."""
 
-    current_id: str | None
-    current_channel: str | None
+    running: dict[str, str]
     last_metrics: dict[str, float]
     completed: dict[str, int]
 
@@ -82,7 +83,9 @@ class Worker:
         self._applied = dict(applied)  # engine settings in effect
         self._pending: dict[str, Any] = {}
         self._resets: list[str] = []
-        self._current: PendingPrompt | None = None
+        self._running: dict[str, PendingPrompt] = {}  # channel -> its prompt being answered
+        self._runners: list[threading.Thread] = []
+        self._slot_free = threading.Condition(self._lock)  # a running prompt ended
         self._cancelled: set[str] = set()
         self._last_metrics: dict[str, float] = {}
         self._completed = dict.fromkeys(self.outputs, 0)
@@ -111,45 +114,44 @@ class Worker:
             self._resets += reset_sessions
         self.queue.wake()
 
-    def cancel_running(self, channel: str | None = None) -> str | None:
-        """Cancel the running prompt (if any; of ``channel`` only, when given); its id."""
+    def cancel_running(self, channel: str | None = None) -> list[str]:
+        """Cancel the running prompts (of ``channel`` only, when given); their ids."""
         with self._lock:
-            current = self._current
-            if current is None or (channel is not None and current.channel != channel):
-                return None
-            self._cancelled.add(current.request_id)
-        self.engine.cancel(current.request_id)
-        return current.request_id
+            items = [item for ch, item in self._running.items() if channel is None or ch == channel]
+            self._cancelled.update(item.request_id for item in items)
+        for item in items:
+            self.engine.cancel(item.request_id)
+        return [item.request_id for item in items]
 
     def state(self) -> WorkerState:
         with self._lock:
-            current = self._current
-            return WorkerState(
-                current.request_id if current else None,
-                current.channel if current else None,
-                dict(self._last_metrics),
-                dict(self._completed),
-            )
+            running = {ch: item.request_id for ch, item in self._running.items()}
+            return WorkerState(running, dict(self._last_metrics), dict(self._completed))
 
     def stop(self, timeout_s: float, why: str) -> None:
-        """End every prompt with its terminal event: the waiting ones ``dropped`` (``why``), the running one
-        cancelled (it ends with ``finished``, reason ``cancelled``); wait up to ``timeout_s`` for that, and
-        report it ourselves (``error``) when the engine does not stop in time."""
+        """End every prompt with its terminal event: the waiting ones ``dropped`` (``why``), the running ones
+        cancelled (they end with ``finished``, reason ``cancelled``); wait up to ``timeout_s`` for that, and
+        report it ourselves (``error``) for each that does not stop in time."""
         self._stop_reason = why
         self._stopping.set()
         for item in self.queue.drain():
             self._drop(item, why)
-        with self._lock:
-            running = self._current
-        current = self.cancel_running()
+        self.cancel_running()
         self.queue.wake()
+        deadline = time.monotonic() + timeout_s
         if self._thread is not None:
             self._thread.join(timeout=timeout_s)
+        with self._lock:
+            runners = list(self._runners)
+        for runner in runners:
+            runner.join(timeout=max(0.0, deadline - time.monotonic()))
         for item in self.queue.drain():  # accepted by a callback that ran while the worker stopped
             self._drop(item, why)
-        if self._thread is not None and self._thread.is_alive() and running is not None and current is not None:
-            self.outputs[running.channel].status("error", current, finish_reason="error", error=f"{why}: the request "
-                                                 f"did not stop within {timeout_s:g} s and was abandoned")  # fmt: skip
+        with self._lock:
+            abandoned = list(self._running.values())
+        for item in abandoned:
+            error = f"{why}: the request did not stop within {timeout_s:g} s and was abandoned"
+            self.outputs[item.channel].status("error", item.request_id, finish_reason="error", error=error)
 
     def _drop(self, item: PendingPrompt, why: str) -> None:
         self.outputs[item.channel].status("dropped", item.request_id, note=why, **item.image_fields())
@@ -163,23 +165,40 @@ class Worker:
     def _loop(self) -> None:
         while not self._stopping.is_set():
             self._apply_pending()
-            item = self.queue.get(timeout=0.5)
+            with self._lock:
+                busy = set(self._running)
+                if len(busy) >= self.engine.max_batch:  # every slot taken: wait for one to end
+                    self._slot_free.wait(timeout=0.5)
+                    continue
+            item = self.queue.get(timeout=0.5, skip=busy)
             if item is None:
                 continue
             if self._stopping.is_set():  # taken just as the node began to stop
                 self._drop(item, self._stop_reason)
                 continue
             self._apply_pending()
-            try:
-                self._run(item)
-            except Exception as exc:  # a bug must cost one request, never the node
-                log.error("request %s failed: %r", item.request_id, exc)
-                error = f"internal error: {exc!r}"
-                self.outputs[item.channel].status("error", item.request_id, finish_reason="error", error=error)
-            finally:
-                with self._lock:
-                    self._current = None
-                    self._cancelled.discard(item.request_id)
+            with self._lock:
+                self._running[item.channel] = item
+                self._runners = [r for r in self._runners if r.is_alive()]
+                runner = threading.Thread(target=self._serve, args=(item,), name=f"orin_vlm_{item.request_id}",
+                                          daemon=True)  # fmt: skip
+                self._runners.append(runner)
+            runner.start()
+
+    def _serve(self, item: PendingPrompt) -> None:
+        """One prompt on its own thread, start to terminal event."""
+        try:
+            self._run(item)
+        except Exception as exc:  # a bug must cost one request, never the node
+            log.error("request %s failed: %r", item.request_id, exc)
+            error = f"internal error: {exc!r}"
+            self.outputs[item.channel].status("error", item.request_id, finish_reason="error", error=error)
+        finally:
+            with self._lock:
+                del self._running[item.channel]
+                self._cancelled.discard(item.request_id)
+                self._slot_free.notify_all()
+            self.queue.wake()  # its channel may be served again
 
     def _apply_pending(self) -> None:
         """Engine changes between requests: session resets, then reconfiguration."""
@@ -208,7 +227,6 @@ class Worker:
 
     def _run(self, item: PendingPrompt) -> None:
         with self._lock:
-            self._current = item
             cancelled = item.request_id in self._cancelled
         if cancelled:
             self._drop(item, "cancelled by ~/cancel before it started")

@@ -1,0 +1,248 @@
+"""Continuous batching: the requests of several callers decode together, one token each per step.
+
+Why: a decode step reads every weight of the model once, whatever the number of rows it computes, so on a
+Jetson (bound by memory bandwidth) four sequences cost little more than one; the paged KV pool is what lets
+their caches grow side by side. A robot's askers (channels) therefore share one model without waiting for
+each other's whole answers.
+
+How it runs, without a thread of its own: every caller of ``Engine.generate`` consumes its own event
+stream (:meth:`Scheduler.stream`). A caller with nothing to read takes the *step token* (one holder at a
+time) and runs one :meth:`~Scheduler._step` for everybody; callers whose events arrive meanwhile read them
+while the next step runs. A step:
+
+1. admits waiting requests, oldest first, while fewer than ``max_batch`` run (a request whose session is
+   in use by a running one waits for it: a conversation's turns never overlap);
+2. runs one prefill piece (``prefill_chunk_tokens``) of the oldest request still prefilling, so a long
+   prompt delays the running answers by one piece per step, not by its whole prefill;
+3. feeds the pending token of every decoding request through one batched decode step and hands each
+   request its row of logits (:meth:`.request.RequestRun.accept`: sample, stream, decide).
+
+A request whose next KV slot cannot be had even after idle sessions were evicted ends with
+``kv_pool_exhausted``; the others go on. Greedy tokens do not depend on the company a request keeps:
+every row of a batch is computed from its own sequence's KV and its own token only.
+
+``exclusive()`` is how reconfiguration and session resets wait: new requests are not admitted while one
+is pending, and it runs once the running ones have finished, holding the step token.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import deque
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from ..kvcache import PoolExhausted
+from .events import Event, Finished
+
+if TYPE_CHECKING:
+    from .engine import Engine
+    from .request import RequestRun
+
+log = logging.getLogger("orin_vlm_node.engine")
+
+
+@dataclass(eq=False)
+class Member:
+    """A request in the scheduler: its run, the events its caller has not read, where it stands."""
+
+    run: RequestRun
+    events: deque[Event] = field(default_factory=deque)
+    phase: str = "waiting"  # waiting -> prefill -> decode -> done
+    token: int | None = None  # decode: the token to feed next
+
+    @property
+    def done(self) -> bool:
+        return self.phase == "done"
+
+
+class Scheduler:
+    """Waiting and running requests of one engine, and the step that advances them (module docstring)."""
+
+    def __init__(self, engine: Engine, on_finished: Callable[[RequestRun], None]) -> None:
+        self.engine = engine
+        self._on_finished = on_finished  # the engine's bookkeeping of a finished request
+        self._cond = threading.Condition()  # guards everything below and every member's events and phase
+        self._waiting: deque[Member] = deque()
+        self._running: list[Member] = []  # admission order: oldest first
+        self._stepping = False  # the step token is held (by a caller running a step, or by exclusive())
+        self._paused = 0  # exclusive() calls waiting: admit nothing new
+
+    def stream(self, run: RequestRun) -> Iterator[Event]:
+        """Submit ``run``; its events as the steps produce them, ending with its ``Finished``. Closing the
+        stream early cancels the request (it still ends, and its KV is settled, at the next step)."""
+        member = Member(run)
+        with self._cond:
+            self._waiting.append(member)
+        try:
+            while True:
+                events = self._take_events_or_step_token(member)
+                if events is None:
+                    self._step_and_release()
+                    continue
+                yield from events
+                if member.done and not events:
+                    return
+        finally:
+            if not member.done:  # the caller closed the stream: cancel, and step until the run is settled
+                self.engine.cancel(run.rid)
+                with self._cond:
+                    if member.phase == "waiting":
+                        self._waiting.remove(member)
+                        member.phase = "done"
+                while not member.done:
+                    if self._take_events_or_step_token(member, discard=True) is None:
+                        self._step_and_release()
+
+    @contextmanager
+    def if_idle(self) -> Iterator[bool]:
+        """Whether the engine is idle (no request admitted, no step running); while True, it stays so."""
+        with self._cond:
+            idle = not self._stepping and not self._running
+            if idle:
+                self._stepping = True
+        try:
+            yield idle
+        finally:
+            if idle:
+                self._release()
+
+    @contextmanager
+    def exclusive(self) -> Iterator[None]:
+        """Hold the engine alone: wait until no request runs (admitting none meanwhile) and no step runs."""
+        with self._cond:
+            self._paused += 1
+            try:
+                self._cond.wait_for(lambda: not self._stepping and not self._running)
+                self._stepping = True
+            finally:
+                self._paused -= 1
+        try:
+            yield
+        finally:
+            self._release()
+
+    # -- the step token ------------------------------------------------------------------------------
+    def _take_events_or_step_token(self, member: Member, discard: bool = False) -> list[Event] | None:
+        """The member's unread events (empty once it is done and all were read), or None when the caller
+        now holds the step token and must run a step."""
+        with self._cond:
+            while True:
+                if member.events or member.done:
+                    events = list(member.events)
+                    member.events.clear()
+                    return [] if discard else events
+                if not self._stepping:
+                    self._stepping = True
+                    return None
+                self._cond.wait()
+
+    def _step_and_release(self) -> None:
+        try:
+            self._step()
+        finally:
+            self._release()
+
+    def _release(self) -> None:
+        with self._cond:
+            self._stepping = False
+            self._cond.notify_all()
+
+    # -- one step ------------------------------------------------------------------------------------
+    def _step(self) -> None:
+        self._admit()
+        prefilling = [m for m in self._running if m.phase == "prefill"]
+        if prefilling:
+            self._prefill_piece(prefilling[0])
+        decoding = [m for m in self._running if m.phase == "decode"]
+        if decoding:
+            self._decode(decoding)
+
+    def _admit(self) -> None:
+        with self._cond:
+            if self._paused or not self._waiting:
+                return
+            limit = self.engine.max_batch
+            busy = {m.run.request.session_id for m in self._running if m.run.request.session_id}
+            for member in list(self._waiting):
+                if len(self._running) >= limit:
+                    break
+                session = member.run.request.session_id
+                if session and session in busy:
+                    continue
+                busy.add(session)
+                self._waiting.remove(member)
+                member.phase = "prefill"
+                self._running.append(member)
+
+    def _prefill_piece(self, member: Member) -> None:
+        run = member.run
+        try:
+            logits = run.advance_prefill()
+        except Exception as exc:  # noqa: BLE001 - any failure ends the request as an event, never the engine
+            self._finish(member, *run.outcome(exc))
+            return
+        if logits is not None:
+            self._accept(member, logits)
+
+    def _decode(self, members: list[Member]) -> None:
+        """Feed every member's pending token in one step; each takes its row of logits."""
+        e = self.engine
+        step = e.decode_step if len(members) <= e.decode_step.max_batch else e.batch_step
+        fed: list[Member] = []
+        for member in members:
+            try:
+                member.run.stage(step, member.token)
+            except PoolExhausted as exc:
+                log.warning("request %s: %s", member.run.rid, exc)
+                self._emit(member, member.run.end_early("kv_pool_exhausted"))
+                self._finish(member, "kv_pool_exhausted", None)
+            except Exception as exc:  # noqa: BLE001
+                self._finish(member, *member.run.outcome(exc))
+            else:
+                fed.append(member)
+        if not fed:
+            return
+        try:
+            logits = step.run()  # (B, vocab)
+        except Exception as exc:  # noqa: BLE001 - the batch's forward failed: every member of it ends
+            for member in fed:
+                self._finish(member, *member.run.outcome(exc))
+            return
+        for row, member in enumerate(fed):
+            member.run.fed(member.token)
+            member.run.metrics.batch_size = max(member.run.metrics.batch_size, len(fed))
+            self._accept(member, logits[row : row + 1])
+
+    def _accept(self, member: Member, logits) -> None:  # logits (1, vocab)
+        run = member.run
+        try:
+            deltas, token = run.accept(logits)
+        except Exception as exc:  # noqa: BLE001
+            self._finish(member, *run.outcome(exc))
+            return
+        self._emit(member, deltas)
+        if token is None:
+            self._finish(member, run.loop.reason, None)
+        else:
+            member.phase, member.token = "decode", token
+
+    def _emit(self, member: Member, events: list) -> None:
+        if events:
+            with self._cond:
+                member.events.extend(events)
+                self._cond.notify_all()
+
+    def _finish(self, member: Member, reason: str, error: str | None) -> None:
+        run = member.run
+        finished: Finished = run.finish(reason, error)
+        run.finished = finished
+        self._on_finished(run)
+        with self._cond:
+            self._running.remove(member)
+            member.events.append(finished)
+            member.phase = "done"
+            self._cond.notify_all()
