@@ -46,6 +46,10 @@ class BenchConfig:
     ros_max_new_tokens: int = 400  # long answers: the per-token cost of publishing is what is measured
     ros_repeats: int = 5
     ros_startup_timeout_s: float = 120.0
+    # continuous batching
+    batch_sizes: tuple[int, ...] = (1, 2, 4, 8)
+    batch_tokens: int = 64  # default model, per member (fixed length)
+    big_batch_tokens: int = 16  # 2B-shape checkpoint: a third of a second per step on 1 core
     # GPU (CUDA only)
     gpu_dtypes: tuple[str, ...] = ("fp16", "bf16")
     gpu_max_new_tokens: int = 128  # fixed-length answers (ignore_eos), long enough for steady decode
@@ -55,7 +59,7 @@ class BenchConfig:
     gpu_startup_context: int = 8192  # max_context_tokens of the startup/memory probe (the 2B preset's)
     # sections to run (all by default)
     sections: tuple[str, ...] = field(
-        default=("vs_transformers", "paged_vs_contiguous", "prefix_cache", "memory", "ros", "gpu")
+        default=("vs_transformers", "paged_vs_contiguous", "prefix_cache", "batching", "memory", "ros", "gpu")
     )
 
     def as_dict(self) -> dict[str, Any]:
@@ -94,6 +98,7 @@ QUICK = replace(
     paged_layers=1,
     prefix_image_size=(64, 64),
     prefix_max_new_tokens=2,
+    batch_tokens=12,  # more steps than the largest batch has members: all of them decode together
     ros_max_new_tokens=32,  # several tokens messages at the default 20 ms period
     ros_repeats=2,
     ros_startup_timeout_s=60.0,

@@ -156,6 +156,14 @@ GOALS: list[Goal] = [
         _prefix_cut,
     ),
     Goal(
+        "batching_4_cpu",
+        "CPU: 4 requests decoding together >= 2x the aggregate decode tok/s of one, 2B-shape checkpoint",
+        "x",
+        2.0,
+        True,
+        _worst_over("batching", ".batch4.speedup", True, prefix="2b_"),
+    ),
+    Goal(
         "ros_decode_overhead",
         "ROS overhead <= 5% of decode time with 400-token answers (subscriber tokens/s vs engine alone)",
         "fraction",

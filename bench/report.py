@@ -20,6 +20,7 @@ TITLES = {
     "vs_transformers": "Engine vs transformers (same checkpoint, alternating repeats)",
     "paged_vs_contiguous": "Paged vs contiguous KV cache",
     "prefix_cache": "Prefix cache and multi-turn sessions",
+    "batching": "Continuous batching (requests decoding together)",
     "memory": "Memory",
     "ros": "Through ROS 2 (localhost DDS)",
     "gpu": "GPU",

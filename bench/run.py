@@ -36,6 +36,7 @@ MODULES = {
     "vs_transformers": "vs_transformers",
     "paged_vs_contiguous": "paged",
     "prefix_cache": "prefix_cache",
+    "batching": "batching",
     "memory": "memory",
     "ros": "ros_overhead",
     "gpu": "gpu",

@@ -94,8 +94,11 @@ def test_goals_take_the_worst_checkpoint_and_respect_direction():
             "default.text.ttft_ratio": [0.5, 0.6, 0.7],
         },
         prefix_cache={"image_system.ttft_cut": [0.9, 0.85, 0.95]},
+        batching={"default.batch4.speedup": [1.1, 1.2, 1.3], "2b_fp32.batch4.speedup": [1.8, 1.9, 1.7]},
     )
     by_id = {g["id"]: g for g in evaluate_goals(result)}
+    assert by_id["batching_4_cpu"]["status"] == "not_met" and by_id["batching_4_cpu"]["value"] == 1.8  # 2B only
+    assert "2b_fp32" in by_id["batching_4_cpu"]["source"]
     assert by_id["cpu_decode_vs_hf"]["status"] == "met"  # the default model's goal reads default.* only
     assert by_id["cpu_decode_vs_hf"]["value"] == pytest.approx(2.2)
     assert by_id["cpu_decode_vs_hf_2b"]["status"] == "met" and by_id["cpu_decode_vs_hf_2b"]["value"] == 1.3
