@@ -96,41 +96,48 @@ def test_mapping_onto_engine_config_and_sampling():
     assert engine_kwargs({**values, "multi_turn": True}, ())["max_sessions"] == 1
 
 
-def test_declared_descriptors_enforce_ranges_and_read_only(tmp_path, monkeypatch):
+@pytest.fixture
+def ros_context(tmp_path, monkeypatch):
+    """An rclpy context of this test alone (private domain, logs in tmp_path)."""
     rclpy = pytest.importorskip("rclpy", reason="rclpy (ROS 2 wheels) is installed by `make test`")
+    monkeypatch.setenv("ROS_LOG_DIR", str(tmp_path))
+    context = rclpy.Context()
+    rclpy.init(context=context, domain_id=(os.getpid() % 90) + 10)
+    try:
+        yield context
+    finally:
+        rclpy.shutdown(context=context)
+
+
+def test_declared_descriptors_enforce_ranges_and_read_only(ros_context):
+    import rclpy
     from rcl_interfaces.msg import SetParametersResult
     from rclpy.parameter import Parameter
 
     from orin_vlm_node.ros.params import declare_parameters
 
-    monkeypatch.setenv("ROS_LOG_DIR", str(tmp_path))
-    context = rclpy.Context()
-    rclpy.init(context=context, domain_id=(os.getpid() % 90) + 10)
-    try:
-        node = rclpy.create_node("params_probe", context=context)
-        values = declare_parameters(node)
-        assert values == defaults()
-        node.add_on_set_parameters_callback(
-            lambda ps: SetParametersResult(
-                successful=(reason := check_changes({p.name: p.value for p in ps})) is None,
-                reason=reason or "",
-            )
+    node = rclpy.create_node("params_probe", context=ros_context)
+    values = declare_parameters(node)
+    assert values == defaults()
+    node.add_on_set_parameters_callback(
+        lambda ps: SetParametersResult(
+            successful=(reason := check_changes({p.name: p.value for p in ps})) is None,
+            reason=reason or "",
         )
-        ok = node.set_parameters([Parameter("page_size", value=32)])[0]
-        assert ok.successful
-        refused = node.set_parameters([Parameter("dtype", value="int8")])[0]
-        assert not refused.successful and "dtype must be one of" in refused.reason
-        out_of_range = node.set_parameters([Parameter("page_size", value=512)])[0]
-        assert not out_of_range.successful  # rclpy's own range check from the descriptor
-        read_only = node.set_parameters([Parameter("model_path", value="/elsewhere")])[0]
-        assert not read_only.successful and "read-only" in read_only.reason
-        described = node.describe_parameter("page_size")
-        assert (described.integer_range[0].from_value, described.integer_range[0].to_value) == (1, 256)
-        assert "one of: auto, bf16, fp16, fp32" in node.describe_parameter("dtype").additional_constraints
-        assert "unit: tokens; applies: between requests" in node.describe_parameter("page_size").additional_constraints
-        node.destroy_node()
-    finally:
-        rclpy.shutdown(context=context)
+    )
+    ok = node.set_parameters([Parameter("page_size", value=32)])[0]
+    assert ok.successful
+    refused = node.set_parameters([Parameter("dtype", value="int8")])[0]
+    assert not refused.successful and "dtype must be one of" in refused.reason
+    out_of_range = node.set_parameters([Parameter("page_size", value=512)])[0]
+    assert not out_of_range.successful  # rclpy's own range check from the descriptor
+    read_only = node.set_parameters([Parameter("model_path", value="/elsewhere")])[0]
+    assert not read_only.successful and "read-only" in read_only.reason
+    described = node.describe_parameter("page_size")
+    assert (described.integer_range[0].from_value, described.integer_range[0].to_value) == (1, 256)
+    assert "one of: auto, bf16, fp16, fp32" in node.describe_parameter("dtype").additional_constraints
+    assert "unit: tokens; applies: between requests" in node.describe_parameter("page_size").additional_constraints
+    node.destroy_node()
 
 
 def test_channel_overrides_are_checked_as_the_setting_they_override():
@@ -152,28 +159,22 @@ def test_a_channel_uses_its_overrides_that_are_set_and_the_node_wide_rest():
     assert max_sessions({**defaults(), "multi_turn": True}) == 1
 
 
-def test_each_channel_gets_its_override_parameters_declared_unset(tmp_path, monkeypatch):
-    rclpy = pytest.importorskip("rclpy", reason="rclpy (ROS 2 wheels) is installed by `make test`")
+def test_each_channel_gets_its_override_parameters_declared_unset(ros_context):
+    import rclpy
     from rclpy.parameter import Parameter
 
     from orin_vlm_node.ros.params import declare_parameters
 
-    monkeypatch.setenv("ROS_LOG_DIR", str(tmp_path))
-    context = rclpy.Context()
-    rclpy.init(context=context, domain_id=(os.getpid() % 90) + 10)
-    try:
-        overrides = [Parameter("channels", value=["arm", "nav"]), Parameter("nav.max_new_tokens", value=9)]
-        node = rclpy.create_node("channels_probe", context=context, parameter_overrides=overrides)
-        values = declare_parameters(node)
-        assert values["channels"] == ["arm", "nav"]
-        assert [values[f"{ch}.max_new_tokens"] for ch in ("arm", "nav")] == [None, 9]
-        assert values["arm.image_topics"] is None and values["arm.system_prompt"] is None
-        described = node.describe_parameter("arm.max_new_tokens")
-        assert (described.integer_range[0].from_value, described.integer_range[0].to_value) == (1, 32_768)
-        assert "not set = the node-wide max_new_tokens" in described.description
-        assert node.set_parameters([Parameter("arm.max_new_tokens", value=5)])[0].successful
-        refused = node.set_parameters([Parameter("arm.image_topics", value=["front"])])[0]
-        assert not refused.successful and "read-only" in refused.reason
-        node.destroy_node()
-    finally:
-        rclpy.shutdown(context=context)
+    overrides = [Parameter("channels", value=["arm", "nav"]), Parameter("nav.max_new_tokens", value=9)]
+    node = rclpy.create_node("channels_probe", context=ros_context, parameter_overrides=overrides)
+    values = declare_parameters(node)
+    assert values["channels"] == ["arm", "nav"]
+    assert [values[f"{ch}.max_new_tokens"] for ch in ("arm", "nav")] == [None, 9]
+    assert values["arm.image_topics"] is None and values["arm.system_prompt"] is None
+    described = node.describe_parameter("arm.max_new_tokens")
+    assert (described.integer_range[0].from_value, described.integer_range[0].to_value) == (1, 32_768)
+    assert "not set = the node-wide max_new_tokens" in described.description
+    assert node.set_parameters([Parameter("arm.max_new_tokens", value=5)])[0].successful
+    refused = node.set_parameters([Parameter("arm.image_topics", value=["front"])])[0]
+    assert not refused.successful and "read-only" in refused.reason
+    node.destroy_node()

@@ -80,6 +80,15 @@ def start(engine: ScriptedEngine, queue: RequestQueue, outputs: Recorder | dict[
     return worker
 
 
+def answer_one(worker: Worker, queue: RequestQueue, outputs: Recorder, item: PendingPrompt) -> None:
+    """Queue ``item``, wait for its answer, stop the worker."""
+    try:
+        queue.put(item)
+        wait_until(lambda: any(e["event"] == "finished" for e in outputs.events))
+    finally:
+        worker.stop(2.0, "test over")
+
+
 def wait_until(predicate, timeout: float = 10.0) -> None:
     deadline = time.monotonic() + timeout
     while not predicate():
@@ -94,12 +103,7 @@ def test_wire_text_replaces_what_a_ros_string_cannot_carry():
 
 def test_an_answer_with_nul_characters_streams_tokens_that_add_up_to_the_response():
     outputs, queue = Recorder(), RequestQueue(4)
-    worker = start(ScriptedEngine(["a\x00", "b", "\x00c"]), queue, outputs)
-    try:
-        queue.put(prompt(1))
-        wait_until(lambda: any(e["event"] == "finished" for e in outputs.events))
-    finally:
-        worker.stop(2.0, "test over")
+    answer_one(start(ScriptedEngine(["a\x00", "b", "\x00c"]), queue, outputs), queue, outputs, prompt(1))
     assert outputs.responses == ["a\ufffdb\ufffdc"]
     assert "".join(outputs.deltas) == outputs.responses[0]
 
@@ -138,11 +142,7 @@ def test_a_stopped_worker_starts_again_and_serves_the_next_prompts():
     worker = start(ScriptedEngine(["hello"]), queue, outputs)
     worker.stop(2.0, "node deactivated")
     worker.start()
-    try:
-        queue.put(prompt(7))
-        wait_until(lambda: any(e["event"] == "finished" for e in outputs.events))
-    finally:
-        worker.stop(2.0, "test over")
+    answer_one(worker, queue, outputs, prompt(7))
     assert outputs.responses == ["hello"]
     assert [e["event"] for e in outputs.events] == ["started", "finished"]
 
