@@ -7,6 +7,7 @@ The reference is the same engine serving each request alone (fp32 on the CPU, gr
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Iterator
 
@@ -172,19 +173,113 @@ def test_threads_batch_and_reconfigure_waits_for_them(engine):
         engine.reconfigure(prefill_chunk_tokens=16)
 
 
-def test_a_member_that_cannot_get_kv_ends_alone_with_pool_exhausted(tmp_path):
-    # 12 blocks of 16 tokens: enough for one long answer, not for three at once.
-    small = Engine(
-        EngineConfig(model_path=str(cached_tiny_checkpoint()), device="cpu", kv_pool_blocks=12, page_size=16,
-                     max_context_tokens=160, prefix_caching=False)
-    )  # fmt: skip
-    requests = [Request(Turn(f"Tell a long story number {i}."), _greedy(120)) for i in range(3)]
-    alone = [_alone(small, r) for r in requests]
-    assert all(a.finish_reason == "length" for a in alone)
-    results = _together([small.generate(_copy(r)) for r in requests])
-    reasons = [final.finish_reason for _, final in results]
-    assert "kv_pool_exhausted" in reasons and "length" in reasons
-    for (_, final), reference in zip(results, alone, strict=True):
-        # Whatever a member produced before it ran out is what it produces alone.
-        assert final.token_ids == reference.token_ids[: len(final.token_ids)]
+def _small(blocks: int, **kw) -> Engine:
+    """An engine whose pool of ``blocks`` blocks of 16 tokens runs out when several requests grow together."""
+    fields = {"page_size": 16, "max_context_tokens": 160, "prefill_chunk_tokens": 16} | kw
+    return Engine(EngineConfig(model_path=str(cached_tiny_checkpoint()), device="cpu", kv_pool_blocks=blocks, **fields))
+
+
+STORIES = [Request(Turn(f"Tell a long story number {i}."), _greedy(100)) for i in range(2)] + [
+    Request(Turn("Count the boxes. " * 12), _greedy(60))  # a long prompt: its prefill pieces need blocks too
+]
+
+
+@pytest.mark.parametrize("prefix_caching", [False, True])
+def test_when_the_pool_runs_out_the_youngest_is_preempted_and_resumes_with_its_tokens(prefix_caching):
+    # 12 blocks of 16 tokens: enough for each answer alone, not for three at once.
+    small = _small(12, prefix_caching=prefix_caching)
+    alone = [_alone(small, r) for r in STORIES]
+    assert all(a.finish_reason == "length" and a.metrics["preemptions"] == 0 for a in alone)
+    results = _together([small.generate(_copy(r)) for r in STORIES])
+    for (deltas, final), reference in zip(results, alone, strict=True):
+        assert (final.finish_reason, final.token_ids) == ("length", reference.token_ids)
+        assert final.text == reference.text == "".join(d.text for d in deltas)  # streamed once, nothing repeated
+    preemptions = [final.metrics["preemptions"] for _, final in results]
+    assert preemptions[0] == 0 and sum(preemptions) > 0  # the oldest is never preempted for a younger one
+    assert all(final.metrics["preempted_tokens"] > 0 for _, final in results if final.metrics["preemptions"])
     assert small.describe()["kv_blocks_used"] == 0
+
+
+def test_preempted_turns_of_a_conversation_with_images_resume_and_the_conversation_goes_on():
+    # 14 blocks: each turn of the conversation (the younger request, with an image) runs beside an answer
+    # for someone else and the pool cannot hold both; the other one fits beside the conversation's history.
+    small = _small(14, max_sessions=1, max_context_tokens=200)
+    conversation = [
+        Request(Turn("What is on the table?", (_image(64, 96, 1),)), _greedy(90), session_id="a"),
+        Request(Turn("And in this one?", (_image(48, 64, 2),)), _greedy(30), session_id="a"),
+    ]
+    others = [_copy(STORIES[0], sampling=_greedy(90)), _copy(STORIES[1], sampling=_greedy(40))]
+    sequential = [_alone(small, r).token_ids for r in conversation]
+    expected = small.session_token_ids("a")
+    small.reset()
+    others_alone = [_alone(small, r).token_ids for r in others]
+    for turn, other, other_alone, tokens in zip(conversation, others, others_alone, sequential, strict=True):
+        (_, first), (_, second) = _together([small.generate(_copy(other)), small.generate(_copy(turn))])
+        assert (first.finish_reason, first.token_ids, first.metrics["preemptions"]) == ("length", other_alone, 0)
+        assert (second.finish_reason, second.token_ids) == ("length", tokens)
+        assert second.metrics["preemptions"] > 0
+    assert small.session_token_ids("a") == expected
+
+
+class _CancelWhenPreempted(logging.Handler):
+    """Cancels a request the moment the engine logs its preemption (while it waits to be recomputed)."""
+
+    def __init__(self, engine: Engine, request_id: str) -> None:
+        super().__init__(logging.INFO)
+        self.engine, self.request_id, self.fired = engine, request_id, False
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if not self.fired and f"request {self.request_id} preempted" in record.getMessage():
+            self.fired = self.engine.cancel(self.request_id)
+
+
+def test_a_request_cancelled_while_preempted_ends_and_its_turn_is_undone():
+    small = _small(12, max_sessions=1)
+    earlier = _alone(small, Request(Turn("Hello."), _greedy(5), session_id="talk"))
+    before = small.session_token_ids("talk")
+    requests = [
+        Request(Turn("Tell a long story number 1."), _greedy(100), request_id="old"),
+        Request(Turn("Now a long story."), _greedy(100), session_id="talk", request_id="young"),
+    ]
+    alone = _alone(small, _copy(requests[0]))
+    hook = _CancelWhenPreempted(small, "young")
+    logger = logging.getLogger("orin_vlm_node.engine")
+    logger.addHandler(hook)
+    level = logger.level
+    logger.setLevel(logging.INFO)
+    try:
+        (_, old), (deltas, young) = _together([small.generate(r) for r in requests])
+    finally:
+        logger.removeHandler(hook)
+        logger.setLevel(level)
+    assert earlier.finish_reason == "length" and hook.fired
+    assert (old.finish_reason, old.token_ids) == ("length", alone.token_ids)
+    assert (young.finish_reason, young.metrics["preemptions"]) == ("cancelled", 1)
+    assert young.text == "".join(d.text for d in deltas)  # what was streamed before the preemption stays said
+    assert small.session_token_ids("talk") == before  # the conversation goes on from before the cancelled turn
+    small.reset()
+    assert small.describe()["kv_blocks_used"] == 0
+
+
+def test_a_request_that_cannot_get_kv_beside_a_conversation_in_use_ends_pool_exhausted_and_the_rest_finish():
+    # 10 blocks (one 160-token context): a conversation's history holds most of them while its next turn
+    # waits; the other request cannot grow to its 128 tokens beside that history, and a conversation in
+    # use is never dropped to make room, so that request alone ends kv_pool_exhausted.
+    small = _small(10, max_sessions=1, prefix_caching=False)
+    first_turn = Request(Turn("Tell a long story."), _greedy(70), session_id="talk")
+    requests = [STORIES[0], Request(Turn("Go on."), _greedy(20), session_id="talk")]
+    reference = _alone(small, _copy(STORIES[0]))  # alone (no conversation kept) it fits
+    _alone(small, first_turn)
+    turn = _alone(small, _copy(requests[1]))
+    conversation = small.session_token_ids("talk")
+    small.reset()
+    _alone(small, first_turn)
+    results = _together([small.generate(_copy(r)) for r in requests])
+    (deltas, first), (_, second) = results
+    assert reference.finish_reason == "length" and first.finish_reason == "kv_pool_exhausted"
+    assert first.token_ids == reference.token_ids[: len(first.token_ids)] and first.text == "".join(
+        d.text for d in deltas
+    )
+    assert (second.finish_reason, second.token_ids) == ("length", turn.token_ids)
+    assert second.metrics["preemptions"] == 1
+    assert small.session_token_ids("talk") == conversation

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from orin_vlm_node.ros.status import TERMINAL_EVENTS, diagnostic_values, status_json
+from orin_vlm_node.ros.status import TERMINAL_EVENTS, diagnostic_values, request_note, status_json
 
 KEYS = {"event", "request_id", "finish_reason", "error", "metrics", "image_stamp", "images", "note", "changes"}
 
@@ -57,3 +57,12 @@ def test_terminal_events():
 def test_diagnostic_values_flatten_and_format():
     values = diagnostic_values({"device": "cpu", "pool": {"used": 3, "total": 64}, "tok_s": 123.456789, "ok": True})
     assert values == [("device", "cpu"), ("ok", "True"), ("pool.total", "64"), ("pool.used", "3"), ("tok_s", "123.5")]
+
+
+def test_a_preempted_request_says_so_in_its_note():
+    metrics = {"preemptions": 2.0, "preempted_tokens": 131.0}
+    assert request_note(metrics, "rear: no image received yet") == (
+        "rear: no image received yet; preempted 2x when the KV pool ran out (131 tokens freed and recomputed)"
+    )
+    assert request_note({"preemptions": 0.0}, None) is None
+    assert request_note({}, "a remark") == "a remark"

@@ -22,6 +22,8 @@ class RequestMetrics:
     generated_tokens: int = 0
     blocks_in_use: int = 0
     batch_size: int = 1  # the most requests that decoded together with this one (itself included)
+    preemptions: int = 0  # times the KV pool ran out and this request's KV was freed to make room
+    preempted_tokens: int = 0  # KV tokens those preemptions freed (recomputed, less prefix-cache hits)
     peak_memory_mb: float = 0.0
     ttft_s: float = 0.0
     prefill_s: float = 0.0
@@ -60,6 +62,8 @@ class RequestMetrics:
             "generated_tokens": float(self.generated_tokens),
             "blocks_in_use": float(self.blocks_in_use),
             "batch_size": float(self.batch_size),
+            "preemptions": float(self.preemptions),
+            "preempted_tokens": float(self.preempted_tokens),
             "peak_memory_mb": self.peak_memory_mb,
         }
 

@@ -4,15 +4,18 @@ The scheduler (:mod:`.scheduler`) drives it phase by phase, on the engine's mode
 store and decode step, interleaved with the other requests of the batch: :meth:`RequestRun.advance_prefill`
 one prompt piece at a time, then per token :meth:`~RequestRun.accept` (sample, stream, decide),
 :meth:`~RequestRun.stage` (reserve the KV slot in the batched decode step) and :meth:`~RequestRun.fed`.
-Whatever way it ends -- finished, cancelled, an exception, the consumer closing the stream --
-:meth:`RequestRun.settle` leaves the KV as the session invariants say (:mod:`.session`): a kept session
-holds its whole conversation, a turn that never reached prefill is undone, everything else is released.
+When the pool runs out the scheduler may :meth:`~RequestRun.preempt` a request: the KV this turn added
+is freed and, once it runs again, recomputed by the same piecewise prefill (its prompt, then the tokens
+it had generated) before decoding goes on where it stopped. Whatever way it ends -- finished,
+cancelled, an exception, the consumer closing the stream -- :meth:`RequestRun.settle` leaves the KV as
+the session invariants say (:mod:`.session`): a kept session holds its whole conversation, a turn that
+never reached prefill (or ended while preempted) is undone, everything else is released.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -38,6 +41,47 @@ class _Cancelled(Exception):
     """The request was cancelled before its prefill finished."""
 
 
+class _Prefill:
+    """Tokens to compute into a sequence's KV from slot ``base + next``, ``prefill_chunk_tokens`` at a time.
+
+    Why pieces: the torch attention of a piece of L tokens over T slots holds an L x T score matrix per
+    head, which for a long prompt in one piece would be gigabytes; and between two pieces the other
+    requests of the batch decode a token, so a long prompt does not stall their answers. Each piece
+    attends to everything before it, so the result is the one-piece prefill's.
+    """
+
+    def __init__(
+        self, ids: list[int], prompt: int, positions: torch.Tensor, vision: VisionFeatures | None, hit: int
+    ) -> None:
+        self.ids = ids  # the turn's prompt tokens, then (recomputing after a preemption) generated ones
+        self.prompt = prompt  # how many of ``ids`` are the prompt's: only those image pads take image rows
+        self.positions = positions  # (3, len(ids)) RoPE positions
+        self.vision = vision  # features of the prompt's image pads from ``hit`` on
+        self.next = hit  # the first token not in the KV
+        self.computed = 0  # tokens pushed through the model
+        self._vision_row = 0  # feature rows of the image pads before ``next``
+
+    @property
+    def done(self) -> bool:
+        return self.next >= len(self.ids)
+
+    def piece(self, run: RequestRun) -> torch.Tensor:
+        """Compute the next piece; its logits. PoolExhausted before anything changed."""
+        e = run.engine
+        size = run.config.prefill_chunk_tokens or len(self.ids)
+        start, stop = self.next, min(self.next + size, len(self.ids))
+        if start < self.prompt < stop:  # a generated image-pad id is text: never in a piece with image rows
+            stop = self.prompt
+        pad = e.tokenizer.special.image_pad
+        pads = sum(1 for t in self.ids[start:stop] if t == pad) if start < self.prompt else 0
+        rows = self.vision.rows(self._vision_row, self._vision_row + pads) if self.vision is not None and pads else None
+        attn = run.with_eviction(lambda: e.cache.step(run.seq, stop - start))
+        chunk = torch.tensor(self.ids[start:stop], dtype=torch.long, device=e.device)
+        logits = e.model.forward(chunk, self.positions[:, start:stop].to(e.device), attn, vision=rows)
+        self.next, self._vision_row, self.computed = stop, self._vision_row + pads, self.computed + stop - start
+        return logits
+
+
 class RequestRun:
     """The state of one running request and the steps it goes through."""
 
@@ -53,10 +97,9 @@ class RequestRun:
         self.prefill_done = False
         self.loop: DecodeLoop | None = None
         self.finished: Finished | None = None
-        self._pieces: Iterator[tuple[torch.Tensor, bool]] | None = None  # the prefill, piece by piece
         self._turn: PreparedTurn | None = None
-        self._hit = 0  # prompt tokens served from the cache
         self._params: ResolvedSampling | None = None
+        self._prefill: _Prefill | None = None  # the tokens still to compute into the KV, piece by piece
 
     @property
     def generated(self) -> list[int]:
@@ -68,19 +111,33 @@ class RequestRun:
 
     # -- the phases the scheduler drives ------------------------------------------------------------
     def advance_prefill(self) -> torch.Tensor | None:
-        """One piece of the prefill (the first call also prepares the turn and takes the KV sequence);
-        (1, vocab) logits of the last prompt token once the whole prompt is in, else None."""
-        if self._pieces is None:
+        """One piece of the prefill (the first call also prepares the turn, takes the KV sequence and
+        encodes the images not cached); (1, vocab) logits of the last token once all are in, else None.
+
+        After a :meth:`preempt` the same pieces recompute what the turn had in the KV (prompt and the
+        tokens generated so far, ending with the one sampled but not yet fed): those last logits are
+        what the next decode step would have given. PoolExhausted leaves everything as it was, so the
+        piece can be tried again once another request made room.
+        """
+        if self._turn is None:
             reset_peak_memory(self.engine.device)
-            self._pieces = self._start()
-        logits, done = next(self._pieces)
-        if not done:
+            self._prepare()
+        self._check_cancelled()
+        if self._prefill is None:
+            self._prefill = self._begin_prefill()
+        prefill = self._prefill
+        logits = prefill.piece(self)
+        if not prefill.done:
             return None
-        e = self.engine
-        self.metrics.prefill_tokens = len(self._turn.new_ids) - self._hit
+        self._prefill = None
+        if self.prefill_done:  # a recompute after preemption: the pending token is in the KV now
+            self.fed(prefill.ids[-1])
+            return logits
+        e, turn = self.engine, self._turn
+        self.metrics.prefill_tokens = prefill.computed
         self.metrics.mark_prefill_done()
         self.prefill_done = True
-        self.session = self._commit_turn(self._turn)
+        self.session = self._commit_turn(turn)
         self.loop = DecodeLoop(self._params, e.tokenizer, self.session.token_ids, logits.device, self.metrics)
         return logits
 
@@ -110,6 +167,28 @@ class RequestRun:
         """The answer ends before its next token could be fed (the pool is exhausted): the held-back text."""
         return [TextDelta(self.rid, text, ids) for text, ids in self.loop.end(reason)]
 
+    @property
+    def holds_turn_kv(self) -> bool:
+        """Whether the KV holds tokens of this turn (what :meth:`preempt` would free)."""
+        return self.seq is not None and self.engine.cache.length(self.seq) > self._base
+
+    def preempt(self) -> int:
+        """Free the KV this turn added (its session's earlier turns stay); the tokens freed. The next
+        :meth:`advance_prefill` starts recomputing them."""
+        cache, freed = self.engine.cache, 0
+        if self.seq is not None:
+            freed = cache.length(self.seq) - self._base
+            cache.truncate(self.seq, self._base)
+        self._prefill = None
+        self.metrics.preemptions += 1
+        self.metrics.preempted_tokens += freed
+        return freed
+
+    @property
+    def _base(self) -> int:
+        """KV slots of the session's earlier turns: never freed by a preemption."""
+        return self.snapshot.kv_length if self.snapshot is not None else 0
+
     def outcome(self, exc: BaseException) -> tuple[str, str | None]:
         """(finish reason, error) of a request that raised ``exc``."""
         if isinstance(exc, _Cancelled):
@@ -122,69 +201,57 @@ class RequestRun:
         log.error("request %s failed", self.rid, exc_info=exc)
         return "error", f"{type(exc).__name__}: {exc}"
 
-    def _start(self) -> Iterator[tuple[torch.Tensor, bool]]:
-        """Prepare the turn, take a KV sequence, encode the images not cached, then prefill piece by piece."""
+    def _prepare(self) -> None:
+        """Sampling, session and the turn's tokens, positions and images (once per request)."""
         e, request = self.engine, self.request
         self._params = resolve_sampling(e.generation_defaults, self.config.sampling, request.sampling)
-        session = self.session = e.session_store.get(request.session_id)
-        turn = self._turn = e.turns.prepare(
+        self.session = e.session_store.get(request.session_id)
+        self._turn = e.turns.prepare(
             request.turn,
             request.system_prompt,
-            session,
+            self.session,
             self.config.max_context_tokens,
             plain_text=not self.config.prompt_special_tokens,
         )
-        self.metrics.prompt_tokens = turn.total_tokens
-        self._check_cancelled()
-        hit = self._hit = self._take_sequence(turn)
-        self.metrics.prefix_hit_tokens = turn.history + hit
-        self.metrics.mark_prefill_start()
-        skip_pads = sum(1 for t in turn.new_ids[:hit] if t == e.tokenizer.special.image_pad)
-        vision = encode_needed(e.model, turn.images, skip_pads, e.vision_cache) if turn.images is not None else None
-        yield from self._prefill(turn, hit, vision)
+        self.metrics.prompt_tokens = self._turn.total_tokens
 
-    def _prefill(
-        self, turn: PreparedTurn, hit: int, vision: VisionFeatures | None
-    ) -> Iterator[tuple[torch.Tensor, bool]]:
-        """Tokens ``hit:`` of the turn into the KV cache, ``prefill_chunk_tokens`` at a time (each piece
-        attends to everything before it, so the result is the one-piece prefill's): each piece's logits, and
-        whether it was the last.
-
-        Why pieces: the torch attention of a piece of L tokens over T slots holds an L x T score matrix per
-        head, which for a long prompt in one piece would be gigabytes; and between two pieces the other
-        requests of the batch decode a token, so a long prompt does not stall their answers. A cancel is
-        honoured between pieces.
-        """
-        e = self.engine
-        ids, pad = turn.new_ids, e.tokenizer.special.image_pad
-        size = self.config.prefill_chunk_tokens or len(ids)
-        vision_row = 0  # feature rows of the image pads before the current piece
+    def _begin_prefill(self) -> _Prefill:
+        """What this turn must compute into the KV: the turn's tokens, and after a preemption the tokens
+        generated since; the KV sequence (taken the first time), the cached prefix served, the images'
+        features for the image tokens still to compute."""
+        e, turn = self.engine, self._turn
+        ids, extra, positions = list(turn.new_ids), list(turn.extra_keys), turn.positions
+        if self.prefill_done:  # recompute after preemption: generated tokens are text, RoPE runs with the slot
+            gen = self.generated
+            start = self._base + len(ids)
+            ids += gen
+            extra += [None] * len(gen)
+            text = torch.arange(start, start + len(gen), dtype=torch.long) + self.session.rope_delta
+            positions = torch.cat([positions, text.expand(3, -1)], dim=1)
+        first = self.seq is None
+        if first and self.session is not None:  # a continuing conversation: its sequence, as it was
+            self.seq = self.session.seq
+            self.snapshot = self.session.snapshot(e.cache.length(self.seq))
+        elif first:
+            self.seq = self.with_eviction(e.cache.new_sequence)
+        hit = 0
+        if self._base == 0 and self._prefix_caching:
+            hit = e.cache.attach_prefix(self.seq, ids, extra)
+        if first:
+            self.metrics.prefix_hit_tokens = turn.history + hit
+            self.metrics.mark_prefill_start()
+        vision = None
+        if turn.images is not None:
+            pad = e.tokenizer.special.image_pad
+            skip = sum(1 for t in ids[: min(hit, len(turn.new_ids))] if t == pad)
+            vision = encode_needed(e.model, turn.images, skip, e.vision_cache)
         if hit >= len(ids):
             raise RuntimeError("prefill of an empty turn")
-        for start in range(hit, len(ids), size):
-            self._check_cancelled()
-            stop = min(start + size, len(ids))
-            pads = sum(1 for t in ids[start:stop] if t == pad)
-            rows = vision.rows(vision_row, vision_row + pads) if vision is not None and pads else None
-            vision_row += pads
-            attn = self.with_eviction(lambda n=stop - start: e.cache.step(self.seq, n))
-            chunk = torch.tensor(ids[start:stop], dtype=torch.long, device=e.device)
-            logits = e.model.forward(chunk, turn.positions[:, start:stop].to(e.device), attn, vision=rows)
-            yield logits, stop == len(ids)
+        return _Prefill(ids, len(turn.new_ids), positions, vision, hit)
 
     def _check_cancelled(self) -> None:
         if self.engine.is_cancelled(self.rid):
             raise _Cancelled()
-
-    def _take_sequence(self, turn: PreparedTurn) -> int:
-        """The session's sequence (snapshot first), or a new one with a cached prefix; tokens served from cache."""
-        cache = self.engine.cache
-        if self.session is not None:
-            self.seq = self.session.seq
-            self.snapshot = self.session.snapshot(cache.length(self.seq))
-            return 0
-        self.seq = self.with_eviction(cache.new_sequence)
-        return cache.attach_prefix(self.seq, turn.new_ids, turn.extra_keys) if self._prefix_caching else 0
 
     def _commit_turn(self, turn: PreparedTurn) -> Session:
         """After prefill the sequence holds the turn: the session (a new one if needed) says so."""
@@ -210,7 +277,7 @@ class RequestRun:
         try:
             m.blocks_in_use = len(e.cache.block_table(self.seq)) if self.seq is not None else 0
             self.settle(reason)
-            e.session_store.trim()
+            e.session_store.trim(busy=e.scheduler.sessions_in_use(ignore=self))
         except Exception as exc:  # noqa: BLE001
             log.exception("request %s: cleanup failed; clearing the KV cache", self.rid)
             e.session_store.forget_all()
@@ -236,6 +303,13 @@ class RequestRun:
             e.cache.release(seq)
         elif reason in ("error", "kv_pool_exhausted"):
             e.session_store.drop(session.session_id)  # its KV may be partial; free the blocks
+        elif e.cache.length(seq) < len(session.token_ids):  # ended while preempted: its turn is not all in the KV
+            log.warning("request %s ended before its preempted turn was recomputed: the conversation "
+                        "goes on from before this turn", self.rid)  # fmt: skip
+            if self.snapshot is not None:
+                session.restore(self.snapshot, e.cache)
+            else:
+                e.session_store.drop(session.session_id)
         else:
             if e.cache.length(seq) > len(session.token_ids):  # unwritten reserved slots must not stay
                 e.cache.truncate(seq, len(session.token_ids))
@@ -249,10 +323,11 @@ class RequestRun:
         return self.config.prefix_caching and self.engine.cache.supports_prefix_caching
 
     def with_eviction(self, fn: Callable[[], Any]) -> Any:
-        """Run ``fn``; on PoolExhausted free the least recently used idle session (never this one) and retry."""
+        """Run ``fn``; on PoolExhausted free the least recently used idle session and retry (a session whose
+        request runs or waits is not idle: this one's among them)."""
         while True:
             try:
                 return fn()
             except PoolExhausted:
-                if not self.engine.session_store.evict_one(keep=self.session):
+                if not self.engine.session_store.evict_one(busy=self.engine.scheduler.sessions_in_use()):
                     raise

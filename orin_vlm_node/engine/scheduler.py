@@ -17,9 +17,20 @@ while the next step runs. A step:
 3. feeds the pending token of every decoding request through one batched decode step and hands each
    request its row of logits (:meth:`.request.RequestRun.accept`: sample, stream, decide).
 
-A request whose next KV slot cannot be had even after idle sessions were evicted ends with
-``kv_pool_exhausted``; the others go on. Greedy tokens do not depend on the company a request keeps:
-every row of a batch is computed from its own sequence's KV and its own token only.
+When the pool runs out (a prefill piece or a decode token needs blocks that evicting idle sessions
+does not free), the most recently admitted request that holds KV of its turn is *preempted*: that KV is
+freed and the request waits at the head of the queue; when it runs again it recomputes its prompt and the
+tokens it had generated (a prefill, served from the prefix cache where it can) and goes on from the same
+token. A preempted request is readmitted only after some running request finished (before that the
+memory it needs is still taken), and nothing new is admitted ahead of it. The oldest running request is
+never preempted for a younger one, so it always progresses; only a request that cannot get its KV while
+no other running request holds KV of its turn ends with ``kv_pool_exhausted``. The earlier turns of a
+conversation whose next turn runs or waits are not freed by a preemption (they cannot be recomputed
+without that turn's images) nor evicted (the conversation is in use): in a pool too small for them and
+the request, the request ends. The automatic pool (one context per running request and per session)
+never comes to that. Greedy tokens do not depend on the company
+a request keeps: every row of a batch is computed from its own sequence's KV and its own token only, and a
+recompute gives the KV the decode steps gave.
 
 ``exclusive()`` is how reconfiguration and session resets wait: new requests are not admitted while one
 is pending, and it runs once the running ones have finished, holding the step token.
@@ -50,13 +61,20 @@ class Member:
     """A request in the scheduler: its run, the events its caller has not read, where it stands."""
 
     run: RequestRun
+    arrival: int  # submission order: the queue's order, preempted requests included
     events: deque[Event] = field(default_factory=deque)
-    phase: str = "waiting"  # waiting -> prefill -> decode -> done
+    phase: str = "waiting"  # waiting -> prefill -> decode -> done; a preemption goes back to waiting
     token: int | None = None  # decode: the token to feed next
+    readmit_after: int | None = None  # preempted: admitted again once more than this many requests finished
 
     @property
     def done(self) -> bool:
         return self.phase == "done"
+
+    @property
+    def preempted(self) -> bool:
+        """Waiting again after a preemption: its turn is under way (a sequence, a session turn taken)."""
+        return self.phase == "waiting" and self.readmit_after is not None
 
 
 class Scheduler:
@@ -70,12 +88,15 @@ class Scheduler:
         self._running: list[Member] = []  # admission order: oldest first
         self._stepping = False  # the step token is held (by a caller running a step, or by exclusive())
         self._paused = 0  # exclusive() calls waiting: admit nothing new
+        self._arrivals = 0  # requests submitted so far
+        self._finished = 0  # requests finished so far
 
     def stream(self, run: RequestRun) -> Iterator[Event]:
         """Submit ``run``; its events as the steps produce them, ending with its ``Finished``. Closing the
         stream early cancels the request (it still ends, and its KV is settled, at the next step)."""
-        member = Member(run)
         with self._cond:
+            member = Member(run, self._arrivals)
+            self._arrivals += 1
             self._waiting.append(member)
         try:
             while True:
@@ -90,7 +111,7 @@ class Scheduler:
             if not member.done:  # the caller closed the stream: cancel, and step until the run is settled
                 self.engine.cancel(run.rid)
                 with self._cond:
-                    if member.phase == "waiting":
+                    if member.phase == "waiting" and not member.preempted:  # nothing to settle yet
                         self._waiting.remove(member)
                         member.phase = "done"
                 while not member.done:
@@ -101,7 +122,7 @@ class Scheduler:
     def if_idle(self) -> Iterator[bool]:
         """Whether the engine is idle (no request admitted, no step running); while True, it stays so."""
         with self._cond:
-            idle = not self._stepping and not self._running
+            idle = not self._stepping and not self._active()
             if idle:
                 self._stepping = True
         try:
@@ -116,7 +137,7 @@ class Scheduler:
         with self._cond:
             self._paused += 1
             try:
-                self._cond.wait_for(lambda: not self._stepping and not self._running)
+                self._cond.wait_for(lambda: not self._stepping and not self._active())
                 self._stepping = True
             finally:
                 self._paused -= 1
@@ -124,6 +145,17 @@ class Scheduler:
             yield
         finally:
             self._release()
+
+    def sessions_in_use(self, ignore: RequestRun | None = None) -> set[str]:
+        """Ids of the sessions whose requests run or wait (``ignore``: one that is finishing): not idle, so
+        never evicted to make room."""
+        with self._cond:
+            members = [*self._running, *self._waiting]
+        return {m.run.request.session_id for m in members if m.run.request.session_id and m.run is not ignore}
+
+    def _active(self) -> bool:
+        """Whether a request is under way: running, or waiting after a preemption (caller holds the lock)."""
+        return bool(self._running) or any(m.preempted for m in self._waiting)
 
     # -- the step token ------------------------------------------------------------------------------
     def _take_events_or_step_token(self, member: Member, discard: bool = False) -> list[Event] | None:
@@ -163,13 +195,20 @@ class Scheduler:
 
     def _admit(self) -> None:
         with self._cond:
-            if self._paused or not self._waiting:
+            if not self._waiting:
                 return
             limit = self.engine.max_batch
             busy = {m.run.request.session_id for m in self._running if m.run.request.session_id}
             for member in list(self._waiting):
                 if len(self._running) >= limit:
                     break
+                if member.preempted:
+                    # Its memory is still taken until a request finishes, and nothing goes ahead of it;
+                    # a cancelled one goes at once (it only ends).
+                    if self._finished <= member.readmit_after and not self.engine.is_cancelled(member.run.rid):
+                        break
+                elif self._paused:  # exclusive() waits: finish what is under way, start nothing new
+                    continue
                 session = member.run.request.session_id
                 if session and session in busy:
                     continue
@@ -180,11 +219,17 @@ class Scheduler:
 
     def _prefill_piece(self, member: Member) -> None:
         run = member.run
-        try:
-            logits = run.advance_prefill()
-        except Exception as exc:  # noqa: BLE001 - any failure ends the request as an event, never the engine
-            self._finish(member, *run.outcome(exc))
-            return
+        while True:
+            try:
+                logits = run.advance_prefill()
+            except PoolExhausted as exc:
+                if self._make_room(member, exc) == "retry":
+                    continue
+                return
+            except Exception as exc:  # noqa: BLE001 - any failure ends the request as an event, never the engine
+                self._finish(member, *run.outcome(exc))
+                return
+            break
         if logits is not None:
             self._accept(member, logits)
 
@@ -194,16 +239,17 @@ class Scheduler:
         step = e.decode_step if len(members) <= e.decode_step.max_batch else e.batch_step
         fed: list[Member] = []
         for member in members:
-            try:
-                member.run.stage(step, member.token)
-            except PoolExhausted as exc:
-                log.warning("request %s: %s", member.run.rid, exc)
-                self._emit(member, member.run.end_early("kv_pool_exhausted"))
-                self._finish(member, "kv_pool_exhausted", None)
-            except Exception as exc:  # noqa: BLE001
-                self._finish(member, *member.run.outcome(exc))
-            else:
-                fed.append(member)
+            while member.phase == "decode":  # a younger member's preemption may have taken it out
+                try:
+                    member.run.stage(step, member.token)
+                except PoolExhausted as exc:
+                    if self._make_room(member, exc) == "retry":
+                        continue
+                except Exception as exc:  # noqa: BLE001
+                    self._finish(member, *member.run.outcome(exc))
+                else:
+                    fed.append(member)
+                break
         if not fed:
             return
         try:
@@ -216,6 +262,36 @@ class Scheduler:
             member.run.fed(member.token)
             member.run.metrics.batch_size = max(member.run.metrics.batch_size, len(fed))
             self._accept(member, logits[row : row + 1])
+
+    def _make_room(self, member: Member, exc: PoolExhausted) -> str:
+        """``member`` needs KV the pool does not have: preempt the most recently admitted request holding
+        KV of its turn. "retry" when that was another one; "preempted" when it was ``member`` itself;
+        "exhausted" when nobody else holds any, so the request cannot fit and has ended."""
+        holders = [m for m in self._running if m is member or m.run.holds_turn_kv]
+        victim = holders[-1]
+        if victim is not member:
+            self._preempt(victim)
+            return "retry"
+        if len(holders) > 1:
+            self._preempt(member)
+            return "preempted"
+        if member.run.loop is not None:  # it had answered: the text held back goes out
+            log.warning("request %s: %s", member.run.rid, exc)
+            self._emit(member, member.run.end_early("kv_pool_exhausted"))
+            self._finish(member, "kv_pool_exhausted", None)
+        else:
+            self._finish(member, *member.run.outcome(exc))
+        return "exhausted"
+
+    def _preempt(self, member: Member) -> None:
+        freed = member.run.preempt()
+        log.info("KV pool full: request %s preempted (%d tokens freed, recomputed when it runs again)",
+                 member.run.rid, freed)  # fmt: skip
+        with self._cond:
+            self._running.remove(member)
+            member.phase, member.readmit_after = "waiting", self._finished
+            at = next((i for i, m in enumerate(self._waiting) if m.arrival > member.arrival), len(self._waiting))
+            self._waiting.insert(at, member)
 
     def _accept(self, member: Member, logits) -> None:  # logits (1, vocab)
         run = member.run
@@ -243,6 +319,7 @@ class Scheduler:
         self._on_finished(run)
         with self._cond:
             self._running.remove(member)
+            self._finished += 1
             member.events.append(finished)
             member.phase = "done"
             self._cond.notify_all()

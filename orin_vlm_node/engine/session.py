@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Hashable, Sequence
+from collections.abc import Collection, Hashable, Sequence
 from dataclasses import dataclass, field
 
 from ..kvcache import KVCache
@@ -37,6 +37,8 @@ class SessionSnapshot:
     pending_ids: tuple[int, ...]
     messages: tuple[dict, ...]
     answer: str
+    rope_delta: int
+    turns: int
 
 
 @dataclass
@@ -59,7 +61,13 @@ class Session:
 
     def snapshot(self, kv_length: int) -> SessionSnapshot:
         return SessionSnapshot(
-            kv_length, len(self.token_ids), tuple(self.pending_ids), tuple(self.messages), self.answer
+            kv_length,
+            len(self.token_ids),
+            tuple(self.pending_ids),
+            tuple(self.messages),
+            self.answer,
+            self.rope_delta,
+            self.turns,
         )
 
     def restore(self, snap: SessionSnapshot, cache: KVCache) -> None:
@@ -68,6 +76,7 @@ class Session:
         del self.token_ids[snap.num_tokens :]
         del self.extra_keys[snap.num_tokens :]
         self.pending_ids, self.messages, self.answer = list(snap.pending_ids), list(snap.messages), snap.answer
+        self.rope_delta, self.turns = snap.rope_delta, snap.turns
 
     def append(self, ids: Sequence[int], extra_keys: Sequence[Hashable | None]) -> None:
         """Tokens whose KV the sequence now holds."""
@@ -120,9 +129,10 @@ class SessionStore:
         """After the cache itself was cleared: the sessions' sequences no longer exist."""
         self._sessions.clear()
 
-    def evict_one(self, keep: Session | None) -> bool:
-        """Free the least recently used idle session (never ``keep``); False when there is none."""
-        victims = [s for s in self._sessions.values() if s is not keep]
+    def evict_one(self, busy: Collection[str]) -> bool:
+        """Free the least recently used idle session (never one of ``busy``, the ids whose requests are
+        running or waiting); False when there is none."""
+        victims = [s for s in self._sessions.values() if s.session_id not in busy]
         if not victims:
             return False
         victim = min(victims, key=lambda s: s.last_used)
@@ -130,9 +140,13 @@ class SessionStore:
         self.drop(victim.session_id)
         return True
 
-    def trim(self) -> None:
-        """At most ``max_sessions`` kept (the pool is sized for that many): least recently used go first."""
+    def trim(self, busy: Collection[str]) -> None:
+        """At most ``max_sessions`` kept (the pool is sized for that many): least recently used idle ones
+        go first; sessions of ``busy`` requests stay until those end."""
         while len(self._sessions) > self.max_sessions:
-            victim = min(self._sessions.values(), key=lambda s: s.last_used)
+            idle = [s for s in self._sessions.values() if s.session_id not in busy]
+            if not idle:
+                return
+            victim = min(idle, key=lambda s: s.last_used)
             log.info("more than max_sessions=%d sessions: dropping %r", self.max_sessions, victim.session_id)
             self.drop(victim.session_id)

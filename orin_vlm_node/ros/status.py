@@ -7,7 +7,8 @@ Every status message is one JSON object with the same keys, so consumers never t
 ``event`` (ready | accepted | started | finished | error | dropped | reconfigured), ``request_id``,
 ``finish_reason``, ``error``, ``metrics``, ``image_stamp`` (the header stamp of the prompt's first image),
 ``images`` (every frame the prompt uses: ``[{"topic": ..., "stamp": ...}]``, in ``image_topics`` order),
-plus ``note`` (a human-readable remark, e.g. which cameras' frames were missing or too old, and why;
+plus ``note`` (a human-readable remark, e.g. which cameras' frames were missing or too old, and why, or
+that the request was preempted when the KV pool ran out and its tokens recomputed;
 for ``ready`` and ``reconfigured`` the attention path: ``kernels: on (...)`` or ``kernels: off
 (<reason>)``, the decode path and the KV pool size and why) and ``changes`` (the applied parameter
 values of a ``reconfigured``).
@@ -36,6 +37,17 @@ def _clean(value: Any) -> Any:
     if isinstance(value, (list, tuple)):
         return [_clean(v) for v in value]
     return str(value)
+
+
+def request_note(metrics: Mapping[str, float], *remarks: str | None) -> str | None:
+    """The ``note`` of a request's terminal event: the given remarks, then its preemptions if it had any."""
+    parts = [r for r in remarks if r]
+    if metrics.get("preemptions"):
+        parts.append(
+            f"preempted {int(metrics['preemptions'])}x when the KV pool ran out "
+            f"({int(metrics.get('preempted_tokens', 0))} tokens freed and recomputed)"
+        )
+    return "; ".join(parts) or None
 
 
 def status_json(

@@ -24,7 +24,7 @@ from typing import Any, Protocol
 from ..engine import Engine
 from ..engine.events import Finished, Request, TextDelta, Turn
 from .request_queue import PendingPrompt, RequestQueue
-from .status import backend_summary
+from .status import backend_summary, request_note
 
 log = logging.getLogger("orin_vlm_node.ros")
 
@@ -245,13 +245,13 @@ class Worker:
         if finished.finish_reason == "error":
             outputs.status("error", item.request_id, finish_reason="error",
                            error=finished.error or "generation failed", metrics=metrics,
-                                **item.image_fields())  # fmt: skip
+                           note=request_note(metrics, item.note), **item.image_fields())  # fmt: skip
             return
         outputs.response(wire_text(finished.text))
         stopped = self._stopping.is_set() and finished.finish_reason == "cancelled"
+        note = request_note(metrics, self._stop_reason if stopped else item.note)
         outputs.status("finished", item.request_id, finish_reason=finished.finish_reason, error=finished.error,
-                       metrics=metrics, note=self._stop_reason if stopped else item.note,
-                       **item.image_fields())  # fmt: skip
+                       metrics=metrics, note=note, **item.image_fields())  # fmt: skip
 
     def _generate(self, item: PendingPrompt, outputs: Outputs) -> Finished:
         request = Request(
