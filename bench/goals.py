@@ -164,6 +164,22 @@ GOALS: list[Goal] = [
         _worst_over("batching", ".batch4.speedup", True, prefix="2b_"),
     ),
     Goal(
+        "quant_int8_accuracy",
+        "weight_quant=int8 loses <= 1 point of held-out exact match on the default model",
+        "points",
+        1.0,
+        False,
+        _worst_over("quantization", ".int8.exact_match_drop", False, prefix="default."),
+    ),
+    Goal(
+        "quant_int4_accuracy",
+        "weight_quant=int4 (group 128) loses <= 3 points of held-out exact match on the default model",
+        "points",
+        3.0,
+        False,
+        _worst_over("quantization", ".int4.exact_match_drop", False, prefix="default."),
+    ),
+    Goal(
         "ros_decode_overhead",
         "ROS overhead <= 5% of decode time with 400-token answers (subscriber tokens/s vs engine alone)",
         "fraction",

@@ -37,6 +37,7 @@ MODULES = {
     "paged_vs_contiguous": "paged",
     "prefix_cache": "prefix_cache",
     "batching": "batching",
+    "quantization": "quantization",
     "memory": "memory",
     "ros": "ros_overhead",
     "gpu": "gpu",

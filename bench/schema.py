@@ -11,7 +11,16 @@ import math
 from typing import Any
 
 SCHEMA_VERSION = 1
-SECTIONS = ("vs_transformers", "paged_vs_contiguous", "prefix_cache", "batching", "memory", "ros", "gpu")
+SECTIONS = (
+    "vs_transformers",
+    "paged_vs_contiguous",
+    "prefix_cache",
+    "batching",
+    "quantization",
+    "memory",
+    "ros",
+    "gpu",
+)
 MACHINE_KEYS = ("cpu_model", "cores", "ram_gib", "python", "torch", "transformers", "git_commit", "cuda_device")
 FIGURE_KEYS = ("unit", "min", "median", "max", "n", "samples", "description", "labels")
 SECTION_STATUS = ("ok", "skipped", "error")

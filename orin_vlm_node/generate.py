@@ -112,7 +112,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 1
     described = engine.describe()
-    backend = {k: described[k] for k in ("device", "dtype", "kernels", "decode_path", "kv_pool")}
+    backend = {
+        k: described[k] for k in ("device", "dtype", "weight_quant", "weight_mb", "kernels", "decode_path", "kv_pool")
+    }
     if described["kernels_degraded"]:
         print(f"warning: {described['kernels']}", file=sys.stderr)
     sampling = SamplingParams(stop=tuple(args.stop), ignore_eos=args.ignore_eos or None)

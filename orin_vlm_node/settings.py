@@ -110,6 +110,11 @@ SETTINGS: tuple[Setting, ...] = (
        choices=("auto", "cuda", "cpu")),
     _s("dtype", str, "auto", "weights and activations; auto = the checkpoint's on CUDA, fp32 on CPU", E, BETWEEN,
        choices=("auto", "bf16", "fp16", "fp32")),
+    _s("weight_quant", str, "none", "store the text decoder's projection weights quantized at load: int8 (per "
+       "output channel) or int4 (per group of weight_quant_group_size inputs); activations stay in dtype", E, RO,
+       choices=("none", "int8", "int4")),
+    _s("weight_quant_group_size", int, 128, "int4: weights per scale and offset along the input; a power of two "
+       "no larger than any projection's input", E, RO, min=2, max=8192),
     # -- KV cache
     _s("use_paged_attention", bool, True, "paged KV cache (block pool); false = contiguous baseline", E, BETWEEN),
     _s("page_size", int, 16, "tokens per KV block; a power of two", E, BETWEEN, unit="tokens", min=1, max=256),

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from .. import settings
+from ..model.quant import WeightQuant
 from .events import SamplingParams
 from .sampling import validate_sampling
 
@@ -36,6 +37,8 @@ class EngineConfig:
     model_path: str = _default("model_path")
     device: str = _default("device")
     dtype: str = _default("dtype")
+    weight_quant: str = _default("weight_quant")
+    weight_quant_group_size: int = _default("weight_quant_group_size")
     use_paged_attention: bool = _default("use_paged_attention")
     page_size: int = _default("page_size")
     kv_pool_mb: int = _default("kv_pool_mb")
@@ -62,13 +65,17 @@ class EngineConfig:
     def model_dir(self) -> Path:
         return Path(self.model_path) if self.model_path else DEFAULT_MODEL_DIR
 
+    @property
+    def quant(self) -> WeightQuant:
+        return WeightQuant(self.weight_quant, self.weight_quant_group_size)
+
 
 FIELDS = frozenset(f.name for f in dataclasses.fields(EngineConfig))
 SCHEMA_FIELDS = frozenset(s.name for s in settings.settings_for("engine"))
 
 # Which part of the engine a change rebuilds (anything else: nothing, it is read per request).
 REBUILDS: dict[str, frozenset[str]] = {
-    "model": frozenset({"model_path", "device", "dtype"}),
+    "model": frozenset({"model_path", "device", "dtype", "weight_quant", "weight_quant_group_size"}),
     "kv_cache": frozenset(
         {
             "use_paged_attention",

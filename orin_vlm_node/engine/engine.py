@@ -36,6 +36,7 @@ from ..kvcache import KVCache, build_kv_cache, check_page_size
 from ..model import load_model
 from ..model.config import ModelConfig
 from ..model.errors import CheckpointError
+from ..model.quant import weight_bytes
 from ..processing import ChatTemplate, ImageProcessor, ProcessingError, Tokenizer
 from .backend import decode_path, select_attention
 from .config import EngineConfig, check_fields
@@ -73,6 +74,7 @@ class Engine:
             check_fields(dataclasses.asdict(self._config) | {"sampling": self._config.sampling})
             check_kernel_dir(self._config.kernel_dir)
             check_page_size(self._config.page_size)  # before the model loads: a typo should not cost a load
+            self._config.quant.check()
             self._build({"model", "kv_cache", "backend", "images", "vision_cache"})
         except (CheckpointError, ProcessingError, KernelsUnavailable, ValueError, OSError) as exc:
             raise EngineError(f"cannot start the engine: {exc}") from exc
@@ -108,8 +110,10 @@ class Engine:
         self.model_config = ModelConfig.from_dir(cfg.model_dir)
         self.device = resolve_device(cfg.device)
         self.dtype = resolve_dtype(cfg.dtype, self.device, self.model_config.torch_dtype)
-        self.model = load_model(cfg.model_dir, dtype=self.dtype, device=self.device).eval()
-        log.info("model %s loaded on %s as %s", cfg.model_dir, self.device, self.dtype)
+        self.model = load_model(cfg.model_dir, dtype=self.dtype, device=self.device, quant=cfg.quant).eval()
+        self.weight_bytes = weight_bytes(self.model)
+        log.info("model %s loaded on %s as %s (weights: %s, %.1f MB)", cfg.model_dir, self.device, self.dtype,
+                 cfg.weight_quant, self.weight_bytes / 1e6)  # fmt: skip
 
     def _load_processing(self) -> None:
         cfg = self._config
@@ -248,6 +252,8 @@ class Engine:
             "model_path": str(cfg.model_dir),
             "device": str(self.device),
             "dtype": str(self.dtype).replace("torch.", ""),
+            "weight_quant": cfg.weight_quant,
+            "weight_mb": round(self.weight_bytes / 1e6, 3),
             "paged_attention": cfg.use_paged_attention,
             "page_size": stats.get("page_size"),
             "kv_blocks_total": stats.get("blocks_total"),

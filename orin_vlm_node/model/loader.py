@@ -24,6 +24,7 @@ from torch import nn
 from .config import ModelConfig
 from .dtypes import resolve_dtype
 from .errors import CheckpointError
+from .quant import QuantizedLinear, WeightQuant, weight_bytes
 from .qwen3_vl import Qwen3VLModel
 from .text import FusedLinear
 
@@ -33,30 +34,37 @@ _PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt")
 _MAX_LISTED = 8  # keys named in one error message
 
 
-def load_model(path: str | Path, dtype: torch.dtype | str = torch.float32, device="cpu") -> Qwen3VLModel:
-    """Build the model for ``path`` (config.json + safetensors) in ``dtype`` on ``device``."""
+def load_model(
+    path: str | Path, dtype: torch.dtype | str = torch.float32, device="cpu", quant: WeightQuant | None = None
+) -> Qwen3VLModel:
+    """Build the model for ``path`` (config.json + safetensors) in ``dtype`` on ``device``; with ``quant``
+    the text decoder's projections are stored quantized, each as soon as its checkpoint matrices are in
+    (so the float copy of the whole decoder never exists)."""
     t0 = time.perf_counter()
     root = Path(path)
     if not root.is_dir():
         raise CheckpointError(f"{root}: model directory does not exist")
     target = resolve_dtype(dtype)
     config = ModelConfig.from_dir(root)
+    refuse_quantized_checkpoint(root)
     files = weight_files(root)
     with torch.device("meta"):
         model = Qwen3VLModel(config)
     expected = {name: tuple(view.shape) for name, view in checkpoint_views(model).items()}
     plan = _plan(files, expected, config.tie_word_embeddings)
-    _materialize(model, target, torch.device(device))
+    quantizer = _QuantizeOnLoad(model, quant, target, torch.device(device)) if quant and quant.mode != "none" else None
+    _materialize(model, target, torch.device(device), skip=quantizer.deferred if quantizer else frozenset())
     views = checkpoint_views(model)
-    total = sum(views[name].numel() * views[name].element_size() for _, name in plan.values())
+    total = sum(views[name].numel() for _, name in plan.values()) * torch.empty((), dtype=target).element_size()
     logger.info(
-        "loading %s: %d tensors from %d file(s), %.1f MB as %s on %s",
+        "loading %s: %d tensors from %d file(s), %.1f MB as %s on %s%s",
         root,
         len(plan),
         len(files),
         total / 1e6,
         str(target).replace("torch.", ""),
         device,
+        f", decoder projections as {quant.mode}" if quantizer else "",
     )
     done_bytes = 0
     next_report = 0.1
@@ -70,19 +78,90 @@ def load_model(path: str | Path, dtype: torch.dtype | str = torch.float32, devic
                     raise CheckpointError(f"{file}: cannot read tensor {key} ({exc})") from exc
                 if not tensor.is_floating_point():
                     raise CheckpointError(f"{file.name}: tensor {key} has non-float dtype {tensor.dtype}")
-                view = views[name]
+                view = quantizer.target(name) if quantizer and name in quantizer.owner else views[name]
                 view.copy_(tensor)
                 done_bytes += view.numel() * view.element_size()
-                del tensor
+                del tensor, view
+                if quantizer and name in quantizer.owner:
+                    quantizer.loaded(name)
                 if done_bytes >= min(next_report, 1.0) * total:
                     logger.info("  %3.0f%% (%s)", 100 * done_bytes / total, file.name)
                     next_report = done_bytes / total + 0.1
     model.init_buffers()
     model.eval()
     logger.info(
-        "loaded %s in %.1f s (%.3f B parameters)", root.name, time.perf_counter() - t0, model.num_parameters() / 1e9
+        "loaded %s in %.1f s (%.3f B parameters, weights %.1f MB)",
+        root.name,
+        time.perf_counter() - t0,
+        model.num_parameters() / 1e9,
+        weight_bytes(model) / 1e6,
     )
     return model
+
+
+def refuse_quantized_checkpoint(root: Path) -> None:
+    """A checkpoint already stored quantized (AWQ, GPTQ, compressed-tensors, bitsandbytes, ...) is not read:
+    CheckpointError naming its format, before any weight is."""
+    try:
+        raw = json.loads((root / "config.json").read_text())
+    except (OSError, ValueError):
+        return  # ModelConfig.from_dir has reported what is wrong with config.json
+    for holder in (raw, raw.get("text_config") or {}):
+        spec = holder.get("quantization_config") or holder.get("compression_config")
+        if spec:
+            fmt = (spec.get("quant_method") or spec.get("format")) if isinstance(spec, dict) else None
+            raise CheckpointError(
+                f"{root}: the checkpoint is already quantized ({fmt or 'unknown format'}); this node reads float "
+                "checkpoints (fp32/fp16/bf16) and quantizes them itself with weight_quant=int8 or int4"
+            )
+
+
+class _QuantizeOnLoad:
+    """The decoder projections quantized while the checkpoint streams in.
+
+    Each projection's float weight is allocated when its first checkpoint matrix arrives (not up front),
+    filled, quantized once all of its matrices are in, and dropped; so the float copy of only a few
+    projections exists at any time.
+    """
+
+    def __init__(self, model: Qwen3VLModel, quant: WeightQuant, dtype: torch.dtype, device: torch.device) -> None:
+        self.quant, self.dtype, self.device = quant, dtype, device
+        self.modules: dict[str, tuple[nn.Module, str, nn.Module]] = {}  # module name -> (parent, attr, module)
+        self.owner: dict[str, str] = {}  # checkpoint view name -> module name
+        self.remaining: dict[str, set[str]] = {}
+        inputs = []
+        for i, layer in enumerate(model.language_model.layers):
+            for sub, attr in layer.PROJECTIONS:
+                parent = getattr(layer, sub)
+                module = getattr(parent, attr)
+                name = f"language_model.layers.{i}.{sub}.{attr}"
+                parts = module.parts if isinstance(module, FusedLinear) else {attr: module.weight.shape[0]}
+                views = {f"language_model.layers.{i}.{sub}.{part}.weight" for part in parts}
+                self.modules[name] = (parent, attr, module)
+                self.remaining[name] = set(views)
+                self.owner.update(dict.fromkeys(views, name))
+                inputs.append(module.weight.shape[1])
+        quant.check(tuple(inputs))
+        self.deferred = frozenset(id(m.weight) for _, _, m in self.modules.values())
+
+    def target(self, view: str) -> torch.Tensor:
+        """The tensor the checkpoint matrix ``view`` is copied into (its projection allocated if need be)."""
+        _, _, module = self.modules[self.owner[view]]
+        if module.weight.is_meta:
+            module.weight = nn.Parameter(
+                torch.empty(module.weight.shape, dtype=self.dtype, device=self.device), requires_grad=False
+            )
+        if not isinstance(module, FusedLinear):
+            return module.weight
+        part = view.rsplit(".", 2)[-2]
+        return module.weight[module.part_rows()[part]]
+
+    def loaded(self, view: str) -> None:
+        name = self.owner[view]
+        self.remaining[name].discard(view)
+        if not self.remaining[name]:
+            parent, attr, module = self.modules.pop(name)
+            setattr(parent, attr, QuantizedLinear.from_weight(module.weight, self.quant))
 
 
 def weight_files(root: Path) -> list[Path]:
@@ -206,12 +285,13 @@ def _listing(items: list[str]) -> str:
     return shown + (f" (+{len(items) - _MAX_LISTED} more)" if len(items) > _MAX_LISTED else "")
 
 
-def _materialize(model: nn.Module, dtype: torch.dtype, device: torch.device) -> None:
-    """Replace meta parameters/buffers by uninitialised storage, keeping shared (tied) parameters shared."""
+def _materialize(model: nn.Module, dtype: torch.dtype, device: torch.device, skip: frozenset[int]) -> None:
+    """Replace meta parameters/buffers by uninitialised storage, keeping shared (tied) parameters shared;
+    parameters whose id is in ``skip`` stay on meta (allocated later by whoever deferred them)."""
     memo: dict[int, nn.Parameter] = {}
     for module in model.modules():
         for name, param in list(module._parameters.items()):
-            if param is None:
+            if param is None or id(param) in skip:
                 continue
             if id(param) not in memo:
                 memo[id(param)] = nn.Parameter(

@@ -61,6 +61,14 @@ class FusedLinear(nn.Module):
         return F.linear(x, self.weight)
 
 
+def project(x: torch.Tensor, linear: nn.Module) -> torch.Tensor:
+    """``x`` through a bias-free projection: a plain weight as a function of it (a decode step is mostly
+    dispatch, and a module call costs several times a plain function call), a quantized one
+    (:class:`.quant.QuantizedLinear`, whose ``weight`` is None) through its module."""
+    weight = linear.weight
+    return F.linear(x, weight) if weight is not None else linear(x)
+
+
 class SelfAttention(nn.Module):
     def __init__(self, cfg: TextConfig):
         super().__init__()
@@ -75,16 +83,14 @@ class SelfAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, rope: TextRopeTables, attn: StepAttention, layer: int) -> torch.Tensor:
         n, nq, nkv = x.shape[0], self.num_heads, self.num_kv_heads
-        # Leaf modules are applied as functions of their weights: a decode step is mostly dispatch, and a
-        # module call costs several times a plain function call.
-        heads = F.linear(x, self.qkv_proj.weight).view(n, nq + 2 * nkv, self.head_dim)  # q heads, k heads, v heads
+        heads = project(x, self.qkv_proj).view(n, nq + 2 * nkv, self.head_dim)  # q heads, k heads, v heads
         # q_norm and k_norm normalise each head over head_dim: one pass over the q and k heads together,
         # then each head times its norm's weight (what the two RMSNorms compute, bit for bit).
         qk = self.q_norm.normalize(heads[:, : nq + nkv])  # (L, nq + nkv, hd)
         weight = torch.cat((self.q_norm.weight.expand(nq, -1), self.k_norm.weight.expand(nkv, -1)))
         qk = apply_text_rope(weight * qk, rope)
         out = attn(layer, qk[:, :nq], qk[:, nq:], heads[:, nq + nkv :])  # (L, nq, hd)
-        return F.linear(out.reshape(n, nq * self.head_dim), self.o_proj.weight)
+        return project(out.reshape(n, nq * self.head_dim), self.o_proj)
 
 
 class MLP(nn.Module):
@@ -95,11 +101,14 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = F.linear(x, self.gate_up_proj.weight).chunk(2, dim=-1)  # as SelfAttention: no module calls
-        return F.linear(F.silu(gate) * up, self.down_proj.weight)
+        gate, up = project(x, self.gate_up_proj).chunk(2, dim=-1)
+        return project(F.silu(gate) * up, self.down_proj)
 
 
 class DecoderLayer(nn.Module):
+    # The projections (submodule, attribute) whose weights weight-only quantization stores quantized.
+    PROJECTIONS = (("self_attn", "qkv_proj"), ("self_attn", "o_proj"), ("mlp", "gate_up_proj"), ("mlp", "down_proj"))
+
     def __init__(self, cfg: TextConfig):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)

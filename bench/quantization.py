@@ -1,0 +1,142 @@
+"""Weight-only quantization: what INT8 and INT4 weights cost in accuracy, and what they save in memory.
+
+* Default model (trained, embedded): greedy exact match on the 200 held-out samples of its task with
+  ``weight_quant`` none / int8 / int4 (goals: int8 within 1 point, int4 within 3 points of none).
+* 2B-shape random checkpoint (full/medium mode): the model's own greedy continuation of a prompt (64
+  tokens, fp32 weights) is fed once through each quantized model (teacher forcing); per position, the
+  logit error relative to the fp32 logits' spread and whether the top token agrees.
+* Weight bytes per mode, as a share of the same model with every weight in fp16: the decoder projections
+  alone (what is quantized) and the whole model (embeddings, ``lm_head`` and the vision tower stay).
+
+Speed is the GPU section's business (the CPU path widens the weights before each product: it is the
+reference the kernels are tested against, not a fast path).
+"""
+
+from __future__ import annotations
+
+import gc
+from pathlib import Path
+
+import torch
+
+from bench.context import BenchContext
+from bench.section import SectionResult
+from bench.vs_transformers import greedy, make_engine
+
+MODES = ("none", "int8", "int4")
+HELD_OUT = 200
+BIG_TOKENS = 64
+BIG_PROMPT = "Describe what the robot sees in front of it and what it should do next."
+
+
+def _exact_match(model_dir: Path, mode: str) -> tuple[float, float]:
+    """(share of held-out answers exactly right, weight MB) with ``weight_quant=mode``."""
+    from orin_vlm_node.engine.events import Request, Turn
+    from tools import synthetic_scenes as scenes
+
+    engine = make_engine(model_dir, "fp32", weight_quant=mode, kv_pool_blocks=64, max_context_tokens=1024)
+    hits = 0
+    samples = scenes.held_out_samples(HELD_OUT)
+    for s in samples:
+        images = (s.image,) if s.image is not None else ()
+        final = list(engine.generate(Request(Turn(s.question, images), greedy(24))))[-1]
+        hits += final.text.strip() == s.answer
+    return hits / len(samples), engine.describe()["weight_mb"]
+
+
+def _projection_bytes(model) -> tuple[int, int]:
+    """(bytes of the decoder projections as stored, their weight count)."""
+    from orin_vlm_node.model.quant import QuantizedLinear
+
+    stored = count = 0
+    for layer in model.language_model.layers:
+        for sub, attr in layer.PROJECTIONS:
+            module = getattr(getattr(layer, sub), attr)
+            if isinstance(module, QuantizedLinear):
+                stored += module.nbytes
+                count += module.in_features * module.out_features
+            else:
+                stored += module.weight.numel() * module.weight.element_size()
+                count += module.weight.numel()
+    return stored, count
+
+
+def _teacher_forced_logits(engine, ids: list[int]) -> torch.Tensor:
+    """(len(ids), vocab) logits of every position of ``ids`` in one forward (positions 0..n-1, no image)."""
+    cache = engine.cache
+    seq = cache.new_sequence()
+    try:
+        with torch.inference_mode():
+            positions = torch.arange(len(ids)).expand(3, -1)
+            step = cache.step(seq, len(ids))
+            return engine.model.forward(torch.tensor(ids), positions, step, logits_index=torch.arange(len(ids)))
+    finally:
+        cache.release(seq)
+
+
+def _big(ctx: BenchContext, res: SectionResult) -> None:
+    from orin_vlm_node.engine.events import Request, Turn
+    from orin_vlm_node.model.quant import weight_bytes
+
+    path = ctx.big_checkpoint()
+    engine = make_engine(path, "fp32", max_context_tokens=512)
+    prompt = engine.turns.prepare(Turn(BIG_PROMPT), None, None, 512).new_ids  # what generate prefills
+    final = list(engine.generate(Request(Turn(BIG_PROMPT), greedy(BIG_TOKENS, ignore_eos=True))))[-1]
+    ids = list(prompt) + list(final.token_ids)
+    reference = _teacher_forced_logits(engine, ids)[len(prompt) - 1 : -1]  # the logits that chose each token
+    chosen = torch.tensor(final.token_ids)
+    _, count = _projection_bytes(engine.model)
+    total = weight_bytes(engine.model) // 4  # weights of the fp32 model
+    engine = None
+    gc.collect()
+    spread = reference.std(dim=-1, keepdim=True)  # (T, 1)
+    for mode in MODES[1:]:
+        engine = make_engine(path, "fp32", max_context_tokens=512, weight_quant=mode)
+        logits = _teacher_forced_logits(engine, ids)[len(prompt) - 1 : -1]
+        error = ((logits - reference).abs().amax(dim=-1, keepdim=True) / spread).squeeze(-1)
+        agree = (logits.argmax(dim=-1) == chosen).float()
+        stored, _ = _projection_bytes(engine.model)
+        res.add(f"2b.{mode}.logit_error", "x spread", error.tolist(),
+                "per token: max |logit - fp32 logit| / std of the fp32 logits", mode=mode)  # fmt: skip
+        res.add(f"2b.{mode}.top1_agreement", "fraction", [float(agree.mean())],
+                f"share of {len(chosen)} teacher-forced positions whose top token is fp32's", mode=mode)  # fmt: skip
+        res.add(f"2b.{mode}.projection_share", "fraction", [stored / (2 * count)],
+                "decoder projection bytes / the same in fp16", mode=mode)  # fmt: skip
+        res.add(f"2b.{mode}.model_share", "fraction", [(2 * (total - count) + stored) / (2 * total)],
+                "whole model's weight bytes (the rest in fp16) / all weights in fp16", mode=mode)  # fmt: skip
+        engine = None
+        gc.collect()
+    res.setup["2b_checkpoint"] = ctx.big_checkpoint_origin
+
+
+def run(ctx: BenchContext) -> SectionResult:
+    cfg = ctx.config
+    res = SectionResult("quantization")
+    model_dir, what = ctx.default_model()
+    scores = {}
+    for mode in MODES:
+        ctx.log(f"quantization: default model, weight_quant={mode}, {HELD_OUT} held-out samples")
+        scores[mode], mb = _exact_match(model_dir, mode)
+        res.add(f"default.{mode}.exact_match", "fraction", [scores[mode]], "held-out greedy exact match", mode=mode)
+        res.add(f"default.{mode}.weight_mb", "MB", [mb], "weights as stored (fp32 run)", mode=mode)
+    for mode in MODES[1:]:
+        res.add(f"default.{mode}.exact_match_drop", "points", [100 * (scores["none"] - scores[mode])],
+                "exact-match points lost vs none", mode=mode)  # fmt: skip
+    if not cfg.big_checkpoint:
+        res.skip_part("2b", f"2B-shape checkpoint not run in {cfg.mode} mode")
+    elif not Path(cfg.big_config_path).is_file():
+        res.skip_part("2b", f"2B config {cfg.big_config_path} not found")
+    else:
+        ctx.log("quantization: 2B-shape checkpoint, teacher-forced logits vs fp32")
+        _big(ctx, res)
+    res.setup.update(
+        model=what,
+        held_out=HELD_OUT,
+        big_tokens=BIG_TOKENS,
+        summary=(
+            f"{what}: held-out exact match per weight_quant (int4 group 128); 2B-shape random checkpoint: "
+            f"{BIG_TOKENS} greedy fp32 tokens fed through int8/int4 models, logit error and top-1 agreement; "
+            "weight bytes vs fp16."
+        ),
+    )
+    return res

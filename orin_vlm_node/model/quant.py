@@ -1,0 +1,139 @@
+"""Weight-only quantization of the text decoder's projections: INT8 per output channel, INT4 per group.
+
+Why: a decode step at batch 1 reads every weight once per token, so on a Jetson its speed is weight
+bytes / memory bandwidth, and the weights are most of what the model takes of the robot's memory. The
+activations stay in the model's dtype; only the stored weights shrink (and are widened again in the
+product). Embeddings, norms, ``lm_head`` and the vision tower keep the checkpoint dtype.
+
+Formats (the layout the CUDA GEMV kernels read, and what :meth:`QuantizedLinear.forward` computes):
+
+* ``int8``: ``qweight`` (N, K) int8 and ``scales`` (N,) fp16, symmetric: ``w[n, k] = q[n, k] * s[n]``,
+  with ``s[n] = max_k |w[n, k]| / 127``.
+* ``int4``: ``qweight`` (N, ceil(K / 2)) uint8, two weights a byte along K (even k in the low nibble),
+  ``scales`` and ``offsets`` (N, ceil(K / G)) fp16, asymmetric per group of G consecutive k:
+  ``w[n, k] = q[n, k] * s[n, k // G] + m[n, k // G]`` with q in 0..15, ``m`` the group's minimum and
+  ``s = (max - min) / 15``. A last group shorter than G (K not a multiple of G) is quantized on its own
+  range; an odd K pads the last byte's high nibble with 0.
+
+The scale and offset are rounded to fp16 *before* the weights are quantized against them, so the stored
+values are the ones the rounding was chosen for.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+WEIGHT_QUANT_MODES = ("none", "int8", "int4")
+
+
+@dataclass(frozen=True)
+class WeightQuant:
+    """How the decoder's projection weights are stored."""
+
+    mode: str = "none"  # one of WEIGHT_QUANT_MODES
+    group_size: int = 128  # int4: weights per (scale, offset) along the input dimension
+
+    def check(self, in_features: tuple[int, ...] = ()) -> None:
+        """ValueError for an unknown mode or a group size that is not a power of two or is larger than one
+        of the projections' input sizes ``in_features``."""
+        if self.mode not in WEIGHT_QUANT_MODES:
+            raise ValueError(f"weight_quant must be one of {', '.join(WEIGHT_QUANT_MODES)}, got {self.mode!r}")
+        if self.mode != "int4":
+            return
+        g = self.group_size
+        if g < 2 or g & (g - 1):
+            raise ValueError(f"weight_quant_group_size must be a power of two >= 2, got {g}")
+        if in_features and g > min(in_features):
+            raise ValueError(
+                f"weight_quant_group_size {g} is larger than the smallest projection input ({min(in_features)}): "
+                "use a group size that fits every projection"
+            )
+
+
+class QuantizedLinear(nn.Module):
+    """A bias-free projection whose weight is stored quantized (module docstring for the formats)."""
+
+    weight = None  # not a plain weight: callers use the module (see ``text.project``)
+
+    def __init__(self, out_features: int, in_features: int, mode: str, group_size: int, device=None) -> None:
+        super().__init__()
+        self.out_features, self.in_features, self.mode, self.group_size = out_features, in_features, mode, group_size
+        n, k = out_features, in_features
+        if mode == "int8":
+            self.register_buffer("qweight", torch.empty((n, k), dtype=torch.int8, device=device))
+            self.register_buffer("scales", torch.empty(n, dtype=torch.float16, device=device))
+            self.offsets = None
+        elif mode == "int4":
+            groups = -(-k // group_size)
+            self.register_buffer("qweight", torch.empty((n, -(-k // 2)), dtype=torch.uint8, device=device))
+            self.register_buffer("scales", torch.empty((n, groups), dtype=torch.float16, device=device))
+            self.register_buffer("offsets", torch.empty((n, groups), dtype=torch.float16, device=device))
+        else:
+            raise ValueError(f"cannot store weights as {mode!r}")
+
+    @classmethod
+    def from_weight(cls, weight: torch.Tensor, quant: WeightQuant) -> QuantizedLinear:
+        """Quantize a float (N, K) weight (on its device)."""
+        n, k = weight.shape
+        module = cls(n, k, quant.mode, quant.group_size, device=weight.device)
+        w = weight.detach().to(torch.float32)
+        if quant.mode == "int8":
+            scale = (w.abs().amax(dim=1) / 127.0).to(torch.float16)  # (N,)
+            safe = torch.where(scale > 0, scale.float(), torch.ones_like(scale, dtype=torch.float32))
+            module.qweight.copy_(torch.round(w / safe[:, None]).clamp_(-127, 127).to(torch.int8))
+            module.scales.copy_(scale)
+            return module
+        g, groups = quant.group_size, -(-k // quant.group_size)
+        padded = F.pad(w, (0, groups * g - k))  # (N, groups * G); the padding never reaches a real weight
+        grouped = padded.view(n, groups, g)
+        real = (torch.arange(groups * g, device=w.device) < k).view(groups, g)
+        lo = torch.where(real, grouped, torch.full_like(grouped, math.inf)).amin(dim=2)  # (N, groups)
+        hi = torch.where(real, grouped, torch.full_like(grouped, -math.inf)).amax(dim=2)
+        offset = lo.to(torch.float16)
+        scale = ((hi - offset.float()).clamp_min(0) / 15.0).to(torch.float16)  # fp16 may round lo above hi
+        safe = torch.where(scale > 0, scale.float(), torch.ones_like(scale, dtype=torch.float32))
+        q = torch.round((grouped - offset.float()[..., None]) / safe[..., None]).clamp_(0, 15)
+        q = q.view(n, groups * g)[:, :k].to(torch.uint8)
+        if k % 2:
+            q = F.pad(q, (0, 1))
+        module.qweight.copy_(q[:, 0::2] | (q[:, 1::2] << 4))
+        module.scales.copy_(scale)
+        module.offsets.copy_(offset)
+        return module
+
+    def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
+        """The (N, K) weight the stored values stand for, in ``dtype``."""
+        k = self.in_features
+        if self.mode == "int8":
+            return self.qweight.to(dtype) * self.scales.to(dtype)[:, None]
+        q = torch.stack((self.qweight & 0xF, self.qweight >> 4), dim=2).flatten(1)[:, :k]  # (N, K) 0..15
+        scales = self.scales.repeat_interleave(self.group_size, dim=1)[:, :k]
+        offsets = self.offsets.repeat_interleave(self.group_size, dim=1)[:, :k]
+        return (q.to(torch.float32) * scales.float() + offsets.float()).to(dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """(L, K) -> (L, N) in x's dtype. The torch path: widen the weight, one product (INT8 applies its
+        per-row scale after the product, where it factors out)."""
+        if self.mode == "int8":
+            return F.linear(x, self.qweight.to(x.dtype)) * self.scales.to(x.dtype)
+        return F.linear(x, self.dequantize(x.dtype))
+
+    @property
+    def nbytes(self) -> int:
+        return sum(b.numel() * b.element_size() for b in self.buffers())
+
+    def extra_repr(self) -> str:
+        group = f", group_size={self.group_size}" if self.mode == "int4" else ""
+        return f"in_features={self.in_features}, out_features={self.out_features}, mode={self.mode}{group}"
+
+
+def weight_bytes(model: nn.Module) -> int:
+    """Bytes of the model's weights as stored: parameters (tied ones once) and quantized weights."""
+    params = {id(p): p.numel() * p.element_size() for p in model.parameters()}
+    quantized = sum(m.nbytes for m in model.modules() if isinstance(m, QuantizedLinear))
+    return sum(params.values()) + quantized

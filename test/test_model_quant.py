@@ -1,0 +1,160 @@
+"""Weight-only quantization: the stored formats against plain torch math, the loader, the engine.
+
+References: the quantization rules written out with torch ops here (round to the nearest step of a per-row
+or per-group grid), and the float model whose projection weights are replaced by the dequantized ones.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from orin_vlm_node.engine import Engine, EngineConfig, EngineError, Request, SamplingParams, Turn
+from orin_vlm_node.model import CheckpointError, load_model
+from orin_vlm_node.model.quant import QuantizedLinear, WeightQuant, weight_bytes
+from orin_vlm_node.model.text import DecoderLayer
+from support.checkpoints import cached_tiny_checkpoint
+
+torch.set_num_threads(1)
+
+
+def _weight(n: int, k: int, seed: int = 0) -> torch.Tensor:
+    return torch.randn(n, k, generator=torch.Generator().manual_seed(seed)) * 0.05
+
+
+def test_int8_is_the_nearest_step_of_a_per_row_grid():
+    w = _weight(37, 75)
+    q = QuantizedLinear.from_weight(w, WeightQuant("int8"))
+    scale = (w.abs().amax(dim=1) / 127).half().float()  # (N,)
+    assert torch.equal(q.scales.float(), scale)
+    assert torch.equal(q.qweight, torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8))
+    assert (q.dequantize(torch.float32) - w).abs().le(scale[:, None] / 2 + 1e-7).all()
+    x = torch.randn(3, 75)
+    torch.testing.assert_close(q(x), F.linear(x, q.dequantize(torch.float32)), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("n,k,group", [(37, 75, 32), (16, 64, 64), (8, 130, 128), (5, 33, 2)])
+def test_int4_is_the_nearest_step_of_each_groups_grid_for_any_shape(n, k, group):
+    w = _weight(n, k, seed=k)
+    q = QuantizedLinear.from_weight(w, WeightQuant("int4", group))
+    groups = -(-k // group)
+    assert q.qweight.shape == (n, -(-k // 2)) and q.scales.shape == q.offsets.shape == (n, groups)
+    for g in range(groups):  # each group on its own range, the last one too when group does not divide k
+        part = w[:, g * group : (g + 1) * group]
+        lo = part.amin(dim=1).half().float()
+        step = ((part.amax(dim=1) - lo).clamp_min(0) / 15).half().float()
+        assert torch.equal(q.offsets[:, g].float(), lo) and torch.equal(q.scales[:, g].float(), step)
+        flat = step[:, None] == 0  # a group of equal weights (a last group of one): all at the offset
+        expected = torch.where(flat, 0.0, torch.round((part - lo[:, None]) / step[:, None]).clamp(0, 15))
+        got = q.dequantize(torch.float32)[:, g * group : (g + 1) * group]
+        torch.testing.assert_close(got, expected * step[:, None] + lo[:, None], rtol=0, atol=1e-6)
+        # Within half a step, give or take the fp16 rounding of the offset and the step.
+        assert (got - part).abs().le(step[:, None] / 2 + part.abs() * 2**-10 + 1e-7).all()
+    x = torch.randn(3, k)
+    torch.testing.assert_close(q(x), F.linear(x, q.dequantize(torch.float32)))
+
+
+def test_int4_packs_two_weights_a_byte_low_nibble_first():
+    # Group 0 is 0..15 (step 1, offset 0: q = w), group 1 the single weight 7 (offset 7, q = 0).
+    w = torch.tensor([[*range(16), 7]], dtype=torch.float32)
+    q = QuantizedLinear.from_weight(w, WeightQuant("int4", 16))
+    expected = [(2 * i) | ((2 * i + 1) << 4) for i in range(8)] + [0]  # odd K: the last high nibble is 0
+    assert q.qweight.tolist() == [expected]
+    assert torch.equal(q.dequantize(torch.float32), w)
+
+
+def test_bad_modes_and_group_sizes_are_refused_with_the_reason():
+    with pytest.raises(ValueError, match="one of none, int8, int4"):
+        WeightQuant("int3").check()
+    with pytest.raises(ValueError, match="power of two"):
+        WeightQuant("int4", 96).check()
+    with pytest.raises(ValueError, match="larger than the smallest projection input \\(64\\)"):
+        WeightQuant("int4", 128).check((64, 256))
+    WeightQuant("int8", 96).check((64,))  # the group size is an int4 matter only
+
+
+@pytest.fixture(scope="module")
+def checkpoint():
+    return cached_tiny_checkpoint()
+
+
+@pytest.mark.parametrize("quant", [WeightQuant("int8"), WeightQuant("int4", 32)])
+def test_the_loader_quantizes_every_decoder_projection_as_quantizing_the_float_weights_does(checkpoint, quant):
+    plain = load_model(checkpoint)
+    model = load_model(checkpoint, quant=quant)
+    for layer, ref in zip(model.language_model.layers, plain.language_model.layers, strict=True):
+        for sub, attr in DecoderLayer.PROJECTIONS:
+            got, float_module = getattr(getattr(layer, sub), attr), getattr(getattr(ref, sub), attr)
+            assert isinstance(got, QuantizedLinear) and got.mode == quant.mode
+            expected = QuantizedLinear.from_weight(float_module.weight, quant)
+            for name, buffer in expected.named_buffers():
+                assert torch.equal(getattr(got, name), buffer), (sub, attr, name)
+    # Everything else is the checkpoint's, untouched.
+    assert torch.equal(model.lm_head.weight, plain.lm_head.weight)
+    assert torch.equal(model.visual.patch_embed.proj.weight, plain.visual.patch_embed.proj.weight)
+
+
+@pytest.mark.parametrize("quant", [WeightQuant("int8"), WeightQuant("int4", 32)])
+def test_a_quantized_model_computes_what_the_float_model_with_the_dequantized_weights_computes(checkpoint, quant):
+    model = load_model(checkpoint, quant=quant)
+    reference = load_model(checkpoint)
+    for layer, ref in zip(model.language_model.layers, reference.language_model.layers, strict=True):
+        for sub, attr in DecoderLayer.PROJECTIONS:
+            getattr(getattr(ref, sub), attr).weight.copy_(getattr(getattr(layer, sub), attr).dequantize(torch.float32))
+    engine = Engine(EngineConfig(model_path=str(checkpoint), device="cpu"))
+    ids = engine.tokenizer.encode("What is on the table? Count the boxes.")
+    positions = torch.arange(len(ids)).expand(3, -1)
+    logits = []
+    for m in (model, reference):
+        cache = engine.cache
+        seq = cache.new_sequence()
+        logits.append(m.forward(torch.tensor(ids), positions, cache.step(seq, len(ids))))
+        cache.release(seq)
+    torch.testing.assert_close(logits[0], logits[1], rtol=1e-4, atol=1e-5)
+
+
+def test_weight_bytes_of_the_projections_fall_to_the_quantized_share(checkpoint):
+    plain = load_model(checkpoint)
+    projections = sum(
+        getattr(getattr(layer, sub), attr).weight.numel()
+        for layer in plain.language_model.layers
+        for sub, attr in DecoderLayer.PROJECTIONS
+    )
+    fp16_bytes = 2 * projections
+    for quant, share in ((WeightQuant("int8"), 0.55), (WeightQuant("int4", 32), 0.32)):
+        model = load_model(checkpoint, quant=quant)
+        saved = weight_bytes(plain) - weight_bytes(model)  # fp32 projections -> quantized ones
+        quantized = 4 * projections - saved
+        assert quantized <= share * fp16_bytes, (quant.mode, quantized / fp16_bytes)
+
+
+def test_an_engine_with_int8_weights_answers_and_reports_its_weights(checkpoint):
+    plain = Engine(EngineConfig(model_path=str(checkpoint), device="cpu"))
+    engine = Engine(EngineConfig(model_path=str(checkpoint), device="cpu", weight_quant="int8"))
+    described = engine.describe()
+    assert described["weight_quant"] == "int8" and described["weight_mb"] < plain.describe()["weight_mb"]
+    final = list(engine.generate(Request(Turn("Hello."), SamplingParams(temperature=0.0, max_new_tokens=8))))[-1]
+    assert final.finish_reason in ("stop", "length") and final.error is None
+
+
+def test_a_group_size_the_model_cannot_take_is_refused_before_the_model_loads(checkpoint):
+    with pytest.raises(EngineError, match="power of two"):
+        Engine(EngineConfig(model_path=str(checkpoint), device="cpu", weight_quant="int4", weight_quant_group_size=48))
+    with pytest.raises(EngineError, match="larger than the smallest projection input"):
+        Engine(
+            EngineConfig(model_path=str(checkpoint), device="cpu", weight_quant="int4", weight_quant_group_size=4096)
+        )
+
+
+def test_an_already_quantized_checkpoint_is_refused_naming_its_format(checkpoint, tmp_path):
+    copy = tmp_path / "awq"
+    shutil.copytree(checkpoint, copy)
+    config = json.loads((copy / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "awq", "bits": 4, "group_size": 128}
+    (copy / "config.json").write_text(json.dumps(config))
+    with pytest.raises(CheckpointError, match=r"already quantized \(awq\)"):
+        load_model(copy)
