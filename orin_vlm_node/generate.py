@@ -113,7 +113,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
     described = engine.describe()
     backend = {
-        k: described[k] for k in ("device", "dtype", "weight_quant", "weight_mb", "kernels", "decode_path", "kv_pool")
+        k: described[k]
+        for k in ("device", "dtype", "weight_quant", "weight_mb", "weight_path", "kernels", "decode_path", "kv_pool")
     }
     if described["kernels_degraded"]:
         print(f"warning: {described['kernels']}", file=sys.stderr)

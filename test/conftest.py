@@ -25,3 +25,17 @@ def _seed_torch():
 
     torch.manual_seed(0)
     yield
+
+
+@pytest.fixture(scope="session")
+def harness(tmp_path_factory):
+    """The CPU CUDA harness (``test/cuda_harness``) with every kernel of ``kernels/``, built once a session."""
+    import shutil
+
+    from cuda_harness.harness import Harness, build
+
+    if not shutil.which("g++"):
+        pytest.skip("g++ not found: cannot build the CUDA CPU harness")
+    lib, seconds = build(tmp_path_factory.getbasetemp() / "cuda_harness")
+    print(f"\ncuda harness built in {seconds:.1f} s")
+    return Harness(lib)

@@ -4,24 +4,13 @@ Also the shape check and CPU behaviour of ``select_backend``, and ``DecodeGraph`
 
 from __future__ import annotations
 
-import shutil
-
 import pytest
 import torch
-from cuda_harness.harness import Harness, build
 
 from orin_vlm_node.cuda import AttentionShape, CudaPagedAttention, DecodeGraph, KernelsUnavailable, select_backend
 from orin_vlm_node.kvcache.attention import TorchPagedAttention
 from orin_vlm_node.kvcache.config import KVCacheConfig
 from orin_vlm_node.kvcache.paged import PagedKVCache
-
-
-@pytest.fixture(scope="session")
-def harness(tmp_path_factory) -> Harness:
-    if not shutil.which("g++"):
-        pytest.skip("g++ not found: cannot build the CUDA CPU harness")
-    lib, _ = build(tmp_path_factory.getbasetemp() / "cuda_harness")  # shared by the cuda test files
-    return Harness(lib)
 
 
 def _caches(impl, dtype, page, nkv=2, hd=64, max_ctx=96):

@@ -131,3 +131,44 @@ def test_gpu_engine_kernels_and_graphs_match_the_torch_path_across_context_bucke
     assert a.token_ids == b.token_ids
     decode = fast.describe()["decode"]
     assert decode["graphs"] == "on" and decode["graphs_captured"] >= 2, decode
+
+
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize(("n", "k"), [(4096, 2048), (2048, 6144), (37, 75)])
+def test_gpu_quantized_gemv_matches_the_torch_reference(backend, mode, dtype, n, k):
+    import torch.nn.functional as F
+
+    from orin_vlm_node.cuda.quant_gemv import CudaQuantGemv
+    from orin_vlm_node.model.quant import QuantizedLinear, WeightQuant
+
+    weight = torch.randn(n, k, device="cuda") * 0.02
+    module = QuantizedLinear.from_weight(weight, WeightQuant(mode, 128 if k % 128 == 0 else 32))
+    gemv = CudaQuantGemv(backend.launcher)
+    reference = module.dequantize(torch.float32)
+    for rows in (1, 4, 8):
+        x = torch.randn(rows, k, device="cuda").to(dtype)
+        expected = F.linear(x.float(), reference)
+        tol = {torch.float16: 2e-3, torch.bfloat16: 1.6e-2}[dtype] * expected.abs().amax().item()
+        torch.testing.assert_close(gemv(module, x).float(), expected, rtol=0, atol=tol)
+
+
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+def test_gpu_engine_quantized_kernels_and_graphs_match_the_torch_path(tmp_path_factory, mode):
+    """fp32 activations: the GEMV kernels inside the captured decode graphs give the tokens of the torch
+    path (weights widened for torch's GEMM), 200 greedy tokens."""
+    from orin_vlm_node.engine import Engine, EngineConfig, Request, SamplingParams, Turn
+
+    path = str(_tiny(tmp_path_factory, 64))
+    cache = str(tmp_path_factory.mktemp("kernel_cache"))
+    common = dict(model_path=path, device="cuda", dtype="fp32", max_context_tokens=512, kernel_cache_dir=cache,
+                  weight_quant=mode, weight_quant_group_size=32)  # fmt: skip
+    fast = Engine(EngineConfig(**common, allow_kernel_fallback=False))
+    slow = Engine(EngineConfig(**common, use_cuda_kernels=False, use_cuda_graph=False))
+    assert fast.describe()["weight_path"].startswith(f"{mode}: GEMV kernels")
+    assert slow.describe()["weight_path"].startswith(f"{mode}: torch")
+    sampling = SamplingParams(temperature=0.0, max_new_tokens=200, ignore_eos=True)
+    turn = Turn("Tell the robot what to do next, step by step.")
+    a = list(fast.generate(Request(turn, sampling)))[-1]
+    b = list(slow.generate(Request(turn, sampling)))[-1]
+    assert a.token_ids == b.token_ids

@@ -8,11 +8,10 @@ of the output to its dtype. Launch geometry comes from ``orin_vlm_node.cuda.laun
 from __future__ import annotations
 
 import random
-import shutil
 
 import pytest
 import torch
-from cuda_harness.harness import Harness, HarnessError, build
+from cuda_harness.harness import Harness, HarnessError
 
 from orin_vlm_node.cuda import launch as L
 from orin_vlm_node.kvcache.reference import causal_attention
@@ -21,15 +20,6 @@ DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 # Output rounding of each dtype (plus a little fp32 accumulation-order slack).
 ATOL = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
 PAGE_SIZES = [1, 2, 4, 8, 16, 32, 64]
-
-
-@pytest.fixture(scope="session")
-def harness(tmp_path_factory) -> Harness:
-    if not shutil.which("g++"):
-        pytest.skip("g++ not found: cannot build the CUDA CPU harness")
-    lib, seconds = build(tmp_path_factory.getbasetemp() / "cuda_harness")  # shared by the cuda test files
-    print(f"\ncuda harness built in {seconds:.1f} s")
-    return Harness(lib)
 
 
 class PagedPool:

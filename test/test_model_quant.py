@@ -137,6 +137,7 @@ def test_an_engine_with_int8_weights_answers_and_reports_its_weights(checkpoint)
     engine = Engine(EngineConfig(model_path=str(checkpoint), device="cpu", weight_quant="int8"))
     described = engine.describe()
     assert described["weight_quant"] == "int8" and described["weight_mb"] < plain.describe()["weight_mb"]
+    assert described["weight_path"] == "int8: torch (weights widened for each product)"  # no kernels on a CPU
     final = list(engine.generate(Request(Turn("Hello."), SamplingParams(temperature=0.0, max_new_tokens=8))))[-1]
     assert final.finish_reason in ("stop", "length") and final.error is None
 

@@ -56,6 +56,7 @@ class BackendChoice:
     reason: str
     requested: bool = False
     attention_impl: object | None = None
+    launcher: object | None = None  # the loaded kernel runtime (``launch(cfg, args)``), when kernels are on
     arch: str = ""
     build_seconds: float = 0.0
 
@@ -111,6 +112,7 @@ def select_backend(
         loaded.describe(),
         requested=True,
         attention_impl=CudaPagedAttention(runtime, sm_count=runtime.sm_count),
+        launcher=runtime,
         arch=runtime.arch,
         build_seconds=loaded.seconds,
     )

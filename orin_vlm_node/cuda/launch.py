@@ -16,6 +16,7 @@ DECODE_WARPS = 4
 PREFILL_WARPS = 4
 PREFILL_BLOCK_K = 32
 KV_WRITE_THREADS = 128
+GEMV_WARPS = 4  # kGemvWarps in kernels/quant_gemv.cu: output columns per block, one warp each
 WARP_SIZE = 32
 
 SUPPORTED_HEAD_DIMS = (32, 64, 128, 256)  # ORIN_FOR_EACH_HEAD_DIM in kernels/attention_common.cuh
@@ -24,6 +25,11 @@ SUPPORTED_HEAD_DIMS = (32, 64, 128, 256)  # ORIN_FOR_EACH_HEAD_DIM in kernels/at
 GROUP_BUCKETS = (1, 2, 4, 8)
 MAX_DYNAMIC_SHARED_BYTES = 48 * 1024  # the per-block default on every GPU we target; no opt-in needed
 DEFAULT_MIN_TOKENS_PER_SPLIT = 256
+
+# Rows of x one quantized GEMV kernel is instantiated for (a launch takes the smallest that holds its rows);
+# more rows than the largest (a prefill) take torch's GEMM on the widened weights instead.
+GEMV_ROW_BUCKETS = (1, 2, 4, 8)
+GEMV_MODES = ("int8", "int4")
 
 # torch dtype name -> kernel name suffix and element size.
 DTYPE_TAGS = {"float32": "f32", "float16": "f16", "bfloat16": "bf16"}
@@ -42,6 +48,9 @@ KERNEL_MODULES: dict[str, tuple[str, ...]] = {
         f"paged_prefill_attention_{t}_d{d}" for t in DTYPE_TAGS.values() for d in SUPPORTED_HEAD_DIMS
     ),
     "paged_kv_write": tuple(f"paged_kv_write_{t}" for t in DTYPE_TAGS.values()),
+    "quant_gemv": tuple(
+        f"quant_gemv_{mode}_{t}_r{r}" for mode in GEMV_MODES for t in DTYPE_TAGS.values() for r in GEMV_ROW_BUCKETS
+    ),
 }
 
 # Parameter kinds of each kernel family, in order: "ptr" (device pointer), "i32", "f32".
@@ -50,6 +59,7 @@ ARG_KINDS: dict[str, tuple[str, ...]] = {
     "paged_decode_reduce": ("ptr",) * 3 + ("i32",) * 2,
     "paged_prefill_attention": ("ptr",) * 7 + ("i32",) * 4 + ("f32",),
     "paged_kv_write": ("ptr",) * 5 + ("i32",),
+    "quant_gemv": ("ptr",) * 5 + ("i32",) * 4,
 }
 
 
@@ -208,6 +218,18 @@ def kv_write_launch(num_tokens: int, dtype: object) -> LaunchConfig:
     """One block per token (slot_mapping entry)."""
     tag = DTYPE_TAGS[dtype_name(dtype)]
     return _checked(LaunchConfig(f"paged_kv_write_{tag}", (num_tokens, 1, 1), (KV_WRITE_THREADS, 1, 1), 0))
+
+
+def gemv_launch(mode: str, rows: int, out_features: int, dtype: object) -> LaunchConfig:
+    """Grid (ceil(N / GEMV_WARPS)), GEMV_WARPS warps; the kernel of the smallest rows bucket that holds ``rows``."""
+    if mode not in GEMV_MODES:
+        raise UnsupportedShape(f"no GEMV kernels for weights stored as {mode!r}; supported: {GEMV_MODES}")
+    bucket = next((r for r in GEMV_ROW_BUCKETS if rows <= r), None)
+    if rows < 1 or bucket is None:
+        raise UnsupportedShape(f"GEMV kernels take 1..{GEMV_ROW_BUCKETS[-1]} rows, got {rows}")
+    tag = DTYPE_TAGS[dtype_name(dtype)]
+    grid = (math.ceil(out_features / GEMV_WARPS), 1, 1)
+    return _checked(LaunchConfig(f"quant_gemv_{mode}_{tag}_r{bucket}", grid, (GEMV_WARPS * WARP_SIZE, 1, 1), 0))
 
 
 def check_kv_row(num_kv_heads: int, head_dim: int, dtype: object) -> int:

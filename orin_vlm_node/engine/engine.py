@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from ..cuda import KernelsUnavailable
+from ..cuda import KernelsUnavailable, quant_gemv
 from ..kvcache import KVCache, build_kv_cache, check_page_size
 from ..model import load_model
 from ..model.config import ModelConfig
@@ -92,6 +92,9 @@ class Engine:
             self.vision_cache = VisionCache(self._config.vision_cache_images)
         if parts & {"model", "kv_cache", "backend"}:
             self.attention = select_attention(self._config, self.model_config, self.dtype, self.device)
+            launcher = self.attention.launcher if self.attention.kernels else None
+            if quant_gemv.attach(self.model, quant_gemv.CudaQuantGemv(launcher) if launcher else None):
+                log.info("quantized projections: %s", self.weight_path)
         if parts & {"model", "kv_cache"}:
             self._build_cache()
         elif "backend" in parts:
@@ -235,6 +238,15 @@ class Engine:
                 raise ValueError(f"reconfiguration failed, previous settings restored: {exc}") from exc
             log.info("engine reconfigured: %s", ", ".join(f"{k}={fields[k]!r}" for k in sorted(changed)))
 
+    @property
+    def weight_path(self) -> str:
+        """How the quantized projections multiply: the GEMV kernels (decode rows) or torch only."""
+        if self._config.weight_quant == "none":
+            return "float weights"
+        if self.attention.kernels:
+            return f"{self._config.weight_quant}: GEMV kernels for up to 8 rows, torch GEMM beyond"
+        return f"{self._config.weight_quant}: torch (weights widened for each product)"
+
     def describe(self) -> dict:
         """Diagnostics for the node: model, device, paging, pool usage, kernel/graph path, last metrics.
 
@@ -254,6 +266,7 @@ class Engine:
             "dtype": str(self.dtype).replace("torch.", ""),
             "weight_quant": cfg.weight_quant,
             "weight_mb": round(self.weight_bytes / 1e6, 3),
+            "weight_path": self.weight_path,
             "paged_attention": cfg.use_paged_attention,
             "page_size": stats.get("page_size"),
             "kv_blocks_total": stats.get("blocks_total"),

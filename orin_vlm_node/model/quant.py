@@ -63,6 +63,8 @@ class QuantizedLinear(nn.Module):
     def __init__(self, out_features: int, in_features: int, mode: str, group_size: int, device=None) -> None:
         super().__init__()
         self.out_features, self.in_features, self.mode, self.group_size = out_features, in_features, mode, group_size
+        # The GEMV kernels (``cuda.quant_gemv.CudaQuantGemv``) when the engine loaded them; None = torch.
+        self.gemv = None
         n, k = out_features, in_features
         if mode == "int8":
             self.register_buffer("qweight", torch.empty((n, k), dtype=torch.int8, device=device))
@@ -117,8 +119,11 @@ class QuantizedLinear(nn.Module):
         return (q.to(torch.float32) * scales.float() + offsets.float()).to(dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """(L, K) -> (L, N) in x's dtype. The torch path: widen the weight, one product (INT8 applies its
-        per-row scale after the product, where it factors out)."""
+        """(L, K) -> (L, N) in x's dtype: the GEMV kernels for a decode step's few rows when they are loaded;
+        else the torch path: widen the weight, one product (INT8 applies its per-row scale after the product,
+        where it factors out)."""
+        if self.gemv is not None and self.gemv.fits(x):
+            return self.gemv(self, x)
         if self.mode == "int8":
             return F.linear(x, self.qweight.to(x.dtype)) * self.scales.to(x.dtype)
         return F.linear(x, self.dequantize(x.dtype))

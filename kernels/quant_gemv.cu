@@ -1,0 +1,161 @@
+// Weight-only quantized GEMV / skinny GEMM: y[m, n] = sum_k x[m, k] * w[n, k] for up to 8 rows of x.
+//
+// Why: a decode step multiplies one token per sequence (1..8 rows) by every weight matrix once, so its
+// speed is the bytes of weights read per second. Reading INT8 or packed INT4 weights and widening them in
+// registers reads 2x or ~3.8x fewer bytes than fp16. The formats are those of
+// orin_vlm_node/model/quant.py (QuantizedLinear), which is also the reference the tests hold these to:
+//
+//   int8: qweight [N, K] int8, scales [N] fp16:                 w[n, k] = q[n, k] * s[n]
+//   int4: qweight [N, ceil(K/2)] uint8 (even k in the low nibble), scales and offsets [N, ceil(K/G)] fp16:
+//         w[n, k] = q[n, k] * s[n, k/G] + o[n, k/G]
+//
+// One warp computes one output column n for every row m: the lanes walk row n of the weights in 16-byte
+// vectors (int8: 16 weights, int4: 32 per vector; a warp reads 512 contiguous bytes per step), read the
+// matching x elements (x is small and stays in cache), accumulate in fp32 and reduce across the warp. For
+// int4 a vector lies inside one group when G is a multiple of 32, so its scale and offset factor out:
+// sum_k x q s + x o = s * (x . q) + o * sum(x). The vector path needs K a multiple of 32 (every projection of
+// the models we serve); any other shape takes the scalar path (same formulas, element by element).
+//
+// quant_gemv_<int8|int4>_<f32|f16|bf16>_r<R>: x and y in the activation type, R = the rows bucket (1, 2, 4, 8;
+// rows <= R). Grid: (ceil(N / kGemvWarps)); block: kGemvWarps warps (launch.py: GEMV_WARPS).
+#include "attention_common.cuh"
+
+namespace orin_vlm {
+
+constexpr int kGemvWarps = 4;
+
+// Elements k0 .. k0+n-1 of row m of x, widened to fp32 (16-byte loads when `vec`, else one by one).
+template <typename T, int N>
+__device__ __forceinline__ void load_x(const T* __restrict__ x, size_t offset, bool vec, float* __restrict__ out) {
+  if (vec) {
+#pragma unroll
+    for (int i = 0; i < N; i += Vec<T>::kElems) load_vec(x + offset + i, out + i);
+  } else {
+#pragma unroll
+    for (int i = 0; i < N; ++i) out[i] = to_float(__ldg(x + offset + i));
+  }
+}
+
+template <typename T, int R>
+__device__ __forceinline__ void store_rows(T* __restrict__ y, const float* __restrict__ acc, int rows, int n, int N) {
+#pragma unroll
+  for (int m = 0; m < R; ++m) {
+    const float total = warp_sum(acc[m]);
+    if (m < rows && threadIdx.x % kWarpSize == 0) y[static_cast<size_t>(m) * N + n] = from_float<T>(total);
+  }
+}
+
+template <typename T, int R>
+__device__ __forceinline__ void gemv_int8(T* __restrict__ y, const T* __restrict__ x, const int8_t* __restrict__ q,
+                                          const __half* __restrict__ scales, int rows, int N, int K) {
+  if (rows < 1 || rows > R || blockDim.x != kGemvWarps * kWarpSize) KERNEL_TRAP();
+  const int lane = threadIdx.x % kWarpSize;
+  const int n = blockIdx.x * kGemvWarps + threadIdx.x / kWarpSize;
+  if (n >= N) return;  // a whole warp leaves together: the reductions below stay full-warp
+  const int8_t* row = q + static_cast<size_t>(n) * K;
+  float acc[R] = {};
+  constexpr int kChunk = 16;  // int8 weights per 16-byte vector
+  const bool vec = K % 32 == 0;
+  const int vec_end = vec ? K : 0;
+  for (int k = lane * kChunk; k < vec_end; k += kWarpSize * kChunk) {
+    const uint4 raw = __ldg(reinterpret_cast<const uint4*>(row + k));
+    const int8_t* w = reinterpret_cast<const int8_t*>(&raw);
+#pragma unroll
+    for (int m = 0; m < R; ++m) {
+      if (m >= rows) break;
+      float xs[kChunk];
+      load_x<T, kChunk>(x, static_cast<size_t>(m) * K + k, true, xs);
+      float dot = 0.0f;
+#pragma unroll
+      for (int i = 0; i < kChunk; ++i) dot += xs[i] * static_cast<float>(w[i]);
+      acc[m] += dot;
+    }
+  }
+  for (int k = vec_end + lane; k < K; k += kWarpSize) {  // the scalar path (K not a multiple of 32)
+    const float w = static_cast<float>(__ldg(row + k));
+#pragma unroll
+    for (int m = 0; m < R; ++m)
+      if (m < rows) acc[m] += to_float(__ldg(x + static_cast<size_t>(m) * K + k)) * w;
+  }
+  const float s = __half2float(__ldg(scales + n));
+#pragma unroll
+  for (int m = 0; m < R; ++m) acc[m] *= s;
+  store_rows<T, R>(y, acc, rows, n, N);
+}
+
+template <typename T, int R>
+__device__ __forceinline__ void gemv_int4(T* __restrict__ y, const T* __restrict__ x, const uint8_t* __restrict__ q,
+                                          const __half* __restrict__ scales, const __half* __restrict__ offsets,
+                                          int rows, int N, int K, int group) {
+  if (rows < 1 || rows > R || group < 1 || blockDim.x != kGemvWarps * kWarpSize) KERNEL_TRAP();
+  const int lane = threadIdx.x % kWarpSize;
+  const int n = blockIdx.x * kGemvWarps + threadIdx.x / kWarpSize;
+  if (n >= N) return;
+  const int row_bytes = (K + 1) / 2;
+  const int groups = (K + group - 1) / group;
+  const uint8_t* row = q + static_cast<size_t>(n) * row_bytes;
+  const __half* s_row = scales + static_cast<size_t>(n) * groups;
+  const __half* o_row = offsets + static_cast<size_t>(n) * groups;
+  float acc[R] = {};
+  constexpr int kChunk = 32;  // int4 weights per 16-byte vector
+  const bool vec = K % kChunk == 0 && group % kChunk == 0;
+  const int vec_end = vec ? K : 0;
+  for (int k = lane * kChunk; k < vec_end; k += kWarpSize * kChunk) {
+    const uint4 raw = __ldg(reinterpret_cast<const uint4*>(row + k / 2));
+    const uint8_t* bytes = reinterpret_cast<const uint8_t*>(&raw);
+    float w[kChunk];
+#pragma unroll
+    for (int i = 0; i < kChunk / 2; ++i) {
+      w[2 * i] = static_cast<float>(bytes[i] & 0xF);
+      w[2 * i + 1] = static_cast<float>(bytes[i] >> 4);
+    }
+    const float s = __half2float(__ldg(s_row + k / group));
+    const float o = __half2float(__ldg(o_row + k / group));
+#pragma unroll
+    for (int m = 0; m < R; ++m) {
+      if (m >= rows) break;
+      float xs[kChunk];
+      load_x<T, kChunk>(x, static_cast<size_t>(m) * K + k, true, xs);
+      float dot = 0.0f, sum = 0.0f;
+#pragma unroll
+      for (int i = 0; i < kChunk; ++i) {
+        dot += xs[i] * w[i];
+        sum += xs[i];
+      }
+      acc[m] += s * dot + o * sum;
+    }
+  }
+  for (int k = vec_end + lane; k < K; k += kWarpSize) {  // the scalar path
+    const uint8_t byte = __ldg(row + k / 2);
+    const float qk = static_cast<float>(k % 2 ? byte >> 4 : byte & 0xF);
+    const float w = qk * __half2float(__ldg(s_row + k / group)) + __half2float(__ldg(o_row + k / group));
+#pragma unroll
+    for (int m = 0; m < R; ++m)
+      if (m < rows) acc[m] += to_float(__ldg(x + static_cast<size_t>(m) * K + k)) * w;
+  }
+  store_rows<T, R>(y, acc, rows, n, N);
+}
+
+}  // namespace orin_vlm
+
+#define ORIN_GEMV_KERNELS_R(DT, T, R)                                                                           \
+  extern "C" __global__ void quant_gemv_int8_##DT##_r##R(T* y, const T* x, const int8_t* qweight,              \
+                                                        const __half* scales, const __half* offsets, int rows, \
+                                                        int n, int k, int group) {                             \
+    orin_vlm::gemv_int8<T, R>(y, x, qweight, scales, rows, n, k);                                               \
+  }                                                                                                             \
+  extern "C" __global__ void quant_gemv_int4_##DT##_r##R(T* y, const T* x, const uint8_t* qweight,             \
+                                                        const __half* scales, const __half* offsets, int rows, \
+                                                        int n, int k, int group) {                             \
+    orin_vlm::gemv_int4<T, R>(y, x, qweight, scales, offsets, rows, n, k, group);                               \
+  }
+
+#define ORIN_GEMV_KERNELS(DT, T) \
+  ORIN_GEMV_KERNELS_R(DT, T, 1)  \
+  ORIN_GEMV_KERNELS_R(DT, T, 2)  \
+  ORIN_GEMV_KERNELS_R(DT, T, 4)  \
+  ORIN_GEMV_KERNELS_R(DT, T, 8)
+
+ORIN_GEMV_KERNELS(f32, float)
+ORIN_GEMV_KERNELS(f16, __half)
+ORIN_GEMV_KERNELS(bf16, __nv_bfloat16)
