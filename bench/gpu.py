@@ -14,6 +14,9 @@ that config is absent), batch 1, greedy, answers of a fixed length (``ignore_eos
   tied LM head included, plus the KV of the context).
 * ``kernels.ctx<N>.page<P>``: the paged decode kernel on a shuffled block table (a pool after churn)
   against torch SDPA over contiguous K/V (GQA without copies), one layer of the 2B's attention shape.
+* ``quant.<none|int8|int4>``: batch-1 decode with kernels + graphs and fp16 activations, the decoder's
+  projections stored as ``weight_quant`` says (the INT8/INT4 GEMV kernels); tokens/s, the fraction of each
+  model's own bound (the bytes it really reads), and the speedup over fp16 weights.
 * ``ttft_448.<dtype>``: an image of 448x448 and a short question: vision tower + prefill + first token.
 * ``startup.cold_s`` / ``warm_s``: a fresh process from start to a ready engine (fp16), with an empty
   kernel cache and again with the cache it filled; its GPU memory at 8192 context (``memory.*``) and the
@@ -42,6 +45,7 @@ PATHS = {  # engine settings of each decode path
     "kernels_eager": dict(use_cuda_kernels=True, use_cuda_graph=False),
     "torch": dict(use_cuda_kernels=False, use_cuda_graph=True),
 }
+QUANT = ("none", "int8", "int4")  # weight_quant of the quantized-decode comparison
 MB = 2**20
 
 
@@ -67,8 +71,11 @@ def _cuda_ms(torch, fn, iters: int = 200, warmup: int = 20) -> float:
 
 def decode_weight_bytes(model) -> int:
     """Bytes one decode step reads from weights: every text-decoder parameter except the embedding table
-    (one row is read), plus the LM head (the embedding matrix itself when tied)."""
-    total = 0
+    (one row is read), plus the LM head (the embedding matrix itself when tied), and the quantized
+    projections as stored (``weight_quant``)."""
+    from orin_vlm_node.model.quant import QuantizedLinear
+
+    total = sum(m.nbytes for m in model.language_model.modules() if isinstance(m, QuantizedLinear))
     embed = head = None
     for name, p in model.named_parameters():
         if name.startswith("visual."):
@@ -196,6 +203,38 @@ def _decode(torch, ctx: BenchContext, res: SectionResult, model_dir: Path, dtype
         res.add(f"ttft_448.{dtype}.s", "s", ttft, "448x448 image + question: vision tower, prefill, first token")
 
 
+def _quantized_decode(torch, ctx: BenchContext, res: SectionResult, model_dir: Path, bandwidth: float) -> None:
+    """Batch-1 decode (kernels + graphs, fp16 activations) with weights none / int8 / int4, alternating;
+    each against its own bound (the bytes it reads per token) and against fp16 weights."""
+    from orin_vlm_node.engine import Request, SamplingParams, Turn
+
+    cfg = ctx.config
+    n = cfg.gpu_max_new_tokens
+    cache_dir = str(ctx.scratch / "kernel_cache")
+    engines = {mode: _engine(model_dir, "fp16", cache_dir, weight_quant=mode, **PATHS["graphs"]) for mode in QUANT}
+    res.setup["weight_paths"] = {mode: e.describe()["weight_path"] for mode, e in engines.items()}
+    ids = iter(range(10**6))
+    sampling = SamplingParams(temperature=0.0, max_new_tokens=n, ignore_eos=True)
+
+    def eng(mode):
+        return lambda: run_engine(engines[mode], Request(Turn(PROMPT), sampling, request_id=f"gpu-q-{next(ids)}"))
+
+    ctx.log(f"gpu quantized decode: {cfg.gpu_repeats} alternating repeats of {n} tokens, weights {QUANT}")
+    runs = alternate({mode: eng(mode) for mode in QUANT}, repeats=cfg.gpu_repeats, warmup=1)
+    plain = [t.decode_tok_s for t in runs["none"]]
+    for mode, timings in runs.items():
+        engine = engines[mode]
+        kv_read = engine.cache.config.bytes_per_token * (timings[-1].prompt_tokens + n / 2)
+        bound = bandwidth * 1e9 / (decode_weight_bytes(engine.model) + kv_read)
+        rates = [t.decode_tok_s for t in timings]
+        res.add(f"quant.{mode}.tok_s", "tok/s", rates, f"batch-1 decode, fp16 activations, weights {mode}", mode=mode)
+        res.add(f"quant.{mode}.bound_fraction", "fraction", [r / bound for r in rates],
+                "decode tok/s / (copy bandwidth / bytes this model reads per token)", mode=mode)  # fmt: skip
+        if mode != "none":
+            res.add(f"quant.{mode}.speedup", "x", paired_ratio(rates, plain), f"{mode} tok/s / fp16 weights tok/s",
+                    mode=mode)  # fmt: skip
+
+
 def _probe(model_dir: Path, dtype: str, cache_dir: Path, max_context: int) -> dict:
     cmd = [sys.executable, "-m", "bench.startup_probe", str(model_dir), dtype, str(cache_dir),
            str(max_context), repr(time.time())]  # fmt: skip
@@ -247,6 +286,9 @@ def run(ctx: BenchContext) -> SectionResult:
         _decode(torch, ctx, res, model_dir, dtype, bandwidth)
         gc.collect()  # the dtype's engines and transformers model go before the next ones load
         torch.cuda.empty_cache()
+    _quantized_decode(torch, ctx, res, model_dir, bandwidth)
+    gc.collect()
+    torch.cuda.empty_cache()
     _startup_and_memory(ctx, res, model_dir, default_dir)
     first = cfg.gpu_dtypes[0]
     bound = res.setup["bound"][first]["bound_tok_s"]

@@ -131,8 +131,9 @@ def test_declared_descriptors_enforce_ranges_and_read_only(ros_context):
     assert not refused.successful and "dtype must be one of" in refused.reason
     out_of_range = node.set_parameters([Parameter("page_size", value=512)])[0]
     assert not out_of_range.successful  # rclpy's own range check from the descriptor
-    read_only = node.set_parameters([Parameter("model_path", value="/elsewhere")])[0]
-    assert not read_only.successful and "read-only" in read_only.reason
+    for name, value in (("model_path", "/elsewhere"), ("weight_quant", "int4")):  # fixed once the model loaded
+        read_only = node.set_parameters([Parameter(name, value=value)])[0]
+        assert not read_only.successful and "read-only" in read_only.reason, name
     described = node.describe_parameter("page_size")
     assert (described.integer_range[0].from_value, described.integer_range[0].to_value) == (1, 256)
     assert "one of: auto, bf16, fp16, fp32" in node.describe_parameter("dtype").additional_constraints
