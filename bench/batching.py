@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import threading
 import time
-from pathlib import Path
 
 from bench.context import BenchContext
 from bench.section import SectionResult
@@ -124,10 +123,9 @@ def run(ctx: BenchContext) -> SectionResult:
     engine = make_engine(model_dir, "fp32", prefix_caching=False, max_sessions=0, max_batch=max(sizes))
     _measure(res, "default.", engine, sizes, cfg.batch_tokens, cfg.repeats, cfg.warmup)
     engine = None
-    if not cfg.big_checkpoint:
-        res.skip_part("2b_fp32", f"2B-shape checkpoint not run in {cfg.mode} mode")
-    elif not Path(cfg.big_config_path).is_file():
-        res.skip_part("2b_fp32", f"2B config {cfg.big_config_path} not found")
+    missing = ctx.big_checkpoint_missing()
+    if missing:
+        res.skip_part("2b_fp32", missing)
     else:
         ctx.log("batching: 2B-shape checkpoint (fp32)")
         big = make_engine(ctx.big_checkpoint(), "fp32", prefix_caching=False, max_sessions=0, max_batch=max(sizes))

@@ -94,6 +94,14 @@ class BenchContext:
             self._checkpoints[key] = kv_shape_checkpoint(self.scratch / key, num_layers)
         return self._checkpoints[key]
 
+    def big_checkpoint_missing(self) -> str | None:
+        """Why a section's 2B-shape part does not run (quick mode, no 2B config), or None when it does."""
+        if not self.config.big_checkpoint:
+            return f"2B-shape checkpoint not run in {self.config.mode} mode (minutes of CPU per repeat)"
+        if not Path(self.config.big_config_path).is_file():
+            return f"2B config {self.config.big_config_path} not found"
+        return None
+
     def big_checkpoint(self) -> Path:
         """The 2B-shape random-weight checkpoint in bf16: built once per run in the scratch directory, or
         kept in ``config.checkpoint_cache`` (``--checkpoint-cache``) and reused by later runs, since

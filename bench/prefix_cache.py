@@ -13,8 +13,6 @@ Model: the default model (see ``setup``); in full/medium mode (1) runs on the 2B
 
 from __future__ import annotations
 
-from pathlib import Path
-
 from bench.context import BenchContext
 from bench.section import SectionResult
 from bench.stats import alternate, paired_ratio
@@ -83,12 +81,9 @@ def _big(ctx: BenchContext, res: SectionResult, image) -> None:
     tower and prefill, not preprocessing, dominate TTFT as they do on a real model."""
     from orin_vlm_node.engine.events import Request, Turn
 
-    cfg = ctx.config
-    if not cfg.big_checkpoint:
-        res.skip_part("2b_bf16.image_system", f"2B-shape checkpoint not run in {cfg.mode} mode")
-        return
-    if not Path(cfg.big_config_path).is_file():
-        res.skip_part("2b_bf16.image_system", f"2B config {cfg.big_config_path} not found")
+    missing = ctx.big_checkpoint_missing()
+    if missing:
+        res.skip_part("2b_bf16.image_system", missing)
         return
     big = ctx.big_checkpoint()
     ctx.log("prefix_cache: 2B-shape checkpoint, caching off / on (bf16)")
@@ -100,7 +95,7 @@ def _big(ctx: BenchContext, res: SectionResult, image) -> None:
         return Request(turn=Turn(text=text, images=(image,)), sampling=greedy(1), system_prompt=SYSTEM_PROMPT,
                        request_id=f"prefix-big-{next(ids)}")  # fmt: skip
 
-    _image_system(res, "2b_bf16.", off, on, request, cfg.big_repeats + 1, cfg.warmup)
+    _image_system(res, "2b_bf16.", off, on, request, ctx.config.big_repeats + 1, ctx.config.warmup)
     res.setup["2b_checkpoint"] = ctx.big_checkpoint_origin
 
 

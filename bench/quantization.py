@@ -110,7 +110,6 @@ def _big(ctx: BenchContext, res: SectionResult) -> None:
 
 
 def run(ctx: BenchContext) -> SectionResult:
-    cfg = ctx.config
     res = SectionResult("quantization")
     model_dir, what = ctx.default_model()
     scores = {}
@@ -122,10 +121,9 @@ def run(ctx: BenchContext) -> SectionResult:
     for mode in MODES[1:]:
         res.add(f"default.{mode}.exact_match_drop", "points", [100 * (scores["none"] - scores[mode])],
                 "exact-match points lost vs none", mode=mode)  # fmt: skip
-    if not cfg.big_checkpoint:
-        res.skip_part("2b", f"2B-shape checkpoint not run in {cfg.mode} mode")
-    elif not Path(cfg.big_config_path).is_file():
-        res.skip_part("2b", f"2B config {cfg.big_config_path} not found")
+    missing = ctx.big_checkpoint_missing()
+    if missing:
+        res.skip_part("2b", missing)
     else:
         ctx.log("quantization: 2B-shape checkpoint, teacher-forced logits vs fp32")
         _big(ctx, res)

@@ -168,12 +168,10 @@ def run(ctx: BenchContext) -> SectionResult:
     res.setup["default_model"] = what
     compare(ctx, res, "default", model_dir, "fp32", default_tokens, cfg.repeats, cfg.image_size)
 
-    if not cfg.big_checkpoint:
+    missing = ctx.big_checkpoint_missing()
+    if missing:
         for dt in cfg.big_dtypes:
-            res.skip_part(f"2b_{dt}", f"2B-shape checkpoint not run in {cfg.mode} mode (minutes of CPU per repeat)")
-    elif not Path(cfg.big_config_path).is_file():
-        for dt in cfg.big_dtypes:
-            res.skip_part(f"2b_{dt}", f"2B config {cfg.big_config_path} not found")
+            res.skip_part(f"2b_{dt}", missing)
     else:
         big = ctx.big_checkpoint()
         res.setup["2b_checkpoint"] = (

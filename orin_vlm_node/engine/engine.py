@@ -35,6 +35,7 @@ from ..cuda import KernelsUnavailable, quant_gemv
 from ..kvcache import KVCache, build_kv_cache, check_page_size
 from ..model import load_model
 from ..model.config import ModelConfig
+from ..model.cpu_linear import pack_projections, packing_unavailable
 from ..model.errors import CheckpointError
 from ..model.quant import weight_bytes
 from ..processing import ChatTemplate, ImageProcessor, ProcessingError, Tokenizer
@@ -114,6 +115,8 @@ class Engine:
         self.device = resolve_device(cfg.device)
         self.dtype = resolve_dtype(cfg.dtype, self.device, self.model_config.torch_dtype)
         self.model = load_model(cfg.model_dir, dtype=self.dtype, device=self.device, quant=cfg.quant).eval()
+        why = packing_unavailable(self.device, self.dtype)
+        self._float_path = pack_projections(self.model) if why is None else f"F.linear ({why})"
         self.weight_bytes = weight_bytes(self.model)
         log.info("model %s loaded on %s as %s (weights: %s, %.1f MB)", cfg.model_dir, self.device, self.dtype,
                  cfg.weight_quant, self.weight_bytes / 1e6)  # fmt: skip
@@ -242,7 +245,7 @@ class Engine:
     def weight_path(self) -> str:
         """How the quantized projections multiply: the GEMV kernels (decode rows) or torch only."""
         if self._config.weight_quant == "none":
-            return "float weights"
+            return f"float weights: {self._float_path}"
         if self.attention.kernels:
             return f"{self._config.weight_quant}: GEMV kernels for up to 8 rows, torch GEMM beyond"
         return f"{self._config.weight_quant}: torch (weights widened for each product)"

@@ -1,0 +1,89 @@
+"""The CPU path of the decoder's float projections: weights packed once for oneDNN's GEMM.
+
+Why: on the CPU a decode step is the projections' products, and torch's default ``F.linear`` (MKL's
+small-M GEMM) is slow on some x86 CPUs: on the AMD EPYC the benchmarks run on, one thread, a 2B-shape
+gate+up projection (12288 x 2048, fp32) takes 5.0 ms for one row and 21 ms for four, i.e. four rows cost
+four times one and batching several requests gains nothing. The same product with the weight reordered
+once into oneDNN's blocked layout takes 5.2 ms for one row and 12.5 ms for four, and a whole 2B-shape
+decode step runs 14% faster alone and 1.5x faster for four requests together (bench/README.md).
+
+Only fp32 models on the CPU are packed (bf16/fp16 GEMMs on CPUs without native support are not faster
+this way), only 2-D weights of the decoder's projections and an untied LM head (a tied one is also the
+embedding table, which must stay indexable; packing a copy would double the largest matrix). The packed
+weight replaces the float one, so memory does not grow. A CPU or torch build where the oneDNN op is
+missing, fails or disagrees with ``F.linear`` on a probe keeps the float weights, with the reason.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+log = logging.getLogger("orin_vlm_node.model")
+
+
+class PackedLinear(nn.Module):
+    """A bias-free projection whose fp32 weight is stored in oneDNN's packed layout (CPU only)."""
+
+    weight = None  # not a plain weight: callers use the module (see ``text.project``)
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        super().__init__()
+        self.out_features, self.in_features = weight.shape
+        # An opaque oneDNN tensor, not a parameter or buffer: it cannot be indexed, saved or moved, and the
+        # engine builds the model again for another device or dtype anyway.
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """(L, in) -> (L, out)."""
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed, None, "none", [], "")
+
+    @property
+    def nbytes(self) -> int:
+        return self.in_features * self.out_features * 4
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, packed=onednn"
+
+
+def packing_unavailable(device: torch.device, dtype: torch.dtype) -> str | None:
+    """Why float projections are not packed here (None: they are): device, dtype, or the op itself."""
+    if device.type != "cpu":
+        return f"not a CPU ({device.type})"
+    if dtype != torch.float32:
+        return f"{str(dtype).removeprefix('torch.')} weights (packing pays for fp32)"
+    if not torch.backends.mkldnn.is_available():
+        return "this torch build has no oneDNN"
+    try:
+        gen = torch.Generator().manual_seed(0)
+        w, x = torch.randn(24, 40, generator=gen), torch.randn(3, 40, generator=gen)
+        got = PackedLinear(w)(x)
+    except (RuntimeError, AttributeError) as exc:
+        return f"oneDNN linear unavailable ({type(exc).__name__}: {exc})"
+    if not torch.allclose(got, F.linear(x, w), rtol=1e-4, atol=1e-5):
+        return "oneDNN linear disagrees with F.linear on a probe"
+    return None
+
+
+def pack_projections(model: nn.Module) -> str:
+    """Replace the decoder's float projections (and an untied LM head) by :class:`PackedLinear`, one at a
+    time; what was done, for the log and diagnostics. The caller checked :func:`packing_unavailable`."""
+    packed = 0
+    for layer in model.language_model.layers:
+        for sub, attr in layer.PROJECTIONS:
+            parent = getattr(layer, sub)
+            module = getattr(parent, attr)
+            if module.weight is not None:  # a quantized projection has its own path
+                setattr(parent, attr, PackedLinear(module.weight))
+                packed += 1
+    head = model.lm_head
+    tied = head.weight is model.language_model.embed_tokens.weight
+    if not tied:
+        model.lm_head = PackedLinear(head.weight)
+        packed += 1
+    what = f"oneDNN-packed fp32 ({packed} projections{'; tied LM head as it is' if tied else ''})"
+    log.info("CPU projections: %s", what)
+    return what
