@@ -118,6 +118,7 @@ def main(argv: list[str] | None = None) -> int:
 
     started = time.perf_counter()
     created = dt.datetime.now(dt.UTC).isoformat(timespec="seconds")
+    machine = machine_info()  # before the run: the commit measured, not one made while it ran
     sections: dict[str, SectionResult] = {}
     with tempfile.TemporaryDirectory(prefix="orin_vlm_bench_") as scratch:
         ctx = BenchContext(config, Path(scratch))
@@ -133,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
         "mode": config.mode,
         "created": created,
         "duration_s": round(time.perf_counter() - started, 2),
-        "machine": machine_info(),
+        "machine": machine,
         "config": config.as_dict(),
         "sections": {name: sections[name].as_dict() for name in SECTIONS},
     }

@@ -36,25 +36,31 @@ def test_only_fp32_on_the_cpu_is_packed():
 def test_packing_replaces_every_decoder_projection_and_an_untied_head_without_growing(tie):
     model = load_model(cached_tiny_checkpoint(tie=tie))
     before = weight_bytes(model)
-    what = pack_projections(model)
+    what = pack_projections(model, min_weights=0)
     assert weight_bytes(model) == before
     for layer in model.language_model.layers:
         assert all(isinstance(getattr(getattr(layer, s), a), PackedLinear) for s, a in layer.PROJECTIONS)
     assert isinstance(model.lm_head, PackedLinear) != tie and ("tied LM head" in what) == tie
 
 
-def test_a_cpu_engine_packs_and_answers_as_the_float_model_does():
+def test_a_packed_model_computes_what_the_float_model_computes():
     path = cached_tiny_checkpoint()
-    engine = Engine(EngineConfig(model_path=str(path), device="cpu"))
-    assert engine.describe()["weight_path"].startswith("float weights: oneDNN-packed fp32")
-    reference = load_model(path)  # the same checkpoint, F.linear on the float weights
+    engine = Engine(EngineConfig(model_path=str(path), device="cpu"))  # for its tokenizer and KV cache
+    packed, reference = load_model(path), load_model(path)
+    pack_projections(packed, min_weights=0)
     ids = engine.tokenizer.encode("Where is the charging station? Count the boxes on the shelf.")
     positions = torch.arange(len(ids)).expand(3, -1)
     logits = []
-    for model in (engine.model, reference):
+    for model in (packed, reference):
         seq = engine.cache.new_sequence()
         logits.append(model.forward(torch.tensor(ids), positions, engine.cache.step(seq, len(ids))))
         engine.cache.release(seq)
     torch.testing.assert_close(logits[0], logits[1], rtol=1e-4, atol=1e-5)
+
+
+def test_small_projections_keep_f_linear_and_the_engine_says_so():
+    engine = Engine(EngineConfig(model_path=str(cached_tiny_checkpoint()), device="cpu"))
+    layers = len(engine.model.language_model.layers)
+    assert engine.describe()["weight_path"].startswith(f"float weights: F.linear ({4 * layers} too small to gain")
     final = list(engine.generate(Request(Turn("Hello."), SamplingParams(temperature=0.0, max_new_tokens=8))))[-1]
     assert final.error is None
