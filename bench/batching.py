@@ -9,12 +9,13 @@ runner threads do: whoever waits for an event runs the next scheduler step for e
   steps inside that span): the decode rate of the batch; ``throughput_tok_s`` keeps the prefills in;
 * ``speedup``: ``aggregate_tok_s`` of N over that of 1, paired per repeat (the goal reads N = 4);
 * ``ttft_s`` (every member) and ``member_tok_s`` (each member's own decode rate: its per-token latency is
-  the inverse).
+  the inverse); ``member_latency_vs_one``: the members' mean per-token latency over that of one request
+  alone, paired per repeat.
 
 The first member asks the same question at every N, and its tokens must be the same at every N (the
 section fails otherwise): batching must not change an answer. Checkpoints: the default model, and in
 full/medium mode the 2B-shape random checkpoint (fp32), where decode is bound by reading the weights, as
-on a Jetson.
+on a Jetson. The ``gpu`` section measures the same with kernels + CUDA graphs (:func:`measure`).
 """
 
 from __future__ import annotations
@@ -87,7 +88,8 @@ def _prefill_s(final) -> float:
     return m["prefill_tokens"] / m["prefill_tokens_per_s"] if m["prefill_tokens_per_s"] > 0 else 0.0
 
 
-def _measure(res: SectionResult, prefix: str, engine, sizes, tokens: int, repeats: int, warmup: int) -> None:
+def measure(res: SectionResult, prefix: str, engine, sizes, tokens: int, repeats: int, warmup: int) -> None:
+    """Figures ``<prefix>batch<N>.*`` of ``engine`` for every N of ``sizes`` (the first must be 1)."""
     runs: dict[int, list[dict]] = {n: [] for n in sizes}
     for r in range(warmup + repeats):
         for n in sizes:  # alternating: drift hits every N alike
@@ -101,6 +103,7 @@ def _measure(res: SectionResult, prefix: str, engine, sizes, tokens: int, repeat
         if any(out["first_tokens"] != reference for out in runs[n]):
             raise RuntimeError(f"{prefix}: the first request's tokens differ in a batch of {n} from alone")
     one = [out["aggregate"] for out in runs[1]]
+    one_latency = [_member_latency(out) for out in runs[1]]
     for n in sizes:
         k = f"{prefix}batch{n}"
         agg = [out["aggregate"] for out in runs[n]]
@@ -112,6 +115,13 @@ def _measure(res: SectionResult, prefix: str, engine, sizes, tokens: int, repeat
                 batch=str(n))  # fmt: skip
         res.add(f"{k}.member_tok_s", "tok/s", [t for out in runs[n] for t in out["member"]],
                 "each member's own decode rate", batch=str(n))  # fmt: skip
+        res.add(f"{k}.member_latency_vs_one", "x", paired_ratio([_member_latency(out) for out in runs[n]], one_latency),
+                f"mean per-token latency of the {n} members / that of one request alone", batch=str(n))  # fmt: skip
+
+
+def _member_latency(out: dict) -> float:
+    """Mean seconds per decoded token of a batch's members."""
+    return sum(1.0 / rate for rate in out["member"]) / len(out["member"])
 
 
 def run(ctx: BenchContext) -> SectionResult:
@@ -121,7 +131,7 @@ def run(ctx: BenchContext) -> SectionResult:
     model_dir, what = ctx.default_model()
     ctx.log(f"batching: default model, batches of {sizes}")
     engine = make_engine(model_dir, "fp32", prefix_caching=False, max_sessions=0, max_batch=max(sizes))
-    _measure(res, "default.", engine, sizes, cfg.batch_tokens, cfg.repeats, cfg.warmup)
+    measure(res, "default.", engine, sizes, cfg.batch_tokens, cfg.repeats, cfg.warmup)
     engine = None
     missing = ctx.big_checkpoint_missing()
     if missing:
@@ -129,7 +139,7 @@ def run(ctx: BenchContext) -> SectionResult:
     else:
         ctx.log("batching: 2B-shape checkpoint (fp32)")
         big = make_engine(ctx.big_checkpoint(), "fp32", prefix_caching=False, max_sessions=0, max_batch=max(sizes))
-        _measure(res, "2b_fp32.", big, sizes, cfg.big_batch_tokens, cfg.big_repeats, cfg.warmup)
+        measure(res, "2b_fp32.", big, sizes, cfg.big_batch_tokens, cfg.big_repeats, cfg.warmup)
         res.setup["2b_checkpoint"] = ctx.big_checkpoint_origin
     res.setup.update(
         model=what,

@@ -164,6 +164,22 @@ GOALS: list[Goal] = [
         _worst_over("batching", ".batch4.speedup", True, prefix="2b_"),
     ),
     Goal(
+        "batching_4_gpu",
+        "GPU: 4 requests decoding together >= 3x the aggregate decode tok/s of one (kernels + graphs, 2B shape)",
+        "x",
+        3.0,
+        True,
+        _gpu(".batch4.speedup", True),
+    ),
+    Goal(
+        "batching_4_gpu_latency",
+        "GPU: each of 4 requests decoding together has <= 1.5x the per-token latency of one alone",
+        "x",
+        1.5,
+        False,
+        _gpu(".batch4.member_latency_vs_one", False),
+    ),
+    Goal(
         "quant_int8_accuracy",
         "weight_quant=int8 loses <= 1 point of held-out exact match on the default model",
         "points",

@@ -17,6 +17,9 @@ that config is absent), batch 1, greedy, answers of a fixed length (``ignore_eos
 * ``quant.<none|int8|int4>``: batch-1 decode with kernels + graphs and fp16 activations, the decoder's
   projections stored as ``weight_quant`` says (the INT8/INT4 GEMV kernels); tokens/s, the fraction of each
   model's own bound (the bytes it really reads), and the speedup over fp16 weights.
+* ``batching.fp16.batch<N>``: 1, 2, 4 and 8 requests decoding together with kernels + graphs (one graph
+  per batch bucket), the figures of the ``batching`` section: aggregate tokens/s over one request's, and
+  each member's per-token latency over one request's alone.
 * ``ttft_448.<dtype>``: an image of 448x448 and a short question: vision tower + prefill + first token.
 * ``startup.cold_s`` / ``warm_s``: a fresh process from start to a ready engine (fp16), with an empty
   kernel cache and again with the cache it filled; its GPU memory at 8192 context (``memory.*``) and the
@@ -25,6 +28,7 @@ that config is absent), batch 1, greedy, answers of a fixed length (``ignore_eos
 
 from __future__ import annotations
 
+import functools
 import gc
 import json
 import subprocess
@@ -33,6 +37,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from bench import batching
 from bench.config import REPO
 from bench.context import BenchContext
 from bench.section import SectionResult, skipped
@@ -124,14 +129,11 @@ def _kernels(torch, ctx: BenchContext, res: SectionResult) -> None:
             k_pool = kc[0].transpose(0, 1).reshape(blocks, page, nkv, hd).contiguous()
             v_pool = vc[0].transpose(0, 1).reshape(blocks, page, nkv, hd).contiguous()
             order = torch.randperm(blocks, device="cuda", generator=gen)
-            table = torch.empty(blocks, dtype=torch.int32, device="cuda")
-            table[order] = torch.arange(blocks, dtype=torch.int32, device="cuda")
+            table = torch.empty(1, blocks, dtype=torch.int32, device="cuda")  # one sequence's row
+            table[0, order] = torch.arange(blocks, dtype=torch.int32, device="cuda")
             k_pool, v_pool = k_pool[order].contiguous(), v_pool[order].contiguous()  # scattered, same content
-            paged = [
-                1e3
-                * _cuda_ms(torch, lambda q=q, k=k_pool, v=v_pool, t=table, n=kv_len: impl.attend_decode(q, k, v, t, n))
-                for _ in range(cfg.gpu_repeats)
-            ]
+            decode = functools.partial(impl.attend_decode, q, k_pool, v_pool, table, kv_len, blocks)
+            paged = [1e3 * _cuda_ms(torch, decode) for _ in range(cfg.gpu_repeats)]
             key = f"kernels.ctx{context}.page{page}"
             res.add(f"{key}.paged_us", "us", paged, "paged decode kernel, shuffled block table", context=context)
             res.add(f"{key}.overhead", "fraction", [p / s - 1 for p, s in zip(paged, sdpa, strict=True)],
@@ -235,6 +237,16 @@ def _quantized_decode(torch, ctx: BenchContext, res: SectionResult, model_dir: P
                     mode=mode)  # fmt: skip
 
 
+def _batching(ctx: BenchContext, res: SectionResult, model_dir: Path) -> None:
+    """Continuous batching on the GPU path (kernels + graphs, fp16): the ``batching`` section's figures."""
+    cfg = ctx.config
+    sizes = tuple(cfg.batch_sizes)
+    engine = _engine(model_dir, "fp16", str(ctx.scratch / "kernel_cache"), max_batch=max(sizes), **PATHS["graphs"])
+    ctx.log(f"gpu batching: batches of {sizes}, {cfg.gpu_max_new_tokens} tokens each")
+    batching.measure(res, "batching.fp16.", engine, sizes, cfg.gpu_max_new_tokens, cfg.gpu_repeats, 1)
+    res.setup["batching_decode"] = engine.describe()["decode"]
+
+
 def _probe(model_dir: Path, dtype: str, cache_dir: Path, max_context: int) -> dict:
     cmd = [sys.executable, "-m", "bench.startup_probe", str(model_dir), dtype, str(cache_dir),
            str(max_context), repr(time.time())]  # fmt: skip
@@ -287,6 +299,9 @@ def run(ctx: BenchContext) -> SectionResult:
         gc.collect()  # the dtype's engines and transformers model go before the next ones load
         torch.cuda.empty_cache()
     _quantized_decode(torch, ctx, res, model_dir, bandwidth)
+    gc.collect()
+    torch.cuda.empty_cache()
+    _batching(ctx, res, model_dir)
     gc.collect()
     torch.cuda.empty_cache()
     _startup_and_memory(ctx, res, model_dir, default_dir)

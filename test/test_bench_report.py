@@ -135,6 +135,8 @@ def test_gpu_goals_take_the_worst_dtype_and_name_the_device():
             "startup.warm_s": [7.5],
             "memory.default_model.used_mb": [812.0],
             "memory.2b_fp16.used_vs_limit": [1.08],
+            "batching.fp16.batch4.speedup": [3.4, 3.5, 3.3],
+            "batching.fp16.batch4.member_latency_vs_one": [1.2, 1.6, 1.1],
         }
     )
     result["sections"]["gpu"]["setup"]["device"] = "NVIDIA H100 80GB HBM3"
@@ -147,6 +149,8 @@ def test_gpu_goals_take_the_worst_dtype_and_name_the_device():
     assert by_id["gpu_warm_startup"]["status"] == "met"
     assert by_id["gpu_memory_default_model"]["status"] == "met"
     assert by_id["gpu_memory_2b"]["status"] == "not_met"
+    assert by_id["batching_4_gpu"]["status"] == "met" and by_id["batching_4_gpu"]["value"] == pytest.approx(3.4)
+    assert by_id["batching_4_gpu_latency"]["status"] == "met"  # the median, 1.2
 
 
 def test_report_marks_goals_and_lists_figures():

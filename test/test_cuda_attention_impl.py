@@ -50,7 +50,7 @@ def test_prefill_chunks_and_static_decode_match_torch_impl(harness, dtype, page,
     widths = (None, 32)
     dec_a = {w: ours.static_decode_attention(buf_a, w) for w in widths}
     dec_b = {w: ref.static_decode_attention(buf_b, w) for w in widths}
-    assert impl.decode_plan(buf_a.block_table.numel() * page, nq, nkv)[0] > 1
+    assert impl.decode_plan(buf_a.block_table.shape[1] * page, nq, nkv)[0] > 1
     # Slots 13..24 cross page boundaries; the host half runs before each step, as before a graph replay.
     for i in range(12):
         ours.prepare_static_decode(sa, buf_a)
@@ -63,6 +63,60 @@ def test_prefill_chunks_and_static_decode_match_torch_impl(harness, dtype, page,
             out = dec_a[width](layer, q, k, v)
             torch.testing.assert_close(out, dec_b[width](layer, q, k, v), atol=atol, rtol=0)
     assert torch.equal(ours.kv_storage, ref.kv_storage)  # the write kernel placed every token identically
+
+
+class _CountingLauncher:
+    """The harness, remembering the kernels launched."""
+
+    def __init__(self, inner):
+        self.inner, self.kernels = inner, []
+
+    def launch(self, cfg, args):
+        self.kernels.append(cfg.kernel)
+        return self.inner.launch(cfg, args)
+
+
+@pytest.mark.parametrize(
+    ("dtype", "page", "sm_count", "split"), [(torch.float16, 4, 16, True), (torch.float32, 16, 2, False)]
+)
+def test_batched_static_decode_is_one_launch_and_matches_torch_impl(harness, dtype, page, sm_count, split):
+    """Three sequences of different lengths decode together in buffers of four (one padding row), the
+    kernels in the harness against the torch implementation: same outputs row by row, the same K/V stored
+    (the write kernel skips the padding row; the torch path redirects it), one decode launch per layer."""
+    launcher = _CountingLauncher(harness)
+    impl = CudaPagedAttention(launcher, sm_count=sm_count, min_tokens_per_split=16)
+    ours, ref = _caches(impl, dtype, page, max_ctx=64)
+    nq, nkv, hd = 4, 2, 64
+    atol = {torch.float32: 1e-5, torch.float16: 3e-3}[dtype]
+    gen = torch.Generator().manual_seed(11)
+    lengths = (5, 23, 12)
+    pairs = []
+    for n in lengths:
+        sa, sb = ours.new_sequence(), ref.new_sequence()
+        q = torch.randn(n, nq, hd, generator=gen).to(dtype)
+        k = torch.randn(n, nkv, hd, generator=gen).to(dtype)
+        v = torch.randn(n, nkv, hd, generator=gen).to(dtype)
+        ours.step(sa, n)(0, q, k, v)
+        ref.step(sb, n)(0, q, k, v)
+        pairs.append((sa, sb))
+    buf_a, buf_b = ours.new_static_decode_buffers(4), ref.new_static_decode_buffers(4)
+    dec_a, dec_b = ours.static_decode_attention(buf_a, 48), ref.static_decode_attention(buf_b, 48)
+    assert (impl.decode_plan(48, nq, nkv, batch=4)[0] > 1) == split  # the plan follows bucket width and batch
+    for _ in range(10):  # the sequences cross page boundaries
+        for row, (sa, sb) in enumerate(pairs):
+            ours.prepare_static_decode(sa, buf_a, row)
+            ref.prepare_static_decode(sb, buf_b, row)
+        buf_a.pad(3)
+        buf_b.pad(3)
+        q = torch.randn(4, nq, hd, generator=gen).to(dtype)
+        k = torch.randn(4, nkv, hd, generator=gen).to(dtype)
+        v = torch.randn(4, nkv, hd, generator=gen).to(dtype)
+        launcher.kernels.clear()
+        out_a, out_b = dec_a(0, q, k, v), dec_b(0, q, k, v)
+        torch.testing.assert_close(out_a[:3], out_b[:3], atol=atol, rtol=0)
+        assert sum(name.startswith("paged_decode_attention") for name in launcher.kernels) == 1
+    assert torch.equal(ours.kv_storage, ref.kv_storage)  # nothing of the padding row was stored
+    assert [ours.length(sa) for sa, _ in pairs] == [n + 10 for n in lengths]
 
 
 @pytest.mark.parametrize(

@@ -133,6 +133,33 @@ def test_gpu_engine_kernels_and_graphs_match_the_torch_path_across_context_bucke
     assert decode["graphs"] == "on" and decode["graphs_captured"] >= 2, decode
 
 
+def test_gpu_engine_batches_in_graphs_and_every_request_gets_its_tokens_alone(tmp_path_factory):
+    """fp32, kernels + graphs: four requests of different lengths decode together (batch buckets 4, then 2
+    and 1 as they finish, 3 replaying the bucket of 4 with a padding row), each with its tokens alone."""
+    from orin_vlm_node.engine import Engine, EngineConfig, Finished, Request, SamplingParams, Turn
+
+    path = str(_tiny(tmp_path_factory, 64))
+    cache = str(tmp_path_factory.mktemp("kernel_cache"))
+    engine = Engine(EngineConfig(model_path=path, device="cuda", dtype="fp32", max_context_tokens=1024,
+                                 kernel_cache_dir=cache, allow_kernel_fallback=False, max_batch=4))  # fmt: skip
+    requests = [
+        Request(Turn(text), SamplingParams(temperature=0.0, max_new_tokens=n, ignore_eos=True))
+        for text, n in [("Describe the scene.", 40), ("Count the boxes. " * 30, 300), ("Where?", 90), ("Go.", 150)]
+    ]
+    alone = [list(engine.generate(r))[-1].token_ids for r in requests]
+    streams = [engine.generate(r) for r in requests]
+    finals: list = [None] * len(streams)
+    while any(f is None for f in finals):
+        for i, stream in enumerate(streams):
+            if finals[i] is None:
+                event = next(stream)
+                finals[i] = event if isinstance(event, Finished) else None
+    assert [f.token_ids for f in finals] == alone
+    assert max(f.metrics["batch_size"] for f in finals) == 4
+    decode = engine.describe()["decode"]
+    assert decode["graphs"] == "on" and decode["graphs_captured"] >= 4, decode
+
+
 @pytest.mark.parametrize("mode", ["int8", "int4"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize(("n", "k"), [(4096, 2048), (2048, 6144), (37, 75)])

@@ -15,7 +15,9 @@ import numpy as np
 import pytest
 import torch
 
+from orin_vlm_node.cuda import CudaPagedAttention
 from orin_vlm_node.engine import Engine, EngineConfig, Finished, Request, SamplingParams, TextDelta, Turn
+from orin_vlm_node.engine.decode_step import StaticDecodeStep
 from support.checkpoints import cached_tiny_checkpoint
 
 torch.set_num_threads(1)
@@ -81,6 +83,23 @@ def test_a_batch_gives_every_request_its_tokens_alone(engine):
         assert final.text == reference.text == "".join(d.text for d in deltas)
     assert max(final.metrics["batch_size"] for _, final in results) == 4  # they did decode together
     assert engine.describe()["kv_blocks_used"] == 0  # nothing kept: every sequence was released
+
+
+def test_the_static_step_and_the_kernels_batch_as_on_a_gpu(harness):
+    """What a GPU runs, here on the CPU: the static decode step (fixed buffers, batch buckets 1/2/4, so 3
+    members replay the bucket of 4 with a padding row) and the kernels of ``kernels/`` in the harness for
+    every KV write, prefill and batched decode launch. Each request of the batch gets its tokens alone."""
+    engine = Engine(EngineConfig(model_path=str(cached_tiny_checkpoint()), device="cpu", prefill_chunk_tokens=16))
+    engine.cache.set_attention_impl(CudaPagedAttention(harness))
+    step = engine.decode_step = StaticDecodeStep(engine.model, engine.cache, torch.device("cpu"), False, max_batch=4)
+    alone = [_alone(engine, r) for r in MIXED]
+    batches = []  # sequences of each step
+    run = step.run
+    step.run = lambda: batches.append(step.staged) or run()
+    results = _together([engine.generate(_copy(r)) for r in MIXED])
+    for (_, final), reference in zip(results, alone, strict=True):
+        assert final.token_ids == reference.token_ids
+    assert {1, 2, 3, 4} <= set(batches)
 
 
 def test_stop_strings_and_eos_end_one_member_and_the_rest_go_on(engine):

@@ -55,12 +55,22 @@ def test_causal_attention_ignores_slots_past_the_last_query():
     torch.testing.assert_close(causal_attention(q, k, v, 3), causal_attention(q, k2[:6], v2[:6], 3))
 
 
-def test_masked_decode_attention_equals_causal_for_the_last_slot():
-    q = torch.randn(1, 6, 16)
-    k, v = torch.randn(40, 3, 16), torch.randn(40, 3, 16)
-    kv_len = torch.tensor([23], dtype=torch.int32)
-    expected = causal_attention(q, k[:23], v[:23], 22)
-    torch.testing.assert_close(masked_decode_attention(q, k, v, kv_len), expected, rtol=1e-6, atol=1e-6)
+def test_masked_decode_attention_equals_causal_for_the_last_slot_of_each_row():
+    q = torch.randn(3, 6, 16)
+    k, v = torch.randn(3, 40, 3, 16), torch.randn(3, 40, 3, 16)
+    kv_len = torch.tensor([23, 40, 1], dtype=torch.int32)
+    out = masked_decode_attention(q, k, v, kv_len)
+    for b, n in enumerate(kv_len.tolist()):
+        expected = causal_attention(q[b : b + 1], k[b, :n], v[b, :n], n - 1)
+        torch.testing.assert_close(out[b : b + 1], expected, rtol=1e-6, atol=1e-6)
+
+
+def test_masked_decode_attention_padding_row_is_finite_and_leaves_the_others_alone():
+    q = torch.randn(2, 4, 8)
+    k, v = torch.randn(2, 12, 2, 8), torch.randn(2, 12, 2, 8)
+    out = masked_decode_attention(q, k, v, torch.tensor([5, 0], dtype=torch.int32))
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out[:1], causal_attention(q[:1], k[0, :5], v[0, :5], 4), rtol=1e-6, atol=1e-6)
 
 
 def test_reference_rejects_bad_shapes():
@@ -68,3 +78,8 @@ def test_reference_rejects_bad_shapes():
         causal_attention(torch.randn(2, 3, 8), torch.randn(2, 2, 8), torch.randn(2, 2, 8), 0)
     with pytest.raises(ValueError, match="kv slots"):
         causal_attention(torch.randn(2, 4, 8), torch.randn(2, 2, 8), torch.randn(2, 2, 8), 1)
+    kv_len = torch.tensor([3])
+    with pytest.raises(ValueError, match="B, T, nkv, hd"):
+        masked_decode_attention(torch.randn(2, 4, 8), torch.randn(12, 2, 8), torch.randn(12, 2, 8), kv_len)
+    with pytest.raises(ValueError, match="multiple"):
+        masked_decode_attention(torch.randn(1, 3, 8), torch.randn(1, 5, 2, 8), torch.randn(1, 5, 2, 8), kv_len)

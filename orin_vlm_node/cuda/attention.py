@@ -18,14 +18,16 @@ from . import launch as L
 
 
 class CudaPagedAttention:
-    """Paged attention through the kernels of ``kernels/`` (one sequence per call, batch 1 launches).
+    """Paged attention through the kernels of ``kernels/``: prefill one sequence per call, decode one
+    launch for the whole batch of a static decode step (its ``[batch, max_blocks]`` table rows).
 
-    ``sm_count`` sizes the split-K plan of decode; the plan depends only on the width of the block-table
-    row it is given (the capacity of the decode step's context bucket), never on the current length, so a
-    captured decode graph stays valid as the sequence grows within its bucket.
+    ``sm_count`` sizes the split-K plan of decode; the plan depends only on the batch and on the width a
+    row can use (the capacity of the decode step's context bucket), never on the current lengths, so a
+    captured decode graph stays valid as the sequences grow within their bucket.
     """
 
     name = "cuda"
+    skips_negative_slots = True  # the write kernel skips a negative slot (a padding row)
 
     def __init__(self, launcher, sm_count: int = 16, min_tokens_per_split: int = L.DEFAULT_MIN_TOKENS_PER_SPLIT):
         self.launcher = launcher
@@ -86,51 +88,60 @@ class CudaPagedAttention:
         v_pool: torch.Tensor,
         block_table: torch.Tensor,
         kv_len: torch.Tensor,
+        blocks: int,
     ) -> torch.Tensor:
-        _, nq, hd = q.shape
+        batch, nq, hd = q.shape
         page, nkv = k_pool.shape[1], k_pool.shape[2]
-        if q.shape[0] != 1:
-            raise ValueError(f"attend_decode takes one query (1, nq, hd), got {tuple(q.shape)}")
-        table = self._table(block_table, q.device)
-        seq_lens = kv_len.reshape(1)
+        if block_table.dim() != 2 or block_table.shape[0] != batch or kv_len.shape != (batch,):
+            raise ValueError(
+                f"attend_decode of {batch} queries needs a ({batch}, W) block table and ({batch},) kv_len, "
+                f"got {tuple(block_table.shape)} and {tuple(kv_len.shape)}"
+            )
+        table = self._table(block_table, q.device)  # (B, W)
+        seq_lens = kv_len
         if seq_lens.dtype != torch.int32 or not seq_lens.is_contiguous():
             seq_lens = seq_lens.to(torch.int32).contiguous()
         qc = q.to(k_pool.dtype).contiguous()
         out = torch.empty_like(qc)
-        splits, tokens_per_split = self.decode_plan(table.numel() * page, nq, nkv)
-        cfg = L.decode_launch(1, nq, nkv, hd, k_pool.dtype, splits)
-        tail = [qc, k_pool, v_pool, table, seq_lens, nq, nkv, page, table.numel(), tokens_per_split, hd**-0.5]
+        width = table.shape[1]
+        splits, tokens_per_split = self.decode_plan(min(blocks, width) * page, nq, nkv, batch)
+        cfg = L.decode_launch(batch, nq, nkv, hd, k_pool.dtype, splits)
+        # The row stride is the full width; a row's loop stops at its own length, so the work follows it.
+        tail = [qc, k_pool, v_pool, table, seq_lens, nq, nkv, page, width, tokens_per_split, hd**-0.5]
         if splits == 1:
             self.launcher.launch(cfg, [out, None, None, *tail])
         else:
-            part_out, part_lse = self._workspace(q.device, nq, hd, splits)
+            part_out, part_lse = self._workspace(q.device, batch, nq, hd, splits)
             self.launcher.launch(cfg, [None, part_out, part_lse, *tail])
-            self.launcher.launch(L.decode_reduce_launch(1, nq, hd, k_pool.dtype), [out, part_out, part_lse, nq, splits])
+            reduce = L.decode_reduce_launch(batch, nq, hd, k_pool.dtype)
+            self.launcher.launch(reduce, [out, part_out, part_lse, nq, splits])
         return out.to(q.dtype)
 
     # -- helpers ----------------------------------------------------------------------------------
-    def decode_plan(self, capacity_tokens: int, num_heads: int, num_kv_heads: int) -> tuple[int, int]:
-        """(num_splits, tokens_per_split) for a table row that can hold ``capacity_tokens``."""
+    def decode_plan(self, capacity_tokens: int, num_heads: int, num_kv_heads: int, batch: int = 1) -> tuple[int, int]:
+        """(num_splits, tokens_per_split) for ``batch`` table rows that can each hold ``capacity_tokens``."""
         blocks = num_kv_heads * L.group_chunks(num_heads, num_kv_heads)
         return L.choose_decode_splits(
-            max(1, capacity_tokens), 1, blocks, self.sm_count, min_tokens_per_split=self.min_tokens_per_split
+            max(1, capacity_tokens), batch, blocks, self.sm_count, min_tokens_per_split=self.min_tokens_per_split
         )
 
     @staticmethod
     def _table(block_table: torch.Tensor, device: torch.device) -> torch.Tensor:
-        table = block_table.reshape(-1)
-        if table.dtype != torch.int32 or table.device != device or not table.is_contiguous():
-            table = table.to(device=device, dtype=torch.int32).contiguous()
-        return table
+        """The table as the kernels read it: int32, contiguous, on ``device``."""
+        if block_table.dtype != torch.int32 or block_table.device != device or not block_table.is_contiguous():
+            return block_table.to(device=device, dtype=torch.int32).contiguous()
+        return block_table
 
-    def _workspace(self, device: torch.device, nq: int, hd: int, splits: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def _workspace(
+        self, device: torch.device, batch: int, nq: int, hd: int, splits: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Split-K partials, allocated once per shape (first use is eager warm-up, before any capture)."""
-        key = (str(device), nq, hd, splits)
+        key = (str(device), batch, nq, hd, splits)
         ws = self._workspaces.get(key)
         if ws is None:
             ws = (
-                torch.empty(1, nq, splits, hd, dtype=torch.float32, device=device),
-                torch.empty(1, nq, splits, dtype=torch.float32, device=device),
+                torch.empty(batch, nq, splits, hd, dtype=torch.float32, device=device),
+                torch.empty(batch, nq, splits, dtype=torch.float32, device=device),
             )
             self._workspaces[key] = ws
         return ws

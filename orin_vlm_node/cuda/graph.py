@@ -9,7 +9,7 @@ idempotent for fixed buffer contents (writing the same K/V to the same slot agai
 
 If capture fails (an op that is not capturable, a host sync), the runner logs why and stays eager.
 
-Several graphs (one per context bucket of the decode step) can share one memory pool
+Several graphs (one per batch and context bucket of the decode step) can share one memory pool
 (``torch.cuda.graph_pool_handle()``): they never replay at the same time, and each graph's output is
 consumed before the next replay.
 """

@@ -6,21 +6,22 @@ the sequence's next KV slot (may raise PoolExhausted before any change, so the e
 retry, or leave that sequence out) and stages the token. ``run()`` is the device half: the logits of the
 staged tokens, in staging order. Two implementations, chosen in one place (:func:`build_decode_step`):
 
-* :class:`DynamicDecodeStep` (CPU, and batches of several sequences on CUDA): fresh tensors and the
-  cache's ordinary ``step`` every token; its work follows the tokens held. Several sequences go through
-  the model as the rows of one forward (their attention per sequence, :class:`~..kvcache.SequencesAttention`).
-* :class:`StaticDecodeStep` (CUDA, one sequence): everything that changes from one token to the next (input
-  token, RoPE position, KV slot, block-table row) lives in tensors allocated once and refilled in place by
+* :class:`DynamicDecodeStep` (CPU): fresh tensors and the cache's ordinary ``step`` every token; its work
+  follows the tokens held. Several sequences go through the model as the rows of one forward (their
+  attention per sequence, :class:`~..kvcache.SequencesAttention`).
+* :class:`StaticDecodeStep` (CUDA): everything that changes from one token to the next (input tokens,
+  RoPE positions, KV slots, block-table rows) lives in tensors allocated once and refilled in place by
   ``prepare``, so ``run`` can be captured as a CUDA graph and replayed. ``prepare`` always goes through
   ``KVCache.prepare_static_decode``, which allocates the block and uploads the table row before any
-  replay (docs/architecture.md, "Paging under CUDA graphs").
+  replay (docs/architecture.md, "Paging under CUDA graphs"). The batch runs as one forward whose
+  attention is one kernel launch over the batch's ``[batch, max_blocks]`` table rows.
 
-A graph has fixed shapes, so one graph attending over the whole ``max_context_tokens`` would cost every
-token as much as the longest conversation. The static step therefore keeps one attention (and one
-graph) per *context bucket*: widths of 256, 512, 1024, ... tokens up to the context limit. ``prepare``
-picks the smallest bucket that holds the sequence, so a token's attention work is proportional to the
-tokens held (within a factor of two). Graphs are captured lazily, the first time a bucket is used, and
-share one memory pool.
+A graph has fixed shapes. One graph attending over the whole ``max_context_tokens`` would cost every
+token as much as the longest conversation, so the static step keeps one attention (and one graph) per
+*context bucket*: widths of 256, 512, 1024, ... tokens up to the context limit, the smallest that holds
+every sequence of the step. And one graph per *batch bucket* (1, 2, 4, 8, ...): a step of 3 sequences
+replays the graph of 4 with one padding row, which stores nothing and attends to nothing. Graphs are
+captured lazily, the first time a (batch, context) bucket is used, and share one memory pool.
 """
 
 from __future__ import annotations
@@ -37,15 +38,25 @@ from ..model.positions import decode_positions
 SMALLEST_BUCKET = 256  # tokens
 
 
-def context_buckets(max_context_tokens: int, smallest: int = SMALLEST_BUCKET) -> tuple[int, ...]:
-    """Attention widths in tokens: powers of two from ``smallest`` below the limit, then the limit."""
+def doubling_buckets(limit: int, smallest: int) -> tuple[int, ...]:
+    """Powers of two times ``smallest`` below ``limit``, then ``limit``: (256, 512, 1024, 1500) for 1500."""
     widths = []
     width = smallest
-    while width < max_context_tokens:
+    while width < limit:
         widths.append(width)
         width *= 2
-    widths.append(max_context_tokens)
+    widths.append(limit)
     return tuple(widths)
+
+
+def context_buckets(max_context_tokens: int, smallest: int = SMALLEST_BUCKET) -> tuple[int, ...]:
+    """Attention widths in tokens a static step has graphs for."""
+    return doubling_buckets(max_context_tokens, smallest)
+
+
+def batch_buckets(max_batch: int) -> tuple[int, ...]:
+    """Batch sizes a static step has graphs for: 1, 2, 4, ... below ``max_batch``, then ``max_batch``."""
+    return doubling_buckets(max_batch, 1)
 
 
 class DecodeStep(Protocol):
@@ -104,13 +115,12 @@ class DynamicDecodeStep:
 
 
 class StaticDecodeStep:
-    """Fixed buffers, one attention per context bucket, and the bucket's graph runner.
+    """Fixed buffers for up to ``max_batch`` sequences, one attention per (batch bucket, context bucket),
+    and that bucket's graph runner.
 
     With ``use_graphs`` on a CUDA device each bucket's forward is captured once and replayed; otherwise
-    (CPU, graphs disabled, a failed capture) it runs eagerly over the same buffers. One sequence per step.
+    (CPU, graphs disabled, a failed capture) it runs eagerly over the same buffers.
     """
-
-    max_batch = 1
 
     def __init__(
         self,
@@ -118,61 +128,85 @@ class StaticDecodeStep:
         cache: KVCache,
         device: torch.device,
         use_graphs: bool,
+        max_batch: int = 1,
         buckets: tuple[int, ...] | None = None,
     ):
         self.model = model
         self.cache = cache
         self.device = device
+        self.max_batch = max_batch
         self.buckets = buckets or context_buckets(cache.config.max_context_tokens)
-        self.buffers = cache.new_static_decode_buffers()
-        self.input_ids = torch.zeros(1, dtype=torch.long, device=device)  # (1,)
-        self.positions = torch.zeros((3, 1), dtype=torch.long, device=device)  # (3, 1)
-        self._attention = {w: cache.static_decode_attention(self.buffers, w) for w in self.buckets}
+        self.batch_buckets = batch_buckets(max_batch)
+        self.buffers = cache.new_static_decode_buffers(max_batch)
+        self.input_ids = torch.zeros(max_batch, dtype=torch.long, device=device)  # (max_batch,)
+        self.positions = torch.zeros(max_batch, dtype=torch.long, device=device)  # (max_batch,): all 3 streams
+        self._rows = {b: torch.arange(b, device=device) for b in self.batch_buckets}  # logits of every row
+        self._attention = {
+            (b, w): cache.static_decode_attention(self.buffers.rows(b), w)
+            for b in self.batch_buckets
+            for w in self.buckets
+        }
         graphs = use_graphs and device.type == "cuda"
         pool = torch.cuda.graph_pool_handle() if graphs else None
         self._runners = {
-            w: DecodeGraph(functools.partial(self.forward, w), device, enabled=graphs, pool=pool) for w in self.buckets
+            key: DecodeGraph(functools.partial(self.forward, *key), device, enabled=graphs, pool=pool)
+            for key in self._attention
         }
-        self.width = self.buckets[0]
+        self.staged = 0  # rows prepared since the last run()
+        self.width = self.buckets[0]  # the context bucket of the staged rows
 
     def prepare(self, seq: int, token_id: int, rope_delta: int) -> None:
         """The token goes to KV slot ``s = length(seq)`` and RoPE position ``s + rope_delta`` (all three
         M-RoPE streams), so positions keep running behind slots after an image."""
+        row = self.staged
+        if row == self.max_batch:
+            raise RuntimeError(f"a decode step takes at most {self.max_batch} sequences")
         slot = self.cache.length(seq)
-        self.cache.prepare_static_decode(seq, self.buffers)
-        self.input_ids.fill_(token_id)
-        self.positions.fill_(slot + rope_delta)
-        self.width = next(w for w in self.buckets if w > slot)
+        self.cache.prepare_static_decode(seq, self.buffers, row)
+        self.input_ids[row].fill_(token_id)
+        self.positions[row].fill_(slot + rope_delta)
+        width = next(w for w in self.buckets if w > slot)
+        self.width = width if row == 0 else max(self.width, width)
+        self.staged = row + 1
 
-    def forward(self, width: int) -> torch.Tensor:
-        """Device half, eager, over the first ``width`` slots: reads only the fixed buffers."""
-        return self.model.forward(self.input_ids, self.positions, self._attention[width])
+    def forward(self, batch: int, width: int) -> torch.Tensor:
+        """Device half, eager, for the first ``batch`` rows over the first ``width`` slots: reads only the
+        fixed buffers. (batch, vocab) logits."""
+        positions = self.positions[:batch].unsqueeze(0).expand(3, -1)  # (3, batch)
+        rows = self._rows[batch] if batch > 1 else None
+        return self.model.forward(self.input_ids[:batch], positions, self._attention[batch, width], logits_index=rows)
 
     def run(self) -> torch.Tensor:
-        """Logits of the prepared token; with a graph this is the graph's static output, valid until the
-        next ``run()``."""
-        return self._runners[self.width].run()
+        """(B, vocab) logits of the staged tokens; with a graph a view of the graph's static output, valid
+        until the next ``run()``."""
+        staged = self.staged
+        if not staged:
+            raise RuntimeError("run() without prepare()")
+        batch = next(b for b in self.batch_buckets if b >= staged)
+        if batch > staged:
+            self.buffers.rows(batch).pad(staged)
+        self.staged = 0
+        return self._runners[batch, self.width].run()[:staged]
 
     def describe(self) -> dict:
-        graphs = {w: r.describe() for w, r in self._runners.items()}
-        eager = {g["eager_reason"] for g in graphs.values() if g["eager_reason"]}
+        graphs = [r.describe() for r in self._runners.values()]
+        eager = {g["eager_reason"] for g in graphs if g["eager_reason"]}
         return {
             "step": "static",
             "buckets": list(self.buckets),
+            "batch_buckets": list(self.batch_buckets),
             "graphs": "off (" + "; ".join(sorted(eager)) + ")" if eager else "on",
-            "graphs_captured": sum(g["captured"] for g in graphs.values()),
+            "graphs_captured": sum(g["captured"] for g in graphs),
         }
 
 
-def build_decode_steps(
-    model: torch.nn.Module, cache: KVCache, device: torch.device, use_graphs: bool
-) -> tuple[DecodeStep, DecodeStep]:
-    """The one place that decides how decode runs: (the step of one sequence, the step of several).
+def build_decode_step(
+    model: torch.nn.Module, cache: KVCache, device: torch.device, use_graphs: bool, max_batch: int
+) -> DecodeStep:
+    """The one place that decides how decode runs, for batches of up to ``max_batch`` sequences.
 
-    On CUDA one sequence takes the static step (CUDA graphs when ``use_graphs``) and a batch the dynamic
-    one, eagerly (graphs per batch size are not captured yet); on CPU, where a graph gains nothing, the
-    dynamic step does both."""
-    dynamic = DynamicDecodeStep(model, cache)
+    On CUDA the static step (CUDA graphs when ``use_graphs``, one per batch and context bucket); on CPU,
+    where a graph gains nothing, the dynamic step."""
     if device.type == "cuda":
-        return StaticDecodeStep(model, cache, device, use_graphs), dynamic
-    return dynamic, dynamic
+        return StaticDecodeStep(model, cache, device, use_graphs, max_batch)
+    return DynamicDecodeStep(model, cache)

@@ -39,9 +39,10 @@ from ..model.cpu_linear import pack_projections, packing_unavailable
 from ..model.errors import CheckpointError
 from ..model.quant import weight_bytes
 from ..processing import ChatTemplate, ImageProcessor, ProcessingError, Tokenizer
+from ..settings import BY_NAME
 from .backend import decode_path, select_attention
 from .config import EngineConfig, check_fields
-from .decode_step import build_decode_steps
+from .decode_step import build_decode_step
 from .device import resolve_device, resolve_dtype
 from .events import Event, Request
 from .images import VisionCache
@@ -51,6 +52,9 @@ from .request import RequestRun
 from .sampling import load_generation_defaults
 from .scheduler import Scheduler
 from .session import SessionStore
+
+# Decode steps take every batch ``max_batch`` may ever allow, so changing it at runtime rebuilds nothing.
+MAX_BATCH = int(BY_NAME["max_batch"].max)
 
 log = logging.getLogger("orin_vlm_node.engine")
 
@@ -101,8 +105,8 @@ class Engine:
         elif "backend" in parts:
             self.cache.set_attention_impl(self.attention.attention_impl)  # the cache and sessions stay
         if parts & {"model", "kv_cache", "backend"}:
-            self.decode_step, self.batch_step = build_decode_steps(
-                self.model, self.cache, self.device, self._config.use_cuda_graph
+            self.decode_step = build_decode_step(
+                self.model, self.cache, self.device, self._config.use_cuda_graph, MAX_BATCH
             )
             log.log(logging.WARNING if self.attention.degraded else logging.INFO, "%s", self.attention.status)
             log.info("decode path: %s", decode_path(self.attention, self.decode_step))
@@ -133,7 +137,7 @@ class Engine:
 
     def _build_cache(self) -> None:
         """A new KV cache (sessions dropped). The old pool is freed first, so both never coexist."""
-        self.cache = self.decode_step = self.batch_step = None
+        self.cache = self.decode_step = None
         gc.collect()
         if self.device.type == "cuda":
             torch.cuda.empty_cache()

@@ -235,8 +235,7 @@ class Scheduler:
 
     def _decode(self, members: list[Member]) -> None:
         """Feed every member's pending token in one step; each takes its row of logits."""
-        e = self.engine
-        step = e.decode_step if len(members) <= e.decode_step.max_batch else e.batch_step
+        step = self.engine.decode_step
         fed: list[Member] = []
         for member in members:
             while member.phase == "decode":  # a younger member's preemption may have taken it out

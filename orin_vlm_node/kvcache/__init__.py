@@ -36,18 +36,21 @@ the tensor backend, e.g. the CUDA kernels; None = torch); ``clear()`` (release e
 forget cached prefixes: call it after weights change); ``match_prefix(ids, extra_keys)`` (peek, no state
 change); ``set_prefix_caching(bool)`` (runtime switch, returns the effective state; always False for
 contiguous); ``block_table(seq)``; ``stats()`` (blocks used/free/cached, tokens stored, internal
-fragmentation, ``kv_bytes_in_use`` vs ``pool_bytes``, prefix hits/misses). Paged only:
-``k_pool(layer)``/``v_pool(layer)``/``kv_storage``. Both: ``plan`` (the chosen :class:`PoolPlan`, with the
-reason for its size). :func:`~.memory.device_memory` says how much memory a pool may take on a device
-(``MemAvailable`` on a Jetson, whose GPU shares system memory).
+fragmentation, ``kv_bytes_in_use`` vs ``pool_bytes``, prefix hits/misses); ``kv_storage`` (the one
+tensor that holds every K and V). Paged only: ``k_pool(layer)``/``v_pool(layer)``. Both: ``plan`` (the
+chosen :class:`PoolPlan`, with the reason for its size). :func:`~.memory.device_memory` says how much
+memory a pool may take on a device (``MemAvailable`` on a Jetson, whose GPU shares system memory).
 
 Static (CUDA-graph) decode: the engine keeps its own token/position tensors and one
-:class:`StaticDecodeBuffers` (slot, kv_len, block-table row) from ``new_static_decode_buffers()``; the
-StepAttention from ``static_decode_attention(buffers)`` reads only those tensors, so one graph can be
-captured once and replayed for every decode step of every sequence. Before each capture or replay,
-outside the graph, call ``prepare_static_decode(seq, buffers)``: it grows the sequence by one token
-(allocating a block when crossing a page boundary, copying on write, uploading changed block-table
-entries) and refills the buffers in place (why: docs/architecture.md, "Paging under CUDA graphs").
+:class:`StaticDecodeBuffers` (slots, lengths, block-table rows of up to ``batch`` sequences) from
+``new_static_decode_buffers(batch)``; the StepAttention from ``static_decode_attention(buffers.rows(b),
+width)`` reads only those tensors, so one graph per (batch bucket, context width) can be captured once
+and replayed for every decode step of every sequence. Before each capture or replay, outside the graph,
+call ``prepare_static_decode(seq, buffers, row)`` for each sequence of the step: it grows the sequence by
+one token (allocating a block when crossing a page boundary, copying on write, uploading changed
+block-table entries) and refills its row in place (why: docs/architecture.md, "Paging under CUDA
+graphs"); ``buffers.pad(n)`` turns the rows after the ``n`` staged ones into padding, which stores nothing
+and attends to nothing.
 
 Attention backends: :class:`PagedKVCache` delegates tensor work to a :class:`PagedAttentionImpl`
 (``write_kv`` / ``attend`` / ``attend_decode``, documented in :mod:`.attention`); the torch

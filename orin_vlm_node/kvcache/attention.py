@@ -10,12 +10,16 @@ Layouts an implementation receives (one layer at a time, all on the cache device
 * ``k_pool``, ``v_pool``: (num_blocks, page_size, num_kv_heads, head_dim), contiguous, the cache dtype.
   Physical slot ``s`` is ``k_pool.view(-1, nkv, hd)[s]``, i.e. block ``s // page_size``, offset
   ``s % page_size``.
-* ``slot_mapping``: (L,) int64, the physical slot of each new token, in token order.
+* ``slot_mapping``: (L,) int64, the physical slot of each new token, in token order. A negative slot (a
+  padding row of a batched static decode step) may only reach an implementation whose
+  ``skips_negative_slots`` is true; for the others the caller redirects such rows first
+  (:func:`~.base.padded_writes`).
 * ``blocks`` (:meth:`attend`): a :class:`StepBlocks`, the sequence's table twice: on the device (int32,
   at least ``ceil(kv_len / page_size)`` valid entries; what kernels read) and on the host as runs of
   consecutive blocks (what the torch path reads in place, one view per run).
-* ``block_table`` (:meth:`attend_decode`): the fixed-width device row (``max_blocks_per_sequence`` or a
-  bucket's prefix of it) whose entries past the sequence's last block are ``-1``.
+* ``block_table`` (:meth:`attend_decode`): (B, W) int32 device rows of fixed width
+  (``max_blocks_per_sequence``), one per sequence of the batch, entries past its last block ``-1``;
+  ``blocks`` says how many leading entries any row can use at this step (the context bucket's width).
 * The block table a kernel reads has been uploaded before the step that needs it (``PagedKVCache.step``
   and ``prepare_static_decode`` upload changed entries before they return), never during a launch.
 
@@ -58,6 +62,7 @@ class PagedAttentionImpl(Protocol):
     """What a paged-attention backend provides (torch reference below, CUDA kernels in ``cuda/``)."""
 
     name: str
+    skips_negative_slots: bool  # write_kv stores nothing for a negative slot
 
     def write_kv(
         self, k_pool: torch.Tensor, v_pool: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor
@@ -84,8 +89,11 @@ class PagedAttentionImpl(Protocol):
         v_pool: torch.Tensor,
         block_table: torch.Tensor,
         kv_len: torch.Tensor,
+        blocks: int,
     ) -> torch.Tensor:
-        """One query (1, nq, hd) at slot ``kv_len-1``; ``kv_len`` is a (1,) int32 device tensor.
+        """One query per sequence: ``q`` (B, nq, hd), row ``b`` at slot ``kv_len[b]-1`` over the slots
+        ``0..kv_len[b]-1`` of table row ``block_table[b]``; ``kv_len`` (B,) int32 on the device; rows with
+        ``kv_len`` 0 (padding) return finite values nobody reads. Returns (B, nq, hd).
 
         Must not read anything back to the host nor depend on ``kv_len`` for shapes (CUDA-graph safe).
         """
@@ -102,6 +110,7 @@ class TorchPagedAttention:
     """
 
     name = "torch"
+    skips_negative_slots = False
 
     def write_kv(
         self, k_pool: torch.Tensor, v_pool: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor
@@ -141,9 +150,10 @@ class TorchPagedAttention:
         v_pool: torch.Tensor,
         block_table: torch.Tensor,
         kv_len: torch.Tensor,
+        blocks: int,
     ) -> torch.Tensor:
         # Unused entries are -1; clamp them to a valid block, their slots are masked by kv_len anyway.
-        blocks = block_table.clamp(min=0).long()
-        k = k_pool[blocks].flatten(0, 1)  # (blocks * page, nkv, hd)
-        v = v_pool[blocks].flatten(0, 1)
+        table = block_table[:, :blocks].clamp(min=0).long()  # (B, blocks)
+        k = k_pool[table].flatten(1, 2)  # (B, blocks * page, nkv, hd)
+        v = v_pool[table].flatten(1, 2)
         return masked_decode_attention(q, k, v, kv_len)

@@ -21,17 +21,54 @@ from .interface import StepAttention
 
 @dataclass
 class StaticDecodeBuffers:
-    """Fixed device tensors one decode step reads, so a CUDA graph can be captured over them.
+    """Fixed device tensors one decode step of up to ``batch`` sequences reads, so a CUDA graph can be
+    captured over them.
 
-    Refilled in place by ``prepare_static_decode`` (outside capture/replay) before every decode step.
-    ``slot_mapping`` (1,) int64: physical slot of the new token; ``kv_len`` (1,) int32: slots valid after
-    the write (length including the new token); ``block_table`` (W,) int32: the sequence's table row
-    (paged: W = max_blocks_per_sequence, -1 past its last block; contiguous: W = 1, its slab index).
+    Row ``i`` belongs to the ``i``-th sequence staged in the step; rows nobody was staged in are
+    *padding* (:meth:`pad`): a graph is captured for a bucket of batch sizes, and a step of 3 sequences
+    replays the graph of 4. Refilled in place by ``prepare_static_decode`` (outside capture/replay)
+    before every decode step. ``slot_mapping`` (B,) int64: physical slot of the row's new token, -1 for
+    padding (nothing is stored); ``kv_len`` (B,) int32: slots valid after the write (length including the
+    new token), 0 for padding (attends to nothing); ``block_table`` (B, W) int32: the sequence's table
+    row (paged: W = max_blocks_per_sequence, -1 past its last block; contiguous: W = 1, its slab index).
     """
 
     slot_mapping: torch.Tensor
     kv_len: torch.Tensor
     block_table: torch.Tensor
+
+    @property
+    def batch(self) -> int:
+        return self.kv_len.shape[0]
+
+    def rows(self, n: int) -> StaticDecodeBuffers:
+        """The first ``n`` rows as views of these tensors: the buffers of a smaller batch bucket."""
+        if not 1 <= n <= self.batch:
+            raise ValueError(f"rows({n}) of buffers for {self.batch} sequences")
+        return StaticDecodeBuffers(self.slot_mapping[:n], self.kv_len[:n], self.block_table[:n])
+
+    def pad(self, used: int) -> None:
+        """Rows ``used..`` become padding: they store no K/V and attend to nothing."""
+        self.slot_mapping[used:].fill_(-1)
+        self.kv_len[used:].fill_(0)
+
+
+def padded_writes(
+    slot_mapping: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(slots, k, v)`` for an indexed copy that stores nothing for padding rows (slot < 0).
+
+    A padding row is redirected to row 0's slot with row 0's values (row 0 is never padding): the
+    duplicate writes carry equal values, so the copy stays one graph-capturable op whatever the rows
+    hold, with no shape that depends on the data. ``slot_mapping`` (B,), ``k``/``v`` (B, nkv, hd).
+    """
+    keep = slot_mapping >= 0  # (B,)
+    rows = keep.view(-1, 1, 1)
+    return (
+        torch.where(keep, slot_mapping, slot_mapping[:1]),
+        torch.where(rows, k, k[:1]),
+        torch.where(rows, v, v[:1]),
+    )
 
 
 ExtraKeys = Sequence[Hashable | None]
@@ -116,18 +153,21 @@ class KVCache(ABC):
     # -- static (CUDA-graph) decode --------------------------------------------------------------
     static_table_width: int  # entries of the block-table row in StaticDecodeBuffers
 
-    def new_static_decode_buffers(self) -> StaticDecodeBuffers:
-        """Allocate the fixed tensors a static decode step reads (refilled by ``prepare_static_decode``)."""
+    def new_static_decode_buffers(self, batch: int = 1) -> StaticDecodeBuffers:
+        """Allocate the fixed tensors a static decode step of up to ``batch`` sequences reads (refilled by
+        ``prepare_static_decode``); every row starts as padding."""
+        if batch < 1:
+            raise ValueError(f"static decode buffers need batch >= 1, got {batch}")
         dev = self.config.device
         return StaticDecodeBuffers(
-            slot_mapping=torch.zeros(1, dtype=torch.int64, device=dev),
-            kv_len=torch.zeros(1, dtype=torch.int32, device=dev),
-            block_table=torch.full((self.static_table_width,), -1, dtype=torch.int32, device=dev),
+            slot_mapping=torch.full((batch,), -1, dtype=torch.int64, device=dev),
+            kv_len=torch.zeros(batch, dtype=torch.int32, device=dev),
+            block_table=torch.full((batch, self.static_table_width), -1, dtype=torch.int32, device=dev),
         )
 
     @abstractmethod
-    def prepare_static_decode(self, seq: int, buffers: StaticDecodeBuffers) -> None:
-        """Host-side half of a decode step: grow by one token, fill ``buffers`` in place.
+    def prepare_static_decode(self, seq: int, buffers: StaticDecodeBuffers, row: int = 0) -> None:
+        """Host-side half of a decode step: grow ``seq`` by one token, fill row ``row`` of ``buffers`` in place.
 
         Call it before launching (or capturing) the step, never inside a capture: it allocates blocks,
         copies on write and uploads block-table changes. PoolExhausted before any change.
@@ -135,11 +175,12 @@ class KVCache(ABC):
 
     @abstractmethod
     def static_decode_attention(self, buffers: StaticDecodeBuffers, width: int | None = None) -> StepAttention:
-        """Decode attention that reads slot, kv_len and the table row only from ``buffers`` tensors.
+        """Decode attention of ``buffers.batch`` rows (one new token per sequence, padding rows included)
+        that reads slot, kv_len and the table rows only from ``buffers`` tensors.
 
-        It attends over the first ``width`` token slots of the sequence (None: ``max_context_tokens``), so
-        its work is proportional to that width: the caller picks a width that holds the sequence (one
-        captured graph per width) instead of paying for the whole context limit every token.
+        A row attends over at most the first ``width`` token slots of its sequence (None:
+        ``max_context_tokens``): the caller picks a width that holds every row's sequence (one captured
+        graph per width) instead of paying for the whole context limit every token.
         """
 
     # -- introspection ---------------------------------------------------------------------------

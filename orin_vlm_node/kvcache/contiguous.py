@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from .attention import PagedAttentionImpl
-from .base import ExtraKeys, KVCache, StaticDecodeBuffers, check_step_shapes
+from .base import ExtraKeys, KVCache, StaticDecodeBuffers, check_step_shapes, padded_writes
 from .config import KVCacheConfig, plan_pool
 from .errors import PoolExhausted
 from .reference import causal_attention, masked_decode_attention
@@ -43,7 +43,7 @@ class ContiguousKVCache(KVCache):
             _log.info("ContiguousKVCache: prefix caching requested but not supported; disabled")
         C, nkv, hd = config.max_context_tokens, config.num_kv_heads, config.head_dim
         # (2 = K/V, layers, slabs, max_context, nkv, hd); slab row s is sequence storage.
-        self._kv = torch.zeros(
+        self.kv_storage = torch.zeros(
             (2, config.num_layers, self.num_slabs, C, nkv, hd), dtype=config.dtype, device=config.device
         )
         self._free: deque[int] = deque(range(self.num_slabs))
@@ -88,7 +88,7 @@ class ContiguousKVCache(KVCache):
         s = self._get(seq)
         child = self.new_sequence()
         c = self._seqs[child]
-        self._kv[:, :, c.slab, : s.length].copy_(self._kv[:, :, s.slab, : s.length])
+        self.kv_storage[:, :, c.slab, : s.length].copy_(self.kv_storage[:, :, s.slab, : s.length])
         c.length = s.length
         return child
 
@@ -134,13 +134,13 @@ class ContiguousKVCache(KVCache):
         return False
 
     # -- static decode ---------------------------------------------------------------------------
-    def prepare_static_decode(self, seq: int, buffers: StaticDecodeBuffers) -> None:
+    def prepare_static_decode(self, seq: int, buffers: StaticDecodeBuffers, row: int = 0) -> None:
         s = self._get(seq)
         self.ensure_capacity(seq, s.length + 1)
         # fill_ with host scalars launches tiny kernels, no H2D copy of pageable memory.
-        buffers.slot_mapping.fill_(s.slab * self.config.max_context_tokens + s.length)
-        buffers.kv_len.fill_(s.length + 1)
-        buffers.block_table.fill_(s.slab)
+        buffers.slot_mapping[row].fill_(s.slab * self.config.max_context_tokens + s.length)
+        buffers.kv_len[row].fill_(s.length + 1)
+        buffers.block_table[row].fill_(s.slab)
         s.length += 1
 
     def static_decode_attention(self, buffers: StaticDecodeBuffers, width: int | None = None):
@@ -167,7 +167,7 @@ class ContiguousKVCache(KVCache):
             "internal_fragmentation": (1.0 - tokens / reserved) if reserved else 0.0,
             "kv_bytes_in_use": reserved * cfg.bytes_per_token,
             "kv_bytes_tokens": tokens * cfg.bytes_per_token,
-            "pool_bytes": self._kv.numel() * self._kv.element_size(),
+            "pool_bytes": self.kv_storage.numel() * self.kv_storage.element_size(),
             "pool": self.plan.describe(),
             "prefix_caching": False,
             "prefix_queries": 0,
@@ -185,7 +185,7 @@ class _ContiguousStep:
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         check_step_shapes(self._n, q, k, v, self._cache.config)
-        kv = self._cache._kv
+        kv = self._cache.kv_storage
         end = self._start + self._n
         kv[0, layer, self._slab, self._start : end] = k
         kv[1, layer, self._slab, self._start : end] = v
@@ -195,19 +195,23 @@ class _ContiguousStep:
 
 
 class _ContiguousStaticDecode:
-    """Decode attention reading only the static buffers (slot, kv_len, slab index), over the first
-    ``width`` slots of the slab."""
+    """Decode attention of ``buffers.batch`` rows reading only the static buffers (slots, lengths, slab
+    indices), over the first ``width`` slots of each row's slab."""
 
     def __init__(self, cache: ContiguousKVCache, buffers: StaticDecodeBuffers, width: int) -> None:
         self._cache, self._buf, self._width = cache, buffers, width
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        check_step_shapes(1, q, k, v, self._cache.config)
-        kv = self._cache._kv
+        buf = self._buf
+        check_step_shapes(buf.batch, q, k, v, self._cache.config)
+        kv = self._cache.kv_storage
         nkv, hd = self._cache.config.num_kv_heads, self._cache.config.head_dim
-        kv[0, layer].view(-1, nkv, hd).index_copy_(0, self._buf.slot_mapping, k.to(kv.dtype))
-        kv[1, layer].view(-1, nkv, hd).index_copy_(0, self._buf.slot_mapping, v.to(kv.dtype))
-        slab = self._buf.block_table.long()
-        k_all = kv[0, layer, :, : self._width].index_select(0, slab)[0].to(q.dtype)  # (width, nkv, hd)
-        v_all = kv[1, layer, :, : self._width].index_select(0, slab)[0].to(q.dtype)
-        return masked_decode_attention(q, k_all, v_all, self._buf.kv_len)
+        slots = buf.slot_mapping
+        if buf.batch > 1:
+            slots, k, v = padded_writes(slots, k, v)
+        kv[0, layer].view(-1, nkv, hd).index_copy_(0, slots, k.to(kv.dtype))
+        kv[1, layer].view(-1, nkv, hd).index_copy_(0, slots, v.to(kv.dtype))
+        slabs = buf.block_table[:, 0].clamp(min=0).long()  # (B,); a padding row may never have had one
+        k_all = kv[0, layer, :, : self._width].index_select(0, slabs).to(q.dtype)  # (B, width, nkv, hd)
+        v_all = kv[1, layer, :, : self._width].index_select(0, slabs).to(q.dtype)
+        return masked_decode_attention(q, k_all, v_all, buf.kv_len)

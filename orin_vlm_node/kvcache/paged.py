@@ -326,16 +326,16 @@ class PagedKVCache(KVCache):
         return registered
 
     # -- static (CUDA-graph) decode --------------------------------------------------------------
-    def prepare_static_decode(self, seq: int, buffers: StaticDecodeBuffers) -> None:
+    def prepare_static_decode(self, seq: int, buffers: StaticDecodeBuffers, row: int = 0) -> None:
         s = self._get(seq)
         pos = s.length
         self._grow(s, pos + 1)
         s.length = pos + 1
         self._sync(s)
         # fill_ with host scalars launches tiny kernels, no H2D copy of pageable memory.
-        buffers.slot_mapping.fill_(s.table[pos // self.page_size] * self.page_size + pos % self.page_size)
-        buffers.kv_len.fill_(pos + 1)
-        buffers.block_table.copy_(s.dev_table)  # device-to-device, already up to date
+        buffers.slot_mapping[row].fill_(s.table[pos // self.page_size] * self.page_size + pos % self.page_size)
+        buffers.kv_len[row].fill_(pos + 1)
+        buffers.block_table[row].copy_(s.dev_table)  # device-to-device, already up to date
 
     def static_decode_attention(self, buffers: StaticDecodeBuffers, width: int | None = None) -> PagedStaticDecode:
         blocks = self.config.max_blocks_per_sequence

@@ -1,9 +1,9 @@
 """The StepAttention objects of the paged cache: what the model calls, layer by layer, during one step.
 
 ``PagedStep`` (prefill and the dynamic decode step) writes the step's K/V to its slots and attends over the
-sequence's table; ``PagedStaticDecode`` (the static decode step a CUDA graph captures) reads the slot, the
-length and the table row only from the fixed :class:`~.base.StaticDecodeBuffers`, over a fixed width.
-Both leave the tensor work to the cache's :class:`~.attention.PagedAttentionImpl` (torch or the kernels).
+sequence's table; ``PagedStaticDecode`` (the static decode step a CUDA graph captures) reads the slots, the
+lengths and the table rows of a batch only from the fixed :class:`~.base.StaticDecodeBuffers`, over a fixed
+width. Both leave the tensor work to the cache's :class:`~.attention.PagedAttentionImpl` (torch or the kernels).
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from .attention import StepBlocks
-from .base import StaticDecodeBuffers, check_step_shapes
+from .base import StaticDecodeBuffers, check_step_shapes, padded_writes
 
 if TYPE_CHECKING:
     from .paged import PagedKVCache
@@ -42,16 +42,20 @@ class PagedStep:
 
 
 class PagedStaticDecode:
-    """Decode StepAttention reading slot, kv_len and the first ``blocks`` table entries from the static
-    buffers only (a prefix view of the row: the same tensor whatever the sequence does)."""
+    """Decode StepAttention of ``buffers.batch`` rows reading slots, lengths and table rows from the static
+    buffers only; a row's sequence uses at most the first ``blocks`` entries of its table row (the width
+    of the step's context bucket)."""
 
     def __init__(self, cache: PagedKVCache, buffers: StaticDecodeBuffers, blocks: int) -> None:
-        self._cache, self._buf = cache, buffers
-        self._table = buffers.block_table[:blocks]
+        self._cache, self._buf, self._blocks = cache, buffers, blocks
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         cache, buf = self._cache, self._buf
-        check_step_shapes(1, q, k, v, cache.config)
+        check_step_shapes(buf.batch, q, k, v, cache.config)
         kp, vp = cache.pools(layer)
-        cache.attention_impl.write_kv(kp, vp, k, v, buf.slot_mapping)
-        return cache.attention_impl.attend_decode(q, kp, vp, self._table, buf.kv_len)
+        impl = cache.attention_impl
+        slots = buf.slot_mapping
+        if buf.batch > 1 and not impl.skips_negative_slots:
+            slots, k, v = padded_writes(slots, k, v)
+        impl.write_kv(kp, vp, k, v, slots)
+        return impl.attend_decode(q, kp, vp, buf.block_table, buf.kv_len, self._blocks)

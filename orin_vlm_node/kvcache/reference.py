@@ -54,20 +54,29 @@ def causal_attention_parts(
 
 
 def masked_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_len: torch.Tensor) -> torch.Tensor:
-    """One decode query over a fixed-size KV window whose valid length lives in a tensor.
+    """One decode query per sequence over a fixed-size KV window whose valid length lives in a tensor.
 
-    ``q``: (1, nq, hd); ``k``, ``v``: (T, nkv, hd) where only slots ``0 .. kv_len-1`` are valid;
-    ``kv_len``: (1,) integer tensor on q's device. The shapes never depend on the length and nothing
-    is read back to the host, so a CUDA graph can capture this (the static decode path). Numerically
-    the same formula as :func:`causal_attention` for the query at slot ``kv_len - 1``.
+    ``q``: (B, nq, hd); ``k``, ``v``: (B, T, nkv, hd) where only slots ``0 .. kv_len[b]-1`` of row ``b``
+    are valid; ``kv_len``: (B,) integer tensor on q's device. The shapes never depend on the lengths and
+    nothing is read back to the host, so a CUDA graph can capture this (the static decode path).
+    Numerically the same formula as :func:`causal_attention` for the query at slot ``kv_len[b] - 1``; a
+    row with ``kv_len`` 0 averages its window (finite, meaningless: a padding row).
     """
-    if q.dim() != 3 or q.shape[0] != 1:
-        raise ValueError(f"decode attention takes one query (1, nq, hd), got {tuple(q.shape)}")
-    total = _check(q, [k], [v])
-    invalid = torch.arange(total, device=q.device) >= kv_len.reshape(1).to(q.device)  # (T,)
-    mask = torch.zeros((1, total), dtype=q.dtype, device=q.device)
-    mask.masked_fill_(invalid.unsqueeze(0), torch.finfo(q.dtype).min)
-    return _grouped_attention(q, [k], [v], mask)
+    if q.dim() != 3 or k.dim() != 4 or k.shape != v.shape or k.shape[0] != q.shape[0] or k.shape[3] != q.shape[2]:
+        raise ValueError(f"decode attention takes q (B, nq, hd) and k/v (B, T, nkv, hd), got {tuple(q.shape)}, "
+                         f"{tuple(k.shape)}, {tuple(v.shape)}")  # fmt: skip
+    batch, nq, hd = q.shape
+    total, nkv = k.shape[1], k.shape[2]
+    if nq % nkv:
+        raise ValueError(f"num q heads {nq} is not a multiple of num kv heads {nkv}")
+    qg = q.reshape(batch, nkv, nq // nkv, hd)  # query heads of kv head j: rows of its (group, hd) matrix
+    s = torch.matmul(qg, _as(k, q.dtype).permute(0, 2, 3, 1)) * (hd**-0.5)  # (B, nkv, group, T)
+    invalid = torch.arange(total, device=q.device) >= kv_len.reshape(batch, 1).to(q.device)  # (B, T)
+    mask = torch.zeros((batch, 1, 1, total), dtype=q.dtype, device=q.device)
+    mask.masked_fill_(invalid.view(batch, 1, 1, total), torch.finfo(q.dtype).min)
+    weights = _as(torch.softmax(s + mask, dim=-1, dtype=torch.float32), q.dtype)
+    out = torch.matmul(weights, _as(v, q.dtype).transpose(1, 2))  # (B, nkv, group, hd)
+    return out.reshape(batch, nq, hd)
 
 
 def _check(q: torch.Tensor, k_parts: Sequence[torch.Tensor], v_parts: Sequence[torch.Tensor]) -> int:
