@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 from orin_vlm_node.engine import Engine, EngineConfig, Request, SamplingParams, Turn
 from orin_vlm_node.model import load_model
-from orin_vlm_node.model.cpu_linear import PackedLinear, pack_projections, packing_unavailable
+from orin_vlm_node.model.cpu_linear import FewRowsLinear, PackedLinear, pack_projections, packing_unavailable
 from orin_vlm_node.model.quant import weight_bytes
 from support.checkpoints import cached_tiny_checkpoint
 
@@ -41,6 +41,17 @@ def test_packing_replaces_every_decoder_projection_and_an_untied_head_without_gr
     for layer in model.language_model.layers:
         assert all(isinstance(getattr(getattr(layer, s), a), PackedLinear) for s, a in layer.PROJECTIONS)
     assert isinstance(model.lm_head, PackedLinear) != tie and ("tied LM head" in what) == tie
+    if tie:  # the head still is the embedding table, multiplied the other way round for a batch
+        assert isinstance(model.lm_head, FewRowsLinear)
+        assert model.lm_head.weight is model.language_model.embed_tokens.weight
+
+
+@pytest.mark.parametrize("rows", [1, 2, 4, 8, 9])
+def test_a_few_rows_projection_computes_f_linear(rows):
+    w, x = torch.randn(300, 64) * 0.05, torch.randn(rows, 64)
+    out = FewRowsLinear(w)(x)
+    assert out.is_contiguous()
+    torch.testing.assert_close(out, F.linear(x, w), rtol=1e-5, atol=1e-5)
 
 
 def test_a_packed_model_computes_what_the_float_model_computes():
