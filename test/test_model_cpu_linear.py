@@ -73,5 +73,6 @@ def test_small_projections_keep_f_linear_and_the_engine_says_so():
     engine = Engine(EngineConfig(model_path=str(cached_tiny_checkpoint()), device="cpu"))
     layers = len(engine.model.language_model.layers)
     assert engine.describe()["weight_path"].startswith(f"float weights: F.linear ({4 * layers} too small to gain")
+    assert not isinstance(engine.model.lm_head, FewRowsLinear)  # a small tied head too: one call is cheaper
     final = list(engine.generate(Request(Turn("Hello."), SamplingParams(temperature=0.0, max_new_tokens=8))))[-1]
     assert final.error is None

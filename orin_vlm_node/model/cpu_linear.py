@@ -16,7 +16,8 @@ missing, fails or disagrees with ``F.linear`` on a probe keeps the float weights
 
 A tied LM head is also the embedding table, which must stay indexable, and packing a copy would double
 the largest matrix: it stays a float weight, multiplied as ``W @ x.T`` when a batch brings several rows
-(:class:`FewRowsLinear`). MKL's small-M GEMM reads the weight once per row from 2 to 8 rows, and the same
+(:class:`FewRowsLinear`; a head smaller than ``MIN_PACKED_WEIGHTS`` keeps ``F.linear``, whose one call is
+cheaper). MKL's small-M GEMM reads the weight once per row from 2 to 8 rows, and the same
 product with the roles swapped (many output rows, few columns) does not: on the 2B's 151936 x 2048 head,
 one thread, four rows take 121 ms this way against 256 ms with ``F.linear`` (one row: 57 ms either way).
 """
@@ -113,13 +114,14 @@ def pack_projections(model: nn.Module, min_weights: int = MIN_PACKED_WEIGHTS) ->
             packed += 1
     head = model.lm_head
     tied = head.weight is model.language_model.embed_tokens.weight
-    if tied:
+    big_head = head.weight.numel() >= min_weights
+    if big_head and tied:
         model.lm_head = FewRowsLinear(head.weight)
-    elif head.weight.numel() >= min_weights:
+    elif big_head:
         model.lm_head = PackedLinear(head.weight)
         packed += 1
     notes = [f"{small} too small to gain"] if small else []
-    notes += ["tied LM head as W @ x.T for a batch"] if tied else []
+    notes += ["tied LM head as W @ x.T for a batch"] if big_head and tied else []
     what = f"oneDNN-packed fp32 ({packed} projections{''.join('; ' + n for n in notes)})"
     if not packed:
         what = f"F.linear ({'; '.join(notes) or 'nothing to pack'})"
