@@ -62,8 +62,6 @@ def batch_buckets(max_batch: int) -> tuple[int, ...]:
 class DecodeStep(Protocol):
     """What the scheduler calls for every batch of generated tokens."""
 
-    max_batch: int  # sequences one step takes
-
     def prepare(self, seq: int, token_id: int, rope_delta: int) -> None:
         """Host half: stage ``token_id`` of ``seq`` in this step: reserve KV slot ``length(seq)`` for it at
         RoPE position slot + rope_delta."""
@@ -81,8 +79,6 @@ class DecodeStep(Protocol):
 class DynamicDecodeStep:
     """The ordinary decode step: ``cache.step`` and fresh input tensors every token; any number of
     sequences, each token a row of one forward."""
-
-    max_batch = 1 << 30
 
     def __init__(self, model: torch.nn.Module, cache: KVCache):
         self.model = model
@@ -184,7 +180,7 @@ class StaticDecodeStep:
             raise RuntimeError("run() without prepare()")
         batch = next(b for b in self.batch_buckets if b >= staged)
         if batch > staged:
-            self.buffers.rows(batch).pad(staged)
+            self.buffers.pad(staged)  # rows past the bucket are never read
         self.staged = 0
         return self._runners[batch, self.width].run()[:staged]
 

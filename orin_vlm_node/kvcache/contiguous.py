@@ -200,14 +200,15 @@ class _ContiguousStaticDecode:
 
     def __init__(self, cache: ContiguousKVCache, buffers: StaticDecodeBuffers, width: int) -> None:
         self._cache, self._buf, self._width = cache, buffers, width
+        self._rows = buffers.batch
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         buf = self._buf
-        check_step_shapes(buf.batch, q, k, v, self._cache.config)
+        check_step_shapes(self._rows, q, k, v, self._cache.config)
         kv = self._cache.kv_storage
         nkv, hd = self._cache.config.num_kv_heads, self._cache.config.head_dim
         slots = buf.slot_mapping
-        if buf.batch > 1:
+        if self._rows > 1:
             slots, k, v = padded_writes(slots, k, v)
         kv[0, layer].view(-1, nkv, hd).index_copy_(0, slots, k.to(kv.dtype))
         kv[1, layer].view(-1, nkv, hd).index_copy_(0, slots, v.to(kv.dtype))

@@ -48,14 +48,15 @@ class PagedStaticDecode:
 
     def __init__(self, cache: PagedKVCache, buffers: StaticDecodeBuffers, blocks: int) -> None:
         self._cache, self._buf, self._blocks = cache, buffers, blocks
+        self._rows = buffers.batch
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         cache, buf = self._cache, self._buf
-        check_step_shapes(buf.batch, q, k, v, cache.config)
+        check_step_shapes(self._rows, q, k, v, cache.config)
         kp, vp = cache.pools(layer)
         impl = cache.attention_impl
         slots = buf.slot_mapping
-        if buf.batch > 1 and not impl.skips_negative_slots:
+        if self._rows > 1 and not impl.skips_negative_slots:
             slots, k, v = padded_writes(slots, k, v)
         impl.write_kv(kp, vp, k, v, slots)
         return impl.attend_decode(q, kp, vp, buf.block_table, buf.kv_len, self._blocks)
