@@ -23,7 +23,7 @@ setup(
         (f"share/{PACKAGE}", ["package.xml"]),
         (f"share/{PACKAGE}/launch", glob("launch/*.py")),
         (f"share/{PACKAGE}/config", glob("config/*.yaml")),
-        (f"share/{PACKAGE}/kernels", glob("kernels/*.cu") + glob("kernels/*.cuh")),
+        (f"share/{PACKAGE}/kernels", glob("kernels/*.cu") + glob("kernels/*.cuh") + glob("kernels/*.cpp")),
         (f"lib/{PACKAGE}", ["resource/vlm_node", "resource/vlm_lifecycle_node"]),
     ],
     install_requires=["setuptools"],

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from orin_vlm_node import artifact_cache
 from orin_vlm_node.cuda import build as B
 from orin_vlm_node.cuda.sources import find_kernel_sources
 
@@ -91,7 +92,7 @@ def test_corrupt_cache_file_is_rebuilt(tmp_path, caplog, damage):
         "empty": b"",
     }[damage]
     built.path.write_bytes(damaged)
-    with caplog.at_level(logging.WARNING, logger=B.__name__):
+    with caplog.at_level(logging.WARNING, logger=artifact_cache.__name__):
         again = B.build_module("tiny", cfg)
     assert not again.cache_hit and again.cubin == b"CUBIN"
     assert "corrupt" in caplog.text
@@ -136,17 +137,17 @@ def test_unwritable_cache_still_builds_and_says_why(tmp_path, caplog):
     blocker.write_text("x")
     cache = blocker / "kernels"
     cfg = B.BuildConfig("sm_87", kdir, cache, _fake_nvcc(tmp_path, FAKE_OK))
-    with caplog.at_level(logging.WARNING, logger=B.__name__):
+    with caplog.at_level(logging.WARNING, logger=artifact_cache.__name__):
         first = B.build_module("tiny", cfg)
         second = B.build_module("tiny", cfg)
     assert first.cubin == second.cubin == b"CUBIN" and not second.cache_hit
     assert "could not write kernel cache" in caplog.text
-    assert B.cache_writable(cache) is not None and B.cached_cubins(cache) == []
-    assert B.cache_writable(tmp_path / "fresh" / "kernels") is None  # created on demand
+    assert artifact_cache.cache_writable(cache) is not None and B.cached_cubins(cache) == []
+    assert artifact_cache.cache_writable(tmp_path / "fresh" / "kernels") is None  # created on demand
 
 
 def test_default_cache_dir_follows_xdg_cache_home(monkeypatch, tmp_path):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    assert B.default_cache_dir() == tmp_path / "orin_vlm_node" / "kernels"
+    assert artifact_cache.default_cache_dir() == tmp_path / "orin_vlm_node" / "kernels"
     monkeypatch.delenv("XDG_CACHE_HOME")
-    assert B.default_cache_dir() == Path("~/.cache/orin_vlm_node/kernels").expanduser()
+    assert artifact_cache.default_cache_dir() == Path("~/.cache/orin_vlm_node/kernels").expanduser()

@@ -1,78 +1,70 @@
-"""The CPU's packed projections: oneDNN's product with the packed weight against ``F.linear`` (torch
-math), which models are packed, and an engine whose tokens match the unpacked model's."""
+"""The CPU's float projections through the few-rows GEMM: which modules take it, a model that computes what
+the float model computes (torch math), and the engine saying which path it took and why."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn.functional as F
 
+from orin_vlm_node.cpu import few_rows_gemm_for, load_few_rows_gemm
 from orin_vlm_node.engine import Engine, EngineConfig, Request, SamplingParams, Turn
 from orin_vlm_node.model import load_model
-from orin_vlm_node.model.cpu_linear import FewRowsLinear, PackedLinear, pack_projections, packing_unavailable
+from orin_vlm_node.model.cpu_linear import FewRowsLinear, use_few_rows_gemm
 from orin_vlm_node.model.quant import weight_bytes
 from support.checkpoints import cached_tiny_checkpoint
 
 torch.set_num_threads(1)
-
-pytestmark = pytest.mark.skipif(
-    packing_unavailable(torch.device("cpu"), torch.float32) is not None,
-    reason=f"no oneDNN packing here: {packing_unavailable(torch.device('cpu'), torch.float32)}",
-)
-
-
-@pytest.mark.parametrize("rows", [1, 3, 8, 70])
-def test_a_packed_projection_computes_f_linear(rows):
-    w, x = torch.randn(96, 130) * 0.05, torch.randn(rows, 130)
-    torch.testing.assert_close(PackedLinear(w)(x), F.linear(x, w), rtol=1e-5, atol=1e-5)
-
-
-def test_only_fp32_on_the_cpu_is_packed():
-    assert "bfloat16" in packing_unavailable(torch.device("cpu"), torch.bfloat16)
-    assert "not a CPU" in packing_unavailable(torch.device("cuda"), torch.float32)
+CPU = torch.device("cpu")
 
 
 @pytest.mark.parametrize("tie", [True, False])
-def test_packing_replaces_every_decoder_projection_and_an_untied_head_without_growing(tie):
+def test_every_decoder_projection_and_the_head_take_the_kernel_without_a_copy(tie, tmp_path):
     model = load_model(cached_tiny_checkpoint(tie=tie))
     before = weight_bytes(model)
-    what = pack_projections(model, min_weights=0)
+    layers = model.language_model.layers
+    weights = [getattr(getattr(layer, s), a).weight for layer in layers for s, a in layer.PROJECTIONS]
+    what = use_few_rows_gemm(model, load_few_rows_gemm(cache_dir=str(tmp_path)))
+    assert what.startswith(f"few-rows GEMM for 1..8 rows ({4 * len(layers)} projections + LM head")
     assert weight_bytes(model) == before
-    for layer in model.language_model.layers:
-        assert all(isinstance(getattr(getattr(layer, s), a), PackedLinear) for s, a in layer.PROJECTIONS)
-    assert isinstance(model.lm_head, PackedLinear) != tie and ("tied LM head" in what) == tie
-    if tie:  # the head still is the embedding table, multiplied the other way round for a batch
-        assert isinstance(model.lm_head, FewRowsLinear)
-        assert model.lm_head.weight is model.language_model.embed_tokens.weight
+    routed = [getattr(getattr(layer, s), a) for layer in layers for s, a in layer.PROJECTIONS]
+    assert all(isinstance(m, FewRowsLinear) for m in routed)
+    assert all(m.matrix is w for m, w in zip(routed, weights, strict=True))  # the same tensors
+    assert isinstance(model.lm_head, FewRowsLinear)
+    assert (model.lm_head.matrix is model.language_model.embed_tokens.weight) == tie
 
 
-@pytest.mark.parametrize("rows", [1, 2, 4, 8, 9])
-def test_a_few_rows_projection_computes_f_linear(rows):
-    w, x = torch.randn(300, 64) * 0.05, torch.randn(rows, 64)
-    out = FewRowsLinear(w)(x)
-    assert out.is_contiguous()
-    torch.testing.assert_close(out, F.linear(x, w), rtol=1e-5, atol=1e-5)
+def test_only_fp32_on_the_cpu_takes_the_kernel():
+    assert few_rows_gemm_for(CPU, torch.bfloat16) == (None, "bfloat16 weights; the few-rows kernel is fp32")
+    assert few_rows_gemm_for(torch.device("cuda"), torch.float32) == (None, "not a CPU: cuda")
 
 
-def test_a_packed_model_computes_what_the_float_model_computes():
+@pytest.mark.parametrize("rows", [1, 3, 8, 9, 40])  # decode batches, then a prefill (F.linear)
+def test_a_model_with_the_kernel_computes_what_the_float_model_computes(rows, tmp_path):
     path = cached_tiny_checkpoint()
     engine = Engine(EngineConfig(model_path=str(path), device="cpu"))  # for its tokenizer and KV cache
-    packed, reference = load_model(path), load_model(path)
-    pack_projections(packed, min_weights=0)
-    ids = engine.tokenizer.encode("Where is the charging station? Count the boxes on the shelf.")
+    routed, reference = load_model(path), load_model(path)
+    use_few_rows_gemm(routed, load_few_rows_gemm(cache_dir=str(tmp_path)))
+    ids = (engine.tokenizer.encode("Where is the charging station? Count the boxes on the shelf.") * 4)[:rows]
     positions = torch.arange(len(ids)).expand(3, -1)
     logits = []
-    for model in (packed, reference):
+    for model in (routed, reference):
         seq = engine.cache.new_sequence()
         logits.append(model.forward(torch.tensor(ids), positions, engine.cache.step(seq, len(ids))))
         engine.cache.release(seq)
     torch.testing.assert_close(logits[0], logits[1], rtol=1e-4, atol=1e-5)
 
 
-def test_small_projections_keep_f_linear_and_the_engine_says_so():
-    engine = Engine(EngineConfig(model_path=str(cached_tiny_checkpoint()), device="cpu"))
-    layers = len(engine.model.language_model.layers)
-    assert engine.describe()["weight_path"].startswith(f"float weights: F.linear ({4 * layers} too small to gain")
-    assert not isinstance(engine.model.lm_head, FewRowsLinear)  # a small tied head too: one call is cheaper
-    final = list(engine.generate(Request(Turn("Hello."), SamplingParams(temperature=0.0, max_new_tokens=8))))[-1]
-    assert final.error is None
+def test_the_engine_says_which_path_and_falls_back_without_a_compiler(tmp_path, monkeypatch):
+    cfg = EngineConfig(model_path=str(cached_tiny_checkpoint()), device="cpu", kernel_cache_dir=str(tmp_path))
+    request = Request(Turn("Hello."), SamplingParams(temperature=0.0, max_new_tokens=8))
+    engine = Engine(cfg)
+    assert engine.describe()["weight_path"].startswith("float weights: few-rows GEMM for 1..8 rows")
+    tokens = list(engine.generate(request))[-1]
+    monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
+    fallback = Engine(cfg)
+    assert fallback.describe()["weight_path"] == (
+        f"float weights: F.linear (few-rows GEMM unavailable: CXX={str(tmp_path / 'no-such-compiler')!r} "
+        "is not an executable)"
+    )
+    again = list(fallback.generate(request))[-1]
+    assert again.error is None and again.token_ids == tokens.token_ids

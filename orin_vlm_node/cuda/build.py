@@ -5,9 +5,9 @@ shipped prebuilt: a cubin only runs on its architecture and a newer toolkit's PT
 older driver. Compiling costs seconds, so cubins are cached, keyed by everything that changes the
 binary: the source and every header it includes, the architecture, the flags and the nvcc version.
 
-Cache files carry a header (magic, payload length, SHA-256 of the payload) and are written atomically
-(temporary file + rename), so an interrupted write or a corrupted file is detected and rebuilt instead of
-crashing the module loader. Pure Python + subprocess: testable on a machine without a GPU.
+Cache files are verified and written atomically (``artifact_cache``), so an interrupted write or a
+corrupted file is rebuilt instead of crashing the module loader. Pure Python + subprocess: testable on a
+machine without a GPU.
 """
 
 from __future__ import annotations
@@ -25,6 +25,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ..artifact_cache import default_cache_dir, read_cached, write_cached
+
 _log = logging.getLogger(__name__)
 
 BASE_FLAGS: tuple[str, ...] = ("-O3", "-std=c++17")
@@ -33,18 +35,11 @@ STRICT_FLAGS: tuple[str, ...] = ("--Werror", "all-warnings", "-Xptxas", "-Werror
 NVCC_CANDIDATES = ("/usr/local/cuda/bin/nvcc", "/usr/local/bin/nvcc")
 COMPILE_TIMEOUT_S = 600
 
-_MAGIC = b"ORINVLM-CUBIN-1\n"
 _INCLUDE_RE = re.compile(r'^\s*#\s*include\s+"([^"]+)"', re.MULTILINE)
 
 
 class KernelBuildError(RuntimeError):
     """The kernels could not be built (no nvcc, a compile error, an unwritable cache); the message says which."""
-
-
-def default_cache_dir() -> Path:
-    """``$XDG_CACHE_HOME/orin_vlm_node/kernels``, else ``~/.cache/orin_vlm_node/kernels``."""
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path("~/.cache").expanduser())
-    return Path(base) / "orin_vlm_node" / "kernels"
 
 
 @dataclass(frozen=True)
@@ -155,73 +150,12 @@ def cache_key(module: str, cfg: BuildConfig, nvcc: str) -> str:
     return h.hexdigest()
 
 
-def _pack(cubin: bytes) -> bytes:
-    return _MAGIC + len(cubin).to_bytes(8, "little") + hashlib.sha256(cubin).digest() + cubin
-
-
-def _unpack(blob: bytes) -> bytes | None:
-    """The payload, or None if the file is not a complete, intact cache entry."""
-    head = len(_MAGIC) + 8 + 32
-    if len(blob) < head or not blob.startswith(_MAGIC):
-        return None
-    size = int.from_bytes(blob[len(_MAGIC) : len(_MAGIC) + 8], "little")
-    digest = blob[len(_MAGIC) + 8 : head]
-    payload = blob[head:]
-    if len(payload) != size or hashlib.sha256(payload).digest() != digest:
-        return None
-    return payload
-
-
-def _atomic_write(path: Path, data: bytes) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
-def _read_cached(path: Path) -> bytes | None:
-    """A verified cache entry's cubin; None when absent, unreadable or corrupt (the last two are logged)."""
-    try:
-        if not path.is_file():
-            return None
-        payload = _unpack(path.read_bytes())
-    except OSError as exc:
-        _log.warning("kernel cache file %s cannot be read (%s); rebuilding", path, exc)
-        return None
-    if payload is None:
-        _log.warning("kernel cache file %s is corrupt (bad header, size or hash); rebuilding", path)
-        try:
-            path.unlink(missing_ok=True)
-        except OSError:
-            pass  # a read-only cache: the rebuilt cubin is simply not written back
-    return payload
-
-
 def cached_cubins(cache_dir: Path) -> list[Path]:
     """Cache entries (``<module>-<arch>-<key>.cubin``) in ``cache_dir``, for diagnostics."""
     try:
         return sorted(cache_dir.glob("*.cubin"))
     except OSError:
         return []
-
-
-def cache_writable(cache_dir: Path) -> str | None:
-    """None when cubins can be written to ``cache_dir`` (created if needed), else the reason they cannot."""
-    try:
-        cache_dir.mkdir(parents=True, exist_ok=True)
-        fd, probe = tempfile.mkstemp(dir=cache_dir, prefix=".probe.", suffix=".tmp")
-        os.close(fd)
-        os.unlink(probe)
-    except OSError as exc:
-        return f"{type(exc).__name__}: {exc}"
-    return None
 
 
 def compile_cubin(module: str, cfg: BuildConfig, nvcc: str) -> bytes:
@@ -245,17 +179,14 @@ def build_module(module: str, cfg: BuildConfig) -> CompiledModule:
     nvcc = find_nvcc(cfg.nvcc)
     key = cache_key(module, cfg, nvcc)
     path = cfg.cache_path / f"{module}-{cfg.arch}-{key[:24]}.cubin"
-    payload = _read_cached(path)
+    payload = read_cached(path)
     if payload is not None:
         _log.info("kernel cache hit: %s (%s) from %s", module, cfg.arch, path)
         return CompiledModule(module, cfg.arch, payload, path, cache_hit=True)
     t0 = time.perf_counter()
     cubin = compile_cubin(module, cfg, nvcc)
     seconds = time.perf_counter() - t0
-    try:
-        _atomic_write(path, _pack(cubin))
-    except OSError as exc:
-        _log.warning("could not write kernel cache %s (%s); continuing without caching", path, exc)
+    write_cached(path, cubin)
     _log.info("compiled %s for %s in %.2f s (%d bytes) -> %s", module, cfg.arch, seconds, len(cubin), path)
     return CompiledModule(module, cfg.arch, cubin, path, cache_hit=False, seconds=seconds)
 

@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from ..artifact_cache import cache_writable, default_cache_dir
 from . import build as B
 from .launch import KERNEL_MODULES
 from .sources import KernelSourcesNotFound, find_kernel_sources
@@ -62,8 +63,8 @@ def _pycuda() -> str | None:
 
 
 def _cache(cache_dir: str) -> dict[str, Any]:
-    path = Path(cache_dir).expanduser() if cache_dir else B.default_cache_dir()
-    problem = B.cache_writable(path)
+    path = Path(cache_dir).expanduser() if cache_dir else default_cache_dir()
+    problem = cache_writable(path)
     return {
         "directory": str(path),
         "writable": problem is None,

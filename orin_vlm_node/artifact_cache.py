@@ -1,0 +1,100 @@
+"""The on-disk cache of what the node compiles on the robot at startup (CUDA cubins, the CPU GEMM library).
+
+Compiling costs seconds to minutes on a Jetson, so every build is cached under a key its builder derives
+from everything that changes the binary. A cache file carries a header (magic, payload length, SHA-256 of
+the payload) and is written atomically (temporary file + rename), so a write interrupted by a power cut or
+Ctrl-C, or a corrupted file, is detected and rebuilt instead of crashing a loader; a read-only cache only
+costs a rebuild at every start.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import tempfile
+from pathlib import Path
+
+_log = logging.getLogger(__name__)
+
+# Named after the first artifacts cached (cubins); kept so that existing caches stay valid.
+_MAGIC = b"ORINVLM-CUBIN-1\n"
+
+
+def default_cache_dir() -> Path:
+    """``$XDG_CACHE_HOME/orin_vlm_node/kernels``, else ``~/.cache/orin_vlm_node/kernels``."""
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path("~/.cache").expanduser())
+    return Path(base) / "orin_vlm_node" / "kernels"
+
+
+def pack(payload: bytes) -> bytes:
+    """``payload`` with the header that lets :func:`unpack` verify it."""
+    return _MAGIC + len(payload).to_bytes(8, "little") + hashlib.sha256(payload).digest() + payload
+
+
+def unpack(blob: bytes) -> bytes | None:
+    """The payload, or None if ``blob`` is not a complete, intact cache entry."""
+    head = len(_MAGIC) + 8 + 32
+    if len(blob) < head or not blob.startswith(_MAGIC):
+        return None
+    size = int.from_bytes(blob[len(_MAGIC) : len(_MAGIC) + 8], "little")
+    digest = blob[len(_MAGIC) + 8 : head]
+    payload = blob[head:]
+    if len(payload) != size or hashlib.sha256(payload).digest() != digest:
+        return None
+    return payload
+
+
+def atomic_write(path: Path, data: bytes) -> None:
+    """Write ``data`` to ``path`` so that readers see the old file or the whole new one, never a part."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def read_cached(path: Path) -> bytes | None:
+    """A verified cache entry's payload; None when absent, unreadable or corrupt (the last two are logged,
+    a corrupt file is deleted)."""
+    try:
+        if not path.is_file():
+            return None
+        payload = unpack(path.read_bytes())
+    except OSError as exc:
+        _log.warning("kernel cache file %s cannot be read (%s); rebuilding", path, exc)
+        return None
+    if payload is None:
+        _log.warning("kernel cache file %s is corrupt (bad header, size or hash); rebuilding", path)
+        try:
+            path.unlink(missing_ok=True)
+        except OSError:
+            pass  # a read-only cache: the rebuilt artifact is simply not written back
+    return payload
+
+
+def write_cached(path: Path, payload: bytes) -> None:
+    """Store ``payload`` at ``path`` (atomically, with its header); a cache that cannot be written is logged
+    and otherwise ignored: the caller has the payload and carries on."""
+    try:
+        atomic_write(path, pack(payload))
+    except OSError as exc:
+        _log.warning("could not write kernel cache %s (%s); continuing without caching", path, exc)
+
+
+def cache_writable(cache_dir: Path) -> str | None:
+    """None when artifacts can be written to ``cache_dir`` (created if needed), else the reason they cannot."""
+    try:
+        cache_dir.mkdir(parents=True, exist_ok=True)
+        fd, probe = tempfile.mkstemp(dir=cache_dir, prefix=".probe.", suffix=".tmp")
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return None

@@ -1,0 +1,130 @@
+"""The CPU few-rows GEMM (``kernels/few_rows_gemm.cpp``) against torch math, its batch invariance, and how
+it is built, cached and refused."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from orin_vlm_node.cpu import CpuKernelUnavailable, load_few_rows_gemm
+from orin_vlm_node.cpu.build import FLAGS, find_compiler
+from orin_vlm_node.cuda.sources import find_kernel_sources
+
+KERNELS = find_kernel_sources().directory
+
+
+@pytest.fixture(scope="module")
+def gemm(tmp_path_factory):
+    return load_few_rows_gemm(cache_dir=str(tmp_path_factory.mktemp("cpu_cache")))
+
+
+@pytest.fixture
+def threads():
+    before = torch.get_num_threads()
+    yield torch.set_num_threads
+    torch.set_num_threads(before)
+
+
+# K: below one vector, a multiple of 8, with a tail; N: below every tile, not a multiple of 120, threaded
+@pytest.mark.parametrize("n,k", [(5, 3), (37, 64), (130, 1027), (1210, 1000)])
+@pytest.mark.parametrize("num_threads", [1, 2])
+def test_every_row_count_computes_f_linear(gemm, threads, n, k, num_threads):
+    threads(num_threads)
+    gen = torch.Generator().manual_seed(n + k)
+    w = torch.randn(n, k, generator=gen) * 0.05
+    for m in range(1, gemm.max_rows + 1):
+        x = torch.randn(m, k, generator=gen)
+        out = gemm(x, w)
+        assert out.shape == (m, n) and out.is_contiguous()
+        torch.testing.assert_close(out, F.linear(x, w), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("num_threads", [1, 2])
+def test_a_row_is_bit_identical_alone_and_in_any_batch(gemm, threads, num_threads):
+    """Batched decode must not change a sequence's logits: every row sums in the same order."""
+    threads(num_threads)
+    gen = torch.Generator().manual_seed(1)
+    w, x = torch.randn(1500, 1001, generator=gen), torch.randn(gemm.max_rows, 1001, generator=gen)
+    alone = torch.cat([gemm(x[i : i + 1], w) for i in range(gemm.max_rows)])
+    for m in range(2, gemm.max_rows + 1):
+        assert torch.equal(gemm(x[:m], w), alone[:m]), m
+        assert torch.equal(gemm(x[:m].flip(0), w), alone[:m].flip(0)), m  # another position in the batch
+
+
+def test_a_non_contiguous_input_is_taken(gemm):
+    w, x = torch.randn(40, 24), torch.randn(24, 3)
+    torch.testing.assert_close(gemm(x.t(), w), F.linear(x.t(), w), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("rows", [0, 9])
+def test_row_counts_outside_the_kernel_are_refused(gemm, rows):
+    with pytest.raises(ValueError, match="takes 1..8 rows"):
+        gemm(torch.randn(rows, 16), torch.randn(8, 16))
+
+
+def test_the_library_is_compiled_once_and_then_taken_from_the_cache(tmp_path):
+    assert load_few_rows_gemm(cache_dir=str(tmp_path)).origin.startswith("compiled in")
+    assert load_few_rows_gemm(cache_dir=str(tmp_path)).origin == "from the cache"
+    [entry] = tmp_path.glob("few_rows_gemm-*.so.cache")
+    entry.write_bytes(entry.read_bytes()[:-100])  # a write cut short
+    assert load_few_rows_gemm(cache_dir=str(tmp_path)).origin.startswith("compiled in")
+
+
+def test_an_edited_source_is_rebuilt(tmp_path):
+    kernels = shutil.copytree(KERNELS, tmp_path / "kernels")
+    load_few_rows_gemm(str(kernels), str(tmp_path / "cache"))
+    source = kernels / "few_rows_gemm.cpp"
+    source.write_text(source.read_text() + "\n// edited\n")
+    assert load_few_rows_gemm(str(kernels), str(tmp_path / "cache")).origin.startswith("compiled in")
+    assert len(list((tmp_path / "cache").glob("few_rows_gemm-*.so.cache"))) == 2
+
+
+def test_a_kernel_that_computes_wrong_is_refused_by_the_probe(tmp_path):
+    kernels = shutil.copytree(KERNELS, tmp_path / "kernels")
+    source = kernels / "few_rows_gemm.cpp"
+    text = source.read_text()
+    assert "fma8(wv[r], xv, acc[m][r])" in text
+    source.write_text(text.replace("fma8(wv[r], xv, acc[m][r])", "fma8(wv[r] * 1.01f, xv, acc[m][r])"))
+    with pytest.raises(CpuKernelUnavailable, match="disagrees with F.linear for 1 rows"):
+        load_few_rows_gemm(str(kernels), str(tmp_path / "cache"))
+
+
+def test_no_compiler_or_a_compile_error_says_why(tmp_path, monkeypatch):
+    monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
+    with pytest.raises(CpuKernelUnavailable, match="is not an executable"):
+        load_few_rows_gemm(cache_dir=str(tmp_path / "cache"))
+    monkeypatch.delenv("CXX")
+    kernels = shutil.copytree(KERNELS, tmp_path / "kernels")
+    (kernels / "few_rows_gemm.cpp").write_text("this is not C++\n")
+    with pytest.raises(CpuKernelUnavailable, match="could not compile few_rows_gemm.cpp") as info:
+        load_few_rows_gemm(str(kernels), str(tmp_path / "cache"))
+    assert "error" in str(info.value)  # the compiler's own message
+
+
+def test_kernel_sources_without_the_cpu_kernel_say_so(tmp_path):
+    kernels = shutil.copytree(KERNELS, tmp_path / "kernels")
+    (kernels / "few_rows_gemm.cpp").unlink()
+    with pytest.raises(CpuKernelUnavailable, match="lack few_rows_gemm.cpp"):
+        load_few_rows_gemm(str(kernels), str(tmp_path / "cache"))
+    with pytest.raises(CpuKernelUnavailable, match="does not exist"):
+        load_few_rows_gemm(str(tmp_path / "nowhere"), str(tmp_path / "cache"))
+
+
+def test_an_unwritable_cache_still_gives_a_working_kernel(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    gemm = load_few_rows_gemm(cache_dir=str(Path(blocker) / "cache"))  # below a regular file: fails for root too
+    w, x = torch.randn(30, 20), torch.randn(2, 20)
+    torch.testing.assert_close(gemm(x, w), F.linear(x, w), rtol=1e-5, atol=1e-5)
+
+
+def test_the_source_compiles_without_a_warning(tmp_path):
+    """Strict build of the shipped source with the node's flags (a warning here is a bug on some target)."""
+    cmd = [find_compiler(), *FLAGS, "-Wall", "-Wextra", "-Werror", "-o", str(tmp_path / "lib.so")]
+    proc = subprocess.run([*cmd, str(KERNELS / "few_rows_gemm.cpp")], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
