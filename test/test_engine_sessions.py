@@ -14,10 +14,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from test_engine_streaming import SCRIPT, scripted_engine
+from test_engine_streaming import SCRIPT, make_scripted_checkpoint, scripted_engine
 
 from orin_vlm_node.engine import Engine, EngineConfig, Request, SamplingParams, Turn
-from orin_vlm_node.processing import build_prompt_ids
+from orin_vlm_node.model import mrope_positions
+from orin_vlm_node.processing import Tokenizer, build_prompt_ids
 from support.checkpoints import cached_tiny_checkpoint
 
 torch.set_num_threads(1)
@@ -166,3 +167,32 @@ def test_layout_change_drops_sessions_and_new_turn_starts_fresh():
     assert engine.sessions() == [] and engine.describe()["page_size"] == 8
     again = _final(engine, Request(Turn("Hello there."), GREEDY, session_id="s"))
     assert again.metrics["prefix_hit_tokens"] == 0
+
+
+@pytest.mark.parametrize("chunk", [0, 2])
+def test_a_turn_after_an_answer_cut_at_a_generated_image_pad_takes_it_as_text(tmp_path, chunk):
+    """A model may generate the image-pad id; cut there, the answer's last token is fed first in the next
+    turn, as text: the turn's own image still gets its rows and grid (``chunk`` 2: pieces end right
+    after the generated pad and inside the image)."""
+    pad = Tokenizer.from_pretrained(cached_tiny_checkpoint(layers=1, tie=False, deepstack=(0,), seed=11))
+    path, answer = make_scripted_checkpoint(tmp_path / "scripted", "Sky:", tail=(pad.special.image_pad,))
+    engine = Engine(EngineConfig(model_path=str(path), max_context_tokens=512, page_size=4, prefill_chunk_tokens=chunk))
+    cut = SamplingParams(temperature=0.0, max_new_tokens=len(answer))
+    first = _final(engine, Request(Turn("Hi."), cut, session_id="s"))
+    assert first.token_ids[-1] == engine.model_config.image_token_id and first.finish_reason == "length"
+    session = engine.session_store.get("s")
+    turn = Turn("And this?", (_image(64, 96, 5),))
+    prepared = engine.turns.prepare(turn, None, session, 512)
+    assert prepared.new_ids[0] == engine.model_config.image_token_id and prepared.text_before == 2
+    # Text positions do not depend on the id: the same turn with the generated pad replaced by another id.
+    text = [answer[0], *prepared.new_ids[1:]]
+    grids = prepared.images.grid_thw
+    want, _ = mrope_positions(text, grids, engine.model_config.image_token_id, 2, start=session.next_position)
+    assert torch.equal(prepared.positions, want)
+    assert prepared.extra_keys[0] is None and prepared.extra_keys.count(None) == len(text) - sum(
+        prepared.images.num_tokens
+    )
+    second = _final(engine, Request(turn, cut, session_id="s"))  # was: "...more image-pad tokens than images"
+    assert second.metrics["prompt_tokens"] == prepared.total_tokens
+    third = _final(engine, Request(Turn("Thanks."), cut, session_id="s"))
+    assert third.token_ids == first.token_ids

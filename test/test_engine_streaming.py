@@ -25,8 +25,9 @@ torch.set_num_threads(1)
 SCRIPT = "Hello, 世界！🎉机器人🤖 Observation: done"
 
 
-def make_scripted_checkpoint(dst: Path, text: str = SCRIPT) -> tuple[Path, list[int]]:
-    """Copy the tiny checkpoint to ``dst`` and script it to answer ``text`` then ``<|im_end|>``.
+def make_scripted_checkpoint(dst: Path, text: str = SCRIPT, tail: tuple[int, ...] = ()) -> tuple[Path, list[int]]:
+    """Copy the tiny checkpoint to ``dst`` and script it to answer ``text``, the ids ``tail`` (special
+    tokens no text encodes to), then ``<|im_end|>``.
 
     Returns the directory and the chain of answer token ids. The chain starts at the last token of
     the generation prompt ("\\n" of ``<|im_start|>assistant\\n``), whatever came before it.
@@ -35,7 +36,7 @@ def make_scripted_checkpoint(dst: Path, text: str = SCRIPT) -> tuple[Path, list[
     shutil.copytree(src, dst)
     tok = Tokenizer.from_pretrained(dst)
     trigger = tok.encode("<|im_start|>assistant\n")[-1]
-    answer = tok.encode(text)
+    answer = [*tok.encode(text), *tail]
     chain = [trigger, *answer, IM_END]
     assert len(set(chain)) == len(chain), "chain tokens must be distinct"
     weights = load_file(str(dst / "model.safetensors"))

@@ -108,6 +108,31 @@ def test_multi_turn_continuation_equals_whole_sequence():
     assert next2 == next_whole
 
 
+def test_an_image_pad_id_generated_before_a_continuing_turn_is_text():
+    """A model may generate the image-pad id; the next turn feeds the answer's last token first
+    (``text_before``): it is text, as transformers' ``mm_token_type_ids`` (which marks images explicitly)
+    says, while the turn's own pads still take their image's grid."""
+    rng = random.Random(8)
+    turn1, grids1 = _random_sequence(rng, num_images=1)
+    generated = [rng.randrange(10, 60) for _ in range(3)] + [IMAGE_PAD, IMAGE_PAD]
+    pending = [IMAGE_PAD, 7]  # the last sampled token (not in the KV yet), then the answer's end
+    turn2, grids2 = _random_sequence(rng, num_images=1)
+    history = turn1 + generated[:-1] + pending + turn2
+    images = [1 if i == IMAGE_PAD else 0 for i in turn1] + [0] * (len(generated) - 1 + len(pending))
+    mm = torch.tensor([images + [1 if i == IMAGE_PAD else 0 for i in turn2]], dtype=torch.int32)
+    ref_pos, _ = _hf_model().get_rope_index(torch.tensor([history]), mm, torch.tensor(grids1 + grids2))
+
+    pos1, next1 = mrope_positions(turn1, grids1, IMAGE_PAD, MERGE)
+    delta1 = rope_delta(next1, len(turn1))
+    decoded = len(generated) - 1  # the generated tokens the KV holds
+    gen_pos = torch.cat([decode_positions(len(turn1) + i, delta1) for i in range(decoded)], dim=1)
+    start2 = len(turn1) + decoded + delta1
+    pos2, _ = mrope_positions(pending + turn2, grids2, IMAGE_PAD, MERGE, start=start2, text_before=len(pending))
+    assert torch.equal(torch.cat([pos1, gen_pos, pos2], dim=1), ref_pos[:, 0])
+    with pytest.raises(ValueError, match="image_pad"):  # what id equality alone makes of it
+        mrope_positions(pending + turn2, grids2, IMAGE_PAD, MERGE, start=start2)
+
+
 def test_text_only_positions_are_plain_range():
     positions, next_position = mrope_positions(torch.arange(10, 20), None, IMAGE_PAD, MERGE, start=7)
     assert torch.equal(positions, torch.arange(7, 17).expand(3, -1))

@@ -27,17 +27,18 @@ def image_keys(batch: ImageBatch | None) -> list[str]:
 
 
 def token_extra_keys(
-    ids: Sequence[int], image_pad: int, keys: Sequence[str], counts: Sequence[int]
+    ids: Sequence[int], image_pad: int, keys: Sequence[str], counts: Sequence[int], text_before: int = 0
 ) -> list[Hashable | None]:
     """Per-token extra keys: the owning image's hash for each image-pad token, None for other tokens.
 
-    The pads of ``ids`` belong to the images in order, ``counts[i]`` pads each.
+    The pads of ``ids`` from ``text_before`` on belong to the images in order, ``counts[i]`` pads each
+    (earlier ones are generated text: ``model.positions.mrope_positions``).
     """
     owner: list[str] = [key for key, n in zip(keys, counts, strict=True) for _ in range(n)]
     out: list[Hashable | None] = []
     pad_index = 0
-    for t in ids:
-        if t == image_pad and pad_index < len(owner):
+    for i, t in enumerate(ids):
+        if t == image_pad and i >= text_before and pad_index < len(owner):
             out.append(owner[pad_index])
             pad_index += 1
         else:

@@ -35,6 +35,7 @@ class PreparedTurn:
     next_position: int  # RoPE position after the turn
     images: ImageBatch | None
     history: int  # tokens the session's KV already holds
+    text_before: int = 0  # the first new ids are the previous answer's (text, even an image-pad id)
 
     @property
     def total_tokens(self) -> int:
@@ -68,9 +69,10 @@ class TurnPreparer:
         if session is not None:
             delta, messages = self.renderer.next_turn(session.messages, session.answer, turn, counts, plain_text)
             new_ids, history, start = session.pending_ids + delta, len(session.token_ids), session.next_position
+            text_before = len(session.pending_ids)
         else:
             new_ids, messages = self.renderer.first_turn(system_prompt, turn, counts, plain_text)
-            history, start = 0, 0
+            history, start, text_before = 0, 0, 0
         if history + len(new_ids) > limit:
             earlier = f" ({history} from earlier turns)" if history else ""
             raise ValueError(
@@ -82,9 +84,10 @@ class TurnPreparer:
             self.model.image_token_id,
             self.model.vision.spatial_merge_size,
             start=start,
+            text_before=text_before,
         )
-        extra = token_extra_keys(new_ids, self.image_pad, image_keys(batch), counts)
-        return PreparedTurn(new_ids, extra, messages, positions, next_position, batch, history)
+        extra = token_extra_keys(new_ids, self.image_pad, image_keys(batch), counts, text_before)
+        return PreparedTurn(new_ids, extra, messages, positions, next_position, batch, history, text_before)
 
 
 def check_turn(turn: Turn) -> None:

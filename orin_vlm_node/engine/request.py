@@ -51,10 +51,12 @@ class _Prefill:
     """
 
     def __init__(
-        self, ids: list[int], prompt: int, positions: torch.Tensor, vision: VisionFeatures | None, hit: int
+        self, ids: list[int], images: range, positions: torch.Tensor, vision: VisionFeatures | None, hit: int
     ) -> None:
-        self.ids = ids  # the turn's prompt tokens, then (recomputing after a preemption) generated ones
-        self.prompt = prompt  # how many of ``ids`` are the prompt's: only those image pads take image rows
+        # the previous answer's last tokens, the turn's prompt, then (recomputing after a preemption) the
+        # tokens generated since: only the image pads inside ``images`` (the prompt's) take image rows
+        self.ids = ids
+        self.images = images
         self.positions = positions  # (3, len(ids)) RoPE positions
         self.vision = vision  # features of the prompt's image pads from ``hit`` on
         self.next = hit  # the first token not in the KV
@@ -70,10 +72,15 @@ class _Prefill:
         e = run.engine
         size = run.config.prefill_chunk_tokens or len(self.ids)
         start, stop = self.next, min(self.next + size, len(self.ids))
-        if start < self.prompt < stop:  # a generated image-pad id is text: never in a piece with image rows
-            stop = self.prompt
         pad = e.tokenizer.special.image_pad
-        pads = sum(1 for t in self.ids[start:stop] if t == pad) if start < self.prompt else 0
+        # A generated image-pad id is text: it never shares a piece with image rows (the model takes every
+        # pad of a piece given vision rows for one); a piece only ends early where that can happen.
+        first, end = self.images.start, self.images.stop
+        if start < first < stop and pad in self.ids[start:first]:
+            stop = first
+        if start < end < stop:
+            stop = end
+        pads = sum(1 for t in self.ids[max(start, first) : min(stop, end)] if t == pad)
         rows = self.vision.rows(self._vision_row, self._vision_row + pads) if self.vision is not None and pads else None
         attn = run.with_eviction(lambda: e.cache.step(run.seq, stop - start))
         chunk = torch.tensor(self.ids[start:stop], dtype=torch.long, device=e.device)
@@ -243,11 +250,11 @@ class RequestRun:
         vision = None
         if turn.images is not None:
             pad = e.tokenizer.special.image_pad
-            skip = sum(1 for t in ids[: min(hit, len(turn.new_ids))] if t == pad)
+            skip = sum(1 for t in ids[turn.text_before : min(hit, len(turn.new_ids))] if t == pad)
             vision = encode_needed(e.model, turn.images, skip, e.vision_cache)
         if hit >= len(ids):
             raise RuntimeError("prefill of an empty turn")
-        return _Prefill(ids, len(turn.new_ids), positions, vision, hit)
+        return _Prefill(ids, range(turn.text_before, len(turn.new_ids)), positions, vision, hit)
 
     def _check_cancelled(self) -> None:
         if self.engine.is_cancelled(self.rid):

@@ -22,6 +22,7 @@ def mrope_positions(
     image_token_id: int,
     spatial_merge_size: int,
     start: int = 0,
+    text_before: int = 0,
 ) -> tuple[torch.Tensor, int]:
     """RoPE positions (3, L) long (CPU) for ``token_ids`` and the position the next token gets.
 
@@ -29,7 +30,9 @@ def mrope_positions(
     16-px patches) in order; a run must hold exactly ``t*h*w / merge^2`` tokens per image it covers
     (adjacent images with no separator are allowed). ``start`` continues an earlier sequence: pass the
     previous call's ``next_position`` (multi-turn). ``next_position`` is ``max(position) + 1`` (the
-    position HF decodes the next token at), or ``start`` for an empty sequence.
+    position HF decodes the next token at), or ``start`` for an empty sequence. The first ``text_before``
+    ids are text whatever their value: a continuing turn first feeds the tokens the previous answer ended
+    with, and a model may have generated the image-pad id there.
 
     Raises ``ValueError`` when runs and images do not match (too many / too few images, wrong run
     length, a grid not divisible by the merge size).
@@ -39,6 +42,7 @@ def mrope_positions(
     length = ids.numel()
     positions = torch.empty((3, length), dtype=torch.long)
     is_image = ids == image_token_id
+    is_image[:text_before] = False
     # Boundaries of runs of equal "is image" value: [0, b1, b2, ..., L].
     change = torch.nonzero(is_image[1:] != is_image[:-1]).reshape(-1) + 1
     bounds = [0, *change.tolist(), length] if length else [0]
