@@ -1,4 +1,5 @@
-// y = x @ w.T for the 1..8 rows of a CPU decode step (fp32): the weight is read once for all rows.
+// y = x @ w.T for the 1..8 rows of a CPU decode step: the weight is read once for all rows. Weights fp32 or
+// bf16 (widened in registers), activations and accumulation fp32.
 //
 // A decode step multiplies a few activation rows (one per sequence of the batch) by large weight matrices,
 // so it is bound by reading the weights. BLAS small-M GEMMs read the weight once per row on some CPUs
@@ -13,6 +14,7 @@
 // Compiled on the machine that runs it (node startup, cached) with GCC/Clang vector extensions: 8-float
 // vectors become AVX/AVX2 registers on x86-64 and pairs of NEON registers on a Jetson's Arm cores.
 #include <cstddef>
+#include <cstdint>
 #include <cstring>
 #include <thread>
 #include <vector>
@@ -20,11 +22,36 @@
 namespace {
 
 typedef float v8 __attribute__((vector_size(32)));
+typedef uint16_t u16x8 __attribute__((vector_size(16)));
+typedef uint32_t u32x8 __attribute__((vector_size(32)));
+
+// bfloat16 is the upper half of a float32: weights in bf16 are stored as their 16 bits.
+struct bf16 {
+  uint16_t bits;
+};
 
 inline v8 load8(const float *p) {
   v8 v;
   std::memcpy(&v, p, sizeof v);  // unaligned load
   return v;
+}
+
+inline v8 load8(const bf16 *p) {  // 8 bf16 widened exactly to fp32
+  u16x8 h;
+  std::memcpy(&h, p, sizeof h);
+  const u32x8 wide = __builtin_convertvector(h, u32x8) << 16;
+  v8 v;
+  std::memcpy(&v, &wide, sizeof v);
+  return v;
+}
+
+inline float widen(float v) { return v; }
+
+inline float widen(bf16 v) {
+  const uint32_t wide = uint32_t(v.bits) << 16;
+  float f;
+  std::memcpy(&f, &wide, sizeof f);
+  return f;
 }
 
 // c + a * b rounded once, spelled out: compilers contract a * b + c into an FMA in some loops and not in
@@ -44,8 +71,8 @@ inline v8 fma8(v8 a, v8 b, v8 c) {
 inline float lane_sum(v8 v) { return ((v[0] + v[4]) + (v[1] + v[5])) + ((v[2] + v[6]) + (v[3] + v[7])); }
 
 // MR activation rows x NR weight rows: y[m][r] = sum_k x[m][k] * w[r][k]. x rows are k apart, y rows n apart.
-template <int MR, int NR>
-inline void tile(const float *x, const float *w, float *y, int k, int n) {
+template <int MR, int NR, typename W>
+inline void tile(const float *x, const W *w, float *y, int k, int n) {
   v8 acc[MR][NR] = {};
   int kk = 0;
   for (; kk + 8 <= k; kk += 8) {
@@ -62,7 +89,7 @@ inline void tile(const float *x, const float *w, float *y, int k, int n) {
   for (int m = 0; m < MR; ++m) {
     for (int r = 0; r < NR; ++r) {
       float s = lane_sum(acc[m][r]);
-      for (int j = kk; j < k; ++j) s += x[(size_t)m * k + j] * w[(size_t)r * k + j];
+      for (int j = kk; j < k; ++j) s += x[(size_t)m * k + j] * widen(w[(size_t)r * k + j]);
       y[(size_t)m * n + r] = s;
     }
   }
@@ -70,8 +97,8 @@ inline void tile(const float *x, const float *w, float *y, int k, int n) {
 
 // Weight rows [n0, n1) in blocks of NR (the rest one by one); the activation rows in groups G... (each
 // group one tile, so the accumulators of a group fit the 16 vector registers).
-template <int NR, int... G>
-void weight_rows(const float *x, const float *w, float *y, int n, int k, int n0, int n1) {
+template <int NR, int... G, typename W>
+void weight_rows(const float *x, const W *w, float *y, int n, int k, int n0, int n1) {
   for (; n0 + NR <= n1; n0 += NR) {
     int m0 = 0;
     ((tile<G, NR>(x + (size_t)m0 * k, w + (size_t)n0 * k, y + (size_t)m0 * n + n0, k, n), m0 += G), ...);
@@ -83,7 +110,8 @@ void weight_rows(const float *x, const float *w, float *y, int n, int k, int n0,
 }
 
 // The tiles per row count, the fastest measured on 2B-shape projections (AVX2, one thread).
-void rows(const float *x, const float *w, float *y, int m, int n, int k, int n0, int n1) {
+template <typename W>
+void rows(const float *x, const W *w, float *y, int m, int n, int k, int n0, int n1) {
   switch (m) {
     case 1: weight_rows<8, 1>(x, w, y, n, k, n0, n1); return;
     case 2: weight_rows<5, 2>(x, w, y, n, k, n0, n1); return;
@@ -96,16 +124,10 @@ void rows(const float *x, const float *w, float *y, int m, int n, int k, int n0,
   }
 }
 
-}  // namespace
-
-extern "C" {
-
-int few_rows_gemm_max_rows() { return 8; }
-
-// x (m, k), w (n, k), y (m, n): contiguous fp32. The weight rows are split into `threads` contiguous
-// chunks (multiples of 120, a multiple of every tile's NR), the first computed by the caller. Returns 0,
-// or -1 when m is outside 1..8 (nothing written).
-int few_rows_gemm(const float *x, const float *w, float *y, int m, int n, int k, int threads) {
+// x (m, k) fp32, w (n, k), y (m, n) fp32, all contiguous. The weight rows are split into `threads`
+// contiguous chunks (multiples of 120, a multiple of every tile's NR), the first computed by the caller.
+template <typename W>
+int gemm(const float *x, const W *w, float *y, int m, int n, int k, int threads) {
   if (m < 1 || m > 8) return -1;
   if (threads < 1) threads = 1;
   const int align = 120;
@@ -114,7 +136,7 @@ int few_rows_gemm(const float *x, const float *w, float *y, int m, int n, int k,
   for (int n0 = chunk; n0 < n; n0 += chunk) {
     const int n1 = n0 + chunk < n ? n0 + chunk : n;
     try {
-      workers.emplace_back(rows, x, w, y, m, n, k, n0, n1);
+      workers.emplace_back(rows<W>, x, w, y, m, n, k, n0, n1);
     } catch (...) {  // no thread to be had: the caller computes the chunk
       rows(x, w, y, m, n, k, n0, n1);
     }
@@ -122,6 +144,21 @@ int few_rows_gemm(const float *x, const float *w, float *y, int m, int n, int k,
   rows(x, w, y, m, n, k, 0, chunk < n ? chunk : n);
   for (auto &t : workers) t.join();
   return 0;
+}
+
+}  // namespace
+
+extern "C" {
+
+int few_rows_gemm_max_rows() { return 8; }
+
+// Return 0, or -1 when m is outside 1..8 (nothing written).
+int few_rows_gemm_f32(const float *x, const float *w, float *y, int m, int n, int k, int threads) {
+  return gemm(x, w, y, m, n, k, threads);
+}
+
+int few_rows_gemm_bf16(const float *x, const bf16 *w, float *y, int m, int n, int k, int threads) {
+  return gemm(x, w, y, m, n, k, threads);
 }
 
 }  // extern "C"

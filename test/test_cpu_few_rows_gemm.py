@@ -44,12 +44,27 @@ def test_every_row_count_computes_f_linear(gemm, threads, n, k, num_threads):
         torch.testing.assert_close(out, F.linear(x, w), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("n,k", [(5, 3), (130, 1027), (1210, 1000)])
+def test_bf16_weights_and_activations_compute_the_fp32_product_of_their_values(gemm, n, k):
+    """bf16 in, fp32 sums (exact widening), one rounding to bf16 out: what torch's bf16 GEMM does."""
+    gen = torch.Generator().manual_seed(n)
+    w = (torch.randn(n, k, generator=gen) * 0.05).bfloat16()
+    for m in range(1, gemm.max_rows + 1):
+        x = torch.randn(m, k, generator=gen).bfloat16()
+        out = gemm(x, w)
+        assert out.dtype == torch.bfloat16 and out.shape == (m, n)
+        want = F.linear(x.float(), w.float())
+        torch.testing.assert_close(out.float(), want.bfloat16().float(), rtol=8e-3, atol=1e-5)
+        torch.testing.assert_close(out, F.linear(x, w), rtol=1.6e-2, atol=1e-3)  # torch's own bf16 product
+
+
 @pytest.mark.parametrize("num_threads", [1, 2])
-def test_a_row_is_bit_identical_alone_and_in_any_batch(gemm, threads, num_threads):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_row_is_bit_identical_alone_and_in_any_batch(gemm, threads, num_threads, dtype):
     """Batched decode must not change a sequence's logits: every row sums in the same order."""
     threads(num_threads)
     gen = torch.Generator().manual_seed(1)
-    w, x = torch.randn(1500, 1001, generator=gen), torch.randn(gemm.max_rows, 1001, generator=gen)
+    w, x = torch.randn(1500, 1001, generator=gen).to(dtype), torch.randn(gemm.max_rows, 1001, generator=gen).to(dtype)
     alone = torch.cat([gemm(x[i : i + 1], w) for i in range(gemm.max_rows)])
     for m in range(2, gemm.max_rows + 1):
         assert torch.equal(gemm(x[:m], w), alone[:m]), m
@@ -90,7 +105,7 @@ def test_a_kernel_that_computes_wrong_is_refused_by_the_probe(tmp_path):
     text = source.read_text()
     assert "fma8(wv[r], xv, acc[m][r])" in text
     source.write_text(text.replace("fma8(wv[r], xv, acc[m][r])", "fma8(wv[r] * 1.01f, xv, acc[m][r])"))
-    with pytest.raises(CpuKernelUnavailable, match="disagrees with F.linear for 1 rows"):
+    with pytest.raises(CpuKernelUnavailable, match="disagrees with F.linear for 1 rows of torch.float32"):
         load_few_rows_gemm(str(kernels), str(tmp_path / "cache"))
 
 

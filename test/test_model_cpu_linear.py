@@ -33,16 +33,17 @@ def test_every_decoder_projection_and_the_head_take_the_kernel_without_a_copy(ti
     assert (model.lm_head.matrix is model.language_model.embed_tokens.weight) == tie
 
 
-def test_only_fp32_on_the_cpu_takes_the_kernel():
-    assert few_rows_gemm_for(CPU, torch.bfloat16) == (None, "bfloat16 weights; the few-rows kernel is fp32")
+def test_only_fp32_and_bf16_on_the_cpu_take_the_kernel():
+    assert few_rows_gemm_for(CPU, torch.float16) == (None, "float16 weights; the few-rows kernel takes fp32 and bf16")
     assert few_rows_gemm_for(torch.device("cuda"), torch.float32) == (None, "not a CPU: cuda")
 
 
 @pytest.mark.parametrize("rows", [1, 3, 8, 9, 40])  # decode batches, then a prefill (F.linear)
-def test_a_model_with_the_kernel_computes_what_the_float_model_computes(rows, tmp_path):
+@pytest.mark.parametrize("name,dtype", [("fp32", torch.float32), ("bf16", torch.bfloat16)])
+def test_a_model_with_the_kernel_computes_what_the_float_model_computes(rows, name, dtype, tmp_path):
     path = cached_tiny_checkpoint()
-    engine = Engine(EngineConfig(model_path=str(path), device="cpu"))  # for its tokenizer and KV cache
-    routed, reference = load_model(path), load_model(path)
+    engine = Engine(EngineConfig(model_path=str(path), device="cpu", dtype=name))
+    routed, reference = load_model(path, dtype=dtype), load_model(path, dtype=dtype)
     use_few_rows_gemm(routed, load_few_rows_gemm(cache_dir=str(tmp_path)))
     ids = (engine.tokenizer.encode("Where is the charging station? Count the boxes on the shelf.") * 4)[:rows]
     positions = torch.arange(len(ids)).expand(3, -1)
@@ -51,7 +52,8 @@ def test_a_model_with_the_kernel_computes_what_the_float_model_computes(rows, tm
         seq = engine.cache.new_sequence()
         logits.append(model.forward(torch.tensor(ids), positions, engine.cache.step(seq, len(ids))))
         engine.cache.release(seq)
-    torch.testing.assert_close(logits[0], logits[1], rtol=1e-4, atol=1e-5)
+    tolerance = dict(rtol=1e-4, atol=1e-5) if dtype == torch.float32 else dict(rtol=0.05, atol=0.05)
+    torch.testing.assert_close(logits[0], logits[1], **tolerance)
 
 
 def test_the_engine_says_which_path_and_falls_back_without_a_compiler(tmp_path, monkeypatch):

@@ -7,8 +7,9 @@ Public API (the engine uses these names; the model layer takes the kernel as ``c
   ``F.linear`` on a probe; ``CpuKernelUnavailable`` says why not (no compiler, a compile error, a probe
   that disagrees).
 * ``few_rows_gemm_for(device, dtype, kernel_dir="", cache_dir="") -> (FewRowsGemm | None, why_not)``: the
-  kernel for an fp32 model on the CPU, else the reason it is not used (a failed build is logged in full).
-* ``FewRowsGemm``: ``gemm(x (m, k), w (n, k)) -> (m, n)`` fp32 for 1..``max_rows`` rows.
+  kernel for an fp32 or bf16 model on the CPU, else the reason it is not used (a failed build is logged in
+  full).
+* ``FewRowsGemm``: ``gemm(x (m, k), w (n, k)) -> (m, n)`` for 1..``max_rows`` rows, fp32 or bf16 weights.
 
 Layout: ``build.py`` (compiler, cache key, compile, load), ``few_rows_gemm.py`` (the ctypes binding).
 """

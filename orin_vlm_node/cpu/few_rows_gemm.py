@@ -1,6 +1,6 @@
 """The ``few_rows_gemm`` kernel (``kernels/few_rows_gemm.cpp``) bound with ctypes: ``x @ w.T`` for the
-1..8 rows of a CPU decode step, the weight read once for all rows and every output summed in one order
-whatever the row count (a sequence's logits do not depend on what it is batched with)."""
+1..8 rows of a CPU decode step, fp32 or bf16 weights, the weight read once for all rows and every output
+summed in one order whatever the row count (a sequence's logits do not depend on what it is batched with)."""
 
 from __future__ import annotations
 
@@ -24,39 +24,46 @@ PARALLEL_MIN_WEIGHTS = 1 << 20
 
 
 class FewRowsGemm:
-    """The loaded library: ``gemm(x (m, k), w (n, k)) -> (m, n)``, fp32, contiguous, 1 <= m <= ``max_rows``;
-    the weight rows split over torch's intra-op thread count."""
+    """The loaded library: ``gemm(x (m, k), w (n, k)) -> (m, n)`` in ``x``'s dtype, 1 <= m <= ``max_rows``,
+    ``w`` contiguous in one of ``DTYPES``, accumulation in fp32; the weight rows split over torch's
+    intra-op thread count."""
+
+    DTYPES = (torch.float32, torch.bfloat16)
 
     def __init__(self, lib: ctypes.CDLL, origin: str) -> None:
-        self._fn = lib.few_rows_gemm
         ptr, num = ctypes.c_void_p, ctypes.c_int
-        self._fn.argtypes = [ptr, ptr, ptr, num, num, num, num]
-        self._fn.restype = ctypes.c_int
+        self._fns = {torch.float32: lib.few_rows_gemm_f32, torch.bfloat16: lib.few_rows_gemm_bf16}
+        for fn in self._fns.values():
+            fn.argtypes = [ptr, ptr, ptr, num, num, num, num]
+            fn.restype = ctypes.c_int
         lib.few_rows_gemm_max_rows.restype = ctypes.c_int
         self.max_rows: int = lib.few_rows_gemm_max_rows()
         self.origin = origin  # "compiled in 1.2 s" / "from the cache", for the log and diagnostics
 
     def __call__(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        """(m, k) x (n, k) -> (m, n); the caller keeps to fp32 CPU tensors, ``w`` contiguous."""
-        x = x.contiguous()
-        (m, k), n = x.shape, w.shape[0]
+        """(m, k) x (n, k) -> (m, n); CPU tensors, ``w`` contiguous (the caller keeps to both)."""
+        x32 = x.to(torch.float32).contiguous()  # no copy for a contiguous fp32 x
+        (m, k), n = x32.shape, w.shape[0]
         y = torch.empty(m, n)
         threads = torch.get_num_threads() if n * k >= PARALLEL_MIN_WEIGHTS else 1
-        if self._fn(x.data_ptr(), w.data_ptr(), y.data_ptr(), m, n, k, threads):
+        if self._fns[w.dtype](x32.data_ptr(), w.data_ptr(), y.data_ptr(), m, n, k, threads):
             raise ValueError(f"few_rows_gemm takes 1..{self.max_rows} rows, got {m}")
-        return y
+        return y.to(x.dtype)
 
 
 def _probe(gemm: FewRowsGemm) -> str | None:
-    """Why the kernel disagrees with ``F.linear`` on every row count (odd sizes: the K and N tails, several
-    threads), or None when it agrees."""
+    """Why the kernel disagrees with ``F.linear`` in fp32 on every row count and weight dtype (odd sizes:
+    the K and N tails, several threads), or None when it agrees."""
     gen = torch.Generator().manual_seed(0)
     w = torch.randn(1000, 1051, generator=gen)  # 1000 x 1051 > PARALLEL_MIN_WEIGHTS: the threaded split too
-    for m in range(1, gemm.max_rows + 1):
-        x = torch.randn(m, 1051, generator=gen)
-        got, want = gemm(x, w), F.linear(x, w)
-        if not torch.allclose(got, want, rtol=1e-4, atol=1e-3):
-            return f"disagrees with F.linear for {m} rows (max error {(got - want).abs().max().item():.3g})"
+    for dtype in gemm.DTYPES:
+        stored = w.to(dtype)
+        for m in range(1, gemm.max_rows + 1):
+            x = torch.randn(m, 1051, generator=gen)
+            got, want = gemm(x, stored), F.linear(x, stored.float())
+            if not torch.allclose(got, want, rtol=1e-4, atol=1e-3):
+                error = (got - want).abs().max().item()
+                return f"disagrees with F.linear for {m} rows of {dtype} weights (max error {error:.3g})"
     return None
 
 
@@ -82,12 +89,12 @@ def load_few_rows_gemm(kernel_dir: str = "", cache_dir: str = "") -> FewRowsGemm
 def few_rows_gemm_for(
     device: torch.device, dtype: torch.dtype, kernel_dir: str = "", cache_dir: str = ""
 ) -> tuple[FewRowsGemm | None, str]:
-    """(the kernel, "") for an fp32 model on the CPU, else (None, why not); a kernel that cannot be built
-    or loaded is also logged as a warning with the whole reason (compiler output included)."""
+    """(the kernel, "") for an fp32 or bf16 model on the CPU, else (None, why not); a kernel that cannot be
+    built or loaded is also logged as a warning with the whole reason (compiler output included)."""
     if device.type != "cpu":
         return None, f"not a CPU: {device.type}"
-    if dtype != torch.float32:
-        return None, f"{str(dtype).removeprefix('torch.')} weights; the few-rows kernel is fp32"
+    if dtype not in FewRowsGemm.DTYPES:
+        return None, f"{str(dtype).removeprefix('torch.')} weights; the few-rows kernel takes fp32 and bf16"
     try:
         return load_few_rows_gemm(kernel_dir, cache_dir), ""
     except CpuKernelUnavailable as exc:
