@@ -1,4 +1,5 @@
-"""The on-disk cache of what the node compiles on the robot at startup (CUDA cubins, the CPU GEMM library).
+"""What the node compiles on the robot at startup (CUDA cubins, the CPU GEMM library): the compiler run and
+the on-disk cache.
 
 Compiling costs seconds to minutes on a Jetson, so every build is cached under a key its builder derives
 from everything that changes the binary. A cache file carries a header (magic, payload length, SHA-256 of
@@ -12,7 +13,9 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import subprocess
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 _log = logging.getLogger(__name__)
@@ -86,6 +89,25 @@ def write_cached(path: Path, payload: bytes) -> None:
         atomic_write(path, pack(payload))
     except OSError as exc:
         _log.warning("could not write kernel cache %s (%s); continuing without caching", path, exc)
+
+
+def run_compiler(
+    argv: Callable[[Path], list[str]], output: str, what: str, error: type[Exception], timeout_s: float
+) -> bytes:
+    """The bytes of ``output`` written by the compiler command ``argv(path)`` in a temporary directory (no
+    cache); ``error`` naming ``what``, with the command and the compiler's own messages, when it cannot run
+    or fails."""
+    with tempfile.TemporaryDirectory(prefix="orin_vlm_build_") as tmp:
+        out = Path(tmp) / output
+        cmd = argv(out)
+        try:
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, check=False)
+        except (OSError, subprocess.TimeoutExpired) as exc:
+            raise error(f"{Path(cmd[0]).name} failed to run for {what}: {exc}") from exc
+        if proc.returncode or not out.is_file():
+            log = (proc.stderr + proc.stdout).strip()
+            raise error(f"{Path(cmd[0]).name} could not compile {what}:\n$ {' '.join(cmd)}\n{log}")
+        return out.read_bytes()
 
 
 def cache_writable(cache_dir: Path) -> str | None:

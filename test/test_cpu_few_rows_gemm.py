@@ -76,6 +76,16 @@ def test_a_non_contiguous_input_is_taken(gemm):
     torch.testing.assert_close(gemm(x.t(), w), F.linear(x.t(), w), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize(
+    "w",
+    [torch.randn(16, 8).t(), torch.randn(8, 16).half(), torch.randn(8, 15)],
+    ids=["transposed", "fp16", "other_k"],
+)
+def test_a_weight_the_kernel_cannot_read_raw_is_refused(gemm, w):
+    with pytest.raises(ValueError, match="contiguous fp32/bf16"):
+        gemm(torch.randn(2, 16), w)
+
+
 @pytest.mark.parametrize("rows", [0, 9])
 def test_row_counts_outside_the_kernel_are_refused(gemm, rows):
     with pytest.raises(ValueError, match="takes 1..8 rows"):

@@ -22,7 +22,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from ..artifact_cache import read_cached, write_cached
+from ..artifact_cache import read_cached, run_compiler, write_cached
 
 _log = logging.getLogger(__name__)
 
@@ -73,17 +73,13 @@ def library_key(source: Path, cxx: str) -> str:
 
 def compile_library(source: Path, cxx: str) -> bytes:
     """The shared library built from ``source`` (no cache)."""
-    with tempfile.TemporaryDirectory(prefix="orin_vlm_cxx_") as tmp:
-        out = Path(tmp) / f"{source.stem}.so"
-        cmd = [cxx, *FLAGS, "-o", str(out), str(source)]
-        try:
-            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=COMPILE_TIMEOUT_S, check=False)
-        except (OSError, subprocess.TimeoutExpired) as exc:
-            raise CpuKernelUnavailable(f"{cxx} failed to run for {source.name}: {exc}") from exc
-        if proc.returncode or not out.is_file():
-            log = (proc.stderr + proc.stdout).strip()
-            raise CpuKernelUnavailable(f"{cxx} could not compile {source.name}:\n$ {' '.join(cmd)}\n{log}")
-        return out.read_bytes()
+    return run_compiler(
+        lambda out: [cxx, *FLAGS, "-o", str(out), str(source)],
+        f"{source.stem}.so",
+        source.name,
+        CpuKernelUnavailable,
+        COMPILE_TIMEOUT_S,
+    )
 
 
 def build_library(source: Path, cache_dir: Path) -> tuple[bytes, bool]:

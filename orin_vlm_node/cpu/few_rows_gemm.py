@@ -41,12 +41,16 @@ class FewRowsGemm:
         self.origin = origin  # "compiled in 1.2 s" / "from the cache", for the log and diagnostics
 
     def __call__(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        """(m, k) x (n, k) -> (m, n); CPU tensors, ``w`` contiguous (the caller keeps to both)."""
+        """(m, k) x (n, k) -> (m, n); CPU tensors."""
+        fn = self._fns.get(w.dtype)
+        if fn is None or not w.is_contiguous() or w.shape[1] != x.shape[1]:  # the kernel reads w's memory raw
+            raise ValueError(f"few_rows_gemm takes a contiguous fp32/bf16 (n, {x.shape[1]}) weight, got "
+                             f"{w.dtype} {tuple(w.shape)} strides {w.stride()}")  # fmt: skip
         x32 = x.to(torch.float32).contiguous()  # no copy for a contiguous fp32 x
         (m, k), n = x32.shape, w.shape[0]
         y = torch.empty(m, n)
         threads = torch.get_num_threads() if n * k >= PARALLEL_MIN_WEIGHTS else 1
-        if self._fns[w.dtype](x32.data_ptr(), w.data_ptr(), y.data_ptr(), m, n, k, threads):
+        if fn(x32.data_ptr(), w.data_ptr(), y.data_ptr(), m, n, k, threads):
             raise ValueError(f"few_rows_gemm takes 1..{self.max_rows} rows, got {m}")
         return y.to(x.dtype)
 

@@ -19,13 +19,12 @@ import os
 import re
 import shutil
 import subprocess
-import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..artifact_cache import default_cache_dir, read_cached, write_cached
+from ..artifact_cache import default_cache_dir, read_cached, run_compiler, write_cached
 
 _log = logging.getLogger(__name__)
 
@@ -161,17 +160,12 @@ def cached_cubins(cache_dir: Path) -> list[Path]:
 def compile_cubin(module: str, cfg: BuildConfig, nvcc: str) -> bytes:
     """Run nvcc on ``kernels/<module>.cu`` for ``cfg.arch`` and return the cubin bytes (no cache)."""
     src = Path(cfg.kernel_dir) / f"{module}.cu"
-    with tempfile.TemporaryDirectory(prefix="orin_vlm_nvcc_") as tmp:
-        out = Path(tmp) / f"{module}.cubin"
-        cmd = [nvcc, "-cubin", f"-arch={cfg.arch}", *cfg.flags, "-I", str(cfg.kernel_dir), "-o", str(out), str(src)]
-        try:
-            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=COMPILE_TIMEOUT_S, check=False)
-        except (OSError, subprocess.TimeoutExpired) as exc:
-            raise KernelBuildError(f"nvcc failed to run for {src.name} ({cfg.arch}): {exc}") from exc
-        if proc.returncode or not out.is_file():
-            log = (proc.stderr + proc.stdout).strip()
-            raise KernelBuildError(f"nvcc could not compile {src.name} for {cfg.arch}:\n$ {' '.join(cmd)}\n{log}")
-        return out.read_bytes()
+
+    def argv(out: Path) -> list[str]:
+        return [nvcc, "-cubin", f"-arch={cfg.arch}", *cfg.flags, "-I", str(cfg.kernel_dir), "-o", str(out), str(src)]
+
+    what = f"{src.name} for {cfg.arch}"
+    return run_compiler(argv, f"{module}.cubin", what, KernelBuildError, COMPILE_TIMEOUT_S)
 
 
 def build_module(module: str, cfg: BuildConfig) -> CompiledModule:
