@@ -21,6 +21,8 @@
 
 namespace {
 
+constexpr int kMaxRows = 8;  // the row counts `rows` has tiles for
+
 typedef float v8 __attribute__((vector_size(32)));
 typedef uint16_t u16x8 __attribute__((vector_size(16)));
 typedef uint32_t u32x8 __attribute__((vector_size(32)));
@@ -128,7 +130,7 @@ void rows(const float *x, const W *w, float *y, int m, int n, int k, int n0, int
 // contiguous chunks (multiples of 120, a multiple of every tile's NR), the first computed by the caller.
 template <typename W>
 int gemm(const float *x, const W *w, float *y, int m, int n, int k, int threads) {
-  if (m < 1 || m > 8) return -1;
+  if (m < 1 || m > kMaxRows) return -1;
   if (threads < 1) threads = 1;
   const int align = 120;
   const int chunk = ((n + threads - 1) / threads + align - 1) / align * align;
@@ -150,9 +152,9 @@ int gemm(const float *x, const W *w, float *y, int m, int n, int k, int threads)
 
 extern "C" {
 
-int few_rows_gemm_max_rows() { return 8; }
+int few_rows_gemm_max_rows() { return kMaxRows; }
 
-// Return 0, or -1 when m is outside 1..8 (nothing written).
+// Return 0, or -1 when m is outside 1..few_rows_gemm_max_rows() (nothing written).
 int few_rows_gemm_f32(const float *x, const float *w, float *y, int m, int n, int k, int threads) {
   return gemm(x, w, y, m, n, k, threads);
 }

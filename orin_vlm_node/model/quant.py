@@ -139,7 +139,7 @@ class QuantizedLinear(nn.Module):
 
 def weight_bytes(model: nn.Module) -> int:
     """Bytes of the model's weights as stored: parameters (tied ones once) and the weights modules keep
-    outside parameters (quantized, or packed for the CPU: every such module has ``nbytes``)."""
+    outside parameters (quantized: every such module has ``nbytes``)."""
     params = {id(p): p.numel() * p.element_size() for p in model.parameters()}
     stored = sum(m.nbytes for m in model.modules() if getattr(m, "weight", 0) is None and hasattr(m, "nbytes"))
     return sum(params.values()) + stored
