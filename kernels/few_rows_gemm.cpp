@@ -16,8 +16,6 @@
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
-#include <thread>
-#include <vector>
 
 namespace {
 
@@ -127,24 +125,22 @@ void rows(const float *x, const W *w, float *y, int m, int n, int k, int n0, int
 }
 
 // x (m, k) fp32, w (n, k), y (m, n) fp32, all contiguous. The weight rows are split into `threads`
-// contiguous chunks (multiples of 120, a multiple of every tile's NR), the first computed by the caller.
+// contiguous chunks (multiples of 120, a multiple of every tile's NR), one per OpenMP thread. The library
+// is linked with -fopenmp against libgomp.so.1, which resolves to the runtime torch already loaded, so the
+// chunks run on torch's own worker threads: a thread of our own would compete with those workers, which
+// spin for a while after every torch op (two threads were slower than one between torch ops).
 template <typename W>
 int gemm(const float *x, const W *w, float *y, int m, int n, int k, int threads) {
   if (m < 1 || m > kMaxRows) return -1;
   if (threads < 1) threads = 1;
   const int align = 120;
   const int chunk = ((n + threads - 1) / threads + align - 1) / align * align;
-  std::vector<std::thread> workers;
-  for (int n0 = chunk; n0 < n; n0 += chunk) {
-    const int n1 = n0 + chunk < n ? n0 + chunk : n;
-    try {
-      workers.emplace_back(rows<W>, x, w, y, m, n, k, n0, n1);
-    } catch (...) {  // no thread to be had: the caller computes the chunk
-      rows(x, w, y, m, n, k, n0, n1);
-    }
+  const int chunks = (n + chunk - 1) / chunk;
+#pragma omp parallel for num_threads(chunks) schedule(static, 1) if (chunks > 1)
+  for (int c = 0; c < chunks; ++c) {
+    const int n0 = c * chunk;
+    rows(x, w, y, m, n, k, n0, n0 + chunk < n ? n0 + chunk : n);
   }
-  rows(x, w, y, m, n, k, 0, chunk < n ? chunk : n);
-  for (auto &t : workers) t.join();
   return 0;
 }
 

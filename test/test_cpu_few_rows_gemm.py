@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import shutil
 import subprocess
+import threading
 from pathlib import Path
 
 import pytest
@@ -69,6 +70,30 @@ def test_a_row_is_bit_identical_alone_and_in_any_batch(gemm, threads, num_thread
     for m in range(2, gemm.max_rows + 1):
         assert torch.equal(gemm(x[:m], w), alone[:m]), m
         assert torch.equal(gemm(x[:m].flip(0), w), alone[:m].flip(0)), m  # another position in the batch
+
+
+@pytest.mark.skipif(not Path("/proc/self/maps").is_file(), reason="needs /proc/self/maps (Linux)")
+def test_the_library_runs_on_torchs_openmp_runtime_not_a_second_one(gemm, threads):
+    """Its parallel loop must share torch's worker threads: a second runtime's threads would compete with
+    torch's, which spin after every torch op (the reason the kernel is built with -fopenmp)."""
+    threads(2)
+    gemm(torch.randn(1, 1024), torch.randn(1200, 1024))  # threaded: the runtime is in use
+    mapped = Path("/proc/self/maps").read_text().splitlines()
+    runtimes = {line.split()[-1] for line in mapped if "/libgomp" in line or "/libomp" in line or "/libiomp" in line}
+    assert len(runtimes) == 1, runtimes
+
+
+def test_a_call_from_another_thread_splits_and_computes_the_same(gemm, threads):
+    """The engine multiplies on its generation thread, not the one that loaded the library."""
+    threads(2)
+    gen = torch.Generator().manual_seed(2)
+    w, x = torch.randn(1210, 1000, generator=gen) * 0.05, torch.randn(3, 1000, generator=gen)
+    results = []
+    worker = threading.Thread(target=lambda: results.append(gemm(x, w)))
+    worker.start()
+    worker.join()
+    assert torch.equal(results[0], gemm(x, w))
+    torch.testing.assert_close(results[0], F.linear(x, w), rtol=1e-5, atol=1e-5)
 
 
 def test_a_non_contiguous_input_is_taken(gemm):

@@ -6,6 +6,11 @@ Jetson's Cortex-A78AE), which a portable binary could not. The cache key covers 
 what ``-march=native`` resolves to on this machine (the compiler's own driver line, which names its version
 and the target CPU and features), so another compiler, CPU or board rebuilds. Cache files are verified and
 written atomically (``artifact_cache``).
+
+``-fopenmp`` links the library against ``libgomp.so.1``; loaded into a process where torch has loaded its
+own ``libgomp.so.1`` (the CPU wheels, JetPack's builds), the dynamic linker binds both to that one
+runtime, so a kernel's parallel loop runs on torch's intra-op worker threads instead of competing with
+them.
 """
 
 from __future__ import annotations
@@ -26,7 +31,7 @@ from ..artifact_cache import read_cached, run_compiler, write_cached
 
 _log = logging.getLogger(__name__)
 
-FLAGS: tuple[str, ...] = ("-O3", "-march=native", "-ffp-contract=off", "-std=c++17", "-fPIC", "-shared", "-pthread")
+FLAGS: tuple[str, ...] = ("-O3", "-march=native", "-ffp-contract=off", "-std=c++17", "-fPIC", "-shared", "-fopenmp")
 COMPILERS = ("c++", "g++", "clang++")
 COMPILE_TIMEOUT_S = 300
 

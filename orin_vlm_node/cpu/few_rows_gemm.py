@@ -19,14 +19,14 @@ from .build import CpuKernelUnavailable, build_library, load_library
 _log = logging.getLogger(__name__)
 
 SOURCE = "few_rows_gemm.cpp"
-# Below this many weight elements one thread is faster than starting others (a thread costs ~20 us).
+# Below this many weight elements one thread is faster than handing chunks to torch's OpenMP workers.
 PARALLEL_MIN_WEIGHTS = 1 << 20
 
 
 class FewRowsGemm:
     """The loaded library: ``gemm(x (m, k), w (n, k)) -> (m, n)`` in ``x``'s dtype, 1 <= m <= ``max_rows``,
     ``w`` contiguous in one of ``DTYPES``, accumulation in fp32; the weight rows split over torch's
-    intra-op thread count."""
+    intra-op threads (its OpenMP runtime, which the library shares)."""
 
     DTYPES = (torch.float32, torch.bfloat16)
 
