@@ -19,6 +19,7 @@ from .base import ExtraKeys, KVCache, StaticDecodeBuffers, check_step_shapes, pa
 from .config import KVCacheConfig, plan_pool
 from .errors import PoolExhausted
 from .reference import causal_attention, masked_decode_attention
+from .storage import allocate_kv_storage
 
 _log = logging.getLogger(__name__)
 
@@ -43,8 +44,8 @@ class ContiguousKVCache(KVCache):
             _log.info("ContiguousKVCache: prefix caching requested but not supported; disabled")
         C, nkv, hd = config.max_context_tokens, config.num_kv_heads, config.head_dim
         # (2 = K/V, layers, slabs, max_context, nkv, hd); slab row s is sequence storage.
-        self.kv_storage = torch.zeros(
-            (2, config.num_layers, self.num_slabs, C, nkv, hd), dtype=config.dtype, device=config.device
+        self.kv_storage = allocate_kv_storage(
+            (2, config.num_layers, self.num_slabs, C, nkv, hd), config.dtype, config.device
         )
         self._free: deque[int] = deque(range(self.num_slabs))
         self._seqs: dict[int, _Seq] = {}

@@ -32,6 +32,7 @@ from .config import KVCacheConfig, plan_pool
 from .errors import PoolExhausted
 from .paged_step import PagedStaticDecode, PagedStep
 from .prefix_hash import block_extras, block_hash, normalize_extra_keys, normalize_tokens
+from .storage import allocate_kv_storage
 
 _log = logging.getLogger(__name__)
 
@@ -62,7 +63,7 @@ class PagedKVCache(KVCache):
         self._prefix_enabled = config.prefix_caching
         shape = (2, config.num_layers, self.num_blocks, self.page_size, config.num_kv_heads, config.head_dim)
         # Zero-filled, not empty: a masked slot contributes weight 0, and 0 * NaN-garbage would be NaN.
-        self.kv_storage = torch.zeros(shape, dtype=config.dtype, device=config.device)
+        self.kv_storage = allocate_kv_storage(shape, config.dtype, config.device)
         # Per-layer views made once: indexing the storage again for every layer of every step costs dispatch.
         self._pools = [(self.kv_storage[0, layer], self.kv_storage[1, layer]) for layer in range(config.num_layers)]
         self._seqs: dict[int, _Seq] = {}
