@@ -37,8 +37,9 @@ forget cached prefixes: call it after weights change); ``match_prefix(ids, extra
 change); ``set_prefix_caching(bool)`` (runtime switch, returns the effective state; always False for
 contiguous); ``block_table(seq)``; ``stats()`` (blocks used/free/cached, tokens stored, internal
 fragmentation, ``kv_bytes_in_use`` vs ``pool_bytes``, prefix hits/misses); ``kv_storage`` (the one
-tensor that holds every K and V; on the CPU in huge pages, :mod:`.storage`). Paged only: ``k_pool(layer)``/``v_pool(layer)``. Both: ``plan`` (the
-chosen :class:`PoolPlan`, with the reason for its size). :func:`~.memory.device_memory` says how much
+tensor that holds every K and V; on the CPU in huge pages, :mod:`.storage`). Paged only:
+``k_pool(layer)``/``v_pool(layer)``. Both: ``plan`` (the chosen :class:`PoolPlan`, with the reason for its
+size). :func:`~.memory.device_memory` says how much
 memory a pool may take on a device (``MemAvailable`` on a Jetson, whose GPU shares system memory).
 
 Static (CUDA-graph) decode: the engine keeps its own token/position tensors and one

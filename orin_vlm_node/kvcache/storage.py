@@ -32,7 +32,7 @@ def allocate_kv_storage(shape: tuple[int, ...], dtype: torch.dtype, device: torc
     device = torch.device(device)
     if device.type != "cpu" or not hasattr(mmap, "MADV_HUGEPAGE"):
         return torch.zeros(shape, dtype=dtype, device=device)
-    nbytes = math.prod(shape) * torch.empty((), dtype=dtype, device="meta").element_size()
+    nbytes = math.prod(shape) * dtype.itemsize
     if nbytes < HUGE_PAGE:
         return torch.zeros(shape, dtype=dtype)
     # Anonymous memory, one huge page longer than needed so that the tensor can start on a 2 MB boundary
