@@ -39,8 +39,8 @@ contiguous); ``block_table(seq)``; ``stats()`` (blocks used/free/cached, tokens 
 fragmentation, ``kv_bytes_in_use`` vs ``pool_bytes``, prefix hits/misses); ``kv_storage`` (the one
 tensor that holds every K and V; on the CPU in huge pages, :mod:`.storage`). Paged only:
 ``k_pool(layer)``/``v_pool(layer)``. Both: ``plan`` (the chosen :class:`PoolPlan`, with the reason for its
-size). :func:`~.memory.device_memory` says how much
-memory a pool may take on a device (``MemAvailable`` on a Jetson, whose GPU shares system memory).
+size). :func:`~.memory.device_memory` says how much memory a pool may take on a device (``MemAvailable`` on
+a Jetson, whose GPU shares system memory).
 
 Static (CUDA-graph) decode: the engine keeps its own token/position tensors and one
 :class:`StaticDecodeBuffers` (slots, lengths, block-table rows of up to ``batch`` sequences) from
