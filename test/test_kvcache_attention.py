@@ -137,14 +137,18 @@ def test_paged_on_cuda_matches_cpu_reference(page_size):
         torch.testing.assert_close(out[layer], causal_attention(q[layer], k[layer], v[layer], 0), rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("num_q", [1, 5])
 @pytest.mark.parametrize("layout", ["consecutive", "shuffled"])
-def test_torch_paged_attend_reads_consecutive_and_scattered_pages_alike(layout):
-    """Every run of consecutive blocks is read in place, one softmax over all runs: one run gives exactly the
-    contiguous result, scattered blocks the same up to float rounding."""
+def test_torch_paged_attend_reads_consecutive_and_scattered_pages_alike(layout, num_q):
+    """A decode query reads every run of consecutive blocks in place, one softmax over all runs: one run
+    gives exactly the contiguous result, scattered blocks the same up to float rounding. A multi-token step
+    (the CPU's fused kernel) takes the runs as one tensor: exactly the contiguous result either way. Both
+    agree with the reference formula to float rounding."""
     from orin_vlm_node.kvcache.attention import StepBlocks, TorchPagedAttention, block_runs
+    from orin_vlm_node.kvcache.fused_prefill import step_attention, uses_fused_prefill
 
     gen = torch.Generator().manual_seed(5)
-    page, nkv, nq, hd, kv_len, num_q = 4, 2, 4, 8, 23, 5
+    page, nkv, nq, hd, kv_len = 4, 2, 4, 8, 23
     blocks_needed = -(-kv_len // page)
     k = torch.randn(kv_len, nkv, hd, generator=gen)
     v = torch.randn(kv_len, nkv, hd, generator=gen)
@@ -163,5 +167,7 @@ def test_torch_paged_attend_reads_consecutive_and_scattered_pages_alike(layout):
     blocks = StepBlocks(padded, block_runs(table.tolist()))
     assert (len(blocks.runs) == 1) == (layout == "consecutive")
     out = impl.attend(q, k_pool, v_pool, blocks, kv_len - num_q, kv_len)
-    tol = 0 if layout == "consecutive" else 1e-6
-    torch.testing.assert_close(out, causal_attention(q, k, v, kv_len - num_q), rtol=tol, atol=tol)
+    assert uses_fused_prefill(q) == (num_q > 1)
+    tol = 0 if layout == "consecutive" or num_q > 1 else 1e-6
+    torch.testing.assert_close(out, step_attention(q, [k], [v], kv_len - num_q), rtol=tol, atol=tol)
+    torch.testing.assert_close(out, causal_attention(q, k, v, kv_len - num_q), rtol=1e-6, atol=1e-6)

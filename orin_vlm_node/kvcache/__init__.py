@@ -56,7 +56,8 @@ and attends to nothing.
 Attention backends: :class:`PagedKVCache` delegates tensor work to a :class:`PagedAttentionImpl`
 (``write_kv`` / ``attend`` / ``attend_decode``, documented in :mod:`.attention`); the torch
 :class:`TorchPagedAttention` is the default and :func:`causal_attention` in :mod:`.reference` (HF eager
-numerics: fp32 softmax, GQA) is the ground truth for both caches and for kernels.
+numerics: fp32 softmax, GQA) is the ground truth for both caches and for kernels. On the CPU both caches
+run multi-token steps (prefill pieces) through torch's fused attention kernel (:mod:`.fused_prefill`).
 
 Errors: :class:`PoolExhausted` (out of blocks, nothing changed), :class:`ContextLimitExceeded` (a
 ValueError: the sequence would pass ``max_context_tokens``), ValueError for bad arguments.

@@ -36,7 +36,8 @@ from typing import Protocol
 
 import torch
 
-from .reference import causal_attention_parts, masked_decode_attention
+from .fused_prefill import step_attention
+from .reference import masked_decode_attention
 
 
 @dataclass(frozen=True)
@@ -103,10 +104,12 @@ class PagedAttentionImpl(Protocol):
 class TorchPagedAttention:
     """Reference implementation on torch ops: each run of consecutive blocks is read in place as one view.
 
-    :meth:`attend` (prefill and the dynamic decode step) never copies K/V: one product per run, one
-    softmax over all of them. :meth:`attend_decode` (the static step a CUDA graph replays) cannot follow
-    a table that changes between replays without a kernel, so it gathers the bucket's blocks, as the
-    contiguous cache gathers its slab there; the CUDA kernels read in place on both paths.
+    :meth:`attend` (prefill and the dynamic decode step): a single-query step never copies K/V, one
+    product per run and one softmax over all of them; a multi-token step on the CPU goes through torch's
+    fused kernel (:mod:`.fused_prefill`), which takes the runs as one tensor. :meth:`attend_decode` (the
+    static step a CUDA graph replays) cannot follow a table that changes between replays without a kernel,
+    so it gathers the bucket's blocks, as the contiguous cache gathers its slab there; the CUDA kernels
+    read in place on both paths.
     """
 
     name = "torch"
@@ -141,7 +144,7 @@ class TorchPagedAttention:
                 break
         if left:
             raise ValueError(f"the runs cover {kv_len - left} of kv_len={kv_len} slots")
-        return causal_attention_parts(q, k_parts, v_parts, q_start)
+        return step_attention(q, k_parts, v_parts, q_start)
 
     def attend_decode(
         self,

@@ -18,7 +18,8 @@ from .attention import PagedAttentionImpl
 from .base import ExtraKeys, KVCache, StaticDecodeBuffers, check_step_shapes, padded_writes
 from .config import KVCacheConfig, plan_pool
 from .errors import PoolExhausted
-from .reference import causal_attention, masked_decode_attention
+from .fused_prefill import step_attention
+from .reference import masked_decode_attention
 from .storage import allocate_kv_storage
 
 _log = logging.getLogger(__name__)
@@ -192,7 +193,7 @@ class _ContiguousStep:
         kv[1, layer, self._slab, self._start : end] = v
         k_all = kv[0, layer, self._slab, :end].to(q.dtype)
         v_all = kv[1, layer, self._slab, :end].to(q.dtype)
-        return causal_attention(q, k_all, v_all, self._start)
+        return step_attention(q, [k_all], [v_all], self._start)
 
 
 class _ContiguousStaticDecode:

@@ -1,4 +1,5 @@
-"""Torch attention: the ground truth every KV backend and kernel is compared against, and the CPU path.
+"""Torch attention: the ground truth every KV backend and kernel is compared against, and the torch path of
+single-query (decode) steps; multi-token steps on the CPU take torch's fused kernel (:mod:`.fused_prefill`).
 
 It follows the transformers "eager" attention of Qwen3 (scores in the input dtype, the additive causal
 mask, softmax in fp32, cast back to the input dtype before the product with V) so that a model running
