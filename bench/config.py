@@ -23,6 +23,7 @@ class BenchConfig:
     warmup: int = 1
     # engine vs transformers
     max_new_tokens: int = 128  # default model; fixed-length answers (ignore_eos)
+    ttft_repeats: int = 30  # default model: alternating pairs of one-token answers for the TTFT figures
     big_max_new_tokens: int = 64  # 2B-shape checkpoint, text prompt (about half a second per token on 1 core)
     big_image_max_new_tokens: int = 2  # 2B image prompt: TTFT only (its decode is the text prompt's again)
     big_repeats: int = 5
@@ -75,6 +76,7 @@ MEDIUM = replace(
     FULL,
     mode="medium",
     repeats=3,
+    ttft_repeats=15,
     big_repeats=2,
     big_dtypes=("bf16",),
     paged_repeats=2,
@@ -88,6 +90,7 @@ QUICK = replace(
     mode="quick",
     repeats=2,
     warmup=0,
+    ttft_repeats=2,
     max_new_tokens=4,
     big_checkpoint=False,
     image_size=(64, 64),
