@@ -91,7 +91,10 @@ class FewRowsLinear(nn.Module):
 
     def extra_repr(self) -> str:
         out_features, in_features = self.matrix.shape
-        return f"in_features={in_features}, out_features={out_features}, few_rows_gemm<={self.gemm.max_rows}"
+        return (
+            f"in_features={in_features}, out_features={out_features}, few_rows_gemm<={KERNEL_ROWS} "
+            f"(pieces of {self.gemm.max_rows}), blocks of {BLOCK_ROWS} above"
+        )
 
 
 def use_few_rows_gemm(model: nn.Module, gemm: RowsGemm) -> str:
