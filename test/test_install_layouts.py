@@ -88,7 +88,7 @@ def test_ros_files_are_where_ros2_looks(layout, request):
         "paged_kv_write.cu",
         "attention_common.cuh",
         "compat.cuh",
-        "few_rows_gemm.cpp",
+        "cpu_gemm.cpp",
     }
     assert (_site_packages(prefix) / PACKAGE / "default_model" / "model.safetensors").is_file()
 
@@ -138,14 +138,14 @@ def test_the_install_builds_its_cpu_kernel_from_outside_the_checkout(layout, req
     """The CPU decode path's GEMM is compiled from the install's own ``share/.../kernels`` at startup."""
     prefix: Path = request.getfixturevalue(layout)
     code = (
-        "import sys; from orin_vlm_node.cpu import load_few_rows_gemm; import orin_vlm_node.cuda.sources as s; "
-        "print(s.find_kernel_sources().directory); print(load_few_rows_gemm(cache_dir=sys.argv[1]).origin)"
+        "import sys; from orin_vlm_node.cpu import load_cpu_gemm; import orin_vlm_node.cuda.sources as s; "
+        "print(s.find_kernel_sources().directory); print(load_cpu_gemm(cache_dir=sys.argv[1]).origin)"
     )
     proc = _run(["-c", code, str(tmp_path / "cache")], tmp_path, _site_packages(prefix), prefix)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     directory, origin = proc.stdout.split("\n")[:2]
     assert directory == str(prefix / "share" / PACKAGE / "kernels") and origin.startswith("compiled in")
-    assert list((tmp_path / "cache").glob("few_rows_gemm-*.so.cache"))
+    assert list((tmp_path / "cache").glob("cpu_gemm-*.so.cache"))
 
 
 def test_colcon_install_is_found_through_the_ament_index(colcon_prefix, tmp_path):

@@ -31,12 +31,12 @@ from typing import Any
 
 import torch
 
-from ..cpu import few_rows_gemm_for
+from ..cpu import cpu_gemm_for
 from ..cuda import KernelsUnavailable, quant_gemv
 from ..kvcache import KVCache, build_kv_cache, check_page_size
 from ..model import load_model
 from ..model.config import ModelConfig
-from ..model.cpu_linear import use_few_rows_gemm
+from ..model.cpu_linear import use_cpu_gemm
 from ..model.errors import CheckpointError
 from ..model.quant import weight_bytes
 from ..processing import ChatTemplate, ImageProcessor, ProcessingError, Tokenizer
@@ -120,8 +120,8 @@ class Engine:
         self.device = resolve_device(cfg.device)
         self.dtype = resolve_dtype(cfg.dtype, self.device, self.model_config.torch_dtype)
         self.model = load_model(cfg.model_dir, dtype=self.dtype, device=self.device, quant=cfg.quant).eval()
-        gemm, why = few_rows_gemm_for(self.device, self.dtype, cfg.kernel_dir, cfg.kernel_cache_dir)
-        self._float_path = use_few_rows_gemm(self.model, gemm) if gemm is not None else f"F.linear ({why})"
+        gemm, why = cpu_gemm_for(self.device, self.dtype, cfg.kernel_dir, cfg.kernel_cache_dir)
+        self._float_path = use_cpu_gemm(self.model, gemm) if gemm is not None else f"F.linear ({why})"
         self.weight_bytes = weight_bytes(self.model)
         log.info("model %s loaded on %s as %s (weights: %s, %.1f MB)", cfg.model_dir, self.device, self.dtype,
                  cfg.weight_quant, self.weight_bytes / 1e6)  # fmt: skip

@@ -1,0 +1,315 @@
+// y = x @ w.T on the CPU, weights fp32 or bf16 (widened in registers), activations and sums fp32. Two kernels:
+// few rows (1..8, a decode step: the weight read once for all rows, dot products along k) and many rows (a
+// prefill: the weight packed into k-major panels, activations broadcast, the classic GEMM micro-kernel).
+//
+// Few rows. A decode step multiplies a few activation rows (one per sequence of the batch) by large weight matrices,
+// so it is bound by reading the weights. BLAS small-M GEMMs read the weight once per row on some CPUs
+// (four rows cost four times one), which makes batching several requests worthless; here every block of
+// NR weight rows is loaded once into registers and multiplied by MR activation rows, so four rows cost
+// about 1.3 times one on a 2B-shape projection (docs/architecture.md, bench/README.md).
+//
+// Batch invariance: every output element is summed in the same order whatever the row count, the tile or
+// the thread split (8-lane fused multiply-add partial sums over K in steps of 8, a fixed pairwise reduction
+// of the lanes, then the K tail), so a sequence's logits are bit-identical alone and in a batch.
+//
+// Many rows. A prefill has tens to thousands of rows, so it is bound by arithmetic, not by the weight: the
+// dot-product tiles above sustain about 40 GFLOP/s on one AVX2 core (their accumulators, weights and
+// activation vectors fill the 16 registers, and the activation rows come from L2 for every weight block),
+// and torch's GEMM on the same CPU 50..70 after it has packed (and, for bf16, widened) every weight block.
+// Here each panel of 16 weight rows x 512 k is widened and transposed once into an L1-resident buffer
+// (k-major: one k is two 8-float vectors of outputs) and multiplied by the activations in groups of 6 rows
+// (packed once per call, k-major too): per k, two panel loads, six broadcasts and twelve fused
+// multiply-adds into twelve accumulator registers, which keeps both FMA pipes busy (80+ GFLOP/s; 2B-shape
+// gate+up in bf16, one thread: 24 rows 19 ms against 34 ms through the few-rows tiles or torch's blocks).
+// Every output is a chain of fused multiply-adds over each panel's 512 k, the panels' sums added in k order
+// (as BLAS kernels do: shorter chains, smaller rounding error than one over all of k), so a row's result
+// does not depend on the row count, its group or the thread split either; its order differs from the
+// few-rows kernel's, so decode steps always take the few-rows kernel (model/cpu_linear.py).
+//
+// Compiled on the machine that runs it (node startup, cached) with GCC/Clang vector extensions: 8-float
+// vectors become AVX/AVX2 registers on x86-64 and pairs of NEON registers on a Jetson's Arm cores.
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+
+namespace {
+
+constexpr int kMaxRows = 8;  // the row counts `rows` has tiles for
+
+typedef float v8 __attribute__((vector_size(32)));
+typedef uint16_t u16x8 __attribute__((vector_size(16)));
+typedef uint32_t u32x8 __attribute__((vector_size(32)));
+
+// bfloat16 is the upper half of a float32: weights in bf16 are stored as their 16 bits.
+struct bf16 {
+  uint16_t bits;
+};
+
+inline v8 load8(const float *p) {
+  v8 v;
+  std::memcpy(&v, p, sizeof v);  // unaligned load
+  return v;
+}
+
+inline v8 load8(const bf16 *p) {  // 8 bf16 widened exactly to fp32
+  u16x8 h;
+  std::memcpy(&h, p, sizeof h);
+  const u32x8 wide = __builtin_convertvector(h, u32x8) << 16;
+  v8 v;
+  std::memcpy(&v, &wide, sizeof v);
+  return v;
+}
+
+inline float widen(float v) { return v; }
+
+inline float widen(bf16 v) {
+  const uint32_t wide = uint32_t(v.bits) << 16;
+  float f;
+  std::memcpy(&f, &wide, sizeof f);
+  return f;
+}
+
+// c + a * b rounded once, spelled out: compilers contract a * b + c into an FMA in some loops and not in
+// others (GCC leaves a lone accumulator as multiply + add), which would make a row's sum depend on the tile,
+// so the library is built with -ffp-contract=off and every product goes through here.
+inline v8 fma8(v8 a, v8 b, v8 c) {
+#if defined(__FMA__) || defined(__aarch64__)
+  v8 r;
+#pragma GCC unroll 8
+  for (int i = 0; i < 8; ++i) r[i] = __builtin_fmaf(a[i], b[i], c[i]);
+  return r;
+#else  // no fused multiply-add in hardware (x86 before Haswell): a libm call per lane would crawl
+  return a * b + c;
+#endif
+}
+
+inline float lane_sum(v8 v) { return ((v[0] + v[4]) + (v[1] + v[5])) + ((v[2] + v[6]) + (v[3] + v[7])); }
+
+// MR activation rows x NR weight rows: y[m][r] = sum_k x[m][k] * w[r][k]. x rows are k apart, y rows n apart.
+template <int MR, int NR, typename W>
+inline void tile(const float *x, const W *w, float *y, int k, int n) {
+  v8 acc[MR][NR] = {};
+  int kk = 0;
+  for (; kk + 8 <= k; kk += 8) {
+    v8 wv[NR];
+#pragma GCC unroll 8
+    for (int r = 0; r < NR; ++r) wv[r] = load8(w + (size_t)r * k + kk);
+#pragma GCC unroll 8
+    for (int m = 0; m < MR; ++m) {
+      const v8 xv = load8(x + (size_t)m * k + kk);
+#pragma GCC unroll 8
+      for (int r = 0; r < NR; ++r) acc[m][r] = fma8(wv[r], xv, acc[m][r]);
+    }
+  }
+  for (int m = 0; m < MR; ++m) {
+    for (int r = 0; r < NR; ++r) {
+      float s = lane_sum(acc[m][r]);
+      for (int j = kk; j < k; ++j) s += x[(size_t)m * k + j] * widen(w[(size_t)r * k + j]);
+      y[(size_t)m * n + r] = s;
+    }
+  }
+}
+
+// Weight rows [n0, n1) in blocks of NR (the rest one by one); the activation rows in groups G... (each
+// group one tile, so the accumulators of a group fit the 16 vector registers).
+template <int NR, int... G, typename W>
+void weight_rows(const float *x, const W *w, float *y, int n, int k, int n0, int n1) {
+  for (; n0 + NR <= n1; n0 += NR) {
+    int m0 = 0;
+    ((tile<G, NR>(x + (size_t)m0 * k, w + (size_t)n0 * k, y + (size_t)m0 * n + n0, k, n), m0 += G), ...);
+  }
+  for (; n0 < n1; ++n0) {
+    int m0 = 0;
+    ((tile<G, 1>(x + (size_t)m0 * k, w + (size_t)n0 * k, y + (size_t)m0 * n + n0, k, n), m0 += G), ...);
+  }
+}
+
+// The tiles per row count, the fastest measured on 2B-shape projections (AVX2, one thread).
+template <typename W>
+void rows(const float *x, const W *w, float *y, int m, int n, int k, int n0, int n1) {
+  switch (m) {
+    case 1: weight_rows<8, 1>(x, w, y, n, k, n0, n1); return;
+    case 2: weight_rows<5, 2>(x, w, y, n, k, n0, n1); return;
+    case 3: weight_rows<4, 3>(x, w, y, n, k, n0, n1); return;
+    case 4: weight_rows<3, 4>(x, w, y, n, k, n0, n1); return;
+    case 5: weight_rows<2, 5>(x, w, y, n, k, n0, n1); return;
+    case 6: weight_rows<2, 6>(x, w, y, n, k, n0, n1); return;
+    case 7: weight_rows<2, 7>(x, w, y, n, k, n0, n1); return;
+    case 8: weight_rows<3, 4, 4>(x, w, y, n, k, n0, n1); return;
+  }
+}
+
+// x (m, k) fp32, w (n, k), y (m, n) fp32, all contiguous. The weight rows are split into `threads`
+// contiguous chunks (multiples of 120, a multiple of every tile's NR), one per OpenMP thread. The library
+// is linked with -fopenmp against libgomp.so.1, which resolves to the runtime torch already loaded, so the
+// chunks run on torch's own worker threads: a thread of our own would compete with those workers, which
+// spin for a while after every torch op (two threads were slower than one between torch ops).
+template <typename W>
+int gemm(const float *x, const W *w, float *y, int m, int n, int k, int threads) {
+  if (m < 1 || m > kMaxRows) return -1;
+  if (threads < 1) threads = 1;
+  const int align = 120;
+  const int chunk = ((n + threads - 1) / threads + align - 1) / align * align;
+  const int chunks = (n + chunk - 1) / chunk;
+#pragma omp parallel for num_threads(chunks) schedule(static, 1) if (chunks > 1)
+  for (int c = 0; c < chunks; ++c) {
+    const int n0 = c * chunk;
+    rows(x, w, y, m, n, k, n0, n0 + chunk < n ? n0 + chunk : n);
+  }
+  return 0;
+}
+
+
+// ---- Many rows ---------------------------------------------------------------------------------------
+
+constexpr int kPanelCols = 16;    // weight rows per panel: the two 8-float output vectors of one k
+constexpr int kPanelDepth = 512;  // k per panel: 16 x 512 fp32 = 32 KB (256 and 1024 measured slower)
+constexpr int kGroupRows = 6;     // activation rows per micro-kernel: 12 accumulators + 2 weights + 1 broadcast
+constexpr int kBlockRows = 192;   // activation rows per pass over the weight (a multiple of kGroupRows)
+
+inline void store8(float *p, v8 v) { std::memcpy(p, &v, sizeof v); }
+
+// r[i][j] -> r[j][i] for an 8 x 8 block of floats (unpack pairs, then quads, then 128-bit halves).
+inline void transpose8(v8 *r) {
+  v8 t[8], s[8];
+  for (int i = 0; i < 8; i += 2) {
+    t[i] = __builtin_shufflevector(r[i], r[i + 1], 0, 8, 1, 9, 4, 12, 5, 13);
+    t[i + 1] = __builtin_shufflevector(r[i], r[i + 1], 2, 10, 3, 11, 6, 14, 7, 15);
+  }
+  for (int i = 0; i < 8; i += 4) {
+    for (int j = 0; j < 2; ++j) {
+      s[i + 2 * j] = __builtin_shufflevector(t[i + j], t[i + j + 2], 0, 1, 8, 9, 4, 5, 12, 13);
+      s[i + 2 * j + 1] = __builtin_shufflevector(t[i + j], t[i + j + 2], 2, 3, 10, 11, 6, 7, 14, 15);
+    }
+  }
+  for (int i = 0; i < 4; ++i) {
+    r[i] = __builtin_shufflevector(s[i], s[i + 4], 0, 1, 2, 3, 8, 9, 10, 11);
+    r[i + 4] = __builtin_shufflevector(s[i], s[i + 4], 4, 5, 6, 7, 12, 13, 14, 15);
+  }
+}
+
+// panel[j][c] = w[c][j] for the `cols` weight rows at w (k apart) and j < depth; columns past `cols` are zero.
+// Full panels go 8 rows at a time over the whole depth: 16 rows k * 2 or 4 bytes apart share an L1 set
+// (strides of 4 KB), and walking all 16 along k together evicted each line before its next use.
+template <typename W>
+void pack_panel(const W *w, int k, int cols, int depth, float *panel) {
+  int j = 0;
+  if (cols == kPanelCols) {
+    for (int half = 0; half < kPanelCols; half += 8) {
+      for (j = 0; j + 8 <= depth; j += 8) {
+        v8 r[8];
+        for (int i = 0; i < 8; ++i) r[i] = load8(w + (size_t)(half + i) * k + j);
+        transpose8(r);
+        for (int i = 0; i < 8; ++i) store8(panel + (size_t)(j + i) * kPanelCols + half, r[i]);
+      }
+    }
+  }
+  for (; j < depth; ++j) {
+    for (int c = 0; c < kPanelCols; ++c) panel[(size_t)j * kPanelCols + c] = c < cols ? widen(w[(size_t)c * k + j]) : 0.f;
+  }
+}
+
+// y[m][c] (+)= sum_j xg[j][m] * panel[j][c] for MR rows and j < depth: `first` stores the sums, else adds
+// them to y (the previous panels of k). Only the first `cols` columns of y are touched.
+template <int MR>
+void micro(const float *panel, const float *xg, float *y, int n, int cols, int depth, bool first) {
+  v8 acc[MR][2] = {};
+  for (int j = 0; j < depth; ++j) {
+    const v8 w0 = load8(panel + (size_t)j * kPanelCols), w1 = load8(panel + (size_t)j * kPanelCols + 8);
+#pragma GCC unroll 8
+    for (int m = 0; m < MR; ++m) {
+      const float s = xg[(size_t)j * MR + m];
+      const v8 b = {s, s, s, s, s, s, s, s};
+      acc[m][0] = fma8(w0, b, acc[m][0]);
+      acc[m][1] = fma8(w1, b, acc[m][1]);
+    }
+  }
+  for (int m = 0; m < MR; ++m) {
+    float sums[kPanelCols];
+    store8(sums, acc[m][0]);
+    store8(sums + 8, acc[m][1]);
+    float *row = y + (size_t)m * n;
+    for (int c = 0; c < cols; ++c) row[c] = first ? sums[c] : row[c] + sums[c];
+  }
+}
+
+template <int... G>
+void micro_rows(int rows, const float *panel, const float *xg, float *y, int n, int cols, int depth, bool first) {
+  ((rows == G ? micro<G>(panel, xg, y, n, cols, depth, first) : void()), ...);
+}
+
+// x (m, k) -> xp: groups of kGroupRows rows (the last smaller), each group (k, rows) k-major.
+void pack_rows(const float *x, int m, int k, float *xp) {
+  for (int m0 = 0; m0 < m; m0 += kGroupRows) {
+    const int rows = m - m0 < kGroupRows ? m - m0 : kGroupRows;
+    float *group = xp + (size_t)m0 * k;
+    for (int j = 0; j < k; ++j)
+      for (int i = 0; i < rows; ++i) group[(size_t)j * rows + i] = x[(size_t)(m0 + i) * k + j];
+  }
+}
+
+// Weight rows [n0, n1) for blocks of 192 activation rows (their packed slices of one panel depth stay in L2:
+// with all 1024 rows of a 2B down projection, 6144 deep, one pass was 40% slower): one panel of 16 weight
+// rows x 512 k at a time, every row group of the block through it.
+template <typename W>
+void panel_rows(const float *xp, const W *w, float *y, int m, int n, int k, int n0, int n1) {
+  alignas(64) float panel[kPanelCols * kPanelDepth];
+  for (int b0 = 0; b0 < m; b0 += kBlockRows) {
+    const int b1 = m - b0 < kBlockRows ? m : b0 + kBlockRows;
+    for (int c0 = n0; c0 < n1; c0 += kPanelCols) {
+      const int cols = n1 - c0 < kPanelCols ? n1 - c0 : kPanelCols;
+      for (int k0 = 0; k0 < k; k0 += kPanelDepth) {
+        const int depth = k - k0 < kPanelDepth ? k - k0 : kPanelDepth;
+        pack_panel(w + (size_t)c0 * k + k0, k, cols, depth, panel);
+        for (int m0 = b0; m0 < b1; m0 += kGroupRows) {
+          const int rows = m - m0 < kGroupRows ? m - m0 : kGroupRows;
+          const float *xg = xp + (size_t)m0 * k + (size_t)k0 * rows;
+          micro_rows<1, 2, 3, 4, 5, 6>(rows, panel, xg, y + (size_t)m0 * n + c0, n, cols, depth, k0 == 0);
+        }
+      }
+    }
+  }
+}
+
+// x (m, k) fp32, w (n, k), y (m, n) fp32, xp (m * k) fp32 scratch, all contiguous; the weight rows split
+// over `threads` as in gemm(), in multiples of a panel.
+template <typename W>
+int panel_gemm(const float *x, const W *w, float *y, float *xp, int m, int n, int k, int threads) {
+  if (m < 1) return -1;
+  if (threads < 1) threads = 1;
+  pack_rows(x, m, k, xp);
+  const int chunk = ((n + threads - 1) / threads + kPanelCols - 1) / kPanelCols * kPanelCols;
+  const int chunks = (n + chunk - 1) / chunk;
+#pragma omp parallel for num_threads(chunks) schedule(static, 1) if (chunks > 1)
+  for (int c = 0; c < chunks; ++c) {
+    const int n0 = c * chunk;
+    panel_rows(xp, w, y, m, n, k, n0, n0 + chunk < n ? n0 + chunk : n);
+  }
+  return 0;
+}
+
+}  // namespace
+
+extern "C" {
+
+int few_rows_gemm_max_rows() { return kMaxRows; }
+
+// Return 0, or -1 when m is outside 1..few_rows_gemm_max_rows() (nothing written).
+int few_rows_gemm_f32(const float *x, const float *w, float *y, int m, int n, int k, int threads) {
+  return gemm(x, w, y, m, n, k, threads);
+}
+
+int few_rows_gemm_bf16(const float *x, const bf16 *w, float *y, int m, int n, int k, int threads) {
+  return gemm(x, w, y, m, n, k, threads);
+}
+
+// Any m >= 1 (else -1, nothing written); xp is scratch of m * k floats.
+int many_rows_gemm_f32(const float *x, const float *w, float *y, float *xp, int m, int n, int k, int threads) {
+  return panel_gemm(x, w, y, xp, m, n, k, threads);
+}
+
+int many_rows_gemm_bf16(const float *x, const bf16 *w, float *y, float *xp, int m, int n, int k, int threads) {
+  return panel_gemm(x, w, y, xp, m, n, k, threads);
+}
+
+}  // extern "C"
