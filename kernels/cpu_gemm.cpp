@@ -139,26 +139,31 @@ void rows(const float *x, const W *w, float *y, int m, int n, int k, int n0, int
   }
 }
 
-// x (m, k) fp32, w (n, k), y (m, n) fp32, all contiguous. The weight rows are split into `threads`
-// contiguous chunks (multiples of 120, a multiple of every tile's NR), one per OpenMP thread. The library
-// is linked with -fopenmp against libgomp.so.1, which resolves to the runtime torch already loaded, so the
-// chunks run on torch's own worker threads: a thread of our own would compete with those workers, which
-// spin for a while after every torch op (two threads were slower than one between torch ops).
-template <typename W>
-int gemm(const float *x, const W *w, float *y, int m, int n, int k, int threads) {
-  if (m < 1 || m > kMaxRows) return -1;
+// Weight rows [0, n) in `threads` contiguous chunks (multiples of `align`), one per OpenMP thread, each
+// running body(n0, n1). The library is linked with -fopenmp against libgomp.so.1, which resolves to the
+// runtime torch already loaded, so the chunks run on torch's own worker threads: a thread of our own would
+// compete with those workers, which spin for a while after every torch op (two threads were slower than
+// one between torch ops).
+template <typename Body>
+void split_weight_rows(int n, int threads, int align, Body body) {
   if (threads < 1) threads = 1;
-  const int align = 120;
   const int chunk = ((n + threads - 1) / threads + align - 1) / align * align;
   const int chunks = (n + chunk - 1) / chunk;
 #pragma omp parallel for num_threads(chunks) schedule(static, 1) if (chunks > 1)
   for (int c = 0; c < chunks; ++c) {
     const int n0 = c * chunk;
-    rows(x, w, y, m, n, k, n0, n0 + chunk < n ? n0 + chunk : n);
+    body(n0, n0 + chunk < n ? n0 + chunk : n);
   }
-  return 0;
 }
 
+// x (m, k) fp32, w (n, k), y (m, n) fp32, all contiguous; the weight rows split over `threads` in multiples
+// of 120 (a multiple of every tile's NR).
+template <typename W>
+int gemm(const float *x, const W *w, float *y, int m, int n, int k, int threads) {
+  if (m < 1 || m > kMaxRows) return -1;
+  split_weight_rows(n, threads, 120, [&](int n0, int n1) { rows(x, w, y, m, n, k, n0, n1); });
+  return 0;
+}
 
 // ---- Many rows ---------------------------------------------------------------------------------------
 
@@ -272,19 +277,12 @@ void panel_rows(const float *xp, const W *w, float *y, int m, int n, int k, int 
 }
 
 // x (m, k) fp32, w (n, k), y (m, n) fp32, xp (m * k) fp32 scratch, all contiguous; the weight rows split
-// over `threads` as in gemm(), in multiples of a panel.
+// over `threads` in multiples of a panel.
 template <typename W>
 int panel_gemm(const float *x, const W *w, float *y, float *xp, int m, int n, int k, int threads) {
   if (m < 1) return -1;
-  if (threads < 1) threads = 1;
   pack_rows(x, m, k, xp);
-  const int chunk = ((n + threads - 1) / threads + kPanelCols - 1) / kPanelCols * kPanelCols;
-  const int chunks = (n + chunk - 1) / chunk;
-#pragma omp parallel for num_threads(chunks) schedule(static, 1) if (chunks > 1)
-  for (int c = 0; c < chunks; ++c) {
-    const int n0 = c * chunk;
-    panel_rows(xp, w, y, m, n, k, n0, n0 + chunk < n ? n0 + chunk : n);
-  }
+  split_weight_rows(n, threads, kPanelCols, [&](int n0, int n1) { panel_rows(xp, w, y, m, n, k, n0, n1); });
   return 0;
 }
 
