@@ -39,41 +39,45 @@ class CpuGemm:
 
     def __init__(self, lib: ctypes.CDLL, origin: str) -> None:
         ptr, num = ctypes.c_void_p, ctypes.c_int
-        self._fns: dict[str, dict[torch.dtype, Callable[..., int]]] = {}
-        for kernel, scratch in (("few_rows_gemm", []), ("many_rows_gemm", [ptr])):
-            by_dtype = {torch.float32: getattr(lib, f"{kernel}_f32"), torch.bfloat16: getattr(lib, f"{kernel}_bf16")}
-            for fn in by_dtype.values():
+        self._few = {torch.float32: lib.few_rows_gemm_f32, torch.bfloat16: lib.few_rows_gemm_bf16}
+        self._many = {torch.float32: lib.many_rows_gemm_f32, torch.bfloat16: lib.many_rows_gemm_bf16}
+        for fns, scratch in ((self._few, []), (self._many, [ptr])):
+            for fn in fns.values():
                 fn.argtypes = [ptr, ptr, ptr, *scratch, num, num, num, num]
                 fn.restype = ctypes.c_int
-            self._fns[kernel] = by_dtype
         lib.few_rows_gemm_max_rows.restype = ctypes.c_int
         self.max_rows: int = lib.few_rows_gemm_max_rows()  # the most rows ``few_rows`` takes
         self.origin = origin  # "compiled in 1.2 s" / "from the cache", for the log and diagnostics
 
     def few_rows(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        """(m, k) x (n, k) -> (m, n) for 1 <= m <= ``max_rows``; CPU tensors."""
-        return self._run("few_rows_gemm", x, w)
+        """(m, k) x (n, k) -> (m, n) for 1 <= m <= ``max_rows``; CPU tensors. Every decode step's call."""
+        fn, x32, y, threads = _operands(self._few, "few_rows_gemm", x, w)
+        if fn(x32.data_ptr(), w.data_ptr(), y.data_ptr(), *y.shape, x32.shape[1], threads):
+            raise ValueError(f"few_rows_gemm takes 1..{self.max_rows} rows, got {y.shape[0]}")
+        return y.to(x.dtype)
 
     def many_rows(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         """(m, k) x (n, k) -> (m, n) for any m >= 1; CPU tensors."""
-        return self._run("many_rows_gemm", x, w)
-
-    def _run(self, kernel: str, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        fn = self._fns[kernel].get(w.dtype)
-        if fn is None or not w.is_contiguous() or w.shape[1] != x.shape[1]:  # the kernel reads w's memory raw
-            raise ValueError(f"{kernel} takes a contiguous fp32/bf16 (n, {x.shape[1]}) weight, got "
-                             f"{w.dtype} {tuple(w.shape)} strides {w.stride()}")  # fmt: skip
-        x32 = x.to(torch.float32).contiguous()  # no copy for a contiguous fp32 x
-        (m, k), n = x32.shape, w.shape[0]
-        y = torch.empty(m, n)
-        buffers = [x32, w, y]
-        if kernel == "many_rows_gemm":
-            buffers.append(torch.empty(m * k))  # scratch: the rows packed k-major, in groups
-        threads = torch.get_num_threads() if n * k >= PARALLEL_MIN_WEIGHTS else 1
-        if fn(*(t.data_ptr() for t in buffers), m, n, k, threads):
-            rows = f"1..{self.max_rows}" if kernel == "few_rows_gemm" else "1 or more"
-            raise ValueError(f"{kernel} takes {rows} rows, got {m}")
+        fn, x32, y, threads = _operands(self._many, "many_rows_gemm", x, w)
+        scratch = torch.empty(x32.numel())  # the rows packed k-major, in groups
+        if fn(x32.data_ptr(), w.data_ptr(), y.data_ptr(), scratch.data_ptr(), *y.shape, x32.shape[1], threads):
+            raise ValueError(f"many_rows_gemm takes 1 or more rows, got {y.shape[0]}")
         return y.to(x.dtype)
+
+
+def _operands(
+    fns: dict[torch.dtype, Callable[..., int]], kernel: str, x: torch.Tensor, w: torch.Tensor
+) -> tuple[Callable[..., int], torch.Tensor, torch.Tensor, int]:
+    """The kernel for ``w``'s dtype, ``x`` as contiguous fp32, the output ``y (m, n)`` and the thread count;
+    a weight the kernel cannot read raw raises."""
+    fn = fns.get(w.dtype)
+    if fn is None or not w.is_contiguous() or w.shape[1] != x.shape[1]:  # the kernel reads w's memory raw
+        raise ValueError(f"{kernel} takes a contiguous fp32/bf16 (n, {x.shape[1]}) weight, got "
+                         f"{w.dtype} {tuple(w.shape)} strides {w.stride()}")  # fmt: skip
+    x32 = x.to(torch.float32).contiguous()  # no copy for a contiguous fp32 x
+    n, k = w.shape
+    threads = torch.get_num_threads() if n * k >= PARALLEL_MIN_WEIGHTS else 1
+    return fn, x32, torch.empty(x32.shape[0], n), threads
 
 
 def _probe(gemm: CpuGemm) -> str | None:
