@@ -7,9 +7,11 @@ description of what was run.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
+
+from bench.schema import SECTIONS
 
 REPO = Path(__file__).resolve().parent.parent
 CONFIG_2B = REPO.parent / "shared" / "model-configs" / "Qwen3-VL-2B-Instruct.config.json"
@@ -59,9 +61,7 @@ class BenchConfig:
     gpu_kernel_pages: tuple[int, ...] = (16, 64)
     gpu_startup_context: int = 8192  # max_context_tokens of the startup/memory probe (the 2B preset's)
     # sections to run (all by default)
-    sections: tuple[str, ...] = field(
-        default=("vs_transformers", "paged_vs_contiguous", "prefix_cache", "batching", "memory", "ros", "gpu")
-    )
+    sections: tuple[str, ...] = SECTIONS
 
     def as_dict(self) -> dict[str, Any]:
         d = asdict(self)

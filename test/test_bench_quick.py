@@ -44,7 +44,7 @@ def test_quick_benchmark_writes_a_valid_result(tmp_path):
     errors = {n: s["reason"] for n, s in result["sections"].items() if s["status"] == "error"}
     assert not errors, errors
     # Sections that need only the CPU engine must have measured in quick mode.
-    for name in ("vs_transformers", "paged_vs_contiguous", "prefix_cache", "batching", "memory"):
+    for name in ("vs_transformers", "paged_vs_contiguous", "prefix_cache", "batching", "quantization", "memory"):
         assert result["sections"][name]["status"] == "ok", (name, result["sections"][name]["reason"])
     gpu = result["sections"]["gpu"]
     if not result["machine"]["cuda_device"]:

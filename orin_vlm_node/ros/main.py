@@ -30,7 +30,14 @@ class StopRequested(BaseException):
 
 
 class StopSignals:
-    """SIGINT and SIGTERM as a stop request: raised while starting, a flag once :meth:`serving`."""
+    """SIGINT and SIGTERM as a stop request: raised while starting, a flag once :meth:`serving`.
+
+    A signal handler's exception surfaces wherever the main thread happens to be. When that is a finalizer
+    (``__del__``, a weakref callback: the garbage collector runs them at any allocation while torch and the
+    model load), Python cannot raise it and prints it as "Exception ignored" with a traceback, and the
+    startup goes on. Such a stop is not lost: its flag is set, the print is suppressed, and
+    :meth:`serving` raises it before the node takes its first prompt.
+    """
 
     def __init__(self) -> None:
         self.requested = threading.Event()
@@ -38,10 +45,19 @@ class StopSignals:
         self._serving = False
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, self._handle)
+        self._unraisable_hook = sys.unraisablehook
+        sys.unraisablehook = self._unraisable
 
     def serving(self) -> None:
-        """From now on a signal sets :attr:`requested` and the serving loop stops the node."""
+        """From now on a signal sets :attr:`requested` and the serving loop stops the node; a stop that
+        arrived while starting and was swallowed (see the class) is raised here."""
+        if self.requested.is_set():
+            raise StopRequested(self.signal_name)
         self._serving = True
+
+    def _unraisable(self, unraisable: Any) -> None:
+        if not isinstance(unraisable.exc_value, StopRequested):
+            self._unraisable_hook(unraisable)
 
     def _handle(self, signum: int, _frame: Any) -> None:
         self.signal_name = signal.Signals(signum).name

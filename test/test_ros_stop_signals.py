@@ -1,0 +1,88 @@
+"""``StopSignals``: how SIGINT/SIGTERM stop the node while it starts and once it serves, in a child
+interpreter each (the handlers replace the process's own, which pytest's must keep).
+
+The finalizer case is the one the node met at random while the model loaded: the garbage collector ran a
+``__del__`` at the moment the signal came, Python printed the handler's exception as "Exception ignored"
+with a traceback and went on starting. The stop must still happen, before the first prompt, without the
+traceback."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+
+PRELUDE = """
+import os, signal, sys
+from orin_vlm_node.ros.main import StopRequested, StopSignals
+stop = StopSignals()
+"""
+
+
+def run(body: str) -> subprocess.CompletedProcess:
+    code = PRELUDE + textwrap.dedent(body)
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+
+
+def test_a_signal_while_starting_raises_stop_requested():
+    proc = run("""
+        try:
+            os.kill(os.getpid(), signal.SIGTERM)
+            for _ in range(1000):
+                pass
+            print("not stopped")
+        except StopRequested as why:
+            print("stopped:", why)
+    """)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "stopped: SIGTERM"
+
+
+def test_a_stop_swallowed_by_a_finalizer_is_raised_before_serving_without_a_traceback():
+    proc = run("""
+        class Finalized:
+            def __del__(self):
+                os.kill(os.getpid(), signal.SIGINT)
+                for _ in range(1000):
+                    pass
+
+        item = Finalized()
+        del item
+        print("startup went on; requested:", stop.requested.is_set())
+        try:
+            stop.serving()
+            print("serving")
+        except StopRequested as why:
+            print("stopped before serving:", why)
+    """)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.splitlines() == ["startup went on; requested: True", "stopped before serving: SIGINT"]
+    assert "Traceback" not in proc.stderr and "Exception ignored" not in proc.stderr, proc.stderr
+
+
+def test_other_unraisable_exceptions_are_still_reported():
+    proc = run("""
+        class Broken:
+            def __del__(self):
+                raise RuntimeError("finalizer failed")
+
+        item = Broken()
+        del item
+        stop.serving()
+        print("serving")
+    """)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "serving"
+    assert "Exception ignored" in proc.stderr and "RuntimeError: finalizer failed" in proc.stderr
+
+
+def test_once_serving_a_signal_only_sets_the_flag():
+    proc = run("""
+        stop.serving()
+        os.kill(os.getpid(), signal.SIGINT)
+        for _ in range(1000):
+            pass
+        print("requested:", stop.requested.is_set(), stop.signal_name)
+    """)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "requested: True SIGINT"
