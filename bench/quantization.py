@@ -8,25 +8,30 @@
 * Weight bytes per mode, as a share of the same model with every weight in fp16: the decoder projections
   alone (what is quantized) and the whole model (embeddings, ``lm_head`` and the vision tower stay).
 
-Speed is the GPU section's business (the CPU path widens the weights before each product: it is the
-reference the kernels are tested against, not a fast path).
+* CPU decode speed per mode on the 2B-shape checkpoint (fp32 activations, the CPU GEMM kernels reading the
+  stored int8 / int4 weights): tokens/s of fixed-length answers, and each as a ratio to ``none``. No goal
+  is set on it; the speed goals are the GPU section's.
 """
 
 from __future__ import annotations
 
 import gc
+import statistics
 from pathlib import Path
 
 import torch
 
 from bench.context import BenchContext
 from bench.section import SectionResult
+from bench.timing import run_engine
 from bench.vs_transformers import greedy, make_engine
 
 MODES = ("none", "int8", "int4")
 HELD_OUT = 200
 BIG_TOKENS = 64
 BIG_PROMPT = "Describe what the robot sees in front of it and what it should do next."
+SPEED_TOKENS = 16  # per timed answer on the 2B-shape checkpoint (about a third of a second each on one core)
+SPEED_REPEATS = 3  # timed answers per mode, after one warm-up
 
 
 def _exact_match(model_dir: Path, mode: str) -> tuple[float, float]:
@@ -55,9 +60,9 @@ def _projection_bytes(model) -> tuple[int, int]:
             if isinstance(module, QuantizedLinear):
                 stored += module.nbytes
                 count += module.in_features * module.out_features
-            else:
-                stored += module.weight.numel() * module.weight.element_size()
-                count += module.weight.numel()
+            else:  # a float projection (nn.Linear, or CpuLinear on the CPU kernels): its one weight parameter
+                stored += sum(p.numel() * p.element_size() for p in module.parameters())
+                count += sum(p.numel() for p in module.parameters())
     return stored, count
 
 
@@ -74,6 +79,18 @@ def _teacher_forced_logits(engine, ids: list[int]) -> torch.Tensor:
         cache.release(seq)
 
 
+def _decode_tok_s(engine) -> list[float]:
+    """Decode tokens/s of ``SPEED_REPEATS`` fixed-length answers to the 2B prompt, after a warm-up."""
+    from orin_vlm_node.engine.events import Request, Turn
+
+    def answer(i: int) -> float:
+        request = Request(Turn(BIG_PROMPT), greedy(SPEED_TOKENS, ignore_eos=True), request_id=f"speed-{i}")
+        return run_engine(engine, request).decode_tok_s
+
+    answer(0)
+    return [answer(i + 1) for i in range(SPEED_REPEATS)]
+
+
 def _big(ctx: BenchContext, res: SectionResult) -> None:
     from orin_vlm_node.engine.events import Request, Turn
     from orin_vlm_node.model.quant import weight_bytes
@@ -87,6 +104,9 @@ def _big(ctx: BenchContext, res: SectionResult) -> None:
     chosen = torch.tensor(final.token_ids)
     _, count = _projection_bytes(engine.model)
     total = weight_bytes(engine.model) // 4  # weights of the fp32 model
+    speed = {"none": _decode_tok_s(engine)}
+    res.add("2b.none.decode_tok_s", "tok/s", speed["none"],
+            f"CPU decode, fp32 weights, {SPEED_TOKENS}-token answers", mode="none")  # fmt: skip
     engine = None
     gc.collect()
     spread = reference.std(dim=-1, keepdim=True)  # (T, 1)
@@ -104,6 +124,12 @@ def _big(ctx: BenchContext, res: SectionResult) -> None:
                 "decoder projection bytes / the same in fp16", mode=mode)  # fmt: skip
         res.add(f"2b.{mode}.model_share", "fraction", [(2 * (total - count) + stored) / (2 * total)],
                 "whole model's weight bytes (the rest in fp16) / all weights in fp16", mode=mode)  # fmt: skip
+        speed[mode] = _decode_tok_s(engine)
+        res.add(f"2b.{mode}.decode_tok_s", "tok/s", speed[mode],
+                f"CPU decode, {mode} projections (CPU kernels), {SPEED_TOKENS}-token answers", mode=mode)  # fmt: skip
+        res.add(f"2b.{mode}.decode_vs_none", "x", [s / statistics.median(speed["none"]) for s in speed[mode]],
+                "decode tok/s / the fp32 weights' median", mode=mode)  # fmt: skip
+        res.setup[f"2b_{mode}_weight_path"] = engine.describe()["weight_path"]
         engine = None
         gc.collect()
     res.setup["2b_checkpoint"] = ctx.big_checkpoint_origin
@@ -134,7 +160,7 @@ def run(ctx: BenchContext) -> SectionResult:
         summary=(
             f"{what}: held-out exact match per weight_quant (int4 group 128); 2B-shape random checkpoint: "
             f"{BIG_TOKENS} greedy fp32 tokens fed through int8/int4 models, logit error and top-1 agreement; "
-            "weight bytes vs fp16."
+            f"CPU decode tok/s per mode ({SPEED_REPEATS} answers of {SPEED_TOKENS} tokens); weight bytes vs fp16."
         ),
     )
     return res

@@ -21,7 +21,7 @@ TITLES = {
     "paged_vs_contiguous": "Paged vs contiguous KV cache",
     "prefix_cache": "Prefix cache and multi-turn sessions",
     "batching": "Continuous batching (requests decoding together)",
-    "quantization": "Weight-only quantization (accuracy and weight bytes)",
+    "quantization": "Weight-only quantization (accuracy, weight bytes, CPU decode speed)",
     "memory": "Memory",
     "ros": "Through ROS 2 (localhost DDS)",
     "gpu": "GPU",

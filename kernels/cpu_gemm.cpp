@@ -1,4 +1,5 @@
-// y = x @ w.T on the CPU, weights fp32 or bf16 (widened in registers), activations and sums fp32. Two kernels:
+// y = x @ w.T on the CPU, weights fp32, bf16, int8 or int4 (widened in registers), activations and sums fp32. Two
+// kernels:
 // few rows (1..8, a decode step: the weight read once for all rows, dot products along k) and many rows (a
 // prefill: the weight packed into k-major panels, activations broadcast, the classic GEMM micro-kernel).
 //
@@ -31,6 +32,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
+#include <vector>
 
 namespace {
 
@@ -39,10 +41,17 @@ constexpr int kMaxRows = 8;  // the row counts `rows` has tiles for
 typedef float v8 __attribute__((vector_size(32)));
 typedef uint16_t u16x8 __attribute__((vector_size(16)));
 typedef uint32_t u32x8 __attribute__((vector_size(32)));
+typedef int32_t i32x8 __attribute__((vector_size(32)));
+typedef int64_t i64x4 __attribute__((vector_size(32)));
 
 // bfloat16 is the upper half of a float32: weights in bf16 are stored as their 16 bits.
 struct bf16 {
   uint16_t bits;
+};
+
+// An int8 weight; its row's scale is applied by the caller to the sums, where it factors out.
+struct i8 {
+  int8_t value;
 };
 
 inline v8 load8(const float *p) {
@@ -60,6 +69,17 @@ inline v8 load8(const bf16 *p) {  // 8 bf16 widened exactly to fp32
   return v;
 }
 
+// 8 int8 widened exactly to fp32: each 32-bit lane takes the word holding its byte, shifted so that the byte is
+// on top, then shifted back with sign (GCC turns a direct int8 vector conversion into one instruction a lane).
+inline v8 load8(const i8 *p) {
+  int64_t eight;
+  std::memcpy(&eight, p, sizeof eight);
+  const i64x4 both = {eight, eight, eight, eight};  // as 32-bit lanes: low, high, low, high, ...
+  const i32x8 words = __builtin_shufflevector((i32x8)both, (i32x8)both, 0, 2, 4, 6, 1, 3, 5, 7);
+  const i32x8 up = {24, 16, 8, 0, 24, 16, 8, 0};
+  return __builtin_convertvector((words << up) >> 24, v8);
+}
+
 inline float widen(float v) { return v; }
 
 inline float widen(bf16 v) {
@@ -68,6 +88,88 @@ inline float widen(bf16 v) {
   std::memcpy(&f, &wide, sizeof f);
   return f;
 }
+
+inline float widen(i8 v) { return float(v.value); }
+
+// IEEE half (the int4 scales and offsets) to float, exactly, from its bits (zero and subnormals included).
+inline float half_to_float(uint16_t h) {
+  const uint32_t sign = uint32_t(h & 0x8000u) << 16, exponent = (h >> 10) & 0x1fu, mantissa = h & 0x3ffu;
+  uint32_t bits;
+  if (exponent == 0) {  // zero or subnormal: mantissa * 2^-24, exact in fp32
+    const float magnitude = float(mantissa) * 5.9604644775390625e-8f;
+    std::memcpy(&bits, &magnitude, sizeof bits);
+    bits |= sign;
+  } else if (exponent == 31) {  // infinity or NaN
+    bits = sign | 0x7f800000u | (mantissa << 13);
+  } else {
+    bits = sign | ((exponent + 112) << 23) | (mantissa << 13);
+  }
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
+// ---- Weights as the kernels read them -----------------------------------------------------------------
+// A view of an (n, k) weight: load8(row, j) gives the 8 values at k = j..j+7 (j a multiple of 8) widened to
+// fp32, at(row, j) one value. The kernels take any view; for_rows(n0, n1) is the view a thread multiplies rows
+// n0..n1-1 of the weight by (where a format prepares something per call, it does it there).
+
+// Stored element by element: fp32, bf16 or int8.
+template <typename T>
+struct Dense {
+  const T *w;
+  int k;
+  Dense for_rows(int, int) const { return *this; }
+  v8 load8(int row, int j) const { return ::load8(w + (size_t)row * k + j); }
+  float at(int row, int j) const { return widen(w[(size_t)row * k + j]); }
+};
+
+// Rows n0.. of an int4 weight (below) with their groups' scales and offsets widened to fp32 (interleaved,
+// (rows, groups, 2)) once per call: about 1% of the call's work at groups of 128, where widening the fp16
+// pair for every 8 values took a quarter of it.
+struct Int4Rows {
+  const uint8_t *q;
+  std::vector<float> factors;
+  int n0, group_shift, bytes, groups;  // group = 1 << group_shift
+  v8 load8(int row, int j) const {
+    int32_t word;
+    std::memcpy(&word, q + (size_t)row * bytes + j / 2, sizeof word);
+    const i32x8 wide = {word, word, word, word, word, word, word, word};
+    const i32x8 shifts = {0, 4, 8, 12, 16, 20, 24, 28};
+    const v8 values = __builtin_convertvector((wide >> shifts) & 15, v8);
+    const float *f = factor(row, j);
+    const v8 scale = {f[0], f[0], f[0], f[0], f[0], f[0], f[0], f[0]};
+    const v8 offset = {f[1], f[1], f[1], f[1], f[1], f[1], f[1], f[1]};
+    return values * scale + offset;
+  }
+  float at(int row, int j) const {
+    const uint8_t byte = q[(size_t)row * bytes + j / 2];
+    const float *f = factor(row, j);
+    return float(j % 2 ? byte >> 4 : byte & 15) * f[0] + f[1];
+  }
+  const float *factor(int row, int j) const {
+    return factors.data() + ((size_t)(row - n0) * groups + (j >> group_shift)) * 2;
+  }
+};
+
+// Two 4-bit values a byte along k (even k in the low nibble, rows of ceil(k / 2) bytes) and, per group of
+// `group` consecutive k (a power of two >= 8, so 8 loaded values share a group), an fp16 scale and offset:
+// w = q * scale + offset, a product and a sum each rounded to fp32, as the torch path widens the weight, so
+// the values are the same bit for bit and only the order of the sums differs.
+struct Int4 {
+  const uint8_t *q;
+  const uint16_t *scales, *offsets;  // (n, groups) fp16 bits
+  int k, group;
+  Int4Rows for_rows(int n0, int n1) const {
+    const int groups = (k + group - 1) / group;
+    Int4Rows view{q, std::vector<float>((size_t)(n1 - n0) * groups * 2), n0, __builtin_ctz(group), (k + 1) / 2, groups};
+    for (size_t i = 0; i < (size_t)(n1 - n0) * groups; ++i) {
+      view.factors[2 * i] = half_to_float(scales[(size_t)n0 * groups + i]);
+      view.factors[2 * i + 1] = half_to_float(offsets[(size_t)n0 * groups + i]);
+    }
+    return view;
+  }
+};
 
 // c + a * b rounded once, spelled out: compilers contract a * b + c into an FMA in some loops and not in
 // others (GCC leaves a lone accumulator as multiply + add), which would make a row's sum depend on the tile,
@@ -85,15 +187,16 @@ inline v8 fma8(v8 a, v8 b, v8 c) {
 
 inline float lane_sum(v8 v) { return ((v[0] + v[4]) + (v[1] + v[5])) + ((v[2] + v[6]) + (v[3] + v[7])); }
 
-// MR activation rows x NR weight rows: y[m][r] = sum_k x[m][k] * w[r][k]. x rows are k apart, y rows n apart.
+// MR activation rows x NR weight rows from row0: y[m][r] = sum_k x[m][k] * w[row0 + r][k]. x rows are k apart,
+// y rows n apart.
 template <int MR, int NR, typename W>
-inline void tile(const float *x, const W *w, float *y, int k, int n) {
+inline void tile(const float *x, const W &w, int row0, float *y, int k, int n) {
   v8 acc[MR][NR] = {};
   int kk = 0;
   for (; kk + 8 <= k; kk += 8) {
     v8 wv[NR];
 #pragma GCC unroll 8
-    for (int r = 0; r < NR; ++r) wv[r] = load8(w + (size_t)r * k + kk);
+    for (int r = 0; r < NR; ++r) wv[r] = w.load8(row0 + r, kk);
 #pragma GCC unroll 8
     for (int m = 0; m < MR; ++m) {
       const v8 xv = load8(x + (size_t)m * k + kk);
@@ -104,7 +207,7 @@ inline void tile(const float *x, const W *w, float *y, int k, int n) {
   for (int m = 0; m < MR; ++m) {
     for (int r = 0; r < NR; ++r) {
       float s = lane_sum(acc[m][r]);
-      for (int j = kk; j < k; ++j) s += x[(size_t)m * k + j] * widen(w[(size_t)r * k + j]);
+      for (int j = kk; j < k; ++j) s += x[(size_t)m * k + j] * w.at(row0 + r, j);
       y[(size_t)m * n + r] = s;
     }
   }
@@ -113,20 +216,20 @@ inline void tile(const float *x, const W *w, float *y, int k, int n) {
 // Weight rows [n0, n1) in blocks of NR (the rest one by one); the activation rows in groups G... (each
 // group one tile, so the accumulators of a group fit the 16 vector registers).
 template <int NR, int... G, typename W>
-void weight_rows(const float *x, const W *w, float *y, int n, int k, int n0, int n1) {
+void weight_rows(const float *x, const W &w, float *y, int n, int k, int n0, int n1) {
   for (; n0 + NR <= n1; n0 += NR) {
     int m0 = 0;
-    ((tile<G, NR>(x + (size_t)m0 * k, w + (size_t)n0 * k, y + (size_t)m0 * n + n0, k, n), m0 += G), ...);
+    ((tile<G, NR>(x + (size_t)m0 * k, w, n0, y + (size_t)m0 * n + n0, k, n), m0 += G), ...);
   }
   for (; n0 < n1; ++n0) {
     int m0 = 0;
-    ((tile<G, 1>(x + (size_t)m0 * k, w + (size_t)n0 * k, y + (size_t)m0 * n + n0, k, n), m0 += G), ...);
+    ((tile<G, 1>(x + (size_t)m0 * k, w, n0, y + (size_t)m0 * n + n0, k, n), m0 += G), ...);
   }
 }
 
 // The tiles per row count, the fastest measured on 2B-shape projections (AVX2, one thread).
 template <typename W>
-void rows(const float *x, const W *w, float *y, int m, int n, int k, int n0, int n1) {
+void rows(const float *x, const W &w, float *y, int m, int n, int k, int n0, int n1) {
   switch (m) {
     case 1: weight_rows<8, 1>(x, w, y, n, k, n0, n1); return;
     case 2: weight_rows<5, 2>(x, w, y, n, k, n0, n1); return;
@@ -156,12 +259,12 @@ void split_weight_rows(int n, int threads, int align, Body body) {
   }
 }
 
-// x (m, k) fp32, w (n, k), y (m, n) fp32, all contiguous; the weight rows split over `threads` in multiples
-// of 120 (a multiple of every tile's NR).
+// x (m, k) fp32, w an (n, k) view, y (m, n) fp32, all contiguous; the weight rows split over `threads` in
+// multiples of 120 (a multiple of every tile's NR).
 template <typename W>
-int gemm(const float *x, const W *w, float *y, int m, int n, int k, int threads) {
+int gemm(const float *x, const W &w, float *y, int m, int n, int k, int threads) {
   if (m < 1 || m > kMaxRows) return -1;
-  split_weight_rows(n, threads, 120, [&](int n0, int n1) { rows(x, w, y, m, n, k, n0, n1); });
+  split_weight_rows(n, threads, 120, [&](int n0, int n1) { rows(x, w.for_rows(n0, n1), y, m, n, k, n0, n1); });
   return 0;
 }
 
@@ -193,24 +296,24 @@ inline void transpose8(v8 *r) {
   }
 }
 
-// panel[j][c] = w[c][j] for the `cols` weight rows at w (k apart) and j < depth; columns past `cols` are zero.
+// panel[j][c] = w[row0 + c][k0 + j] for the `cols` weight rows and j < depth; columns past `cols` are zero.
 // Full panels go 8 rows at a time over the whole depth: 16 rows k * 2 or 4 bytes apart share an L1 set
 // (strides of 4 KB), and walking all 16 along k together evicted each line before its next use.
 template <typename W>
-void pack_panel(const W *w, int k, int cols, int depth, float *panel) {
+void pack_panel(const W &w, int row0, int k0, int cols, int depth, float *panel) {
   int j = 0;
   if (cols == kPanelCols) {
     for (int half = 0; half < kPanelCols; half += 8) {
       for (j = 0; j + 8 <= depth; j += 8) {
         v8 r[8];
-        for (int i = 0; i < 8; ++i) r[i] = load8(w + (size_t)(half + i) * k + j);
+        for (int i = 0; i < 8; ++i) r[i] = w.load8(row0 + half + i, k0 + j);
         transpose8(r);
         for (int i = 0; i < 8; ++i) store8(panel + (size_t)(j + i) * kPanelCols + half, r[i]);
       }
     }
   }
   for (; j < depth; ++j) {
-    for (int c = 0; c < kPanelCols; ++c) panel[(size_t)j * kPanelCols + c] = c < cols ? widen(w[(size_t)c * k + j]) : 0.f;
+    for (int c = 0; c < kPanelCols; ++c) panel[(size_t)j * kPanelCols + c] = c < cols ? w.at(row0 + c, k0 + j) : 0.f;
   }
 }
 
@@ -257,7 +360,7 @@ void pack_rows(const float *x, int m, int k, float *xp) {
 // with all 1024 rows of a 2B down projection, 6144 deep, one pass was 40% slower): one panel of 16 weight
 // rows x 512 k at a time, every row group of the block through it.
 template <typename W>
-void panel_rows(const float *xp, const W *w, float *y, int m, int n, int k, int n0, int n1) {
+void panel_rows(const float *xp, const W &w, float *y, int m, int n, int k, int n0, int n1) {
   alignas(64) float panel[kPanelCols * kPanelDepth];
   for (int b0 = 0; b0 < m; b0 += kBlockRows) {
     const int b1 = m - b0 < kBlockRows ? m : b0 + kBlockRows;
@@ -265,7 +368,7 @@ void panel_rows(const float *xp, const W *w, float *y, int m, int n, int k, int 
       const int cols = n1 - c0 < kPanelCols ? n1 - c0 : kPanelCols;
       for (int k0 = 0; k0 < k; k0 += kPanelDepth) {
         const int depth = k - k0 < kPanelDepth ? k - k0 : kPanelDepth;
-        pack_panel(w + (size_t)c0 * k + k0, k, cols, depth, panel);
+        pack_panel(w, c0, k0, cols, depth, panel);
         for (int m0 = b0; m0 < b1; m0 += kGroupRows) {
           const int rows = m - m0 < kGroupRows ? m - m0 : kGroupRows;
           const float *xg = xp + (size_t)m0 * k + (size_t)k0 * rows;
@@ -276,38 +379,66 @@ void panel_rows(const float *xp, const W *w, float *y, int m, int n, int k, int 
   }
 }
 
-// x (m, k) fp32, w (n, k), y (m, n) fp32, xp (m * k) fp32 scratch, all contiguous; the weight rows split
-// over `threads` in multiples of a panel.
+// x (m, k) fp32, w an (n, k) view, y (m, n) fp32, xp (m * k) fp32 scratch, all contiguous; the weight rows
+// split over `threads` in multiples of a panel.
 template <typename W>
-int panel_gemm(const float *x, const W *w, float *y, float *xp, int m, int n, int k, int threads) {
+int panel_gemm(const float *x, const W &w, float *y, float *xp, int m, int n, int k, int threads) {
   if (m < 1) return -1;
   pack_rows(x, m, k, xp);
-  split_weight_rows(n, threads, kPanelCols, [&](int n0, int n1) { panel_rows(xp, w, y, m, n, k, n0, n1); });
+  split_weight_rows(n, threads, kPanelCols,
+                    [&](int n0, int n1) { panel_rows(xp, w.for_rows(n0, n1), y, m, n, k, n0, n1); });
   return 0;
+}
+
+// The int4 view, or a group the kernels do not take (not a power of two >= 8): group 0.
+Int4 int4_view(const uint8_t *q, const uint16_t *scales, const uint16_t *offsets, int k, int group) {
+  const bool fits = group >= 8 && (group & (group - 1)) == 0;
+  return Int4{q, scales, offsets, k, fits ? group : 0};
 }
 
 }  // namespace
 
 extern "C" {
 
+// Every function returns 0, or -1 when its arguments are outside what it takes (nothing written): few rows
+// take m in 1..few_rows_gemm_max_rows(), many rows any m >= 1 with xp scratch of m * k floats; int4 takes
+// groups that are a power of two >= 8.
 int few_rows_gemm_max_rows() { return kMaxRows; }
 
-// Return 0, or -1 when m is outside 1..few_rows_gemm_max_rows() (nothing written).
-int few_rows_gemm_f32(const float *x, const float *w, float *y, int m, int n, int k, int threads) {
-  return gemm(x, w, y, m, n, k, threads);
+int few_rows_gemm_f32(const float *x, float *y, int m, int n, int k, int threads, const float *w) {
+  return gemm(x, Dense<float>{w, k}, y, m, n, k, threads);
 }
 
-int few_rows_gemm_bf16(const float *x, const bf16 *w, float *y, int m, int n, int k, int threads) {
-  return gemm(x, w, y, m, n, k, threads);
+int few_rows_gemm_bf16(const float *x, float *y, int m, int n, int k, int threads, const bf16 *w) {
+  return gemm(x, Dense<bf16>{w, k}, y, m, n, k, threads);
 }
 
-// Any m >= 1 (else -1, nothing written); xp is scratch of m * k floats.
-int many_rows_gemm_f32(const float *x, const float *w, float *y, float *xp, int m, int n, int k, int threads) {
-  return panel_gemm(x, w, y, xp, m, n, k, threads);
+int few_rows_gemm_int8(const float *x, float *y, int m, int n, int k, int threads, const i8 *w) {
+  return gemm(x, Dense<i8>{w, k}, y, m, n, k, threads);
 }
 
-int many_rows_gemm_bf16(const float *x, const bf16 *w, float *y, float *xp, int m, int n, int k, int threads) {
-  return panel_gemm(x, w, y, xp, m, n, k, threads);
+int few_rows_gemm_int4(const float *x, float *y, int m, int n, int k, int threads, const uint8_t *q,
+                       const uint16_t *scales, const uint16_t *offsets, int group) {
+  const Int4 w = int4_view(q, scales, offsets, k, group);
+  return w.group ? gemm(x, w, y, m, n, k, threads) : -1;
+}
+
+int many_rows_gemm_f32(const float *x, float *y, float *xp, int m, int n, int k, int threads, const float *w) {
+  return panel_gemm(x, Dense<float>{w, k}, y, xp, m, n, k, threads);
+}
+
+int many_rows_gemm_bf16(const float *x, float *y, float *xp, int m, int n, int k, int threads, const bf16 *w) {
+  return panel_gemm(x, Dense<bf16>{w, k}, y, xp, m, n, k, threads);
+}
+
+int many_rows_gemm_int8(const float *x, float *y, float *xp, int m, int n, int k, int threads, const i8 *w) {
+  return panel_gemm(x, Dense<i8>{w, k}, y, xp, m, n, k, threads);
+}
+
+int many_rows_gemm_int4(const float *x, float *y, float *xp, int m, int n, int k, int threads, const uint8_t *q,
+                        const uint16_t *scales, const uint16_t *offsets, int group) {
+  const Int4 w = int4_view(q, scales, offsets, k, group);
+  return w.group ? panel_gemm(x, w, y, xp, m, n, k, threads) : -1;
 }
 
 }  // extern "C"

@@ -1,8 +1,10 @@
 """The CPU GEMM kernels (``kernels/cpu_gemm.cpp``) against torch math: few rows (a decode step) and many
-rows (a prefill), their invariance to the row count, and how the library is built, cached and refused."""
+rows (a prefill), float and quantized weights (against the torch path of ``model.quant``, the reference of
+the stored formats), their invariance to the row count, and how the library is built, cached and refused."""
 
 from __future__ import annotations
 
+import re
 import shutil
 import subprocess
 import threading
@@ -15,6 +17,7 @@ import torch.nn.functional as F
 from orin_vlm_node.cpu import CpuKernelUnavailable, load_cpu_gemm
 from orin_vlm_node.cpu.build import FLAGS, find_compiler
 from orin_vlm_node.cuda.sources import find_kernel_sources
+from orin_vlm_node.model.quant import QuantizedLinear, WeightQuant
 
 KERNELS = find_kernel_sources().directory
 
@@ -114,6 +117,92 @@ def test_many_rows_gives_a_row_the_same_bits_whatever_the_rows_around_it_and_the
         assert torch.equal(gemm.many_rows(x[:m].flip(0), w), alone[:m].flip(0)), m
 
 
+def _quantized(n: int, k: int, mode: str, group: int, seed: int) -> QuantizedLinear:
+    w = torch.randn(n, k, generator=torch.Generator().manual_seed(seed)) * 0.05
+    return QuantizedLinear.from_weight(w, WeightQuant(mode, group))
+
+
+def _stored(module: QuantizedLinear):
+    """What the kernels take for ``module``: its int8 values (the caller scales the sums), or the module."""
+    return module.qweight if module.mode == "int8" else module
+
+
+def _widened(module: QuantizedLinear) -> torch.Tensor:
+    """The fp32 weight the kernel multiplies by: the torch path's widening (int8 before its row scale)."""
+    return module.qweight.float() if module.mode == "int8" else module.dequantize(torch.float32)
+
+
+# int4 groups: the smallest the kernels take, one that K is not a multiple of, the default; odd K (the last
+# byte's high nibble is padding), K below one vector
+QUANTIZED = [("int8", 128, 5, 3), ("int8", 128, 130, 1027), ("int4", 8, 37, 64), ("int4", 16, 130, 1027),
+             ("int4", 128, 1210, 1000), ("int4", 8, 5, 3), ("int4", 32, 41, 75)]  # fmt: skip
+
+
+@pytest.mark.parametrize("mode,group,n,k", QUANTIZED)
+@pytest.mark.parametrize("num_threads", [1, 2])
+def test_quantized_weights_give_the_product_of_the_torch_paths_widened_weight(gemm, threads, mode, group, n, k,
+                                                                              num_threads):  # fmt: skip
+    threads(num_threads)
+    module = _quantized(n, k, mode, group, seed=n + k)
+    gen = torch.Generator().manual_seed(k)
+    x = torch.randn(max(MANY_ROWS), k, generator=gen)
+    for kernel, row_counts in (("few_rows", range(1, gemm.max_rows + 1)), ("many_rows", (1, 7, 13, 200))):
+        for m in row_counts:
+            out = getattr(gemm, kernel)(x[:m], _stored(module))
+            assert out.shape == (m, n) and out.dtype == torch.float32
+            # fp32 sums in another order: errors in proportion to the sum of the terms' magnitudes
+            magnitude = F.linear(x[:m].abs(), _widened(module).abs()).max().item()
+            torch.testing.assert_close(out, F.linear(x[:m], _widened(module)), rtol=1e-5, atol=1e-5 * magnitude)
+
+
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+def test_a_row_of_quantized_weights_is_bit_identical_alone_and_in_any_batch(gemm, threads, mode):
+    threads(2)
+    module = _quantized(1500, 1001, mode, 16, seed=9)
+    x = torch.randn(gemm.max_rows, 1001, generator=torch.Generator().manual_seed(9))
+    alone = torch.cat([gemm.few_rows(x[i : i + 1], _stored(module)) for i in range(gemm.max_rows)])
+    for m in range(2, gemm.max_rows + 1):
+        assert torch.equal(gemm.few_rows(x[:m], _stored(module)), alone[:m]), m
+
+
+def test_int4_factors_of_every_kind_widen_exactly(gemm):
+    """Zero scales (a constant group), zero and negative offsets, subnormal fp16 factors (tiny weights)."""
+    w = torch.randn(6, 64, generator=torch.Generator().manual_seed(6)) * 0.05
+    w[0] = 0.0
+    w[1] = 0.5
+    w[2] *= 1e-4  # scale and offset below fp16's normal range
+    w[3, :32] = -2.0
+    module = QuantizedLinear.from_weight(w, WeightQuant("int4", 16))
+    assert (module.scales == 0).any() and (module.scales[2].abs() < 2**-14).all()
+    x = torch.randn(2, 64, generator=torch.Generator().manual_seed(7))
+    for kernel in (gemm.few_rows, gemm.many_rows):
+        torch.testing.assert_close(
+            kernel(x, module), F.linear(x, module.dequantize(torch.float32)), rtol=1e-6, atol=1e-6
+        )
+
+
+def test_bf16_activations_with_int4_weights_compute_in_fp32(gemm):
+    module = _quantized(64, 256, "int4", 32, seed=3)
+    x = torch.randn(3, 256, generator=torch.Generator().manual_seed(3)).bfloat16()
+    out = gemm.few_rows(x, module)
+    assert out.dtype == torch.bfloat16
+    want = F.linear(x.float(), module.dequantize(torch.float32))
+    torch.testing.assert_close(out.float(), want.bfloat16().float(), rtol=8e-3, atol=1e-5)
+
+
+@pytest.mark.parametrize("kernel", ["few_rows", "many_rows"])
+def test_int4_weights_the_kernel_cannot_read_are_refused_with_the_reason(gemm, kernel):
+    x = torch.randn(2, 64)
+    with pytest.raises(ValueError, match="in groups of a power of two >= 8: 64 inputs in groups of 4"):
+        getattr(gemm, kernel)(x, _quantized(16, 64, "int4", 4, seed=1))
+    module = _quantized(16, 64, "int4", 16, seed=1)
+    module.scales = module.scales.t().contiguous().t()  # same values, columns apart
+    with pytest.raises(ValueError, match=r"scales is torch.float16 \(16, 4\), not contiguous torch.float16"):
+        getattr(gemm, kernel)(x, module)
+    with pytest.raises(ValueError, match="int4 weights of 48 inputs"):
+        getattr(gemm, kernel)(torch.randn(2, 48), _quantized(16, 64, "int4", 16, seed=1))
+
+
 @pytest.mark.skipif(not Path("/proc/self/maps").is_file(), reason="needs /proc/self/maps (Linux)")
 def test_the_library_runs_on_torchs_openmp_runtime_not_a_second_one(gemm, threads):
     """Its parallel loop must share torch's worker threads: a second runtime's threads would compete with
@@ -150,7 +239,7 @@ def test_a_non_contiguous_input_is_taken(gemm):
 )
 @pytest.mark.parametrize("kernel", ["few_rows", "many_rows"])
 def test_a_weight_the_kernel_cannot_read_raw_is_refused(gemm, w, kernel):
-    with pytest.raises(ValueError, match=f"{kernel}_gemm takes a contiguous fp32/bf16"):
+    with pytest.raises(ValueError, match=f"{kernel}_gemm takes a contiguous fp32/bf16/int8"):
         getattr(gemm, kernel)(torch.randn(2, 16), w)
 
 
@@ -179,20 +268,25 @@ def test_an_edited_source_is_rebuilt(tmp_path):
     assert len(list((tmp_path / "cache").glob("cpu_gemm-*.so.cache"))) == 2
 
 
-@pytest.mark.parametrize(
-    "kernel,line,wrong",
-    [
-        ("few_rows", "fma8(wv[r], xv, acc[m][r])", "fma8(wv[r] * 1.01f, xv, acc[m][r])"),
-        ("many_rows", "acc[m][1] = fma8(w1, b, acc[m][1])", "acc[m][1] = fma8(w1 * 1.01f, b, acc[m][1])"),
-    ],
-)
-def test_a_kernel_that_computes_wrong_is_refused_by_the_probe(tmp_path, kernel, line, wrong):
+# the weight of every panel row scaled, the nibbles of a byte swapped, the scale of a group as its offset
+WRONG = [
+    ("few_rows", "torch.float32", "fma8(wv[r], xv, acc[m][r])", "fma8(wv[r] * 1.01f, xv, acc[m][r])"),
+    ("many_rows", "torch.float32", "acc[m][1] = fma8(w1, b, acc[m][1])", "acc[m][1] = fma8(w1 * 1.01f, b, acc[m][1])"),
+    ("few_rows", "int4 (group 16)", "shifts = {0, 4, 8, 12,", "shifts = {4, 0, 8, 12,"),
+    ("few_rows", "int4 (group 16)", "half_to_float(offsets[(size_t)n0", "half_to_float(scales[(size_t)n0"),
+]
+
+
+@pytest.mark.parametrize("kernel,weights,line,wrong", WRONG)
+def test_a_kernel_that_computes_wrong_is_refused_by_the_probe(tmp_path, kernel, weights, line, wrong):
     kernels = shutil.copytree(KERNELS, tmp_path / "kernels")
     source = kernels / "cpu_gemm.cpp"
     text = source.read_text()
     assert text.count(line) == 1
     source.write_text(text.replace(line, wrong))
-    with pytest.raises(CpuKernelUnavailable, match=f"{kernel} disagrees with F.linear for 1 rows of torch.float32"):
+    with pytest.raises(
+        CpuKernelUnavailable, match=f"{kernel} disagrees with F.linear for 1 rows of {re.escape(weights)}"
+    ):
         load_cpu_gemm(str(kernels), str(tmp_path / "cache"))
 
 

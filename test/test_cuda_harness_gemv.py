@@ -10,8 +10,8 @@ import torch
 import torch.nn.functional as F
 
 from orin_vlm_node.cuda import launch as L
-from orin_vlm_node.cuda.quant_gemv import CudaQuantGemv, attach
-from orin_vlm_node.model.quant import QuantizedLinear, WeightQuant
+from orin_vlm_node.cuda.quant_gemv import CudaQuantGemv
+from orin_vlm_node.model.quant import QuantizedLinear, WeightQuant, attach_kernels
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 RTOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
@@ -35,7 +35,7 @@ def test_gemv_kernels_match_the_torch_reference(harness, mode, dtype, n, k, grou
     weight = module.dequantize(torch.float32)
     for rows in (1, 3, 8):
         x = torch.randn(rows, k).to(dtype)
-        assert gemv.fits(x)
+        assert gemv.fits(module, x)
         got = gemv(module, x)
         assert got.dtype == dtype and got.shape == (rows, n)
         expected = F.linear(x.float(), weight)
@@ -53,13 +53,13 @@ def test_a_quantized_projection_routes_decode_rows_to_the_kernels_and_prefill_to
             harness.launch(cfg, args)
 
     holder = torch.nn.Sequential(module)
-    assert attach(holder, CudaQuantGemv(Recording())) == 1
+    assert attach_kernels(holder, CudaQuantGemv(Recording())) == 1
     x = torch.randn(20, 128)
     torch.testing.assert_close(module(x[:4]), F.linear(x[:4], module.dequantize(torch.float32)))
     assert launched == ["quant_gemv_int4_f32_r4"]
     module(x)  # 20 rows: a prefill, torch's GEMM on the widened weight
     assert launched == ["quant_gemv_int4_f32_r4"]
-    attach(holder, None)
+    attach_kernels(holder, None)
     module(x[:1])
     assert len(launched) == 1
 
@@ -71,4 +71,4 @@ def test_gemv_launch_picks_the_rows_bucket_and_refuses_what_no_kernel_takes():
         L.gemv_launch("int8", 9, 37, torch.float16)
     with pytest.raises(L.UnsupportedShape, match="int3"):
         L.gemv_launch("int3", 1, 37, torch.float16)
-    assert not CudaQuantGemv(None).fits(torch.randn(9, 32))
+    assert not CudaQuantGemv(None).fits(_quantized(8, 32, "int8", 32, seed=0), torch.randn(9, 32))

@@ -8,14 +8,17 @@ from __future__ import annotations
 
 import json
 import shutil
+from unittest import mock
 
 import pytest
 import torch
 import torch.nn.functional as F
 
+from orin_vlm_node.cpu import load_cpu_gemm
 from orin_vlm_node.engine import Engine, EngineConfig, EngineError, Request, SamplingParams, Turn
 from orin_vlm_node.model import CheckpointError, load_model
-from orin_vlm_node.model.quant import QuantizedLinear, WeightQuant, weight_bytes
+from orin_vlm_node.model.cpu_linear import KERNEL_ROWS, CpuQuantKernels
+from orin_vlm_node.model.quant import QuantizedLinear, WeightQuant, attach_kernels, weight_bytes
 from orin_vlm_node.model.text import DecoderLayer
 from support.checkpoints import cached_tiny_checkpoint
 
@@ -132,12 +135,64 @@ def test_weight_bytes_of_the_projections_fall_to_the_quantized_share(checkpoint)
         assert quantized <= share * fp16_bytes, (quant.mode, quantized / fp16_bytes)
 
 
-def test_an_engine_with_int8_weights_answers_and_reports_its_weights(checkpoint):
+@pytest.fixture(scope="module")
+def gemm(tmp_path_factory):
+    return load_cpu_gemm(cache_dir=str(tmp_path_factory.mktemp("cpu_cache")))
+
+
+@pytest.mark.parametrize("quant", [WeightQuant("int8"), WeightQuant("int4", 32), WeightQuant("int4", 8)])
+def test_the_cpu_kernels_compute_what_the_torch_path_computes(checkpoint, gemm, quant):
+    with_kernels, torch_path = load_model(checkpoint, quant=quant), load_model(checkpoint, quant=quant)
+    projections = 4 * len(with_kernels.language_model.layers)
+    assert attach_kernels(with_kernels, CpuQuantKernels(gemm)) == projections
+    engine = Engine(EngineConfig(model_path=str(checkpoint), device="cpu"))
+    text = "Where is the charging station? Count the boxes on the shelf."
+    for rows in (1, 3, 9, 40):  # a decode step, batches (pieces of the few-rows kernel), a prefill
+        ids = (engine.tokenizer.encode(text) * 4)[:rows]
+        positions = torch.arange(len(ids)).expand(3, -1)
+        logits = []
+        with (
+            mock.patch.object(gemm, "few_rows", wraps=gemm.few_rows) as few,
+            mock.patch.object(gemm, "many_rows", wraps=gemm.many_rows) as many,
+        ):
+            for model in (with_kernels, torch_path):
+                seq = engine.cache.new_sequence()
+                logits.append(model.forward(torch.tensor(ids), positions, engine.cache.step(seq, len(ids))))
+                engine.cache.release(seq)
+        assert (few.call_count if rows <= KERNEL_ROWS else many.call_count) >= projections, rows
+        torch.testing.assert_close(logits[0], logits[1], rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("mode,group", [("int8", 128), ("int4", 32)])
+def test_an_engine_with_quantized_weights_uses_the_cpu_kernels_and_answers_as_the_torch_path(
+    checkpoint, mode, group, tmp_path, monkeypatch
+):
     plain = Engine(EngineConfig(model_path=str(checkpoint), device="cpu"))
-    engine = Engine(EngineConfig(model_path=str(checkpoint), device="cpu", weight_quant="int8"))
+    cfg = EngineConfig(model_path=str(checkpoint), device="cpu", weight_quant=mode, weight_quant_group_size=group,
+                       kernel_cache_dir=str(tmp_path))  # fmt: skip
+    engine = Engine(cfg)
     described = engine.describe()
-    assert described["weight_quant"] == "int8" and described["weight_mb"] < plain.describe()["weight_mb"]
-    assert described["weight_path"] == "int8: torch (weights widened for each product)"  # no kernels on a CPU
+    assert described["weight_quant"] == mode and described["weight_mb"] < plain.describe()["weight_mb"]
+    assert (
+        described["weight_path"]
+        == f"{mode}: CPU GEMM kernels on the stored weights, few rows for 1..16, many rows above"
+    )
+    request = Request(Turn("Tell the robot what to do next."), SamplingParams(temperature=0.0, max_new_tokens=24))
+    final = list(engine.generate(request))[-1]
+    assert final.finish_reason in ("stop", "length") and final.error is None
+    monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))  # no kernels: the torch path
+    reference = Engine(cfg)
+    assert reference.describe()["weight_path"] == f"{mode}: torch (weights widened for each product)"
+    assert list(reference.generate(request))[-1].token_ids == final.token_ids
+
+
+def test_int4_groups_smaller_than_the_cpu_kernels_take_stay_on_the_torch_path_and_say_so(checkpoint):
+    engine = Engine(
+        EngineConfig(model_path=str(checkpoint), device="cpu", weight_quant="int4", weight_quant_group_size=4)
+    )
+    assert engine.describe()["weight_path"] == (
+        "int4: torch (weights widened for each product; the CPU GEMM kernels take groups of 8 or more, not 4)"
+    )
     final = list(engine.generate(Request(Turn("Hello."), SamplingParams(temperature=0.0, max_new_tokens=8))))[-1]
     assert final.finish_reason in ("stop", "length") and final.error is None
 

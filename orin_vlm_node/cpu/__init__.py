@@ -1,4 +1,4 @@
-"""CPU layer: native kernels compiled on the machine at startup (cached), for the CPU's float projections.
+"""CPU layer: native kernels compiled on the machine at startup (cached), for the projections on the CPU.
 
 Public API (the engine uses these names; the model layer takes the kernels as ``cpu_linear.RowsGemm``):
 
@@ -8,7 +8,8 @@ Public API (the engine uses these names; the model layer takes the kernels as ``
 * ``cpu_gemm_for(device, dtype, kernel_dir="", cache_dir="") -> (CpuGemm | None, why_not)``: the kernels
   for an fp32 or bf16 model on the CPU, else the reason they are not used (a failed build is logged in full).
 * ``CpuGemm``: ``few_rows(x (m, k), w (n, k)) -> (m, n)`` for the 1..``max_rows`` rows of a decode step
-  (batch-invariant), ``many_rows`` for any row count (a prefill); fp32 or bf16 weights.
+  (batch-invariant), ``many_rows`` for any row count (a prefill); fp32, bf16 or int8 weights, or 4-bit
+  values with their groups' scales and offsets (``gemm.Int4Weight``, which the model's int4 projections are).
 
 Layout: ``build.py`` (compiler, cache key, compile, load), ``gemm.py`` (the ctypes binding and probe).
 """

@@ -1,11 +1,15 @@
-"""The CPU GEMM kernels (``kernels/cpu_gemm.cpp``) bound with ctypes: ``x @ w.T`` with fp32 or bf16 weights,
-fp32 sums.
+"""The CPU GEMM kernels (``kernels/cpu_gemm.cpp``) bound with ctypes: ``x @ w.T`` with fp32, bf16, int8 or int4
+weights widened in registers, fp32 sums.
 
 * ``few_rows``: the 1..8 rows of a decode step, the weight read once for all rows and every output summed in
   one order whatever the row count (a sequence's logits do not depend on what it is batched with).
 * ``many_rows``: any row count, for a prefill: the weight widened and packed into panels in the kernel and
-  multiplied by broadcast activations (the GEMM micro-kernel), so a bf16 weight is never copied to fp32 in
-  memory and the arithmetic runs near the FMA units' peak.
+  multiplied by broadcast activations (the GEMM micro-kernel), so a bf16 or quantized weight is never
+  copied to fp32 in memory and the arithmetic runs near the FMA units' peak.
+
+A quantized weight is read as stored: int8 gives the product with the integer values (the caller applies the
+per-row scale, where it factors out of the sum); int4 is an :class:`Int4Weight`, widened with its groups'
+scales and offsets in the kernel.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ import logging
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import NamedTuple, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -28,73 +33,150 @@ _log = logging.getLogger(__name__)
 SOURCE = "cpu_gemm.cpp"
 # Below this many weight elements one thread is faster than handing chunks to torch's OpenMP workers.
 PARALLEL_MIN_WEIGHTS = 1 << 20
+INT4_MIN_GROUP = 8  # the kernels widen 8 consecutive values with one scale and offset: groups of 8, 16, ...
+
+
+class Int4Weight(Protocol):
+    """An (n, k) weight of 4-bit values as the kernels read it (``model.quant.QuantizedLinear`` in int4 mode is
+    one): ``qweight`` (n, ceil(k / 2)) uint8, two values a byte along k, even k in the low nibble; ``scales``
+    and ``offsets`` (n, ceil(k / group_size)) fp16, one pair per group of ``group_size`` consecutive k (a
+    power of two >= ``INT4_MIN_GROUP``); a weight is ``q * scale + offset`` of its group, the product and the
+    sum each rounded to fp32."""
+
+    qweight: torch.Tensor
+    scales: torch.Tensor
+    offsets: torch.Tensor
+    in_features: int
+    group_size: int
+
+
+Weight = torch.Tensor | Int4Weight  # an fp32, bf16 or int8 tensor (n, k), or 4-bit values with their groups
 
 
 class CpuGemm:
     """The loaded library: ``few_rows`` and ``many_rows``, each ``(x (m, k), w (n, k)) -> (m, n)`` in ``x``'s
-    dtype, ``w`` contiguous in one of ``DTYPES``, accumulation in fp32; the weight rows split over torch's
-    intra-op threads (its OpenMP runtime, which the library shares)."""
+    dtype, ``w`` a contiguous tensor of one of ``DTYPES`` or an :class:`Int4Weight`, accumulation in fp32; the
+    weight rows split over torch's intra-op threads (its OpenMP runtime, which the library shares)."""
 
-    DTYPES = (torch.float32, torch.bfloat16)
+    DTYPES = (torch.float32, torch.bfloat16, torch.int8)
+    int4_min_group = INT4_MIN_GROUP
+    _TAGS = {torch.float32: "f32", torch.bfloat16: "bf16", torch.int8: "int8", "int4": "int4"}
 
     def __init__(self, lib: ctypes.CDLL, origin: str) -> None:
         ptr, num = ctypes.c_void_p, ctypes.c_int
-        self._few = {torch.float32: lib.few_rows_gemm_f32, torch.bfloat16: lib.few_rows_gemm_bf16}
-        self._many = {torch.float32: lib.many_rows_gemm_f32, torch.bfloat16: lib.many_rows_gemm_bf16}
-        for fns, scratch in ((self._few, []), (self._many, [ptr])):
-            for fn in fns.values():
-                fn.argtypes = [ptr, ptr, ptr, *scratch, num, num, num, num]
+        self._few: dict[object, Callable[..., int]] = {}
+        self._many: dict[object, Callable[..., int]] = {}
+        for key, tag in self._TAGS.items():
+            weight = [ptr, ptr, ptr, num] if key == "int4" else [ptr]  # int4: values, scales, offsets, group
+            for fns, kernel, scratch in ((self._few, "few_rows_gemm", []), (self._many, "many_rows_gemm", [ptr])):
+                fn = getattr(lib, f"{kernel}_{tag}")
+                fn.argtypes = [ptr, ptr, *scratch, num, num, num, num, *weight]
                 fn.restype = ctypes.c_int
+                fns[key] = fn
         lib.few_rows_gemm_max_rows.restype = ctypes.c_int
         self.max_rows: int = lib.few_rows_gemm_max_rows()  # the most rows ``few_rows`` takes
         self.origin = origin  # "compiled in 1.2 s" / "from the cache", for the log and diagnostics
 
-    def few_rows(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    def few_rows(self, x: torch.Tensor, w: Weight) -> torch.Tensor:
         """(m, k) x (n, k) -> (m, n) for 1 <= m <= ``max_rows``; CPU tensors. Every decode step's call."""
-        fn, x32, y, threads = _operands(self._few, "few_rows_gemm", x, w)
-        if fn(x32.data_ptr(), w.data_ptr(), y.data_ptr(), *y.shape, x32.shape[1], threads):
+        fn, x32, y, threads, weight = _operands(self._few, "few_rows_gemm", x, w)
+        if fn(x32.data_ptr(), y.data_ptr(), *y.shape, x32.shape[1], threads, *weight):
             raise ValueError(f"few_rows_gemm takes 1..{self.max_rows} rows, got {y.shape[0]}")
         return y.to(x.dtype)
 
-    def many_rows(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    def many_rows(self, x: torch.Tensor, w: Weight) -> torch.Tensor:
         """(m, k) x (n, k) -> (m, n) for any m >= 1; CPU tensors."""
-        fn, x32, y, threads = _operands(self._many, "many_rows_gemm", x, w)
+        fn, x32, y, threads, weight = _operands(self._many, "many_rows_gemm", x, w)
         scratch = torch.empty(x32.numel())  # the rows packed k-major, in groups
-        if fn(x32.data_ptr(), w.data_ptr(), y.data_ptr(), scratch.data_ptr(), *y.shape, x32.shape[1], threads):
+        if fn(x32.data_ptr(), y.data_ptr(), scratch.data_ptr(), *y.shape, x32.shape[1], threads, *weight):
             raise ValueError(f"many_rows_gemm takes 1 or more rows, got {y.shape[0]}")
         return y.to(x.dtype)
 
 
 def _operands(
-    fns: dict[torch.dtype, Callable[..., int]], kernel: str, x: torch.Tensor, w: torch.Tensor
-) -> tuple[Callable[..., int], torch.Tensor, torch.Tensor, int]:
-    """The kernel for ``w``'s dtype, ``x`` as contiguous fp32, the output ``y (m, n)`` and the thread count;
-    a weight the kernel cannot read raw raises."""
-    fn = fns.get(w.dtype)
-    if fn is None or not w.is_contiguous() or w.shape[1] != x.shape[1]:  # the kernel reads w's memory raw
-        raise ValueError(f"{kernel} takes a contiguous fp32/bf16 (n, {x.shape[1]}) weight, got "
-                         f"{w.dtype} {tuple(w.shape)} strides {w.stride()}")  # fmt: skip
+    fns: dict[object, Callable[..., int]], kernel: str, x: torch.Tensor, w: Weight
+) -> tuple[Callable[..., int], torch.Tensor, torch.Tensor, int, tuple[int, ...]]:
+    """The kernel for ``w``, ``x`` as contiguous fp32, the output ``y (m, n)``, the thread count and the weight's
+    arguments; a weight the kernel cannot read raw raises."""
+    if isinstance(w, torch.Tensor):
+        fn = fns.get(w.dtype)
+        if fn is None or not w.is_contiguous() or w.shape[1] != x.shape[1]:  # the kernel reads w's memory raw
+            raise ValueError(f"{kernel} takes a contiguous fp32/bf16/int8 (n, {x.shape[1]}) weight, got "
+                             f"{w.dtype} {tuple(w.shape)} strides {w.stride()}")  # fmt: skip
+        weight = (w.data_ptr(),)
+    else:
+        fn, weight = fns["int4"], _int4_arguments(kernel, x, w)
     x32 = x.to(torch.float32).contiguous()  # no copy for a contiguous fp32 x
-    n, k = w.shape
+    n, k = (w.shape[0] if isinstance(w, torch.Tensor) else w.qweight.shape[0]), x32.shape[1]
     threads = torch.get_num_threads() if n * k >= PARALLEL_MIN_WEIGHTS else 1
-    return fn, x32, torch.empty(x32.shape[0], n), threads
+    return fn, x32, torch.empty(x32.shape[0], n), threads, weight
+
+
+def _int4_arguments(kernel: str, x: torch.Tensor, w: Int4Weight) -> tuple[int, ...]:
+    """The pointers and group size of an int4 weight, after checking that its buffers have the layout
+    :class:`Int4Weight` describes for ``x``'s k (the kernel reads them raw). Every decode step calls this
+    for every projection: the check is a few comparisons, the message is built only for a weight refused."""
+    q, scales, offsets, k, g = w.qweight, w.scales, w.offsets, w.in_features, w.group_size
+    n, groups = q.shape[0], -(-k // g) if g > 0 else 0
+    fits = k == x.shape[1] and g >= INT4_MIN_GROUP and not g & (g - 1)
+    layout = {"qweight": (q, (n, -(-k // 2)), torch.uint8)}
+    layout |= {"scales": (scales, (n, groups), torch.float16), "offsets": (offsets, (n, groups), torch.float16)}
+    if fits and all(t.dtype == d and t.shape == shape and t.is_contiguous() for t, shape, d in layout.values()):
+        return q.data_ptr(), scales.data_ptr(), offsets.data_ptr(), g
+    problems = [] if fits else [f"{k} inputs in groups of {g}"]
+    problems += [
+        f"{name} is {t.dtype} {tuple(t.shape)}, not contiguous {d} {shape}"
+        for name, (t, shape, d) in layout.items()
+        if t.dtype != d or t.shape != shape or not t.is_contiguous()
+    ]
+    raise ValueError(
+        f"{kernel} takes int4 weights of {x.shape[1]} inputs in groups of a power of two >= {INT4_MIN_GROUP}: "
+        + "; ".join(problems)
+    )
+
+
+class _Int4Probe(NamedTuple):
+    qweight: torch.Tensor
+    scales: torch.Tensor
+    offsets: torch.Tensor
+    in_features: int
+    group_size: int
+
+
+def _probe_weights(w: torch.Tensor, gen: torch.Generator) -> list[tuple[str, Weight, torch.Tensor]]:
+    """(name, weight as the kernel takes it, the fp32 values it stands for) for every weight format: ``w``'s
+    values in fp32, bf16 and int8, and 4-bit values with groups of 16 (k not a multiple of the group, odd k:
+    the last byte's high nibble is padding) widened as :class:`Int4Weight` says."""
+    weights: list[tuple[str, Weight, torch.Tensor]] = []
+    for dtype in (torch.float32, torch.bfloat16, torch.int8):
+        stored = w.to(dtype)
+        weights.append((str(dtype), stored, stored.float()))
+    n, k, group = w.shape[0], w.shape[1], 16
+    values = torch.randint(0, 16, (n, k + k % 2), generator=gen, dtype=torch.uint8)
+    values[:, k:] = 0
+    scales = (torch.rand(n, -(-k // group), generator=gen) / 8).half()
+    offsets = (torch.randn(n, -(-k // group), generator=gen) / 4).half()
+    widened = values[:, :k].float() * scales.float().repeat_interleave(group, 1)[:, :k]
+    widened = widened + offsets.float().repeat_interleave(group, 1)[:, :k]
+    packed = _Int4Probe((values[:, 0::2] | (values[:, 1::2] << 4)).contiguous(), scales, offsets, k, group)
+    weights.append(("int4 (group 16)", packed, widened))
+    return weights
 
 
 def _probe(gemm: CpuGemm) -> str | None:
     """Why a kernel disagrees with ``F.linear`` in fp32 on every row count it serves differently and every
-    weight dtype (odd sizes: the K and N tails, several threads, more than one panel of k), or None."""
+    weight format (odd sizes: the K and N tails, several threads, more than one panel of k), or None."""
     gen = torch.Generator().manual_seed(0)
     w = torch.randn(1000, 1051, generator=gen)  # 1000 x 1051 > PARALLEL_MIN_WEIGHTS: the threaded split too
     checks = [("few_rows", gemm.few_rows, m) for m in range(1, gemm.max_rows + 1)]
     checks += [("many_rows", gemm.many_rows, m) for m in (1, 5, 6, 7, 13)]  # groups of 6 and their tails
-    for dtype in gemm.DTYPES:
-        stored = w.to(dtype)
+    for what, stored, values in _probe_weights(w, gen):
         for name, kernel, m in checks:
             x = torch.randn(m, 1051, generator=gen)
-            got, want = kernel(x, stored), F.linear(x, stored.float())
+            got, want = kernel(x, stored), F.linear(x, values)
             if not torch.allclose(got, want, rtol=1e-4, atol=1e-3):
                 error = (got - want).abs().max().item()
-                return f"{name} disagrees with F.linear for {m} rows of {dtype} weights (max error {error:.3g})"
+                return f"{name} disagrees with F.linear for {m} rows of {what} weights (max error {error:.3g})"
     return None
 
 
@@ -124,7 +206,7 @@ def cpu_gemm_for(
     built or loaded are also logged as a warning with the whole reason (compiler output included)."""
     if device.type != "cpu":
         return None, f"not a CPU: {device.type}"
-    if dtype not in CpuGemm.DTYPES:
+    if dtype not in (torch.float32, torch.bfloat16):
         return None, f"{str(dtype).removeprefix('torch.')} weights; the CPU GEMM kernels take fp32 and bf16"
     try:
         return load_cpu_gemm(kernel_dir, cache_dir), ""

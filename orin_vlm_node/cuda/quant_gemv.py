@@ -1,6 +1,6 @@
 """Quantized projections through ``kernels/quant_gemv.cu``: the decode-time product of 1..8 rows.
 
-:class:`CudaQuantGemv` is what a :class:`~orin_vlm_node.model.quant.QuantizedLinear` calls (its ``gemv``)
+:class:`CudaQuantGemv` is what a :class:`~orin_vlm_node.model.quant.QuantizedLinear` calls (its ``kernels``)
 when the kernels are loaded: it checks that the call fits a kernel (rows, dtype, layout), allocates the
 output and launches on the ``launcher`` (the PyCUDA runtime on torch's stream, so CUDA graphs capture it;
 or the CPU harness in the tests). A call that does not fit (a prefill of many rows) goes back to the
@@ -23,8 +23,9 @@ class CudaQuantGemv:
     def __init__(self, launcher) -> None:
         self.launcher = launcher
 
-    def fits(self, x: torch.Tensor) -> bool:
-        """Whether the kernels take ``x`` (L, K): 1..max_rows rows of a supported dtype, 16-byte aligned."""
+    def fits(self, module, x: torch.Tensor) -> bool:
+        """Whether the kernels take ``module``'s product of ``x`` (L, K): 1..max_rows rows of a supported dtype,
+        16-byte aligned (every stored format and shape is taken)."""
         return (
             x.dim() == 2
             and 1 <= x.shape[0] <= self.max_rows
@@ -43,13 +44,3 @@ class CudaQuantGemv:
         offsets = module.offsets if module.mode == "int4" else None
         self.launcher.launch(cfg, [y, x, module.qweight, module.scales, offsets, rows, n, k, module.group_size])
         return y
-
-
-def attach(model: torch.nn.Module, gemv: CudaQuantGemv | None) -> int:
-    """Route the quantized projections of ``model`` through ``gemv`` (None: back to torch); how many."""
-    from ..model.quant import QuantizedLinear
-
-    modules = [m for m in model.modules() if isinstance(m, QuantizedLinear)]
-    for m in modules:
-        m.gemv = gemv
-    return len(modules)

@@ -32,13 +32,14 @@ from typing import Any
 import torch
 
 from ..cpu import cpu_gemm_for
-from ..cuda import KernelsUnavailable, quant_gemv
+from ..cuda import KernelsUnavailable
+from ..cuda.quant_gemv import CudaQuantGemv
 from ..kvcache import KVCache, build_kv_cache, check_page_size
 from ..model import load_model
 from ..model.config import ModelConfig
-from ..model.cpu_linear import use_cpu_gemm
+from ..model.cpu_linear import KERNEL_ROWS, CpuQuantKernels, use_cpu_gemm
 from ..model.errors import CheckpointError
-from ..model.quant import weight_bytes
+from ..model.quant import attach_kernels, weight_bytes
 from ..processing import ChatTemplate, ImageProcessor, ProcessingError, Tokenizer
 from ..settings import BY_NAME
 from .backend import decode_path, select_attention
@@ -99,7 +100,10 @@ class Engine:
         if parts & {"model", "kv_cache", "backend"}:
             self.attention = select_attention(self._config, self.model_config, self.dtype, self.device)
             launcher = self.attention.launcher if self.attention.kernels else None
-            if quant_gemv.attach(self.model, quant_gemv.CudaQuantGemv(launcher) if launcher else None):
+            kernels = (
+                CudaQuantGemv(launcher) if launcher else CpuQuantKernels(self._cpu_gemm) if self._cpu_gemm else None
+            )
+            if attach_kernels(self.model, kernels):
                 log.info("quantized projections: %s", self.weight_path)
         if parts & {"model", "kv_cache"}:
             self._build_cache()
@@ -120,8 +124,9 @@ class Engine:
         self.device = resolve_device(cfg.device)
         self.dtype = resolve_dtype(cfg.dtype, self.device, self.model_config.torch_dtype)
         self.model = load_model(cfg.model_dir, dtype=self.dtype, device=self.device, quant=cfg.quant).eval()
-        gemm, why = cpu_gemm_for(self.device, self.dtype, cfg.kernel_dir, cfg.kernel_cache_dir)
-        self._float_path = use_cpu_gemm(self.model, gemm) if gemm is not None else f"F.linear ({why})"
+        # The CPU GEMM kernels (None elsewhere or when they cannot run): float and quantized projections.
+        self._cpu_gemm, why = cpu_gemm_for(self.device, self.dtype, cfg.kernel_dir, cfg.kernel_cache_dir)
+        self._float_path = use_cpu_gemm(self.model, self._cpu_gemm) if self._cpu_gemm else f"F.linear ({why})"
         self.weight_bytes = weight_bytes(self.model)
         log.info("model %s loaded on %s as %s (weights: %s, %.1f MB)", cfg.model_dir, self.device, self.dtype,
                  cfg.weight_quant, self.weight_bytes / 1e6)  # fmt: skip
@@ -251,9 +256,15 @@ class Engine:
         """How the quantized projections multiply: the GEMV kernels (decode rows) or torch only."""
         if self._config.weight_quant == "none":
             return f"float weights: {self._float_path}"
+        mode, group = self._config.weight_quant, self._config.weight_quant_group_size
         if self.attention.kernels:
-            return f"{self._config.weight_quant}: GEMV kernels for up to 8 rows, torch GEMM beyond"
-        return f"{self._config.weight_quant}: torch (weights widened for each product)"
+            return f"{mode}: GEMV kernels for up to 8 rows, torch GEMM beyond"
+        if self._cpu_gemm is None:
+            return f"{mode}: torch (weights widened for each product)"
+        if mode == "int4" and group < self._cpu_gemm.int4_min_group:
+            return (f"{mode}: torch (weights widened for each product; the CPU GEMM kernels take groups of "
+                    f"{self._cpu_gemm.int4_min_group} or more, not {group})")  # fmt: skip
+        return f"{mode}: CPU GEMM kernels on the stored weights, few rows for 1..{KERNEL_ROWS}, many rows above"
 
     def describe(self) -> dict:
         """Diagnostics for the node: model, device, paging, pool usage, kernel/graph path, last metrics.

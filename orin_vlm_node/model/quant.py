@@ -5,7 +5,8 @@ bytes / memory bandwidth, and the weights are most of what the model takes of th
 activations stay in the model's dtype; only the stored weights shrink (and are widened again in the
 product). Embeddings, norms, ``lm_head`` and the vision tower keep the checkpoint dtype.
 
-Formats (the layout the CUDA GEMV kernels read, and what :meth:`QuantizedLinear.forward` computes):
+Formats (the layout the CUDA GEMV kernels and the CPU GEMM kernels read, and what
+:meth:`QuantizedLinear.forward` computes):
 
 * ``int8``: ``qweight`` (N, K) int8 and ``scales`` (N,) fp16, symmetric: ``w[n, k] = q[n, k] * s[n]``,
   with ``s[n] = max_k |w[n, k]| / 127``.
@@ -63,8 +64,9 @@ class QuantizedLinear(nn.Module):
     def __init__(self, out_features: int, in_features: int, mode: str, group_size: int, device=None) -> None:
         super().__init__()
         self.out_features, self.in_features, self.mode, self.group_size = out_features, in_features, mode, group_size
-        # The GEMV kernels (``cuda.quant_gemv.CudaQuantGemv``) when the engine loaded them; None = torch.
-        self.gemv = None
+        # The kernels that multiply the stored weight when the engine loaded them (CUDA: the GEMV kernels,
+        # ``cuda.quant_gemv.CudaQuantGemv``; CPU: the GEMM kernels, ``cpu_linear.CpuQuantKernels``); None = torch.
+        self.kernels = None
         n, k = out_features, in_features
         if mode == "int8":
             self.register_buffer("qweight", torch.empty((n, k), dtype=torch.int8, device=device))
@@ -119,11 +121,11 @@ class QuantizedLinear(nn.Module):
         return (q.to(torch.float32) * scales.float() + offsets.float()).to(dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """(L, K) -> (L, N) in x's dtype: the GEMV kernels for a decode step's few rows when they are loaded;
-        else the torch path: widen the weight, one product (INT8 applies its per-row scale after the product,
-        where it factors out)."""
-        if self.gemv is not None and self.gemv.fits(x):
-            return self.gemv(self, x)
+        """(L, K) -> (L, N) in x's dtype: the kernels when they are loaded and take the call (CUDA: a decode
+        step's few rows; CPU: any rows); else the torch path, the reference of both: widen the weight, one
+        product (INT8 applies its per-row scale after the product, where it factors out)."""
+        if self.kernels is not None and self.kernels.fits(self, x):
+            return self.kernels(self, x)
         if self.mode == "int8":
             return F.linear(x, self.qweight.to(x.dtype)) * self.scales.to(x.dtype)
         return F.linear(x, self.dequantize(x.dtype))
@@ -135,6 +137,15 @@ class QuantizedLinear(nn.Module):
     def extra_repr(self) -> str:
         group = f", group_size={self.group_size}" if self.mode == "int4" else ""
         return f"in_features={self.in_features}, out_features={self.out_features}, mode={self.mode}{group}"
+
+
+def attach_kernels(model: nn.Module, kernels) -> int:
+    """Route the quantized projections of ``model`` through ``kernels`` (an object with ``fits(module, x)`` and
+    ``__call__(module, x)``; None: the torch path); how many there are."""
+    modules = [m for m in model.modules() if isinstance(m, QuantizedLinear)]
+    for m in modules:
+        m.kernels = kernels
+    return len(modules)
 
 
 def weight_bytes(model: nn.Module) -> int:
