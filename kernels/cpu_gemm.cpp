@@ -1,7 +1,8 @@
-// y = x @ w.T on the CPU, weights fp32, bf16, int8 or int4 (widened in registers), activations and sums fp32. Two
-// kernels:
-// few rows (1..8, a decode step: the weight read once for all rows, dot products along k) and many rows (a
-// prefill: the weight packed into k-major panels, activations broadcast, the classic GEMM micro-kernel).
+// y = x @ w.T on the CPU, weights fp32, bf16, int8 or int4 (widened in registers), activations and sums fp32.
+// Two kernels: few rows (1..8, a decode step: the weight read once for all rows, dot products along k) and
+// many rows (a prefill: the weight packed into k-major panels, activations broadcast, the classic GEMM
+// micro-kernel). Both read the weight through a view (Dense, Int4 below), so quantized weights are widened
+// in registers as bf16 ones are and never exist as a float copy in memory.
 //
 // Few rows. A decode step multiplies a few activation rows (one per sequence of the batch) by large weight matrices,
 // so it is bound by reading the weights. BLAS small-M GEMMs read the weight once per row on some CPUs

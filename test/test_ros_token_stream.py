@@ -152,3 +152,23 @@ def test_close_publishes_what_is_pending_and_refuses_more():
     assert rec.texts == ["a", "b"]
     with pytest.raises(RuntimeError, match="closed"):
         stream.push("c")
+
+
+def test_deltas_within_a_period_do_not_wake_the_publisher_thread_each():
+    """A wake-up per token made the publisher thread take the GIL from generation at every step."""
+    rec = _Recorder()
+    stream = TokenStream(rec, period_s=0.5)
+    try:
+        stream.push("first")
+        assert rec.first.wait(2.0)
+        time.sleep(0.05)  # the publisher is back waiting out its period
+        original = stream._cond.notify_all
+        calls = []
+        stream._cond.notify_all = lambda: (calls.append(1), original())[1]
+        for i in range(50):
+            stream.push(f" {i}")
+        assert len(calls) <= 1  # the first delta after a publish (the publisher may wait untimed), not 50
+        assert stream.flush()
+        assert "".join(rec.texts) == "first" + "".join(f" {i}" for i in range(50))
+    finally:
+        stream.close()

@@ -57,7 +57,10 @@ class TokenStream:
             if self._closed:
                 raise RuntimeError("token stream is closed")
             self._pending.append(text)
-            self._cond.notify_all()
+            # Wake the publisher only when it waits for text: with deltas pending it sleeps until its period
+            # ends anyway, and a wake-up per token made it take the GIL from generation every step.
+            if len(self._pending) == 1 and not self._in_flight:
+                self._cond.notify_all()
 
     def flush(self, timeout_s: float = 5.0) -> bool:
         """Publish everything pushed so far now; False if the publisher did not finish within the timeout."""
