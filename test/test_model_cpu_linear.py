@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from orin_vlm_node.cpu import cpu_gemm_for, load_cpu_gemm
+from orin_vlm_node.cpu.gemm import native_bf16
 from orin_vlm_node.engine import Engine, EngineConfig, Request, SamplingParams, Turn
 from orin_vlm_node.model import load_model
 from orin_vlm_node.model.cpu_linear import KERNEL_ROWS, ONE_CALL_ELEMENTS, CpuLinear, use_cpu_gemm
@@ -110,9 +111,9 @@ def _kernel_calls(linear: CpuLinear, x: torch.Tensor) -> tuple[torch.Tensor, lis
 def test_a_prefill_through_a_large_weight_is_the_many_rows_kernel_computing_the_fp32_product(rows, dtype, tmp_path):
     generator = torch.Generator().manual_seed(5)
     n, k = 300, ONE_CALL_ELEMENTS // 300 + 8  # more than ONE_CALL_ELEMENTS: the kernel for fp32 too
-    linear = CpuLinear(
-        torch.nn.Parameter(torch.randn(n, k, generator=generator).to(dtype)), load_cpu_gemm(cache_dir=str(tmp_path))
-    )
+    gemm = load_cpu_gemm(cache_dir=str(tmp_path))
+    gemm.torch_bf16_prefill = False  # a CPU without bf16 arithmetic
+    linear = CpuLinear(torch.nn.Parameter(torch.randn(n, k, generator=generator).to(dtype)), gemm)
     x = torch.randn(rows, k, generator=generator).to(dtype)
     got, calls = _kernel_calls(linear, x)
     assert calls == ["many_rows"]
@@ -123,18 +124,46 @@ def test_a_prefill_through_a_large_weight_is_the_many_rows_kernel_computing_the_
 
 
 @pytest.mark.parametrize(
-    "dtype,rows,calls",
+    "dtype,native_bf16,rows,calls",
     [
-        (torch.float32, 53, ["aten::linear", "aten::mm"]),  # fits the cache: torch's GEMM, one call
-        (torch.bfloat16, 53, ["many_rows"]),  # torch's bf16 GEMM is 8x slower than the kernel here
-        (torch.float32, 16, ["few_rows", "few_rows"]),  # a decode batch: pieces of the few-rows kernel
+        (torch.float32, False, 53, ["aten::linear", "aten::mm"]),  # fits the cache: torch's GEMM, one call
+        (torch.bfloat16, False, 53, ["many_rows"]),  # no bf16 arithmetic: torch's bf16 GEMM is 8x slower
+        (torch.bfloat16, True, 53, ["aten::linear", "aten::mm"]),  # bf16 arithmetic: torch's GEMM is faster
+        (torch.bfloat16, True, 16, ["few_rows", "few_rows"]),  # a decode batch: the kernel either way
+        (torch.float32, False, 16, ["few_rows", "few_rows"]),  # a decode batch: pieces of the few-rows kernel
     ],
 )
-def test_which_path_a_small_weight_takes(dtype, rows, calls, tmp_path):
+def test_which_path_a_small_weight_takes(dtype, native_bf16, rows, calls, tmp_path):
     generator = torch.Generator().manual_seed(7)
     w = torch.randn(768, 128, generator=generator).to(dtype)
-    linear = CpuLinear(torch.nn.Parameter(w), load_cpu_gemm(cache_dir=str(tmp_path)))
+    gemm = load_cpu_gemm(cache_dir=str(tmp_path))
+    gemm.torch_bf16_prefill = native_bf16
+    linear = CpuLinear(torch.nn.Parameter(w), gemm)
     x = torch.randn(rows, 128, generator=generator).to(dtype)
     got, called = _kernel_calls(linear, x)
     assert called == calls
     torch.testing.assert_close(got.float(), torch.nn.functional.linear(x.float(), w.float()), rtol=2e-2, atol=2e-2)
+
+
+CPUINFO = {
+    "x86 with avx512_bf16": ("processor\t: 0\nflags\t\t: fpu sse2 avx2 avx512f avx512_bf16 avx512_vnni\n", True),
+    "x86 with amx_bf16": ("flags\t\t: avx2 amx_tile amx_bf16\n", True),
+    "x86 without": ("flags\t\t: fpu sse2 avx2 fma avx512f\n", False),
+    "arm with bf16": ("Features\t: fp asimd sve bf16 i8mm\n", True),
+    "Jetson Orin (A78AE)": ("Features\t: fp asimd evtstrm aes pmull sha1 sha2 crc32 atomics fphp asimdhp\n", False),
+    "nothing": ("", False),
+}
+
+
+@pytest.mark.parametrize("name", CPUINFO)
+def test_native_bf16_is_read_from_the_cpus_flags(name):
+    text, expected = CPUINFO[name]
+    assert native_bf16(text) is expected
+
+
+def test_a_bf16_model_on_a_cpu_with_bf16_arithmetic_prefills_through_torch_and_says_so(tmp_path):
+    gemm = load_cpu_gemm(cache_dir=str(tmp_path))
+    gemm.torch_bf16_prefill = True
+    model = load_model(cached_tiny_checkpoint(), dtype=torch.bfloat16)
+    assert "torch's GEMM above (this CPU has bf16 arithmetic)" in use_cpu_gemm(model, gemm)
+    assert all(m.torch_prefill for m in model.modules() if isinstance(m, CpuLinear))

@@ -11,6 +11,9 @@ Public API (the engine uses these names; the model layer takes the kernels as ``
   (batch-invariant), ``many_rows`` for any row count (a prefill); fp32, bf16 or int8 weights, or 4-bit
   values with their groups' scales and offsets (``gemm.Int4Weight``, which the model's int4 projections are).
 
+``gemm.native_bf16()`` says whether the CPU has bf16 arithmetic (then torch's bf16 GEMM is the faster one
+for a prefill; ``CpuGemm.torch_bf16_prefill`` carries it to the model layer).
+
 Layout: ``build.py`` (compiler, cache key, compile, load), ``gemm.py`` (the ctypes binding and probe).
 """
 

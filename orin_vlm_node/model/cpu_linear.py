@@ -25,7 +25,10 @@ kernel in pieces; ``F.linear`` in bf16 costs about 4.8 ms per row at every row c
 arithmetic). In fp32 it is 5..18% faster than the blocks. A small fp32 weight (at most
 ``ONE_CALL_ELEMENTS``, the default model's) stays one ``F.linear`` call: it fits the cache, where torch's
 GEMM is as fast and the call cheaper (default model, 17..200 rows: 21..252 us against 27..238 us); a small
-bf16 weight takes the kernel (384 x 128, 53 rows: 105 us against 843 us).
+bf16 weight takes the kernel (384 x 128, 53 rows: 105 us against 843 us). Those bf16 figures are from a
+CPU without bf16 arithmetic; on one with it (``cpu.gemm.native_bf16``: AVX512-BF16, AMX, Arm BF16) torch's
+bf16 GEMM runs on those units and beats the kernel, which widens to fp32 (24 rows 9.1 ms against 15.9, 256
+rows 60 against 130), so a bf16 prefill takes ``F.linear`` there; decode rows keep the few-rows kernel.
 
 Quantized projections (``weight_quant``) stay :class:`~.quant.QuantizedLinear` modules and take the same
 kernels through :class:`CpuQuantKernels`, which hands them the stored bytes: the rows are routed as above
@@ -60,6 +63,7 @@ class RowsGemm(Protocol):
     max_rows: int
     origin: str
     int4_min_group: int  # the smallest int4 group the kernels take
+    torch_bf16_prefill: bool  # the CPU multiplies bf16 natively: torch's GEMM for a prefill of bf16 weights
 
     def few_rows(self, x: torch.Tensor, w: Any) -> torch.Tensor: ...
 
@@ -79,7 +83,8 @@ def kernel_product(gemm: RowsGemm, x: torch.Tensor, w: Any) -> torch.Tensor:
 
 class CpuLinear(nn.Module):
     """A bias-free projection of a float weight: a decode step's rows through the few-rows kernel, a
-    prefill's through the many-rows kernel (or ``F.linear`` for a small fp32 weight)."""
+    prefill's through the many-rows kernel (or ``F.linear`` for a small fp32 weight, and for a bf16 weight
+    on a CPU with bf16 arithmetic)."""
 
     weight = None  # callers use the module (``text.project``); the float weight is ``matrix``
 
@@ -87,17 +92,18 @@ class CpuLinear(nn.Module):
         super().__init__()
         self.matrix = weight  # the same Parameter (a tied head's is the embedding table)
         self.gemm = gemm
-        self.small = weight.dtype == torch.float32 and weight.numel() <= ONE_CALL_ELEMENTS
+        small = weight.dtype == torch.float32 and weight.numel() <= ONE_CALL_ELEMENTS
+        self.torch_prefill = small or (weight.dtype == torch.bfloat16 and gemm.torch_bf16_prefill)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """(L, in) -> (L, out)."""
-        if self.small and x.shape[0] > KERNEL_ROWS:
+        if self.torch_prefill and x.shape[0] > KERNEL_ROWS:
             return F.linear(x, self.matrix)
         return kernel_product(self.gemm, x, self.matrix)
 
     def extra_repr(self) -> str:
         out_features, in_features = self.matrix.shape
-        above = "F.linear" if self.small else "many_rows_gemm"
+        above = "F.linear" if self.torch_prefill else "many_rows_gemm"
         return (
             f"in_features={in_features}, out_features={out_features}, few_rows_gemm<={KERNEL_ROWS} "
             f"(pieces of {self.gemm.max_rows}), {above} above"
@@ -137,8 +143,11 @@ def use_cpu_gemm(model: nn.Module, gemm: RowsGemm) -> str:
             setattr(parent, attr, CpuLinear(module.weight, gemm))
             routed += 1
     model.lm_head = CpuLinear(model.lm_head.weight, gemm)
+    above = "many rows above"
+    if model.lm_head.matrix.dtype == torch.bfloat16 and gemm.torch_bf16_prefill:
+        above = "torch's GEMM above (this CPU has bf16 arithmetic)"
     what = (
-        f"CPU GEMM kernels, few rows for 1..{KERNEL_ROWS}, many rows above ({routed} projections + LM head; "
+        f"CPU GEMM kernels, few rows for 1..{KERNEL_ROWS}, {above} ({routed} projections + LM head; "
         f"library {gemm.origin})"
     )
     log.info("CPU projections: %s", what)
