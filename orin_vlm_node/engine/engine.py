@@ -253,7 +253,8 @@ class Engine:
 
     @property
     def weight_path(self) -> str:
-        """How the quantized projections multiply: the GEMV kernels (decode rows) or torch only."""
+        """How the projections multiply: float weights (the CPU GEMM kernels or ``F.linear``), quantized ones
+        (CUDA: the GEMV kernels for decode rows; CPU: the CPU GEMM kernels on the stored bytes; else torch)."""
         if self._config.weight_quant == "none":
             return f"float weights: {self._float_path}"
         mode, group = self._config.weight_quant, self._config.weight_quant_group_size
