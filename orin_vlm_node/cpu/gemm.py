@@ -102,40 +102,37 @@ def _operands(
     """The kernel for ``w``, ``x`` as contiguous fp32, the output ``y (m, n)``, the thread count and the weight's
     arguments; a weight the kernel cannot read raw raises."""
     if isinstance(w, torch.Tensor):
-        fn = fns.get(w.dtype)
+        fn, n = fns.get(w.dtype), w.shape[0]
         if fn is None or not w.is_contiguous() or w.shape[1] != x.shape[1]:  # the kernel reads w's memory raw
             raise ValueError(f"{kernel} takes a contiguous fp32/bf16/int8 (n, {x.shape[1]}) weight, got "
                              f"{w.dtype} {tuple(w.shape)} strides {w.stride()}")  # fmt: skip
         weight = (w.data_ptr(),)
     else:
-        fn, weight = fns["int4"], _int4_arguments(kernel, x, w)
+        fn, n, weight = fns["int4"], w.qweight.shape[0], _int4_arguments(kernel, x, w)
     x32 = x.to(torch.float32).contiguous()  # no copy for a contiguous fp32 x
-    n, k = (w.shape[0] if isinstance(w, torch.Tensor) else w.qweight.shape[0]), x32.shape[1]
-    threads = torch.get_num_threads() if n * k >= PARALLEL_MIN_WEIGHTS else 1
+    threads = torch.get_num_threads() if n * x32.shape[1] >= PARALLEL_MIN_WEIGHTS else 1
     return fn, x32, torch.empty(x32.shape[0], n), threads, weight
 
 
 def _int4_arguments(kernel: str, x: torch.Tensor, w: Int4Weight) -> tuple[int, ...]:
     """The pointers and group size of an int4 weight, after checking that its buffers have the layout
-    :class:`Int4Weight` describes for ``x``'s k (the kernel reads them raw). Every decode step calls this
-    for every projection: the check is a few comparisons, the message is built only for a weight refused."""
-    q, scales, offsets, k, g = w.qweight, w.scales, w.offsets, w.in_features, w.group_size
-    n, groups = q.shape[0], -(-k // g) if g > 0 else 0
-    fits = k == x.shape[1] and g >= INT4_MIN_GROUP and not g & (g - 1)
-    layout = {"qweight": (q, (n, -(-k // 2)), torch.uint8)}
-    layout |= {"scales": (scales, (n, groups), torch.float16), "offsets": (offsets, (n, groups), torch.float16)}
-    if fits and all(t.dtype == d and t.shape == shape and t.is_contiguous() for t, shape, d in layout.values()):
-        return q.data_ptr(), scales.data_ptr(), offsets.data_ptr(), g
-    problems = [] if fits else [f"{k} inputs in groups of {g}"]
+    :class:`Int4Weight` describes for ``x``'s k (the kernel reads them raw)."""
+    k, g = w.in_features, w.group_size
+    n, groups = w.qweight.shape[0], -(-k // g) if g > 0 else 0
+    buffers = ((w.qweight, (n, -(-k // 2)), torch.uint8), (w.scales, (n, groups), torch.float16),
+               (w.offsets, (n, groups), torch.float16))  # fmt: skip
+    problems = [] if k == x.shape[1] and g >= INT4_MIN_GROUP and not g & (g - 1) else [f"{k} inputs in groups of {g}"]
     problems += [
-        f"{name} is {t.dtype} {tuple(t.shape)}, not contiguous {d} {shape}"
-        for name, (t, shape, d) in layout.items()
-        if t.dtype != d or t.shape != shape or not t.is_contiguous()
+        f"{name} is {t.dtype} {tuple(t.shape)}, not contiguous {dtype} {shape}"
+        for name, (t, shape, dtype) in zip(("qweight", "scales", "offsets"), buffers, strict=True)
+        if t.dtype != dtype or t.shape != shape or not t.is_contiguous()
     ]
-    raise ValueError(
-        f"{kernel} takes int4 weights of {x.shape[1]} inputs in groups of a power of two >= {INT4_MIN_GROUP}: "
-        + "; ".join(problems)
-    )
+    if problems:
+        raise ValueError(
+            f"{kernel} takes int4 weights of {x.shape[1]} inputs in groups of a power of two >= {INT4_MIN_GROUP}: "
+            + "; ".join(problems)
+        )
+    return w.qweight.data_ptr(), w.scales.data_ptr(), w.offsets.data_ptr(), g
 
 
 class _Int4Probe(NamedTuple):
