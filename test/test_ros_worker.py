@@ -9,7 +9,7 @@ from typing import Any
 
 from orin_vlm_node.engine.events import Finished, SamplingParams, TextDelta
 from orin_vlm_node.ros.request_queue import PendingPrompt, RequestQueue
-from orin_vlm_node.ros.worker import Worker, wire_text
+from orin_vlm_node.ros.worker import Worker, on_passing_thread, wire_text
 
 TERMINAL = {"finished", "dropped", "error"}
 
@@ -48,6 +48,10 @@ class ScriptedEngine:
         self.cancelled: set[str] = set()
         self.started = threading.Event()
         self.running: set[str] = set()
+        self.log: list[tuple[str, str, int]] = []  # (what, request or session id, thread ident), in order
+
+    def reset(self, session_id: str) -> None:
+        self.log.append(("reset", session_id, threading.get_ident()))
 
     def cancel(self, request_id: str) -> None:
         self.cancelled.add(request_id)
@@ -58,12 +62,14 @@ class ScriptedEngine:
         text = ""
         for piece in self.pieces:
             text += piece
+            self.log.append(("delta", request.request_id, threading.get_ident()))
             yield TextDelta(request.request_id, piece, ())
         while self.endless and (self.ignores_cancel or request.request_id not in self.cancelled):
             time.sleep(0.01)
             text += "x"
             yield TextDelta(request.request_id, "x", ())
         reason = "cancelled" if request.request_id in self.cancelled else "stop"
+        self.log.append(("finished", request.request_id, threading.get_ident()))
         yield Finished(request.request_id, reason, text, (), {"generated_tokens": len(text)})
 
 
@@ -165,3 +171,66 @@ def test_channels_answer_side_by_side_one_prompt_each_and_cancel_only_their_own(
     arm_ends = [e for e in outputs["arm"].events if e["event"] in TERMINAL]
     assert {e["request_id"]: e["event"] for e in arm_ends} == {"armreq-1": "finished", "armreq-2": "dropped"}
     assert not [e for e in outputs["nav"].events if e["request_id"] and e["request_id"].startswith("arm")]
+
+
+def test_the_answers_of_a_batch_advance_in_turn_on_the_worker_thread_alone():
+    """One computing thread (torch's OpenMP pools, worker.py): both channels' answers are advanced by the
+    worker thread, one event each in turn, so they decode together."""
+    outputs = {"arm": Recorder(), "nav": Recorder()}
+    queue, engine = RequestQueue(4), ScriptedEngine(["a", "b", "c"], max_batch=2)
+    queue.put(prompt(1, "arm"))
+    queue.put(prompt(2, "nav"))
+    worker = start(engine, queue, outputs)
+    try:
+        wait_until(lambda: all(any(e["event"] == "finished" for e in r.events) for r in outputs.values()))
+    finally:
+        worker.stop(2.0, "test over")
+    (ident,) = {ident for _, _, ident in engine.log}  # one thread for both answers
+    assert ident != threading.get_ident()
+    order = [rid for what, rid, _ in engine.log if what == "delta"]
+    assert order == ["armreq-1", "navreq-2"] * 3, "the answers interleave, one event each"
+    assert [r.responses for r in outputs.values()] == [["abc"], ["abc"]]
+
+
+def test_engine_changes_wait_for_the_running_answer_and_hold_back_new_prompts():
+    """A session reset queued while an answer runs is applied once it ended, before the next prompt starts
+    (the engine applies changes only between requests; waiting for them on the one thread would stall)."""
+    outputs, queue = Recorder(), RequestQueue(4)
+    engine = ScriptedEngine(["go "], endless=True)
+    worker = start(engine, queue, outputs)
+    try:
+        queue.put(prompt(1))
+        wait_until(lambda: "req-1" in engine.running)
+        worker.queue_changes({}, reset_sessions=["old-session"])
+        queue.put(prompt(2))
+        time.sleep(0.7)  # longer than the worker's idle wait: nothing is applied or started meanwhile
+        assert "req-2" not in engine.running and not [w for w, *_ in engine.log if w == "reset"]
+        worker.cancel_running()
+        wait_until(lambda: "req-2" in engine.running)
+        worker.cancel_running()
+        wait_until(lambda: [e["request_id"] for e in outputs.events if e["event"] == "finished"] == ["req-1", "req-2"])
+    finally:
+        worker.stop(2.0, "test over")
+    steps = [(what, rid) for what, rid, _ in engine.log if what != "delta"]
+    assert steps == [("finished", "req-1"), ("reset", "old-session"), ("finished", "req-2")]
+
+
+def test_on_passing_thread_returns_or_raises_what_the_function_did_on_a_thread_that_ended():
+    threads: list[threading.Thread] = []
+
+    def work() -> int:
+        threads.append(threading.current_thread())
+        return 42
+
+    assert on_passing_thread(work) == 42
+    assert threads[0] is not threading.current_thread() and not threads[0].is_alive()
+
+    def fail() -> None:
+        raise ValueError("no model here")
+
+    try:
+        on_passing_thread(fail)
+    except ValueError as exc:
+        assert str(exc) == "no model here"
+    else:
+        raise AssertionError("the exception was not handed to the caller")

@@ -8,7 +8,8 @@ publishes ``tokens`` (streamed text, coalesced: ``token_stream.py``), ``response
 ``channels`` every asker has these prompt/answer topics and services under its name (``channel.py``).
 
 Threading, and why: generation takes seconds, so it runs on one worker thread (``worker.py``) that owns every
-mutating engine call (``generate``, ``reconfigure``, ``reset``). ROS callbacks only enqueue work or
+mutating engine call (``generate``, ``reconfigure``, ``reset``) and is the only long-lived thread that computes
+(the model loads on a thread that ends: torch's OpenMP pools, see ``worker.py``). ROS callbacks only enqueue work or
 flip flags, and a MultiThreadedExecutor with separate callback groups keeps services, parameter
 changes and image updates responsive during a generation. ``Engine.cancel`` is the only engine call
 made from another thread (it is thread-safe by contract); ``validate_changes``/``describe`` only read.
@@ -56,7 +57,7 @@ from .params import (
 )
 from .request_queue import PendingPrompt, RequestQueue
 from .status import backend_summary, engine_diagnostics, status_json
-from .worker import Worker
+from .worker import Worker, on_passing_thread
 
 # Identical image errors (a broken camera at 30 Hz) are reported at most this often.
 IMAGE_ERROR_INTERVAL_S = 1.0
@@ -158,7 +159,7 @@ class VlmServing:
         """
         config = startup_config(self._values)
         t0 = time.monotonic()
-        self._engine = Engine(config)
+        self._engine = on_passing_thread(lambda: Engine(config))  # see worker.py: no OpenMP pool left behind
         reason = self._context_problem(self._values)
         if reason:
             self._engine = None

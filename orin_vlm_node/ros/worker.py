@@ -1,12 +1,20 @@
-"""The node's worker: the one caller of the engine's mutating methods (generate, reconfigure, reset).
+"""The node's worker: the one thread that computes (every engine call but ``cancel`` and the read-only ones).
 
 Why: generation takes seconds, so ROS callbacks only enqueue work (prompts in the
 :class:`~.request_queue.RequestQueue`, engine changes and session resets here) or flag a cancellation.
-The worker thread takes the prompts (the channels in turn) and runs each on a thread of its own, at most
-one per channel (a channel's answers never interleave on its topics) and at most ``Engine.max_batch`` at
-once: those decode together in the engine's batch. Engine changes are applied between requests
-(``Engine.reconfigure`` waits for the running ones). Each answer goes out through its channel's
-:class:`Outputs`. ``Engine.cancel`` is the only engine call made from a ROS callback (it is thread-safe).
+The worker thread takes the prompts (the channels in turn), at most one per channel (a channel's answers
+never interleave on its topics) and at most ``Engine.max_batch`` at once, and advances their answers in
+turn, one event each: each answer's next event comes from the engine's batched step, so they decode
+together. Engine changes are applied once no answer runs (``Engine.reconfigure`` waits for running
+requests; new prompts wait meanwhile). Each answer goes out through its channel's :class:`Outputs`.
+``Engine.cancel`` is the only engine call made from a ROS callback (it is thread-safe).
+
+Why one thread and not one per answer: torch's CPU operators (and the CPU GEMM kernels) run their parallel
+parts on OpenMP worker threads, and the OpenMP runtime keeps a pool of them for every thread that ever ran
+such a part, for as long as that thread lives. Two pools on a CPU with as many cores as torch threads
+make the runtime stop spinning between parallel regions and put its workers to sleep instead: measured on
+the default model, a decode step on a second thread took 1.6x as long as on the first. So all the node's
+computing happens on this thread, and the model loads on a thread that ends (:func:`on_passing_thread`).
 
 No rclpy import: the node passes its publishing functions in.
 """
@@ -17,18 +25,41 @@ import logging
 import re
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 from ..engine import Engine
-from ..engine.events import Finished, Request, TextDelta, Turn
+from ..engine.events import Event, Finished, Request, TextDelta, Turn
 from .request_queue import PendingPrompt, RequestQueue
 from .status import backend_summary, request_note
 
 log = logging.getLogger("orin_vlm_node.ros")
 
 _UNSENDABLE = re.compile("[\x00\ud800-\udfff]")
+
+T = TypeVar("T")
+
+
+def on_passing_thread(fn: Callable[[], T], name: str = "orin_vlm_load") -> T:
+    """``fn()`` on a thread that ends when it returns (its result or its exception), so the OpenMP pool its
+    torch work created ends too (module docstring): the model loads there, not on the long-lived thread
+    that called (the main thread, a ROS callback). The caller waits, interruptibly by a signal."""
+    outcome: list = []
+
+    def target() -> None:
+        try:
+            outcome.append((True, fn()))
+        except BaseException as exc:  # handed to the caller, whatever it is
+            outcome.append((False, exc))
+
+    thread = threading.Thread(target=target, name=name, daemon=True)
+    thread.start()
+    thread.join()
+    ok, value = outcome[0]
+    if not ok:
+        raise value
+    return value
 
 
 def wire_text(text: str) -> str:
@@ -84,8 +115,6 @@ class Worker:
         self._pending: dict[str, Any] = {}
         self._resets: list[str] = []
         self._running: dict[str, PendingPrompt] = {}  # channel -> its prompt being answered
-        self._runners: list[threading.Thread] = []
-        self._slot_free = threading.Condition(self._lock)  # a running prompt ended
         self._cancelled: set[str] = set()
         self._last_metrics: dict[str, float] = {}
         self._completed = dict.fromkeys(self.outputs, 0)
@@ -138,13 +167,8 @@ class Worker:
             self._drop(item, why)
         self.cancel_running()
         self.queue.wake()
-        deadline = time.monotonic() + timeout_s
         if self._thread is not None:
             self._thread.join(timeout=timeout_s)
-        with self._lock:
-            runners = list(self._runners)
-        for runner in runners:
-            runner.join(timeout=max(0.0, deadline - time.monotonic()))
         for item in self.queue.drain():  # accepted by a callback that ran while the worker stopped
             self._drop(item, why)
         with self._lock:
@@ -163,41 +187,89 @@ class Worker:
 
     # -- the thread ---------------------------------------------------------------------------------
     def _loop(self) -> None:
-        while not self._stopping.is_set():
-            self._apply_pending()
+        """Take prompts while the batch has room, then advance every running answer by one event, in turn;
+        engine changes once no answer runs (the engine applies them only between requests)."""
+        answers: dict[str, _Answer] = {}  # channel -> its answer under way
+        while answers or not self._stopping.is_set():
             with self._lock:
-                busy = set(self._running)
-                if len(busy) >= self.engine.max_batch:  # every slot taken: wait for one to end
-                    self._slot_free.wait(timeout=0.5)
-                    continue
-            item = self.queue.get(timeout=0.5, skip=busy)
-            if item is None:
-                continue
-            if self._stopping.is_set():  # taken just as the node began to stop
-                self._drop(item, self._stop_reason)
-                continue
-            self._apply_pending()
-            with self._lock:
-                self._running[item.channel] = item
-                self._runners = [r for r in self._runners if r.is_alive()]
-                runner = threading.Thread(target=self._serve, args=(item,), name=f"orin_vlm_{item.request_id}",
-                                          daemon=True)  # fmt: skip
-                self._runners.append(runner)
-            runner.start()
+                changes_waiting = bool(self._pending or self._resets)
+            if not answers:
+                self._apply_pending()
+            while len(answers) < self.engine.max_batch and not changes_waiting and not self._stopping.is_set():
+                item = self.queue.get(timeout=0.0 if answers else 0.5, skip=set(answers))
+                if item is None:
+                    break
+                if self._stopping.is_set():  # taken just as the node began to stop
+                    self._drop(item, self._stop_reason)
+                    break
+                answer = self._begin(item)
+                if answer is not None:
+                    answers[item.channel] = answer
+            for channel, answer in list(answers.items()):
+                if self._advance(answer):
+                    del answers[channel]
+                    self._end(answer)
 
-    def _serve(self, item: PendingPrompt) -> None:
-        """One prompt on its own thread, start to terminal event."""
+    def _begin(self, item: PendingPrompt) -> _Answer | None:
+        """Start answering ``item`` (its ``started`` event); None when it ends before (cancelled meanwhile)."""
+        with self._lock:
+            cancelled = item.request_id in self._cancelled
+        if cancelled:
+            self._drop(item, "cancelled by ~/cancel before it started")
+            return None
+        outputs = self.outputs[item.channel]
+        request = Request(
+            turn=Turn(text=item.text, images=item.frames.images),
+            sampling=item.sampling,
+            system_prompt=item.system_prompt,
+            session_id=self._session_id(item.channel),
+            request_id=item.request_id,
+        )
+        with self._lock:
+            self._running[item.channel] = item
+        outputs.status("started", item.request_id, **item.image_fields())
+        return _Answer(item, outputs, self.engine.generate(request), time.monotonic() - item.accepted_at)
+
+    def _advance(self, answer: _Answer) -> bool:
+        """The answer's next event (the engine runs a step when it has none waiting); True when it ended. A
+        failure costs this request, never the node."""
         try:
-            self._run(item)
-        except Exception as exc:  # a bug must cost one request, never the node
+            event = next(answer.events, None)
+            if event is None:
+                raise RuntimeError("engine stream ended without a Finished event")
+            if not answer.cancel_sent and (answer.item.request_id in self._cancelled or self._stopping.is_set()):
+                # ~/cancel (or a stop) may have come before the engine knew this id: repeat it now that it does.
+                self.engine.cancel(answer.item.request_id)
+                answer.cancel_sent = True
+            if isinstance(event, TextDelta):
+                if event.text:
+                    answer.outputs.tokens(wire_text(event.text))
+                return False
+            if isinstance(event, Finished):
+                answer.finished = event
+            return answer.finished is not None
+        except Exception as exc:
+            log.error("request %s failed: %r", answer.item.request_id, exc)
+            answer.error = f"internal error: {exc!r}"
+            try:
+                answer.events.close()  # cancels the request in the engine and frees its KV
+            except Exception as close_exc:
+                log.error("request %s: closing its stream failed: %r", answer.item.request_id, close_exc)
+            return True
+
+    def _end(self, answer: _Answer) -> None:
+        """The answer's response and terminal event, its channel free again."""
+        item, outputs = answer.item, answer.outputs
+        try:
+            outputs.end_tokens()
+            self._report(answer)
+        except Exception as exc:
             log.error("request %s failed: %r", item.request_id, exc)
-            error = f"internal error: {exc!r}"
-            self.outputs[item.channel].status("error", item.request_id, finish_reason="error", error=error)
+            outputs.status("error", item.request_id, finish_reason="error", error=f"internal error: {exc!r}")
         finally:
             with self._lock:
                 del self._running[item.channel]
                 self._cancelled.discard(item.request_id)
-                self._slot_free.notify_all()
             self.queue.wake()  # its channel may be served again
 
     def _apply_pending(self) -> None:
@@ -225,20 +297,12 @@ class Worker:
         log.info("reconfigured: %s", changes)
         self._broadcast("reconfigured", changes=changes, note=backend_summary(self.engine.describe()))
 
-    def _run(self, item: PendingPrompt) -> None:
-        with self._lock:
-            cancelled = item.request_id in self._cancelled
-        if cancelled:
-            self._drop(item, "cancelled by ~/cancel before it started")
+    def _report(self, answer: _Answer) -> None:
+        item, outputs, finished = answer.item, answer.outputs, answer.finished
+        if finished is None:
+            outputs.status("error", item.request_id, finish_reason="error", error=answer.error)
             return
-        queue_wait = time.monotonic() - item.accepted_at
-        outputs = self.outputs[item.channel]
-        outputs.status("started", item.request_id, **item.image_fields())
-        try:
-            finished = self._generate(item, outputs)
-        finally:
-            outputs.end_tokens()
-        metrics = {**finished.metrics, "queue_wait_s": queue_wait}
+        metrics = {**finished.metrics, "queue_wait_s": answer.queue_wait_s}
         with self._lock:
             self._last_metrics = metrics
             self._completed[item.channel] += 1
@@ -253,26 +317,15 @@ class Worker:
         outputs.status("finished", item.request_id, finish_reason=finished.finish_reason, error=finished.error,
                        metrics=metrics, note=note, **item.image_fields())  # fmt: skip
 
-    def _generate(self, item: PendingPrompt, outputs: Outputs) -> Finished:
-        request = Request(
-            turn=Turn(text=item.text, images=item.frames.images),
-            sampling=item.sampling,
-            system_prompt=item.system_prompt,
-            session_id=self._session_id(item.channel),
-            request_id=item.request_id,
-        )
-        finished: Finished | None = None
-        cancel_sent = False
-        for event in self.engine.generate(request):
-            if not cancel_sent and item.request_id in self._cancelled:
-                # ~/cancel may have come before the engine knew this id: repeat it now that it does.
-                self.engine.cancel(item.request_id)
-                cancel_sent = True
-            if isinstance(event, TextDelta):
-                if event.text:
-                    outputs.tokens(wire_text(event.text))
-            elif isinstance(event, Finished):
-                finished = event
-        if finished is None:
-            raise RuntimeError("engine stream ended without a Finished event")
-        return finished
+
+@dataclass(eq=False)
+class _Answer:
+    """A prompt being answered: its engine stream and what came of it so far."""
+
+    item: PendingPrompt
+    outputs: Outputs
+    events: Iterator[Event]
+    queue_wait_s: float
+    cancel_sent: bool = False
+    finished: Finished | None = None
+    error: str = ""  # why it ended without a Finished event
