@@ -42,7 +42,7 @@ class FakeNode:
         self.warnings: list[str] = []
         self.infos: list[str] = []
 
-    def create_subscription(self, msg_type, topic, callback, qos, callback_group=None):
+    def create_subscription(self, msg_type, topic, callback, qos):
         sub = SimpleNamespace(topic_name=f"/{topic}", qos=qos, callback=callback, alive=True)
         self.subscriptions.append(sub)
         return sub
@@ -50,7 +50,7 @@ class FakeNode:
     def destroy_subscription(self, sub) -> None:
         sub.alive = False
 
-    def create_timer(self, period, callback, callback_group=None):
+    def create_timer(self, period, callback):
         return SimpleNamespace(period=period, callback=callback)
 
     def get_publishers_info_by_topic(self, topic):
@@ -68,7 +68,7 @@ def test_the_subscription_follows_the_publishers_and_a_silent_topic_is_named_onc
     clock = [1000.0]
     monkeypatch.setattr(image_inputs.time, "monotonic", lambda: clock[0])
     node, frames = FakeNode(), []
-    inputs = ImageInputs(node, "auto", [("image", object, frames.append)], group=None)
+    inputs = ImageInputs(node, "auto", [("image", object, frames.append)])
     (sub,) = live(node)
     assert sub.qos.reliability == BEST_EFFORT  # nobody publishes yet: compatible with every publisher
     node.publishers["/image"] = [RELIABLE]

@@ -130,3 +130,12 @@ def test_each_channel_has_its_own_bound_and_drain():
     assert q.waiting("nav") == 1, "arm's burst never drops nav's prompt"
     assert ids(q.drain("arm")) == ["armreq-3", "armreq-4"]
     assert ids(q.drain()) == ["navreq-0"]
+
+
+def test_a_held_queue_keeps_its_items_until_released():
+    """The worker holds prompts back while engine changes wait: a prompt put after them stays queued."""
+    q = RequestQueue(4)
+    q.put(prompt(1))
+    assert q.get(timeout=0.0, held=lambda: True) is None
+    assert len(q) == 1
+    assert ids([q.get(timeout=0.0, held=lambda: False)]) == ["req-1"]

@@ -55,15 +55,14 @@ class _Input:
 class ImageInputs:
     """The node's image subscriptions (raw and compressed), kept matched to their publishers."""
 
-    def __init__(self, node: Any, setting: str, inputs: Sequence[tuple[str, Any, Callable[[Any], None]]], group: Any):
+    def __init__(self, node: Any, setting: str, inputs: Sequence[tuple[str, Any, Callable[[Any], None]]]):
         self._node = node
         self._setting = setting
-        self._group = group
         start = time.monotonic()
         self._inputs = [_Input(topic, msg_type, callback, last_frame=start) for topic, msg_type, callback in inputs]
         for item in self._inputs:
             self._subscribe(item, choose_reliability(setting, []))
-        self._timer = node.create_timer(CHECK_PERIOD_S, self.check, callback_group=group)
+        self._timer = node.create_timer(CHECK_PERIOD_S, self.check)
 
     def _subscribe(self, item: _Input, reliability: ReliabilityPolicy) -> None:
         if item.subscription is not None:
@@ -73,9 +72,7 @@ class ImageInputs:
             item.last_frame, item.warned = time.monotonic(), False
             item.callback(msg)
 
-        item.subscription = self._node.create_subscription(
-            item.msg_type, item.topic, on_frame, image_qos(reliability), callback_group=self._group
-        )
+        item.subscription = self._node.create_subscription(item.msg_type, item.topic, on_frame, image_qos(reliability))
         item.reliability = reliability
 
     def close(self) -> None:

@@ -10,6 +10,12 @@ any of that is imported, so every stop takes one of two clean paths and exits 0 
   event for every prompt, publishers flushed), while the ROS context is still valid to publish.
 
 rclpy's own signal handlers are therefore turned off (they would shut the context down first).
+
+The callbacks run on the main thread (a single-threaded executor): each only converts a frame, queues a
+prompt or flips a flag, as generation has a thread of its own. rclpy's multi-threaded executor dispatches
+from a Python loop on the main thread that, while a callback group was busy, spun at full CPU for 0.1 to
+1.5 s at a time (seen with perf: the main thread busy in the interpreter while the prompt, received by DDS
+within a millisecond, waited for its callback), holding up the prompt and the node's first token.
 """
 
 from __future__ import annotations
@@ -73,7 +79,7 @@ def serve(stop: StopSignals, args: list[str] | None = None, managed: bool = Fals
     ``stop``'s, not rclpy's. torch and rclpy are imported here, under ``stop``'s handlers. ``managed``: the
     lifecycle node, which loads nothing until it is configured."""
     import rclpy
-    from rclpy.executors import ExternalShutdownException, MultiThreadedExecutor
+    from rclpy.executors import ExternalShutdownException, SingleThreadedExecutor
     from rclpy.signals import SignalHandlerOptions
 
     from ..engine import EngineError
@@ -95,7 +101,7 @@ def serve(stop: StopSignals, args: list[str] | None = None, managed: bool = Fals
     except BaseException:
         rclpy.try_shutdown()
         raise
-    executor = MultiThreadedExecutor(num_threads=4)
+    executor = SingleThreadedExecutor()
     executor.add_node(node)
     stop.serving()
     try:

@@ -10,8 +10,8 @@ publishes ``tokens`` (streamed text, coalesced: ``token_stream.py``), ``response
 Threading, and why: generation takes seconds, so it runs on one worker thread (``worker.py``) that owns every
 mutating engine call (``generate``, ``reconfigure``, ``reset``) and is the only long-lived thread that computes
 (the model loads on a thread that ends: torch's OpenMP pools, see ``worker.py``). ROS callbacks only enqueue work or
-flip flags, and a MultiThreadedExecutor with separate callback groups keeps services, parameter
-changes and image updates responsive during a generation. ``Engine.cancel`` is the only engine call
+flip flags, so one executor thread keeps services, parameter changes and image updates responsive during a
+generation (``main.py`` says why not several). ``Engine.cancel`` is the only engine call
 made from another thread (it is thread-safe by contract); ``validate_changes``/``describe`` only read.
 Parameter changes for the engine (paging, pool, kernels, graphs, dtype, ...) are validated at once,
 so ``ros2 param set`` gets a reason for a refusal, then applied between two requests.
@@ -29,7 +29,6 @@ from typing import Any
 import torch
 from diagnostic_msgs.msg import DiagnosticArray, DiagnosticStatus, KeyValue
 from rcl_interfaces.msg import SetParametersResult
-from rclpy.callback_groups import MutuallyExclusiveCallbackGroup, ReentrantCallbackGroup
 from rclpy.duration import Duration
 from rclpy.exceptions import InvalidTopicNameException
 from rclpy.node import Node
@@ -191,11 +190,9 @@ class VlmServing:
     def _open(self, load_s: float) -> None:
         """Serve: subscriptions, services and diagnostics, the worker thread; ``ready`` announced.
 
-        Callback groups keep services responsive during a generation; the prompt subscription holds
-        ``prompt_queue_depth`` messages (a burst beyond it would be lost by DDS before the node saw it).
+        The prompt subscription holds ``prompt_queue_depth`` messages (a burst beyond it would be lost by DDS
+        before the node saw it).
         """
-        prompts = MutuallyExclusiveCallbackGroup()
-        services = ReentrantCallbackGroup()
         self._images = ImageInputs(
             self,
             str(self._values["image_reliability"]),
@@ -207,21 +204,19 @@ class VlmServing:
                     (f"{topic}/compressed", CompressedImage, functools.partial(self._on_compressed, topic)),
                 )
             ],
-            MutuallyExclusiveCallbackGroup(),
         )
         depth = QoSProfile(depth=int(self._values["prompt_queue_depth"]))
-        diagnostics = MutuallyExclusiveCallbackGroup()
         self._serving_entities = [  # (how to remove it, it)
-            (self.destroy_timer, self.create_timer(1.0, self._publish_diagnostics, callback_group=diagnostics)),
+            (self.destroy_timer, self.create_timer(1.0, self._publish_diagnostics)),
         ]
         for ch in self._channels.values():
             self._serving_entities += [
                 (self.destroy_subscription, self.create_subscription(
-                    String, ch.topic("prompt"), functools.partial(self._on_prompt, ch), depth, callback_group=prompts)),
+                    String, ch.topic("prompt"), functools.partial(self._on_prompt, ch), depth)),
                 (self.destroy_service, self.create_service(
-                    Trigger, ch.service("reset"), functools.partial(self._on_reset, ch), callback_group=services)),
+                    Trigger, ch.service("reset"), functools.partial(self._on_reset, ch))),
                 (self.destroy_service, self.create_service(
-                    Trigger, ch.service("cancel"), functools.partial(self._on_cancel, ch), callback_group=services)),
+                    Trigger, ch.service("cancel"), functools.partial(self._on_cancel, ch))),
             ]  # fmt: skip
         with self._status_lock:
             self._ready_announced = set()

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import threading
 from collections import deque
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from typing import Any
 
@@ -90,13 +90,19 @@ class RequestQueue:
             self._max = max_size
             return self._trim()
 
-    def get(self, timeout: float, skip: Collection[str] = ()) -> PendingPrompt | None:
+    def get(
+        self, timeout: float, skip: Collection[str] = (), held: Callable[[], bool] = lambda: False
+    ) -> PendingPrompt | None:
         """The oldest item of the next channel in turn that has one (channels in ``skip`` left out: they are
-        busy), waiting up to ``timeout`` s; None on timeout or after :meth:`wake`. The channel served goes to
-        the back of the turn order."""
+        busy), waiting up to ``timeout`` s; None on timeout, after :meth:`wake`, or when ``held()`` is true as
+        an item would be taken (asked under the queue's lock, so what was decided before an item was put
+        holds it back: the worker's engine changes go before the prompts that came after them). The channel
+        served goes to the back of the turn order."""
         with self._cond:
             seen = self._wakeups
             self._cond.wait_for(lambda: self._has_items(skip) or self._wakeups != seen, timeout=timeout)
+            if held():
+                return None
             for channel, items in self._items.items():
                 if items and channel not in skip:
                     item = items.popleft()

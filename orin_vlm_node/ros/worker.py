@@ -191,12 +191,10 @@ class Worker:
         engine changes once no answer runs (the engine applies them only between requests)."""
         answers: dict[str, _Answer] = {}  # channel -> its answer under way
         while answers or not self._stopping.is_set():
-            with self._lock:
-                changes_waiting = bool(self._pending or self._resets)
             if not answers:
                 self._apply_pending()
-            while len(answers) < self.engine.max_batch and not changes_waiting and not self._stopping.is_set():
-                item = self.queue.get(timeout=0.0 if answers else 0.5, skip=set(answers))
+            while len(answers) < self.engine.max_batch and not self._stopping.is_set():
+                item = self.queue.get(timeout=0.0 if answers else 0.5, skip=set(answers), held=self._changes_waiting)
                 if item is None:
                     break
                 if self._stopping.is_set():  # taken just as the node began to stop
@@ -271,6 +269,11 @@ class Worker:
                 del self._running[item.channel]
                 self._cancelled.discard(item.request_id)
             self.queue.wake()  # its channel may be served again
+
+    def _changes_waiting(self) -> bool:
+        """Engine changes or session resets are queued: no prompt starts before they are applied."""
+        with self._lock:
+            return bool(self._pending or self._resets)
 
     def _apply_pending(self) -> None:
         """Engine changes between requests: session resets, then reconfiguration."""
