@@ -12,10 +12,11 @@ any of that is imported, so every stop takes one of two clean paths and exits 0 
 rclpy's own signal handlers are therefore turned off (they would shut the context down first).
 
 The callbacks run on the main thread (a single-threaded executor): each only converts a frame, queues a
-prompt or flips a flag, as generation has a thread of its own. rclpy's multi-threaded executor dispatches
-from a Python loop on the main thread that, while a callback group was busy, spun at full CPU for 0.1 to
-1.5 s at a time (seen with perf: the main thread busy in the interpreter while the prompt, received by DDS
-within a millisecond, waited for its callback), holding up the prompt and the node's first token.
+prompt or flips a flag, as generation has a thread of its own. With rclpy's multi-threaded executor (four
+threads, callback groups) the main thread's Python dispatch loop ran at full CPU for 0.1 to 1.5 s at a time
+around image and prompt arrivals (perf: the main thread in the interpreter, no Python thread getting the
+GIL), while a prompt that DDS had received within a millisecond waited for its callback: the first token
+over ROS came up to 1.6 s late in one or two of five requests. On one thread that never happened.
 """
 
 from __future__ import annotations

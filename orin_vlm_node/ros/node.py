@@ -282,7 +282,7 @@ class VlmServing:
         for ch in waiting:
             ch.status("ready", None, note=self._ready_note)
 
-    # ---------------------------------------------------------------- inputs (executor threads)
+    # ---------------------------------------------------------------- inputs (the executor's thread)
 
     def _on_image(self, topic: str, msg: Image) -> None:
         if float(self._values["image_max_age_s"]) <= 0:

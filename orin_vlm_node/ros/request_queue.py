@@ -99,8 +99,9 @@ class RequestQueue:
         holds it back: the worker's engine changes go before the prompts that came after them). The channel
         served goes to the back of the turn order."""
         with self._cond:
-            seen = self._wakeups
-            self._cond.wait_for(lambda: self._has_items(skip) or self._wakeups != seen, timeout=timeout)
+            if timeout > 0:  # (the worker asks with 0 between the tokens of running answers: no waiter made)
+                seen = self._wakeups
+                self._cond.wait_for(lambda: self._has_items(skip) or self._wakeups != seen, timeout=timeout)
             if held():
                 return None
             for channel, items in self._items.items():

@@ -265,6 +265,7 @@ class Worker:
             log.error("request %s failed: %r", item.request_id, exc)
             outputs.status("error", item.request_id, finish_reason="error", error=f"internal error: {exc!r}")
         finally:
+            answer.events.close()  # after its Finished: the engine forgets the request id now, not at GC
             with self._lock:
                 del self._running[item.channel]
                 self._cancelled.discard(item.request_id)
