@@ -17,6 +17,13 @@ and takes effect at the next token boundary (or between prefill pieces). ``recon
 wait until the running requests have finished (admitting no new ones meanwhile); a caller that wants
 them now cancels the requests first. Changing the KV layout (paging, page size, pool size, context
 limit) or the model drops every session, because their KV lives in the cache being replaced.
+
+Threads on the CPU: whichever caller runs a step runs torch's operators, and torch's OpenMP runtime keeps
+a pool of worker threads for every thread that ever ran a parallel operator, as long as that thread
+lives. Once the pools' threads outnumber the cores the workers sleep between operators instead of
+spinning, and a step takes markedly longer (1.6x on the default model with two pools on two cores). A
+caller that serves several requests at full speed therefore consumes all their streams from one thread
+(the ROS node's worker advances them in turn) and builds the engine on that thread or on one that ends.
 """
 
 from __future__ import annotations
