@@ -81,6 +81,11 @@ def kernel_product(gemm: RowsGemm, x: torch.Tensor, w: Any) -> torch.Tensor:
     return gemm.many_rows(x, w)
 
 
+def _bf16_on_torch(weight: torch.Tensor, gemm: RowsGemm) -> bool:
+    """A bf16 weight on a CPU with bf16 arithmetic: its prefill rows take torch's GEMM."""
+    return weight.dtype == torch.bfloat16 and gemm.torch_bf16_prefill
+
+
 class CpuLinear(nn.Module):
     """A bias-free projection of a float weight: a decode step's rows through the few-rows kernel, a
     prefill's through the many-rows kernel (or ``F.linear`` for a small fp32 weight, and for a bf16 weight
@@ -93,7 +98,7 @@ class CpuLinear(nn.Module):
         self.matrix = weight  # the same Parameter (a tied head's is the embedding table)
         self.gemm = gemm
         small = weight.dtype == torch.float32 and weight.numel() <= ONE_CALL_ELEMENTS
-        self.torch_prefill = small or (weight.dtype == torch.bfloat16 and gemm.torch_bf16_prefill)
+        self.torch_prefill = small or _bf16_on_torch(weight, gemm)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """(L, in) -> (L, out)."""
@@ -144,7 +149,7 @@ def use_cpu_gemm(model: nn.Module, gemm: RowsGemm) -> str:
             routed += 1
     model.lm_head = CpuLinear(model.lm_head.weight, gemm)
     above = "many rows above"
-    if model.lm_head.matrix.dtype == torch.bfloat16 and gemm.torch_bf16_prefill:
+    if _bf16_on_torch(model.lm_head.matrix, gemm):
         above = "torch's GEMM above (this CPU has bf16 arithmetic)"
     what = (
         f"CPU GEMM kernels, few rows for 1..{KERNEL_ROWS}, {above} ({routed} projections + LM head; "

@@ -102,10 +102,10 @@ class RequestQueue:
             if timeout > 0:  # (the worker asks with 0 between the tokens of running answers: no waiter made)
                 seen = self._wakeups
                 self._cond.wait_for(lambda: self._has_items(skip) or self._wakeups != seen, timeout=timeout)
-            if held():
-                return None
             for channel, items in self._items.items():
                 if items and channel not in skip:
+                    if held():
+                        return None
                     item = items.popleft()
                     del self._items[channel]
                     self._items[channel] = items  # dicts keep insertion order: now last in turn

@@ -41,7 +41,7 @@ _UNSENDABLE = re.compile("[\x00\ud800-\udfff]")
 T = TypeVar("T")
 
 
-def on_passing_thread(fn: Callable[[], T], name: str = "orin_vlm_load") -> T:
+def on_passing_thread(fn: Callable[[], T]) -> T:
     """``fn()`` on a thread that ends when it returns (its result or its exception), so the OpenMP pool its
     torch work created ends too (module docstring): the model loads there, not on the long-lived thread
     that called (the main thread, a ROS callback). The caller waits, interruptibly by a signal."""
@@ -53,7 +53,7 @@ def on_passing_thread(fn: Callable[[], T], name: str = "orin_vlm_load") -> T:
         except BaseException as exc:  # handed to the caller, whatever it is
             outcome.append((False, exc))
 
-    thread = threading.Thread(target=target, name=name, daemon=True)
+    thread = threading.Thread(target=target, name="orin_vlm_load", daemon=True)
     thread.start()
     thread.join()
     ok, value = outcome[0]
@@ -249,11 +249,7 @@ class Worker:
         except Exception as exc:
             log.error("request %s failed: %r", answer.item.request_id, exc)
             answer.error = f"internal error: {exc!r}"
-            try:
-                answer.events.close()  # cancels the request in the engine and frees its KV
-            except Exception as close_exc:
-                log.error("request %s: closing its stream failed: %r", answer.item.request_id, close_exc)
-            return True
+            return True  # _end closes the stream: the engine cancels the request and frees its KV
 
     def _end(self, answer: _Answer) -> None:
         """The answer's response and terminal event, its channel free again."""
@@ -265,7 +261,10 @@ class Worker:
             log.error("request %s failed: %r", item.request_id, exc)
             outputs.status("error", item.request_id, finish_reason="error", error=f"internal error: {exc!r}")
         finally:
-            answer.events.close()  # after its Finished: the engine forgets the request id now, not at GC
+            try:  # ended or failed: the engine forgets the request (and cancels one cut short) now, not at GC
+                answer.events.close()
+            except Exception as exc:
+                log.error("request %s: closing its stream failed: %r", item.request_id, exc)
             with self._lock:
                 del self._running[item.channel]
                 self._cancelled.discard(item.request_id)
