@@ -50,7 +50,7 @@ def test_a_stop_swallowed_by_a_finalizer_is_raised_before_serving_without_a_trac
         del item
         print("startup went on; requested:", stop.requested.is_set())
         try:
-            stop.serving()
+            stop.serving(lambda: None)
             print("serving")
         except StopRequested as why:
             print("stopped before serving:", why)
@@ -68,7 +68,7 @@ def test_other_unraisable_exceptions_are_still_reported():
 
         item = Broken()
         del item
-        stop.serving()
+        stop.serving(lambda: None)
         print("serving")
     """)
     assert proc.returncode == 0, proc.stderr
@@ -76,9 +76,23 @@ def test_other_unraisable_exceptions_are_still_reported():
     assert "Exception ignored" in proc.stderr and "RuntimeError: finalizer failed" in proc.stderr
 
 
+def test_once_serving_a_signal_sets_the_flag_and_wakes_the_loop_from_another_thread():
+    """The serving loop waits in rclpy's C wait, where no Python signal handler runs: the wake-up comes from
+    the watcher thread (here the main thread's own handler may run as well while it waits)."""
+    proc = run("""
+        import threading
+        woken, by = threading.Event(), []
+        stop.serving(lambda: (by.append(threading.get_ident()), woken.set()))
+        os.kill(os.getpid(), signal.SIGTERM)
+        print("woken:", woken.wait(10.0), by[0] != threading.get_ident(), stop.requested.is_set(), stop.signal_name)
+    """)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "woken: True True True SIGTERM"
+
+
 def test_once_serving_a_signal_only_sets_the_flag():
     proc = run("""
-        stop.serving()
+        stop.serving(lambda: None)
         os.kill(os.getpid(), signal.SIGINT)
         for _ in range(1000):
             pass

@@ -1,4 +1,5 @@
-"""Coalesced token publishing (``ros/token_stream.py``) without ROS: a list stands in for the publisher."""
+"""Coalesced token publishing (``ros/token_stream.py``) without ROS: a list stands in for the publisher. Publishing
+runs on the pushing thread until a publish is slow, then on a publisher thread (``_threaded`` gets there)."""
 
 from __future__ import annotations
 
@@ -78,30 +79,77 @@ def test_period_zero_publishes_every_delta_on_its_own():
     assert rec.texts == pieces
 
 
-def test_a_slow_publisher_never_blocks_the_pushing_thread():
-    rec = _Recorder(delay_s=0.2)
-    stream = TokenStream(rec, period_s=0.0)
+def _threaded(stream: TokenStream, rec: _Recorder) -> None:
+    """Move ``stream`` to its publisher thread: a first publish slower than ``slow_publish_s`` (0.01 s)."""
+    rec.delay_s = 0.05
+    stream.push("slow")
+    rec.delay_s = 0.0
+    assert stream._thread is not None
+
+
+def test_publishing_runs_on_the_pushing_thread_and_starts_no_thread():
+    """A publish costs microseconds; a publisher thread cost generation a GIL hand-over per message."""
+    idents: list[int] = []
+    before = threading.active_count()
+    stream = TokenStream(lambda _text: idents.append(threading.get_ident()), period_s=0.0)
     try:
-        t0 = time.monotonic()
-        for i in range(10):
-            stream.push(str(i))
-        pushed_in = time.monotonic() - t0
-        assert pushed_in < 0.1  # ten publishes take 2 s; pushing does not wait for them
-        assert stream.flush(timeout_s=10.0)
+        stream.push("a")
+        stream.push("b")
+        assert stream.flush()
+        assert threading.active_count() == before
     finally:
         stream.close()
-    assert "".join(rec.texts) == "0123456789"
+    assert idents == [threading.get_ident()] * 2
 
 
-def test_flush_returns_false_when_the_publisher_is_stuck():
+def test_a_slow_publish_moves_publishing_off_the_pushing_thread(caplog):
     release = threading.Event()
-    stream = TokenStream(lambda _text: release.wait(5.0), period_s=0.0)
+    idents: list[int] = []
+
+    def publish(text: str) -> None:
+        idents.append(threading.get_ident())
+        if text == "slow":
+            time.sleep(0.05)
+        elif text == "stuck":
+            release.wait(10.0)
+
+    stream = TokenStream(publish, period_s=0.0, slow_publish_s=0.01)
     try:
-        stream.push("x")
+        with caplog.at_level("WARNING", logger="orin_vlm_node.ros"):
+            stream.push("slow")  # published on this thread, too slowly
+        assert "thread of their own" in caplog.text
+        stream.push("stuck")  # the publisher thread takes it and hangs in the publish
+        stream.push("after")  # returns although the publish before it hangs
         assert stream.flush(timeout_s=0.2) is False
+        release.set()
+        assert stream.flush(timeout_s=5.0)
     finally:
         release.set()
         stream.close()
+    me = threading.get_ident()
+    assert idents[0] == me and idents[1] != me and idents[2] != me
+
+
+def test_the_publisher_thread_coalesces_per_period_and_keeps_order():
+    rec = _Recorder()
+    stream = TokenStream(rec, period_s=0.05, slow_publish_s=0.01)
+    pieces = [f"w{i} " for i in range(60)]
+    try:
+        _threaded(stream, rec)
+        for piece in pieces:
+            stream.push(piece)
+            time.sleep(0.005)
+        assert stream.flush()
+        stream.start_answer()
+        stream.push("next answer")
+        deadline = time.monotonic() + 2.0
+        while rec.texts[-1] != "next answer" and time.monotonic() < deadline:
+            time.sleep(0.005)
+    finally:
+        stream.close()
+    assert "".join(rec.texts) == "slow" + "".join(pieces) + "next answer"
+    assert len(rec.texts) < len(pieces) / 3
+    assert rec.texts[-1] == "next answer"  # the next answer's first delta without a flush
 
 
 def test_start_answer_sends_the_next_answers_first_delta_at_once():
@@ -154,21 +202,30 @@ def test_close_publishes_what_is_pending_and_refuses_more():
         stream.push("c")
 
 
-def test_deltas_within_a_period_do_not_wake_the_publisher_thread_each():
-    """A wake-up per token made the publisher thread take the GIL from generation at every step."""
+def test_deltas_within_a_period_do_not_wake_the_publisher_thread():
+    """Each wake-up of the publisher thread takes the GIL from generation: within a period it sleeps the period
+    out and takes everything pending at its end, one wake-up per message; only a push after an idle stretch
+    (the period over, nothing pending) wakes it."""
     rec = _Recorder()
-    stream = TokenStream(rec, period_s=0.5)
+    stream = TokenStream(rec, period_s=0.5, slow_publish_s=0.01)
     try:
-        stream.push("first")
-        assert rec.first.wait(2.0)
-        time.sleep(0.05)  # the publisher is back waiting out its period
+        _threaded(stream, rec)  # "slow" published: a period starts
+        time.sleep(0.05)  # the publisher thread waits the period out
         original = stream._cond.notify_all
-        calls = []
-        stream._cond.notify_all = lambda: (calls.append(1), original())[1]
+        calls = []  # wake-ups the pushing thread (this one) gave
+        me = threading.get_ident()
+        stream._cond.notify_all = lambda: (calls.append(threading.get_ident() == me), original())[1]
         for i in range(50):
             stream.push(f" {i}")
-        assert len(calls) <= 1  # the first delta after a publish (the publisher may wait untimed), not 50
+        assert not any(calls)
+        deadline = time.monotonic() + 2.0
+        while len(rec.messages) < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert rec.texts == ["slow", "".join(f" {i}" for i in range(50))]  # at the period's end, unprompted
+        time.sleep(0.6)  # a period with nothing to publish: the publisher now waits for text
+        stream.push(" after a pause")
+        assert sum(calls) == 1
         assert stream.flush()
-        assert "".join(rec.texts) == "first" + "".join(f" {i}" for i in range(50))
+        assert rec.texts[-1] == " after a pause"
     finally:
         stream.close()

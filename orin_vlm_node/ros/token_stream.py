@@ -1,15 +1,26 @@
 """Coalesced token publishing: the first delta of an answer at once, then at most one message per period.
 
-Why: one ROS publish per token on the generation thread was the node's main overhead (serialisation and
-DDS work for every token, each taken from the decoder's time). A subscriber that renders or speaks text
-needs updates at screen rate, not per token: with a 20 ms period a 400-token answer goes out in a few
-dozen messages, and the first delta still leaves at once (time to first token is what an operator feels).
+Why coalesce: one ROS publish per token was the node's main overhead (serialisation and DDS work for every
+token, each taken from the decoder's time). A subscriber that renders or speaks text needs updates at screen
+rate, not per token: with a 20 ms period a 400-token answer goes out in a few dozen messages, and the first
+delta still leaves at once (time to first token is what an operator feels).
 
-Publishing runs on a thread of its own, so a slow or blocking publish never stalls generation; the
-generation thread only appends text under a lock. Deltas are whole characters, so joining them never
-splits a UTF-8 character, and the messages concatenate to exactly the pushed text: the joined ``tokens``
-stay equal to ``response``. ``flush`` waits until everything pushed so far is out; the node calls it
-before publishing ``response`` so that no token message trails its answer.
+Where the publish runs: on the generation thread, at the first delta after a period ends (and in ``flush``).
+The ``tokens`` writer is KEEP_LAST (the node's stream QoS), and a KEEP_LAST DDS write does not wait for its
+readers: with a full history it replaces the oldest sample (Fast DDS and Cyclone DDS alike; measured with
+Fast DDS, 20,000 writes to a reader stopped with SIGSTOP: 10 us each, the slowest 0.3 ms). A publisher
+thread cost generation more than the publish itself: every message handed the GIL to that thread and back,
+and the decoder waited for it to come back (60 waits a second, 97.7% of the decoder's time on the CPU
+instead of 99.3% on the bench machine). A publish can still take long in ways no QoS rules out (a transport
+lock held by a DDS thread that sends to many readers over a network): the first publish that takes longer
+than ``slow_publish_s`` moves the stream to a publisher thread of its own for good, with a warning, so
+generation does not wait on a publish again. That thread wakes once per message: within a period it sleeps
+the period out and takes whatever is pending at its end.
+
+Deltas are whole characters, so joining them never splits a UTF-8 character, and the messages concatenate
+to exactly the pushed text: the joined ``tokens`` stay equal to ``response``. ``flush`` publishes
+everything pushed so far; the node calls it before publishing ``response`` so that no token message
+trails its answer.
 """
 
 from __future__ import annotations
@@ -21,22 +32,33 @@ from collections.abc import Callable
 
 log = logging.getLogger("orin_vlm_node.ros")
 
+SLOW_PUBLISH_S = 0.010  # a publish slower than this moves publishing to a thread of its own
+
 
 class TokenStream:
-    """Deltas pushed by the generation thread, published coalesced by a publisher thread."""
+    """Deltas pushed by the generation thread, published coalesced on it, or by a publisher thread once a
+    publish was slow."""
 
-    def __init__(self, publish: Callable[[str], None], period_s: float, name: str = "orin_vlm_tokens") -> None:
+    def __init__(
+        self,
+        publish: Callable[[str], None],
+        period_s: float,
+        slow_publish_s: float = SLOW_PUBLISH_S,
+        name: str = "orin_vlm_tokens",
+    ) -> None:
         self._publish = publish
         self._period_s = max(0.0, period_s)
+        self._slow_publish_s = slow_publish_s
+        self._name = name
         self._cond = threading.Condition()
-        self._pending: list[str] = []  # deltas not yet taken by the publisher thread, in order
-        self._in_flight = False  # the publisher thread is publishing deltas it took
+        self._pending: list[str] = []  # deltas pushed and not yet published, in order
         self._last_publish = float("-inf")  # monotonic time of the last publish of this answer
-        self._flushing = 0  # callers waiting in flush(): publish at once, ignore the period
         self._closed = False
-        self.messages = 0  # messages published since start (for metrics and tests of the coalescing)
-        self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
-        self._thread.start()
+        self._thread: threading.Thread | None = None  # the publisher thread, once a publish was slow
+        # Used by the publisher thread only:
+        self._in_flight = False  # it is publishing deltas it took
+        self._idle = False  # it waits untimed for text (its period is over): the next push wakes it
+        self._flushing = 0  # callers waiting in flush(): publish at once, ignore the period
 
     def set_period(self, period_s: float) -> None:
         """0 publishes every delta as its own message."""
@@ -48,23 +70,31 @@ class TokenStream:
         """The next delta starts an answer: it is published at once, whatever the last answer did."""
         with self._cond:
             self._last_publish = float("-inf")
+            self._cond.notify_all()  # a publisher thread waiting out the last answer's period: wait for text
 
     def push(self, text: str) -> None:
-        """Queue ``text`` for publishing; never blocks on the publish itself."""
+        """Publish ``text`` now if the period is over, else with the first delta after it (or by ``flush``)."""
         if not text:
             return
         with self._cond:
             if self._closed:
                 raise RuntimeError("token stream is closed")
             self._pending.append(text)
-            # Wake the publisher only when it waits for text: with deltas pending it sleeps until its period
-            # ends anyway, and a wake-up per token made it take the GIL from generation every step.
-            if len(self._pending) == 1 and not self._in_flight:
+            if self._thread is None:
+                if time.monotonic() - self._last_publish >= self._period_s:
+                    self._publish_pending()
+            elif self._idle:  # the publisher thread is woken only when it waits for text
+                self._idle = False
                 self._cond.notify_all()
 
     def flush(self, timeout_s: float = 5.0) -> bool:
-        """Publish everything pushed so far now; False if the publisher did not finish within the timeout."""
+        """Publish everything pushed so far now; False if the publisher thread did not finish within the
+        timeout."""
         with self._cond:
+            if self._thread is None:
+                if self._pending:
+                    self._publish_pending()
+                return True
             self._flushing += 1
             self._cond.notify_all()
             try:
@@ -73,24 +103,56 @@ class TokenStream:
                 self._flushing -= 1
 
     def close(self, timeout_s: float = 2.0) -> None:
-        """Publish what is pending, then stop the thread."""
+        """Publish what is pending, then refuse more (and stop the publisher thread, if there is one)."""
         with self._cond:
             self._closed = True
+            if self._thread is None and self._pending:
+                self._publish_pending()
             self._cond.notify_all()
-        self._thread.join(timeout=timeout_s)
+            thread = self._thread
+        if thread is not None:
+            thread.join(timeout=timeout_s)
+
+    def _send(self, text: str) -> float:
+        """Publish one message; how long that took. A failed publish loses the message, never the stream."""
+        t0 = time.monotonic()
+        try:
+            self._publish(text)
+        except Exception as exc:
+            log.error("publishing tokens failed: %r", exc)
+        return time.monotonic() - t0
+
+    def _publish_pending(self) -> None:
+        """Publish what is pending on the calling thread (with no publisher thread; the lock held): one
+        message, or each delta alone with period 0. A slow publish starts the publisher thread."""
+        messages = self._pending if self._period_s == 0 else ["".join(self._pending)]
+        self._pending = []
+        took = max(self._send(text) for text in messages)
+        self._last_publish = time.monotonic()
+        if took > self._slow_publish_s:
+            log.warning(
+                "publishing tokens took %.0f ms: they are published from a thread of their own from now on, "
+                "so that generation does not wait for a publish",
+                took * 1e3,
+            )
+            self._thread = threading.Thread(target=self._loop, name=self._name, daemon=True)
+            self._thread.start()
 
     def _take(self) -> list[str] | None:
-        """Wait for the next message's deltas (None: closed and drained). Called with the lock held."""
+        """The publisher thread: wait for the next message's deltas (None: closed and drained). Called with
+        the lock held."""
         while True:
-            if self._pending:
-                wait = self._last_publish + self._period_s - time.monotonic()
-                if wait <= 0 or self._flushing or self._closed:
-                    break
-                self._cond.wait(wait)
-            elif self._closed:
+            wait = self._last_publish + self._period_s - time.monotonic()  # > 0: within the period
+            if self._pending and (wait <= 0 or self._flushing or self._closed):
+                break
+            if self._closed and not self._pending:
                 return None
-            else:
+            if wait > 0:  # sleep the period out whether text comes meanwhile or not; pushes do not wake it
+                self._cond.wait(wait)
+            else:  # nothing pending and the period is over: the next push wakes it and goes out at once
+                self._idle = True
                 self._cond.wait()
+                self._idle = False
         if self._period_s == 0:
             return [self._pending.pop(0)]
         taken, self._pending = self._pending, []
@@ -103,12 +165,8 @@ class TokenStream:
                 if taken is None:
                     return
                 self._in_flight = True
-            try:
-                self._publish("".join(taken))
-            except Exception as exc:  # a failed publish loses one message, never the stream
-                log.error("publishing tokens failed: %r", exc)
+            self._send("".join(taken))
             with self._cond:
                 self._in_flight = False
                 self._last_publish = time.monotonic()
-                self.messages += 1
                 self._cond.notify_all()
