@@ -80,7 +80,7 @@ def test_period_zero_publishes_every_delta_on_its_own():
 
 
 def _threaded(stream: TokenStream, rec: _Recorder) -> None:
-    """Move ``stream`` to its publisher thread: a first publish slower than ``slow_publish_s`` (0.01 s)."""
+    """Move ``stream`` to its publisher thread: a first publish slower than ``SLOW_PUBLISH_S`` (10 ms)."""
     rec.delay_s = 0.05
     stream.push("slow")
     rec.delay_s = 0.0
@@ -113,7 +113,7 @@ def test_a_slow_publish_moves_publishing_off_the_pushing_thread(caplog):
         elif text == "stuck":
             release.wait(10.0)
 
-    stream = TokenStream(publish, period_s=0.0, slow_publish_s=0.01)
+    stream = TokenStream(publish, period_s=0.0)
     try:
         with caplog.at_level("WARNING", logger="orin_vlm_node.ros"):
             stream.push("slow")  # published on this thread, too slowly
@@ -132,7 +132,7 @@ def test_a_slow_publish_moves_publishing_off_the_pushing_thread(caplog):
 
 def test_the_publisher_thread_coalesces_per_period_and_keeps_order():
     rec = _Recorder()
-    stream = TokenStream(rec, period_s=0.05, slow_publish_s=0.01)
+    stream = TokenStream(rec, period_s=0.05)
     pieces = [f"w{i} " for i in range(60)]
     try:
         _threaded(stream, rec)
@@ -207,7 +207,7 @@ def test_deltas_within_a_period_do_not_wake_the_publisher_thread():
     out and takes everything pending at its end, one wake-up per message; only a push after an idle stretch
     (the period over, nothing pending) wakes it."""
     rec = _Recorder()
-    stream = TokenStream(rec, period_s=0.5, slow_publish_s=0.01)
+    stream = TokenStream(rec, period_s=0.5)
     try:
         _threaded(stream, rec)  # "slow" published: a period starts
         time.sleep(0.05)  # the publisher thread waits the period out

@@ -70,13 +70,13 @@ class StopSignals:
         if self.requested.is_set():
             raise StopRequested(self.signal_name)
         self._serving = True
-        reader, writer = socket.socketpair()  # kept open for the process's life, like the handlers
+        self._wakeup = socket.socketpair()  # kept open for the process's life, like the handlers
+        reader, writer = self._wakeup
         writer.setblocking(False)  # Python's C-level handler writes the signal number there at once
         signal.set_wakeup_fd(writer.fileno(), warn_on_full_buffer=False)
-        threading.Thread(target=self._watch, args=(reader, writer, wake), name="orin_vlm_signals", daemon=True).start()
+        threading.Thread(target=self._watch, args=(reader, wake), name="orin_vlm_signals", daemon=True).start()
 
-    def _watch(self, reader: socket.socket, _writer: socket.socket, wake: Callable[[], None]) -> None:
-        """The watcher thread; it holds ``_writer`` so that the socket Python writes signals to stays open."""
+    def _watch(self, reader: socket.socket, wake: Callable[[], None]) -> None:
         stops = (signal.SIGINT, signal.SIGTERM)
         while data := reader.recv(16):
             for signum in (s for s in data if s in stops):

@@ -13,7 +13,7 @@ thread cost generation more than the publish itself: every message handed the GI
 and the decoder waited for it to come back (60 waits a second, 97.7% of the decoder's time on the CPU
 instead of 99.3% on the bench machine). A publish can still take long in ways no QoS rules out (a transport
 lock held by a DDS thread that sends to many readers over a network): the first publish that takes longer
-than ``slow_publish_s`` moves the stream to a publisher thread of its own for good, with a warning, so
+than :data:`SLOW_PUBLISH_S` moves the stream to a publisher thread of its own for good, with a warning, so
 generation does not wait on a publish again. That thread wakes once per message: within a period it sleeps
 the period out and takes whatever is pending at its end.
 
@@ -39,17 +39,9 @@ class TokenStream:
     """Deltas pushed by the generation thread, published coalesced on it, or by a publisher thread once a
     publish was slow."""
 
-    def __init__(
-        self,
-        publish: Callable[[str], None],
-        period_s: float,
-        slow_publish_s: float = SLOW_PUBLISH_S,
-        name: str = "orin_vlm_tokens",
-    ) -> None:
+    def __init__(self, publish: Callable[[str], None], period_s: float) -> None:
         self._publish = publish
         self._period_s = max(0.0, period_s)
-        self._slow_publish_s = slow_publish_s
-        self._name = name
         self._cond = threading.Condition()
         self._pending: list[str] = []  # deltas pushed and not yet published, in order
         self._last_publish = float("-inf")  # monotonic time of the last publish of this answer
@@ -122,25 +114,29 @@ class TokenStream:
             log.error("publishing tokens failed: %r", exc)
         return time.monotonic() - t0
 
+    def _take_messages(self) -> list[str]:
+        """The pending deltas as the messages to publish (the lock held): joined into one, or each alone with
+        period 0."""
+        taken, self._pending = self._pending, []
+        return taken if self._period_s == 0 else ["".join(taken)]
+
     def _publish_pending(self) -> None:
-        """Publish what is pending on the calling thread (with no publisher thread; the lock held): one
-        message, or each delta alone with period 0. A slow publish starts the publisher thread."""
-        messages = self._pending if self._period_s == 0 else ["".join(self._pending)]
-        self._pending = []
-        took = max(self._send(text) for text in messages)
+        """Publish what is pending on the calling thread (with no publisher thread; the lock held). A slow
+        publish starts the publisher thread."""
+        took = max(self._send(text) for text in self._take_messages())
         self._last_publish = time.monotonic()
-        if took > self._slow_publish_s:
+        if took > SLOW_PUBLISH_S:
             log.warning(
                 "publishing tokens took %.0f ms: they are published from a thread of their own from now on, "
                 "so that generation does not wait for a publish",
                 took * 1e3,
             )
-            self._thread = threading.Thread(target=self._loop, name=self._name, daemon=True)
+            self._thread = threading.Thread(target=self._loop, name="orin_vlm_tokens", daemon=True)
             self._thread.start()
 
     def _take(self) -> list[str] | None:
-        """The publisher thread: wait for the next message's deltas (None: closed and drained). Called with
-        the lock held."""
+        """The publisher thread: wait for the next messages (None: closed and drained). Called with the lock
+        held."""
         while True:
             wait = self._last_publish + self._period_s - time.monotonic()  # > 0: within the period
             if self._pending and (wait <= 0 or self._flushing or self._closed):
@@ -153,19 +149,17 @@ class TokenStream:
                 self._idle = True
                 self._cond.wait()
                 self._idle = False
-        if self._period_s == 0:
-            return [self._pending.pop(0)]
-        taken, self._pending = self._pending, []
-        return taken
+        return self._take_messages()
 
     def _loop(self) -> None:
         while True:
             with self._cond:
-                taken = self._take()
-                if taken is None:
+                messages = self._take()
+                if messages is None:
                     return
                 self._in_flight = True
-            self._send("".join(taken))
+            for text in messages:
+                self._send(text)
             with self._cond:
                 self._in_flight = False
                 self._last_publish = time.monotonic()
