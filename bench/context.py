@@ -72,8 +72,9 @@ class BenchContext:
         return self._checkpoints["tiny"]
 
     def talkative_checkpoint(self) -> Path:
-        """Random weights with the default model's dimensions whose greedy answers never end (EOS rows of
-        the LM head zero): long answers where no ``ignore_eos`` can be asked for (through the ROS node)."""
+        """Random weights with the default model's dimensions whose greedy answers never end and stream a
+        delta per token (``talkative``: only whole characters have LM head rows): long answers where no
+        ``ignore_eos`` can be asked for (through the ROS node)."""
         if "talkative" not in self._checkpoints:
             from support.checkpoints import make_tiny_checkpoint
 
@@ -81,7 +82,7 @@ class BenchContext:
                 self.scratch / "talkative",
                 **DEFAULT_MODEL_DIMS,
                 tie=False,
-                silent_eos=True,
+                talkative=True,
             )
         return self._checkpoints["talkative"]
 

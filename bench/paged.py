@@ -2,7 +2,8 @@
 
 Model: a small random checkpoint with the 2B's attention shape (16 q heads, 8 kv heads, head_dim 128)
 but a 256-wide hidden state and ``paged_layers`` layers, so attention (where paging costs something)
-dominates a step as it does at long context. Prefix caching is off.
+dominates a step as it does at long context. Prefix caching is off. The checkpoint says only tokens that
+are whole characters, so the engine streams one delta per token (below).
 
 For every context length each engine holds one conversation (a session): its first turn prefills a
 prompt of that length (in ``prefill_chunk_tokens`` pieces), then every repeat is a short follow-up turn
@@ -45,9 +46,10 @@ FOLLOW_UP = "Continue."
 CHURN_REQUESTS = 24
 KEEP = "churn-keep"  # the conversation that stays open during churn
 CONTROL = "contiguous_control"  # a second contiguous engine: the spread between identical engines
-# A repeat counts when every engine streamed at least this many timed deltas: the random model's greedy text
-# drifts into bytes that form no complete character as a conversation grows, and such text is held back and
-# streamed in a few large deltas, each a stretch of tokens one engine computes before the next takes a turn.
+# A repeat counts when every engine streamed at least this many timed deltas. The checkpoint is talkative
+# (every token it can say is whole characters), so each delta is one token; a model whose text held back
+# incomplete characters would stream stretches of tokens in one delta, computed by one engine before the
+# next takes a turn, and such a repeat would not pair the engines' tokens.
 MIN_TIMED_DELTAS = 16
 
 

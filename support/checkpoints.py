@@ -14,7 +14,8 @@ Token ids follow the tiny tokenizer (:mod:`support.tokenizer`): ``<|endoftext|>`
   (one build per distinct kwargs per process): the parity tests' tiny shapes (vocab 1024).
 * :func:`kv_shape_checkpoint`: a small model whose *attention* has the 2B's KV shape (16 q heads, 8 kv
   heads, head_dim 128) with a narrow hidden size and few layers: paging overhead lives in attention, so
-  this keeps attention's share of a step realistic at a fraction of the 2B's cost.
+  this keeps attention's share of a step realistic at a fraction of the 2B's cost. It is talkative (see
+  :func:`make_tiny_checkpoint`): the paged benchmark steps engines one streamed token at a time.
 * :func:`big_checkpoint`: every text and vision dimension of a real config (e.g. Qwen3-VL-2B: vocab 151936,
   28 layers, 24-layer vision tower), stored bf16 (~4.3 GB).
 """
@@ -32,7 +33,7 @@ from pathlib import Path
 
 import torch
 
-from support.tokenizer import write_tiny_tokenizer
+from support.tokenizer import build_tiny_tokenizer, write_tiny_tokenizer
 
 ENDOFTEXT, IM_START, IM_END, VISION_START, VISION_END, VISION_PAD, IMAGE_PAD, VIDEO_PAD = range(8)
 PATCH_DIM = 3 * 2 * 16 * 16
@@ -68,16 +69,18 @@ def make_tiny_checkpoint(
     legacy_rope_keys: bool = False,
     with_tokenizer: bool = True,
     device: str = "cpu",
-    silent_eos: bool = False,
+    talkative: bool = False,
 ) -> Path:
     """Build, perturb and ``save_pretrained`` a tiny Qwen3-VL; return the directory.
 
     ``legacy_rope_keys`` rewrites config.json's text RoPE settings in the 4.57 spelling
     (``rope_theta`` + ``rope_scaling``) instead of 5.x ``rope_parameters``. ``device``: where the weights
     are made ("cuda" builds a 2B-shape checkpoint in seconds instead of minutes; the values then differ
-    from a CPU build with the same seed). ``silent_eos`` (untied only): the LM head rows of the EOS tokens
-    are zero, so their logit is 0 while the largest of the others is positive: greedy answers never end on
-    their own (long answers through interfaces without ``ignore_eos``, e.g. the ROS node in benchmarks).
+    from a CPU build with the same seed). ``talkative`` (untied, with the tiny tokenizer): the LM head rows
+    of every id that does not decode on its own to whole characters are zero (:func:`mute_ids`), so their
+    logit is 0 while the largest of the others is positive: greedy answers never end on their own (long
+    answers through interfaces without ``ignore_eos``, e.g. the ROS node in benchmarks) and every token
+    completes text, so the engine streams one delta per token (benchmarks that take turns token by token).
     """
     from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
 
@@ -126,11 +129,12 @@ def make_tiny_checkpoint(
     with torch.device(device):
         model = Qwen3VLForConditionalGeneration(config).eval()
     _perturb(model, seed)
-    if silent_eos:
-        if tie:
-            raise ValueError("silent_eos needs an untied LM head (zeroing a tied row changes the embedding)")
+    if talkative:
+        if tie or not with_tokenizer:
+            raise ValueError("talkative needs an untied LM head (zeroing a tied row changes the embedding) "
+                             "and the tiny tokenizer (whose tokens it mutes)")  # fmt: skip
         with torch.no_grad():
-            model.lm_head.weight[[IM_END, ENDOFTEXT]] = 0.0
+            model.lm_head.weight[mute_ids(vocab_size)] = 0.0
     model.to(dtype)
     model.save_pretrained(out)
     if legacy_rope_keys:
@@ -171,11 +175,24 @@ def make_tiny_checkpoint(
     return out
 
 
+def mute_ids(vocab_size: int) -> list[int]:
+    """Ids below ``vocab_size`` a talkative model never says: the special tokens (EOS among them), ids the
+    tiny tokenizer does not have (they decode to nothing) and tokens holding part of a UTF-8 character
+    (they decode to U+FFFD alone; a random model's greedy text can repeat one of them for a whole answer,
+    which the engine holds back as an incomplete character until the answer ends)."""
+    tokenizer = build_tiny_tokenizer()
+
+    def whole(text: str) -> bool:
+        return bool(text) and "\ufffd" not in text
+
+    return [i for i in range(vocab_size) if not whole(tokenizer.decode([i], skip_special_tokens=True))]
+
+
 def kv_shape_checkpoint(out: Path, num_layers: int) -> Path:
     """The 2B's attention shape on a narrow, shallow model (see the module docstring)."""
     return make_tiny_checkpoint(
         out, num_heads=16, num_kv_heads=8, head_dim=128, hidden=256, intermediate=512, layers=num_layers,
-        deepstack=(0,), vision_depth=1,
+        deepstack=(0,), vision_depth=1, tie=False, talkative=True,
     )  # fmt: skip
 
 
