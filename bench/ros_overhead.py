@@ -120,6 +120,7 @@ def _start_worker(model_dir: Path, log_path: Path) -> subprocess.Popen:
 def _measure(ctx: BenchContext, res: SectionResult, node, model_dir: Path, domain: int) -> None:
     from sensor_msgs.msg import Image
 
+    from orin_vlm_node.ros.worker import wire_text
     from support.node_client import VlmClient
 
     cfg = ctx.config
@@ -219,8 +220,11 @@ def _measure(ctx: BenchContext, res: SectionResult, node, model_dir: Path, domai
         "ros": [int(s.finished["metrics"]["generated_tokens"]) for s in r],
     }
     # Same greedy request on both sides: a different answer (e.g. an image the node never received) times
-    # different tokens, so every pair is checked and the mismatches named.
-    differing = [i for i, (a, b) in enumerate(zip(e, r, strict=True)) if "".join(a.texts) != "".join(b.texts)]
+    # different tokens, so every pair is checked and the mismatches named. The engine's text is compared as
+    # the node sends it (a NUL the random model says arrives as U+FFFD).
+    differing = [
+        i for i, (a, b) in enumerate(zip(e, r, strict=True)) if wire_text("".join(a.texts)) != "".join(b.texts)
+    ]
     res.setup["same_answers"] = not differing
     if differing:
         res.notes.append(f"the node's answer differs from the engine-alone answer in repeats {differing}")
