@@ -47,7 +47,9 @@ class BenchConfig:
     # ROS
     ros: bool = True
     ros_max_new_tokens: int = 400  # long answers: the per-token cost of publishing is what is measured
-    ros_repeats: int = 11  # this shared host slowed single requests of either side up to 2x: a median of many pairs
+    ros_repeats: int = 31  # single pairs spread -38..+42% on this shared host (the same request alone 470..790 tok/s,
+    # either process, from second to second; the 1500-token answers of node and engine alone take the same CPU samples
+    # per library under perf): the median of 11 pairs moved between 0.4% and 7% from run to run
     ros_startup_timeout_s: float = 120.0
     # continuous batching
     batch_sizes: tuple[int, ...] = (1, 2, 4, 8)
