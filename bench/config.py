@@ -62,6 +62,7 @@ class BenchConfig:
     gpu_kernel_contexts: tuple[int, ...] = (1024, 4096, 16384)
     gpu_kernel_pages: tuple[int, ...] = (16, 64)
     gpu_startup_context: int = 8192  # max_context_tokens of the startup/memory probe (the 2B preset's)
+    gpu_budget_s: float = 0.0  # start no further part of the GPU section after this many seconds (0 = no limit)
     # sections to run (all by default)
     sections: tuple[str, ...] = SECTIONS
 

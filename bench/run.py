@@ -95,6 +95,13 @@ def main(argv: list[str] | None = None) -> int:
         default=0,
         help="torch threads for this process, the node and probes (0 = torch default; use 1 on a busy machine)",
     )
+    ap.add_argument(
+        "--gpu-budget-s",
+        type=float,
+        default=0.0,
+        help="GPU section: start no further part after this many seconds, so a fixed-length lease ends with "
+        "the figures measured so far (0 = no limit)",
+    )
     args = ap.parse_args(argv)
 
     config = PRESETS["quick" if args.quick else "medium" if args.medium else "full"]
@@ -106,13 +113,17 @@ def main(argv: list[str] | None = None) -> int:
         config = replace(config, sections=wanted)
     if args.threads < 0:
         ap.error("--threads must be >= 0")
+    if args.gpu_budget_s < 0:
+        ap.error("--gpu-budget-s must be >= 0")
     if args.threads:
         import torch
 
         torch.set_num_threads(args.threads)
         # Child processes (the ROS node, the RSS probe) start with the same thread count.
         os.environ["OMP_NUM_THREADS"] = str(args.threads)
-    config = replace(config, threads=args.threads, checkpoint_cache=args.checkpoint_cache)
+    config = replace(
+        config, threads=args.threads, checkpoint_cache=args.checkpoint_cache, gpu_budget_s=args.gpu_budget_s
+    )
     if args.big_config:
         config = replace(config, big_config_path=args.big_config)
 
