@@ -13,7 +13,8 @@ that config is absent), batch 1, greedy, answers of a fixed length (``ignore_eos
   a fraction of its bound: copy bandwidth / bytes read per token (every text-decoder weight once, the
   tied LM head included, plus the KV of the context).
 * ``kernels.ctx<N>.page<P>``: the paged decode kernel on a shuffled block table (a pool after churn)
-  against torch SDPA over contiguous K/V (GQA without copies), one layer of the 2B's attention shape.
+  against torch SDPA over contiguous K/V (GQA without copies), one layer of the 2B's attention shape;
+  device time of each in CUDA graphs, as the engine's decode runs them.
 * ``quant.<none|int8|int4>``: batch-1 decode with kernels + graphs and fp16 activations, the decoder's
   projections stored as ``weight_quant`` says (the INT8/INT4 GEMV kernels); tokens/s, the fraction of each
   model's own bound (the bytes it really reads), and the speedup over fp16 weights.
@@ -76,6 +77,31 @@ def _cuda_ms(torch, fn, iters: int = 200, warmup: int = 20) -> float:
     return start.elapsed_time(end) / iters
 
 
+def _graph_us(torch, fn, calls: int = 20, repeats: int = 5) -> float:
+    """Device microseconds of one ``fn()`` as the engine runs it: ``calls`` of them captured in one CUDA graph,
+    replayed ``repeats`` times, the fastest replay over ``calls`` (no host launch cost in the figure)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):  # warm-up: workspaces are allocated before the capture
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    graph.replay()
+    best = float("inf")
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        torch.cuda.synchronize()
+        best = min(best, start.elapsed_time(end) * 1e3 / calls)
+    return best
+
+
 def decode_weight_bytes(model) -> int:
     """Bytes one decode step reads from weights: every text-decoder parameter except the embedding table
     (one row is read), plus the LM head (the embedding matrix itself when tied), and the quantized
@@ -99,7 +125,9 @@ def decode_weight_bytes(model) -> int:
 
 
 def _kernels(torch, ctx: BenchContext, res: SectionResult) -> None:
-    """Paged decode kernel (shuffled table) vs contiguous SDPA, 2B attention shape, fp16."""
+    """Paged decode kernel (shuffled table) vs contiguous SDPA, 2B attention shape, fp16, device time of each
+    in CUDA graphs as the engine's decode runs them (timed launch by launch, the host's Python launch cost of
+    about 65 us a call hid both kernels' time below 16k of context)."""
     import torch.nn.functional as F
 
     from orin_vlm_node.cuda import AttentionShape, select_backend
@@ -121,7 +149,7 @@ def _kernels(torch, ctx: BenchContext, res: SectionResult) -> None:
         qs = q.transpose(0, 1).unsqueeze(0)  # (1, nq, 1, hd)
         kv_bytes = 2 * context * nkv * hd * 2
         sdpa = [
-            1e3 * _cuda_ms(torch, lambda k=kc, v=vc, q=qs: F.scaled_dot_product_attention(q, k, v, enable_gqa=True))
+            _graph_us(torch, lambda k=kc, v=vc, q=qs: F.scaled_dot_product_attention(q, k, v, enable_gqa=True))
             for _ in range(cfg.gpu_repeats)
         ]
         res.add(f"kernels.ctx{context}.sdpa_us", "us", sdpa, "torch SDPA over contiguous K/V (GQA)", context=context)
@@ -135,7 +163,7 @@ def _kernels(torch, ctx: BenchContext, res: SectionResult) -> None:
             table[0, order] = torch.arange(blocks, dtype=torch.int32, device="cuda")
             k_pool, v_pool = k_pool[order].contiguous(), v_pool[order].contiguous()  # scattered, same content
             decode = functools.partial(impl.attend_decode, q, k_pool, v_pool, table, kv_len, blocks)
-            paged = [1e3 * _cuda_ms(torch, decode) for _ in range(cfg.gpu_repeats)]
+            paged = [_graph_us(torch, decode) for _ in range(cfg.gpu_repeats)]
             key = f"kernels.ctx{context}.page{page}"
             res.add(f"{key}.paged_us", "us", paged, "paged decode kernel, shuffled block table", context=context)
             res.add(f"{key}.overhead", "fraction", [p / s - 1 for p, s in zip(paged, sdpa, strict=True)],

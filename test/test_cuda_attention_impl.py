@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from orin_vlm_node.cuda import AttentionShape, CudaPagedAttention, DecodeGraph, KernelsUnavailable, select_backend
+from orin_vlm_node.cuda import launch as L
 from orin_vlm_node.kvcache.attention import TorchPagedAttention
 from orin_vlm_node.kvcache.config import KVCacheConfig
 from orin_vlm_node.kvcache.paged import PagedKVCache
@@ -77,7 +78,7 @@ class _CountingLauncher:
 
 
 @pytest.mark.parametrize(
-    ("dtype", "page", "sm_count", "split"), [(torch.float16, 4, 16, True), (torch.float32, 16, 2, False)]
+    ("dtype", "page", "sm_count", "split"), [(torch.float16, 4, 16, True), (torch.float32, 16, 1, False)]
 )
 def test_batched_static_decode_is_one_launch_and_matches_torch_impl(harness, dtype, page, sm_count, split):
     """Three sequences of different lengths decode together in buffers of four (one padding row), the
@@ -164,3 +165,21 @@ def test_decode_graph_is_eager_on_cpu():
     assert torch.equal(runner.run(), torch.ones(2)) and torch.equal(runner(), torch.ones(2))
     assert len(calls) == 2 and not runner.captured and runner.describe()["eager_reason"] == "cpu device"
     assert runner.eager
+
+
+@pytest.mark.parametrize(
+    ("sm_count", "capacity", "batch", "plan"),
+    [
+        (132, 1024, 1, (32, 32)),  # H200, 8 kv heads: the fastest splits measured at 1k, 4k, 16k of context
+        (132, 4096, 1, (64, 64)),
+        (132, 16384, 1, (128, 128)),
+        (16, 4096, 1, (16, 256)),  # an Orin's 16 SMs: 8 blocks per SM take longer splits
+        (132, 4096, 8, (16, 256)),  # a batch fills the SMs with fewer splits
+        (16, 16, 1, (1, 16)),  # a row of one warp step is never split
+    ],
+)
+def test_decode_split_plan_keeps_blocks_in_flight_and_splits_grow_with_the_context(sm_count, capacity, batch, plan):
+    splits, tokens = L.choose_decode_splits(capacity, batch, 8, sm_count)
+    assert (splits, tokens) == plan
+    assert tokens % 16 == 0 or splits == 1
+    assert (splits - 1) * tokens < capacity <= splits * tokens  # every split holds tokens, all are covered
