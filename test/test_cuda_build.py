@@ -125,6 +125,7 @@ def test_source_closure_follows_includes_of_the_real_kernels():
         "paged_prefill_attention",
         "paged_kv_write",
         "quant_gemv",
+        "rms_norm",
     }
     assert B.arch_from_capability(8, 7) == "sm_87"
 

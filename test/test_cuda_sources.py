@@ -18,7 +18,13 @@ REPO = Path(__file__).resolve().parent.parent
 def test_the_checkout_finds_its_own_kernels():
     found = S.find_kernel_sources()
     assert found.directory == (REPO / "kernels").resolve() and found.found_by == "source checkout"
-    assert found.modules == ("paged_decode_attention", "paged_kv_write", "paged_prefill_attention", "quant_gemv")
+    assert found.modules == (
+        "paged_decode_attention",
+        "paged_kv_write",
+        "paged_prefill_attention",
+        "quant_gemv",
+        "rms_norm",
+    )
 
 
 def test_kernel_dir_setting_wins_and_is_checked(tmp_path):

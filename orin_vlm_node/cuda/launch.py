@@ -29,6 +29,8 @@ DEFAULT_MIN_TOKENS_PER_SPLIT = 16  # one warp step of every decode warp: a short
 # tokens' K/V loads in flight, so a memory-bound kernel needs several blocks per SM to keep loads in flight.
 DECODE_BLOCKS_PER_SM = 8
 
+NORM_THREADS = 128  # kNormThreads in kernels/rms_norm.cu
+
 # Rows of x one quantized GEMV kernel is instantiated for (a launch takes the smallest that holds its rows);
 # more rows than the largest (a prefill) take torch's GEMM on the widened weights instead.
 GEMV_ROW_BUCKETS = (1, 2, 4, 8)
@@ -54,6 +56,7 @@ KERNEL_MODULES: dict[str, tuple[str, ...]] = {
     "quant_gemv": tuple(
         f"quant_gemv_{mode}_{t}_r{r}" for mode in GEMV_MODES for t in DTYPE_TAGS.values() for r in GEMV_ROW_BUCKETS
     ),
+    "rms_norm": tuple(f"rms_norm_{t}" for t in DTYPE_TAGS.values()),
 }
 
 # Parameter kinds of each kernel family, in order: "ptr" (device pointer), "i32", "f32".
@@ -63,6 +66,7 @@ ARG_KINDS: dict[str, tuple[str, ...]] = {
     "paged_prefill_attention": ("ptr",) * 7 + ("i32",) * 4 + ("f32",),
     "paged_kv_write": ("ptr",) * 5 + ("i32",),
     "quant_gemv": ("ptr",) * 5 + ("i32",) * 4,
+    "rms_norm": ("ptr",) * 4 + ("i32",) * 4 + ("f32",),
 }
 
 
@@ -244,6 +248,14 @@ def check_kv_row(num_kv_heads: int, head_dim: int, dtype: object) -> int:
     if (elems * DTYPE_BYTES[dtype_name(dtype)]) % 16:
         raise UnsupportedShape(f"a KV row of {elems} elements is not a whole number of 16-byte vectors")
     return elems
+
+
+def rms_norm_launch(rows: int, dtype: object) -> LaunchConfig:
+    """One block of NORM_THREADS threads per row (a token's hidden state, or one head of it)."""
+    if rows < 1:
+        raise ValueError(f"rms_norm launch needs rows >= 1, got {rows}")
+    tag = DTYPE_TAGS[dtype_name(dtype)]
+    return _checked(LaunchConfig(f"rms_norm_{tag}", (rows, 1, 1), (NORM_THREADS, 1, 1), 0))
 
 
 def _checked(cfg: LaunchConfig) -> LaunchConfig:

@@ -15,7 +15,7 @@ from torch import nn
 
 from ..kvcache import StepAttention
 from .config import ModelConfig
-from .text import TextDecoder
+from .text import TextDecoder, rms_norm
 from .vision import VisionFeatures, VisionTower
 
 
@@ -91,7 +91,7 @@ class Qwen3VLModel(nn.Module):
                 # (docs/architecture.md, pitfall 7).
                 x = x.index_add(0, visual_rows, vision.deepstack[index].to(x.device, x.dtype))
         rows = x[-1:] if logits_index is None else x.index_select(0, logits_index.to(x.device))
-        return self.lm_head(decoder.norm(rows))
+        return self.lm_head(rms_norm(decoder.norm, rows))
 
     def init_buffers(self) -> None:
         """Recompute non-persistent buffers (rotary tables) after parameters were materialised."""

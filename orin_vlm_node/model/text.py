@@ -24,6 +24,8 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
+        # The fused kernel (``cuda.norm.CudaRmsNorm``) when the CUDA kernels are loaded; None = torch ops.
+        self.kernel = None
 
     def normalize(self, x: torch.Tensor) -> torch.Tensor:
         """x / rms(x) over the last dim, computed in fp32, returned in x's dtype (no weight yet)."""
@@ -32,7 +34,23 @@ class RMSNorm(nn.Module):
         return xf if x.dtype == torch.float32 else xf.to(x.dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.weight * self.normalize(x)
+        return rms_norm(self, x)
+
+
+def rms_norm(norm: RMSNorm, x: torch.Tensor) -> torch.Tensor:
+    """``norm`` applied to rows ``x`` (L, D), as a function (a decode step is mostly dispatch, and a module
+    call costs several times a function call): the fused kernel when attached, else torch."""
+    if norm.kernel is not None:
+        return norm.kernel(x.unsqueeze(1), norm.weight, norm.weight, 1, norm.eps).view_as(x)
+    return norm.weight * norm.normalize(x)
+
+
+def attach_norm_kernel(model: nn.Module, kernel) -> int:
+    """Route every RMSNorm of ``model`` through ``kernel`` (``cuda.norm.CudaRmsNorm``; None: torch ops); how many."""
+    norms = [m for m in model.modules() if isinstance(m, RMSNorm)]
+    for m in norms:
+        m.kernel = kernel
+    return len(norms)
 
 
 class FusedLinear(nn.Module):
@@ -87,9 +105,13 @@ class SelfAttention(nn.Module):
         heads = project(x, self.qkv_proj).view(n, nq + 2 * nkv, self.head_dim)  # q heads, k heads, v heads
         # q_norm and k_norm normalise each head over head_dim: one pass over the q and k heads together,
         # then each head times its norm's weight (what the two RMSNorms compute, bit for bit).
-        qk = self.q_norm.normalize(heads[:, : nq + nkv])  # (L, nq + nkv, hd)
-        weight = torch.cat((self.q_norm.weight.expand(nq, -1), self.k_norm.weight.expand(nkv, -1)))
-        qk = apply_text_rope(weight * qk, rope)
+        q_norm, k_norm = self.q_norm, self.k_norm
+        if q_norm.kernel is not None:  # one launch for both norms, reading the heads in place
+            qk = q_norm.kernel(heads[:, : nq + nkv], q_norm.weight, k_norm.weight, nq, q_norm.eps)
+        else:
+            weight = torch.cat((q_norm.weight.expand(nq, -1), k_norm.weight.expand(nkv, -1)))
+            qk = weight * q_norm.normalize(heads[:, : nq + nkv])  # (L, nq + nkv, hd)
+        qk = apply_text_rope(qk, rope)
         out = attn(layer, qk[:, :nq], qk[:, nq:], heads[:, nq + nkv :])  # (L, nq, hd)
         return project(out.reshape(n, nq * self.head_dim), self.o_proj)
 
@@ -118,9 +140,8 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(cfg)
 
     def forward(self, x: torch.Tensor, rope: TextRopeTables, attn: StepAttention, layer: int) -> torch.Tensor:
-        norm, post_norm = self.input_layernorm, self.post_attention_layernorm
-        x = x + self.self_attn(norm.weight * norm.normalize(x), rope, attn, layer)
-        return x + self.mlp(post_norm.weight * post_norm.normalize(x))
+        x = x + self.self_attn(rms_norm(self.input_layernorm, x), rope, attn, layer)
+        return x + self.mlp(rms_norm(self.post_attention_layernorm, x))
 
 
 class TextDecoder(nn.Module):

@@ -142,11 +142,21 @@ class Harness:
                 if value is None:
                     slots[i] = 0
                     continue
-                if not isinstance(value, torch.Tensor) or value.device.type != "cpu" or not value.is_contiguous():
-                    raise HarnessError(f"{cfg.kernel} argument {i}: expected a contiguous CPU tensor")
+                if (
+                    not isinstance(value, torch.Tensor)
+                    or value.device.type != "cpu"
+                    or min(value.stride(), default=0) < 0
+                ):
+                    raise HarnessError(f"{cfg.kernel} argument {i}: expected a CPU tensor with non-negative strides")
                 slots[i] = value.data_ptr()
                 starts.append(value.data_ptr())
-                sizes.append(value.numel() * value.element_size())
+                # A strided view (e.g. some heads of each token's row) is readable up to its last element.
+                span = (
+                    1 + sum((n - 1) * st for n, st in zip(value.shape, value.stride(), strict=True))
+                    if value.numel()
+                    else 0
+                )
+                sizes.append(span * value.element_size())
             elif kind == "i32":
                 slots[i] = int(value) & 0xFFFFFFFFFFFFFFFF
             elif kind == "f32":
