@@ -1,31 +1,38 @@
-// RMS NORM of rows, the weight applied: one kernel where torch runs seven (cast, square, mean, add eps,
-// rsqrt, scale, cast back) plus the weight product; at batch 1 a decode step is made of such small kernels.
+// RMS NORM of rows, the weight applied, optionally followed by the rotary embedding: one kernel where torch
+// runs about eight (cast, square, mean, add eps, rsqrt, scale, cast back, weight product) and four more for
+// RoPE (x * cos, swap halves, * sin, add); at batch 1 a decode step is made of such small kernels.
 //
-// rms_norm_<dtype>: row r of `rows = tokens * heads` is head h = r % heads of token t = r / heads, read at
-// x + t * x_token_stride + h * dim (the q and k heads of a fused q/k/v projection are normalised in place
-// of their token rows; a plain norm has heads = 1 and x_token_stride = dim). Heads below `split` take
-// weight_a, the others weight_b (q_norm and k_norm in one launch; weight_b is not read when split >= heads).
-// out is contiguous [rows, dim].
+// rms_norm_<dtype> / rms_norm_rope_<dtype>: row r of `rows = tokens * heads` is head h = r % heads of token
+// t = r / heads, read at x + t * x_token_stride + h * dim (the q and k heads of a fused q/k/v projection are
+// normalised in place of their token rows; a plain norm has heads = 1 and x_token_stride = dim). Heads below
+// `split` take weight_a, the others weight_b (q_norm and k_norm in one launch; weight_b is not read when
+// split >= heads). out is contiguous [rows, dim].
 //
-// The arithmetic is torch's: x widened to fp32, mean of squares as sum * (1 / dim), x * rsqrt(mean + eps)
-// rounded to the storage type, then the weight product computed in fp32 and rounded again (Qwen3's RMSNorm
-// multiplies by its weight after casting back; for fp32 both roundings are exact).
+// The arithmetic is torch's, rounding where torch's separate ops round: x widened to fp32, mean of squares
+// as sum * (1 / dim), x * rsqrt(mean + eps) rounded to the storage type, the weight product rounded (Qwen3's
+// RMSNorm multiplies by its weight after casting back). RoPE (the _rope kernels; dim even, <= 256):
+// y = x * cos + swap_halves(x) * sin_signed with the token's rows of the two tables ([tokens, dim], the
+// storage type, sin_signed = [-sin, sin] of the halves), each product and the sum rounded on its own and
+// never contracted into a fused multiply-add.
 #include "attention_common.cuh"
 
 namespace orin_vlm {
 
 constexpr int kNormThreads = 128;
+constexpr int kMaxRopeDim = 256;
 
 // Grid: (rows); block: kNormThreads threads.
-template <typename T>
+template <typename T, bool ROPE>
 __device__ __forceinline__ void rms_norm(T* __restrict__ out, const T* __restrict__ x, const T* __restrict__ weight_a,
-                                         const T* __restrict__ weight_b, int heads, int split, int dim,
+                                         const T* __restrict__ weight_b, const T* __restrict__ cos,
+                                         const T* __restrict__ sin_signed, int heads, int split, int dim,
                                          int x_token_stride, float eps) {
   if (blockDim.x != kNormThreads) KERNEL_TRAP();
   __shared__ float warp_sums[kNormThreads / kWarpSize];
   const int row = blockIdx.x;
+  const int token = row / heads;
   const int head = row % heads;
-  const T* xr = x + static_cast<size_t>(row / heads) * x_token_stride + static_cast<size_t>(head) * dim;
+  const T* xr = x + static_cast<size_t>(token) * x_token_stride + static_cast<size_t>(head) * dim;
   const T* w = head < split ? weight_a : weight_b;
   float squares = 0.0f;
   for (int d = threadIdx.x; d < dim; d += kNormThreads) {
@@ -33,29 +40,53 @@ __device__ __forceinline__ void rms_norm(T* __restrict__ out, const T* __restric
     squares += v * v;
   }
   squares = warp_sum(squares);
-  const int warp = threadIdx.x / kWarpSize;
-  if (threadIdx.x % kWarpSize == 0) warp_sums[warp] = squares;
+  if (threadIdx.x % kWarpSize == 0) warp_sums[threadIdx.x / kWarpSize] = squares;
   __syncthreads();
   float total = 0.0f;
 #pragma unroll
   for (int i = 0; i < kNormThreads / kWarpSize; ++i) total += warp_sums[i];
   const float inv = rsqrtf(total * (1.0f / static_cast<float>(dim)) + eps);
   T* o = out + static_cast<size_t>(row) * dim;
-  for (int d = threadIdx.x; d < dim; d += kNormThreads) {
-    const float normed = to_float(from_float<T>(to_float(__ldg(xr + d)) * inv));
-    o[d] = from_float<T>(to_float(__ldg(w + d)) * normed);
+  if constexpr (!ROPE) {
+    for (int d = threadIdx.x; d < dim; d += kNormThreads) {
+      const float normed = to_float(from_float<T>(to_float(__ldg(xr + d)) * inv));
+      o[d] = from_float<T>(to_float(__ldg(w + d)) * normed);
+    }
+  } else {
+    if (dim > kMaxRopeDim || dim % 2 != 0) KERNEL_TRAP();
+    __shared__ float normed_row[kMaxRopeDim];  // the weighted row, as rounded to T: RoPE pairs d with d +- dim/2
+    for (int d = threadIdx.x; d < dim; d += kNormThreads) {
+      const float normed = to_float(from_float<T>(to_float(__ldg(xr + d)) * inv));
+      normed_row[d] = to_float(from_float<T>(to_float(__ldg(w + d)) * normed));
+    }
+    __syncthreads();
+    const int half = dim / 2;
+    const T* c = cos + static_cast<size_t>(token) * dim;
+    const T* s = sin_signed + static_cast<size_t>(token) * dim;
+    for (int d = threadIdx.x; d < dim; d += kNormThreads) {
+      const float a = to_float(from_float<T>(__fmul_rn(normed_row[d], to_float(__ldg(c + d)))));
+      const float b = to_float(from_float<T>(__fmul_rn(normed_row[d < half ? d + half : d - half], to_float(__ldg(s + d)))));
+      o[d] = from_float<T>(__fadd_rn(a, b));
+    }
   }
 }
 
 }  // namespace orin_vlm
 
-#define ORIN_RMS_NORM_KERNEL(DT, T)                                                                          \
-  extern "C" __global__ void __launch_bounds__(orin_vlm::kNormThreads)                                      \
-      rms_norm_##DT(T* out, const T* x, const T* weight_a, const T* weight_b, int heads, int split, int dim, \
-                    int x_token_stride, float eps) {                                                        \
-    orin_vlm::rms_norm<T>(out, x, weight_a, weight_b, heads, split, dim, x_token_stride, eps);              \
+#define ORIN_RMS_NORM_KERNELS(DT, T)                                                                            \
+  extern "C" __global__ void __launch_bounds__(orin_vlm::kNormThreads)                                         \
+      rms_norm_##DT(T* out, const T* x, const T* weight_a, const T* weight_b, int heads, int split, int dim,    \
+                    int x_token_stride, float eps) {                                                           \
+    orin_vlm::rms_norm<T, false>(out, x, weight_a, weight_b, nullptr, nullptr, heads, split, dim,              \
+                                 x_token_stride, eps);                                                         \
+  }                                                                                                            \
+  extern "C" __global__ void __launch_bounds__(orin_vlm::kNormThreads)                                         \
+      rms_norm_rope_##DT(T* out, const T* x, const T* weight_a, const T* weight_b, const T* cos,               \
+                         const T* sin_signed, int heads, int split, int dim, int x_token_stride, float eps) {  \
+    orin_vlm::rms_norm<T, true>(out, x, weight_a, weight_b, cos, sin_signed, heads, split, dim, x_token_stride, \
+                                eps);                                                                          \
   }
 
-ORIN_RMS_NORM_KERNEL(f32, float)
-ORIN_RMS_NORM_KERNEL(f16, __half)
-ORIN_RMS_NORM_KERNEL(bf16, __nv_bfloat16)
+ORIN_RMS_NORM_KERNELS(f32, float)
+ORIN_RMS_NORM_KERNELS(f16, __half)
+ORIN_RMS_NORM_KERNELS(bf16, __nv_bfloat16)

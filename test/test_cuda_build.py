@@ -126,6 +126,7 @@ def test_source_closure_follows_includes_of_the_real_kernels():
         "paged_kv_write",
         "quant_gemv",
         "rms_norm",
+        "silu_mul",
     }
     assert B.arch_from_capability(8, 7) == "sm_87"
 

@@ -24,6 +24,7 @@ def test_the_checkout_finds_its_own_kernels():
         "paged_prefill_attention",
         "quant_gemv",
         "rms_norm",
+        "silu_mul",
     )
 
 

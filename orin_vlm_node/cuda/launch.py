@@ -30,6 +30,8 @@ DEFAULT_MIN_TOKENS_PER_SPLIT = 16  # one warp step of every decode warp: a short
 DECODE_BLOCKS_PER_SM = 8
 
 NORM_THREADS = 128  # kNormThreads in kernels/rms_norm.cu
+MAX_ROPE_DIM = 256  # kMaxRopeDim there: the rows the norm + RoPE kernel rotates (head_dim)
+SILU_THREADS = 256  # kSiluThreads in kernels/silu_mul.cu
 
 # Rows of x one quantized GEMV kernel is instantiated for (a launch takes the smallest that holds its rows);
 # more rows than the largest (a prefill) take torch's GEMM on the widened weights instead.
@@ -56,7 +58,8 @@ KERNEL_MODULES: dict[str, tuple[str, ...]] = {
     "quant_gemv": tuple(
         f"quant_gemv_{mode}_{t}_r{r}" for mode in GEMV_MODES for t in DTYPE_TAGS.values() for r in GEMV_ROW_BUCKETS
     ),
-    "rms_norm": tuple(f"rms_norm_{t}" for t in DTYPE_TAGS.values()),
+    "rms_norm": tuple(f"rms_norm{rope}_{t}" for rope in ("", "_rope") for t in DTYPE_TAGS.values()),
+    "silu_mul": tuple(f"silu_mul_{t}" for t in DTYPE_TAGS.values()),
 }
 
 # Parameter kinds of each kernel family, in order: "ptr" (device pointer), "i32", "f32".
@@ -67,6 +70,8 @@ ARG_KINDS: dict[str, tuple[str, ...]] = {
     "paged_kv_write": ("ptr",) * 5 + ("i32",),
     "quant_gemv": ("ptr",) * 5 + ("i32",) * 4,
     "rms_norm": ("ptr",) * 4 + ("i32",) * 4 + ("f32",),
+    "rms_norm_rope": ("ptr",) * 6 + ("i32",) * 4 + ("f32",),
+    "silu_mul": ("ptr",) * 2 + ("i32",) * 2,
 }
 
 
@@ -250,12 +255,22 @@ def check_kv_row(num_kv_heads: int, head_dim: int, dtype: object) -> int:
     return elems
 
 
-def rms_norm_launch(rows: int, dtype: object) -> LaunchConfig:
-    """One block of NORM_THREADS threads per row (a token's hidden state, or one head of it)."""
+def rms_norm_launch(rows: int, dtype: object, rope: bool = False) -> LaunchConfig:
+    """One block of NORM_THREADS threads per row (a token's hidden state, or one head of it); ``rope``: the
+    variant that also rotates the row (head rows of at most MAX_ROPE_DIM)."""
     if rows < 1:
         raise ValueError(f"rms_norm launch needs rows >= 1, got {rows}")
     tag = DTYPE_TAGS[dtype_name(dtype)]
-    return _checked(LaunchConfig(f"rms_norm_{tag}", (rows, 1, 1), (NORM_THREADS, 1, 1), 0))
+    return _checked(LaunchConfig(f"rms_norm{'_rope' if rope else ''}_{tag}", (rows, 1, 1), (NORM_THREADS, 1, 1), 0))
+
+
+def silu_mul_launch(rows: int, inter: int, dtype: object) -> LaunchConfig:
+    """One thread per output element, SILU_THREADS a block."""
+    if rows < 1 or inter < 1:
+        raise ValueError(f"silu_mul launch needs rows, inter >= 1, got {rows}, {inter}")
+    tag = DTYPE_TAGS[dtype_name(dtype)]
+    blocks = math.ceil(rows * inter / SILU_THREADS)
+    return _checked(LaunchConfig(f"silu_mul_{tag}", (blocks, 1, 1), (SILU_THREADS, 1, 1), 0))
 
 
 def _checked(cfg: LaunchConfig) -> LaunchConfig:

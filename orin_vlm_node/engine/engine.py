@@ -40,7 +40,7 @@ import torch
 
 from ..cpu import cpu_gemm_for
 from ..cuda import KernelsUnavailable
-from ..cuda.norm import CudaRmsNorm
+from ..cuda.fused import CudaFusedOps
 from ..cuda.quant_gemv import CudaQuantGemv
 from ..kvcache import KVCache, build_kv_cache, check_page_size
 from ..model import load_model
@@ -48,7 +48,7 @@ from ..model.config import ModelConfig
 from ..model.cpu_linear import KERNEL_ROWS, CpuQuantKernels, use_cpu_gemm
 from ..model.errors import CheckpointError
 from ..model.quant import attach_kernels, weight_bytes
-from ..model.text import attach_norm_kernel
+from ..model.text import attach_fused_ops
 from ..processing import ChatTemplate, ImageProcessor, ProcessingError, Tokenizer
 from ..settings import BY_NAME
 from .backend import decode_path, select_attention
@@ -114,7 +114,7 @@ class Engine:
             )
             if attach_kernels(self.model, kernels):
                 log.info("quantized projections: %s", self.weight_path)
-            attach_norm_kernel(self.model, CudaRmsNorm(launcher) if launcher else None)
+            attach_fused_ops(self.model, CudaFusedOps(launcher) if launcher else None)
         if parts & {"model", "kv_cache"}:
             self._build_cache()
         elif "backend" in parts:

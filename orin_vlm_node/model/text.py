@@ -24,8 +24,8 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
-        # The fused kernel (``cuda.norm.CudaRmsNorm``) when the CUDA kernels are loaded; None = torch ops.
-        self.kernel = None
+        # The fused kernels (``cuda.fused.CudaFusedOps``) when the CUDA kernels are loaded; None = torch ops.
+        self.fused = None
 
     def normalize(self, x: torch.Tensor) -> torch.Tensor:
         """x / rms(x) over the last dim, computed in fp32, returned in x's dtype (no weight yet)."""
@@ -40,17 +40,9 @@ class RMSNorm(nn.Module):
 def rms_norm(norm: RMSNorm, x: torch.Tensor) -> torch.Tensor:
     """``norm`` applied to rows ``x`` (L, D), as a function (a decode step is mostly dispatch, and a module
     call costs several times a function call): the fused kernel when attached, else torch."""
-    if norm.kernel is not None:
-        return norm.kernel(x.unsqueeze(1), norm.weight, norm.weight, 1, norm.eps).view_as(x)
+    if norm.fused is not None:
+        return norm.fused.rms_norm(x.unsqueeze(1), norm.weight, norm.weight, 1, norm.eps).view_as(x)
     return norm.weight * norm.normalize(x)
-
-
-def attach_norm_kernel(model: nn.Module, kernel) -> int:
-    """Route every RMSNorm of ``model`` through ``kernel`` (``cuda.norm.CudaRmsNorm``; None: torch ops); how many."""
-    norms = [m for m in model.modules() if isinstance(m, RMSNorm)]
-    for m in norms:
-        m.kernel = kernel
-    return len(norms)
 
 
 class FusedLinear(nn.Module):
@@ -106,12 +98,11 @@ class SelfAttention(nn.Module):
         # q_norm and k_norm normalise each head over head_dim: one pass over the q and k heads together,
         # then each head times its norm's weight (what the two RMSNorms compute, bit for bit).
         q_norm, k_norm = self.q_norm, self.k_norm
-        if q_norm.kernel is not None:  # one launch for both norms, reading the heads in place
-            qk = q_norm.kernel(heads[:, : nq + nkv], q_norm.weight, k_norm.weight, nq, q_norm.eps)
+        if q_norm.fused is not None:  # both norms and RoPE in one launch, reading the heads in place
+            qk = q_norm.fused.rms_norm(heads[:, : nq + nkv], q_norm.weight, k_norm.weight, nq, q_norm.eps, rope)
         else:
             weight = torch.cat((q_norm.weight.expand(nq, -1), k_norm.weight.expand(nkv, -1)))
-            qk = weight * q_norm.normalize(heads[:, : nq + nkv])  # (L, nq + nkv, hd)
-        qk = apply_text_rope(qk, rope)
+            qk = apply_text_rope(weight * q_norm.normalize(heads[:, : nq + nkv]), rope)  # (L, nq + nkv, hd)
         out = attn(layer, qk[:, :nq], qk[:, nq:], heads[:, nq + nkv :])  # (L, nq, hd)
         return project(out.reshape(n, nq * self.head_dim), self.o_proj)
 
@@ -122,10 +113,23 @@ class MLP(nn.Module):
         rows = cfg.intermediate_size
         self.gate_up_proj = FusedLinear(cfg.hidden_size, {"gate_proj": rows, "up_proj": rows})
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.fused = None  # as RMSNorm's: the fused kernels when loaded
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = project(x, self.gate_up_proj).chunk(2, dim=-1)
+        gate_up = project(x, self.gate_up_proj)
+        if self.fused is not None:
+            return project(self.fused.silu_mul(gate_up), self.down_proj)
+        gate, up = gate_up.chunk(2, dim=-1)
         return project(F.silu(gate) * up, self.down_proj)
+
+
+def attach_fused_ops(model: nn.Module, ops) -> int:
+    """Route every RMSNorm and MLP activation of ``model`` through ``ops`` (``cuda.fused.CudaFusedOps``; None:
+    torch ops); how many modules."""
+    modules = [m for m in model.modules() if isinstance(m, (RMSNorm, MLP))]
+    for m in modules:
+        m.fused = ops
+    return len(modules)
 
 
 class DecoderLayer(nn.Module):

@@ -122,6 +122,9 @@ inline int max(int a, int b) { return a > b ? a : b; }
 inline float __expf(float x) { return expf(x); }
 inline float __fdividef(float a, float b) { return a / b; }
 inline float rsqrtf(float x) { return 1.0f / sqrtf(x); }
+// Round-to-nearest products and sums, never contracted into a fused multiply-add (torch's separate ops).
+inline float __fmul_rn(float a, float b) { return a * b; }
+inline float __fadd_rn(float a, float b) { return a + b; }
 
 // ---- half precision: 16-bit storage, conversions through _Float16 (IEEE binary16, round to nearest) ----
 struct __half {

@@ -1,0 +1,37 @@
+// SILU AND MUL: the SwiGLU activation of the fused gate/up projection, silu(gate) * up, in one kernel where
+// torch runs two (and, with the halves of one product, reads them through strided views).
+//
+// silu_mul_<dtype>: gate_up [rows, 2 * inter] (gate columns first, then up, as the fused projection stores
+// them) -> out [rows, inter]. torch's arithmetic: silu in fp32 as x / (1 + exp(-x)) rounded to the storage
+// type, then the product with up in fp32 rounded again.
+#include "attention_common.cuh"
+
+namespace orin_vlm {
+
+constexpr int kSiluThreads = 256;
+
+// Grid: (ceil(rows * inter / kSiluThreads)); block: kSiluThreads threads; one output element per thread.
+template <typename T>
+__device__ __forceinline__ void silu_mul(T* __restrict__ out, const T* __restrict__ gate_up, int rows, int inter) {
+  if (blockDim.x != kSiluThreads) KERNEL_TRAP();
+  const long long i = static_cast<long long>(blockIdx.x) * kSiluThreads + threadIdx.x;
+  if (i >= static_cast<long long>(rows) * inter) return;
+  const long long r = i / inter;
+  const long long c = i % inter;
+  const T* row = gate_up + r * 2 * inter;
+  const float g = to_float(__ldg(row + c));
+  const float act = to_float(from_float<T>(g / (1.0f + expf(-g))));
+  out[i] = from_float<T>(act * to_float(__ldg(row + inter + c)));
+}
+
+}  // namespace orin_vlm
+
+#define ORIN_SILU_MUL_KERNEL(DT, T)                                                                    \
+  extern "C" __global__ void __launch_bounds__(orin_vlm::kSiluThreads)                                \
+      silu_mul_##DT(T* out, const T* gate_up, int rows, int inter) {                                   \
+    orin_vlm::silu_mul<T>(out, gate_up, rows, inter);                                                  \
+  }
+
+ORIN_SILU_MUL_KERNEL(f32, float)
+ORIN_SILU_MUL_KERNEL(f16, __half)
+ORIN_SILU_MUL_KERNEL(bf16, __nv_bfloat16)

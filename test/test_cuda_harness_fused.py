@@ -1,0 +1,132 @@
+"""The fused elementwise kernels (``kernels/rms_norm.cu``, ``kernels/silu_mul.cu``) under the CPU CUDA emulator,
+through ``CudaFusedOps`` (the GPU path's launch code), against the text decoder's torch ops: plain rows, the q
+and k heads of a fused projection normalised (and rotated) in place with their two weights, SwiGLU, and a whole
+model answering with them."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from orin_vlm_node.cuda import launch as L
+from orin_vlm_node.cuda.fused import CudaFusedOps
+from orin_vlm_node.model.rope import TextRopeTables, apply_text_rope
+from orin_vlm_node.model.text import MLP, RMSNorm, attach_fused_ops, rms_norm
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+# The kernel sums the squares in another order than torch's mean and its rsqrt may round otherwise: the
+# scale can differ in its last fp32 bits, which moves a half-precision result by one unit in its last place
+# only rarely.
+TOL = {torch.float32: (1e-6, 1e-6), torch.float16: (1e-3, 1e-3), torch.bfloat16: (8e-3, 8e-3)}
+
+
+def _norm(dim: int, dtype: torch.dtype, seed: int) -> RMSNorm:
+    norm = RMSNorm(dim, 1e-6)
+    with torch.no_grad():
+        norm.weight.copy_(1 + 0.3 * torch.randn(dim, generator=torch.Generator().manual_seed(seed)))
+    return norm.to(dtype)
+
+
+def _check(got: torch.Tensor, want: torch.Tensor) -> None:
+    rtol, atol = TOL[want.dtype]
+    assert got.dtype == want.dtype and got.shape == want.shape
+    torch.testing.assert_close(got, want, rtol=rtol, atol=atol)
+    if want.dtype != torch.float32:  # rounded to half precision: bit for bit but for rare last-place roundings
+        assert (got == want).float().mean() >= 0.99
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("dim", [32, 128, 200, 2048])
+def test_rms_norm_kernel_matches_the_torch_norm_on_rows(harness, dtype, dim):
+    norm = _norm(dim, dtype, seed=dim)
+    x = (3 * torch.randn(5, dim, generator=torch.Generator().manual_seed(1))).to(dtype)
+    want = rms_norm(norm, x)  # torch ops: no kernel attached
+    norm.fused = CudaFusedOps(harness)
+    _check(rms_norm(norm, x), want)
+
+
+def _rope(tokens: int, dim: int, dtype: torch.dtype) -> TextRopeTables:
+    angles = torch.rand(tokens, dim // 2, generator=torch.Generator().manual_seed(4)) * 50
+    cos, sin = angles.cos().repeat(1, 2), angles.sin().repeat(1, 2)  # (L, hd) like mrope_cos_sin's
+    return TextRopeTables.build(cos.to(dtype), sin.to(dtype))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("rotate", [False, True], ids=["norm", "norm+rope"])
+def test_q_and_k_heads_are_normalised_and_rotated_in_place_of_the_projection(harness, dtype, rotate):
+    tokens, nq, nkv, hd = 3, 4, 2, 64
+    q_norm, k_norm = _norm(hd, dtype, seed=1), _norm(hd, dtype, seed=2)
+    heads = torch.randn(tokens, nq + 2 * nkv, hd, generator=torch.Generator().manual_seed(3)).to(dtype)
+    qk = heads[:, : nq + nkv]  # the q and k heads of each token, v heads left out: not contiguous
+    weight = torch.cat((q_norm.weight.expand(nq, -1), k_norm.weight.expand(nkv, -1)))
+    want = weight * q_norm.normalize(qk)
+    rope = _rope(tokens, hd, dtype) if rotate else None
+    if rope is not None:
+        want = apply_text_rope(want, rope)
+    got = CudaFusedOps(harness).rms_norm(qk, q_norm.weight, k_norm.weight, nq, q_norm.eps, rope)
+    _check(got, want)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("rows,inter", [(1, 96), (3, 1000), (5, 7)])
+def test_silu_mul_kernel_matches_torch(harness, dtype, rows, inter):
+    gate_up = (4 * torch.randn(rows, 2 * inter, generator=torch.Generator().manual_seed(inter))).to(dtype)
+    gate, up = gate_up.chunk(2, dim=-1)
+    want = torch.nn.functional.silu(gate) * up
+    _check(CudaFusedOps(harness).silu_mul(gate_up), want)
+
+
+def test_fused_ops_refuse_rows_they_cannot_take(harness):
+    ops = CudaFusedOps(harness)
+    w = torch.ones(8)
+    with pytest.raises(ValueError, match=r"\(L, H, D\)"):
+        ops.rms_norm(torch.ones(2, 8), w, w, 1, 1e-6)
+    with pytest.raises(ValueError, match="weight .* does not fit"):
+        ops.rms_norm(torch.ones(2, 1, 8), torch.ones(8, dtype=torch.float16), w, 1, 1e-6)
+    with pytest.raises(ValueError, match="rope table .* does not fit"):
+        ops.rms_norm(torch.ones(2, 1, 8), w, w, 1, 1e-6, _rope(3, 8, torch.float32))
+    with pytest.raises(ValueError, match="at most 256"):
+        ops.rms_norm(torch.ones(1, 1, 512), torch.ones(512), torch.ones(512), 1, 1e-6, _rope(1, 512, torch.float32))
+    with pytest.raises(ValueError, match=r"\(L, 2I\)"):
+        ops.silu_mul(torch.ones(2, 7))
+    with pytest.raises(ValueError, match="rows >= 1"):
+        L.rms_norm_launch(0, torch.float32)
+
+
+class _CountingLauncher:
+    def __init__(self, inner):
+        self.inner = inner
+        self.kernels: list[str] = []
+
+    def launch(self, cfg, args):
+        self.kernels.append(cfg.kernel)
+        return self.inner.launch(cfg, args)
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_a_model_with_the_fused_kernels_attached_answers_as_with_torch_ops(harness, tmp_path, dtype):
+    from orin_vlm_node.engine import Engine, EngineConfig, Request, SamplingParams, Turn
+    from support.checkpoints import make_tiny_checkpoint
+
+    ckpt = make_tiny_checkpoint(tmp_path / "ckpt", layers=2, seed=5)
+    engine = Engine(EngineConfig(model_path=str(ckpt), device="cpu", dtype=dtype, max_sessions=0))
+    sampling = SamplingParams(temperature=0.0, max_new_tokens=12, ignore_eos=True)
+
+    def answer() -> tuple[int, ...]:
+        return tuple(list(engine.generate(Request(Turn("What does the robot see?"), sampling)))[-1].token_ids)
+
+    want = answer()
+    launcher = _CountingLauncher(harness)
+    layers = engine.model_config.text.num_hidden_layers
+    assert attach_fused_ops(engine.model, CudaFusedOps(launcher)) == 5 * layers + 1  # 4 norms + MLP a layer, final
+    assert answer() == want
+    # Per forward: the input and post-attention norms, q and k norms with RoPE, the MLP activation in every
+    # layer, and the final norm.
+    forwards = 12  # the prefill and 11 decode steps
+    tag = {"fp32": "f32", "bf16": "bf16"}[dtype]
+    assert launcher.kernels.count(f"rms_norm_{tag}") == forwards * (2 * layers + 1)
+    assert launcher.kernels.count(f"rms_norm_rope_{tag}") == forwards * layers
+    assert launcher.kernels.count(f"silu_mul_{tag}") == forwards * layers
+    assert not any(isinstance(m, MLP) and m.fused is None for m in engine.model.modules())
+    attach_fused_ops(engine.model, None)
+    assert answer() == want
