@@ -199,3 +199,40 @@ def test_gpu_engine_quantized_kernels_and_graphs_match_the_torch_path(tmp_path_f
     a = list(fast.generate(Request(turn, sampling)))[-1]
     b = list(slow.generate(Request(turn, sampling)))[-1]
     assert a.token_ids == b.token_ids
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_gpu_fused_norm_rope_and_silu_match_torch_ops_on_the_gpu(backend, dtype):
+    """The fused elementwise kernels against the decoder's torch ops on the GPU itself (same roundings: in half
+    precision all but rare last-place differences identical)."""
+    import torch.nn.functional as F
+
+    from orin_vlm_node.cuda.fused import CudaFusedOps
+    from orin_vlm_node.model.rope import TextRopeTables, apply_text_rope
+    from orin_vlm_node.model.text import RMSNorm
+
+    ops = CudaFusedOps(backend.launcher)
+    tol = {torch.float32: 1e-5, torch.float16: 1e-3, torch.bfloat16: 8e-3}[dtype]
+    tokens, nq, nkv, hd, hidden = 4, 16, 8, 128, 2048
+    norm = RMSNorm(hidden, 1e-6).to("cuda", dtype)
+    q_norm, k_norm = (RMSNorm(hd, 1e-6).to("cuda", dtype) for _ in range(2))
+    for m in (norm, q_norm, k_norm):
+        torch.nn.init.normal_(m.weight, 1.0, 0.3)
+    x = 3 * torch.randn(tokens, hidden, device="cuda").to(dtype)
+    got = ops.rms_norm(x.unsqueeze(1), norm.weight, norm.weight, 1, norm.eps).view_as(x)
+    torch.testing.assert_close(got, norm.weight * norm.normalize(x), rtol=tol, atol=tol)
+    heads = torch.randn(tokens, nq + 2 * nkv, hd, device="cuda").to(dtype)
+    angles = torch.rand(tokens, hd // 2, device="cuda") * 50
+    rope = TextRopeTables.build(angles.cos().repeat(1, 2).to(dtype), angles.sin().repeat(1, 2).to(dtype))
+    weight = torch.cat((q_norm.weight.expand(nq, -1), k_norm.weight.expand(nkv, -1)))
+    want = apply_text_rope(weight * q_norm.normalize(heads[:, : nq + nkv]), rope)
+    got = ops.rms_norm(heads[:, : nq + nkv], q_norm.weight, k_norm.weight, nq, q_norm.eps, rope)
+    torch.testing.assert_close(got, want, rtol=tol, atol=tol)
+    if dtype != torch.float32:  # rounded to half precision: the same but for rare last-place roundings
+        assert (got == want).float().mean() >= 0.99
+    gate_up = 4 * torch.randn(tokens, 2 * 6144, device="cuda").to(dtype)
+    gate, up = gate_up.chunk(2, dim=-1)
+    want = F.silu(gate) * up
+    got = ops.silu_mul(gate_up)
+    torch.testing.assert_close(got, want, rtol=tol, atol=tol)
+    assert (got == want).float().mean() >= 0.99  # one exp, one division, one product: torch's very ops
