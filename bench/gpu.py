@@ -21,6 +21,9 @@ that config is absent), batch 1, greedy, answers of a fixed length (``ignore_eos
 * ``batching.fp16.batch<N>``: 1, 2, 4 and 8 requests decoding together with kernels + graphs (one graph
   per batch bucket), the figures of the ``batching`` section: aggregate tokens/s over one request's, and
   each member's per-token latency over one request's alone.
+* ``step.fp16.*``: where a decode token's time goes: its wall time, and torch.profiler's kernels over
+  16 tokens by category (GEMMs, attention, fused elementwise, other
+  elementwise) with their count per token; the 15 costliest kernels in ``setup``.
 * ``ttft_448.<dtype>``: an image of 448x448 and a short question: vision tower + prefill + first token.
 * ``startup.cold_s`` / ``warm_s``: a fresh process from start to a ready engine (fp16), with an empty
   kernel cache and again with the cache it filled; its GPU memory at 8192 context (``memory.*``) and the
@@ -235,6 +238,59 @@ def _decode(torch, ctx: BenchContext, res: SectionResult, model_dir: Path, dtype
         res.add(f"ttft_448.{dtype}.s", "s", ttft, "448x448 image + question: vision tower, prefill, first token")
 
 
+# Kernel name -> the category a decode step's device time is reported in (first match wins).
+KERNEL_CATEGORIES = (
+    ("attention", ("paged_decode", "paged_prefill", "paged_kv_write", "flash", "fmha", "attention")),
+    ("fused_elementwise", ("rms_norm", "silu_mul")),
+    ("gemm", ("gemm", "gemv", "nvjet", "cutlass", "splitkreduce", "quant_gemv", "sm90_xmma", "ampere_")),
+)
+
+
+def kernel_category(name: str) -> str:
+    """``attention``, ``fused_elementwise``, ``gemm`` or ``other_elementwise`` for a CUDA kernel's name."""
+    lowered = name.lower()
+    return next((cat for cat, keys in KERNEL_CATEGORIES if any(k in lowered for k in keys)), "other_elementwise")
+
+
+def _step_profile(torch, ctx: BenchContext, res: SectionResult, model_dir: Path) -> None:
+    """Where a decode token's time goes (fp16, kernels + graphs): the wall time of a token, and
+    torch.profiler's kernels over 16 tokens by category, with their count per token (what the kernels do not
+    cover of a token is gaps between kernels and host time)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from orin_vlm_node.engine import Request, SamplingParams, Turn
+
+    engine = _engine(model_dir, "fp16", str(ctx.scratch / "kernel_cache"), **PATHS["graphs"])
+    ids = iter(range(10**6))
+
+    def answer(n: int):
+        sampling = SamplingParams(temperature=0.0, max_new_tokens=n, ignore_eos=True)
+        return run_engine(engine, Request(Turn(PROMPT), sampling, request_id=f"gpu-prof-{next(ids)}"))
+
+    answer(32)  # captures the step's graph
+    token_ms = [1e3 / answer(ctx.config.gpu_max_new_tokens).decode_tok_s for _ in range(ctx.config.gpu_repeats)]
+    res.add("step.fp16.token_ms", "ms", token_ms, "wall time a decode token (no profiler)")
+    tokens = 16
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        answer(tokens)
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    by_cat: dict[str, list[float]] = {}
+    for e in kernels:
+        by_cat.setdefault(kernel_category(e.name), []).append(e.device_time)
+    res.add("step.fp16.kernels_per_token", "count", [len(kernels) / tokens], "CUDA kernels a token (prefill included)")
+    res.add("step.fp16.kernel_ms", "ms", [sum(e.device_time for e in kernels) / tokens / 1e3],
+            "device time a token inside kernels (the rest of token_ms: gaps between kernels, host)")  # fmt: skip
+    for cat, times in sorted(by_cat.items()):
+        res.add(f"step.fp16.{cat}_ms", "ms", [sum(times) / tokens / 1e3], f"device time a token in {cat} kernels")
+        res.add(f"step.fp16.{cat}_kernels", "count", [len(times) / tokens], f"{cat} kernels a token")
+    top = sorted(prof.key_averages(), key=lambda a: a.self_device_time_total, reverse=True)[:15]
+    res.setup["step_profile_top"] = [
+        {"kernel": a.key[:120], "calls_per_token": a.count / tokens, "us": a.self_device_time_total / a.count}
+        for a in top
+        if a.count
+    ]
+
+
 def _quantized_decode(torch, ctx: BenchContext, res: SectionResult, model_dir: Path, bandwidth: float) -> None:
     """Batch-1 decode (kernels + graphs, fp16 activations) with weights none / int8 / int4, alternating;
     each against its own bound (the bytes it reads per token) and against fp16 weights."""
@@ -353,6 +409,7 @@ def run(ctx: BenchContext) -> SectionResult:
     # Most wanted first: what a robot sees (decode, TTFT, startup, memory), then the kernel and the features.
     _run_parts(ctx, res, started, [
         (f"decode.{first}", functools.partial(_decode, torch, ctx, res, model_dir, first, bandwidth)),
+        ("step_profile", functools.partial(_step_profile, torch, ctx, res, model_dir)),
         ("startup_memory", functools.partial(_startup_and_memory, ctx, res, model_dir, default_dir)),
         ("kernels", functools.partial(_kernels, torch, ctx, res)),
         ("quant", functools.partial(_quantized_decode, torch, ctx, res, model_dir, bandwidth)),

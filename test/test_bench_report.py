@@ -218,3 +218,18 @@ def test_gpu_section_parts_record_a_failure_and_stop_starting_parts_once_the_bud
     ran.clear()
     _run_parts(BenchContext(FULL, tmp_path), unlimited, time.monotonic() - 1e6, [part("a"), part("b")])
     assert ran == ["a", "b"] and unlimited.skipped_parts == []  # gpu_budget_s 0: no limit
+
+
+def test_gpu_step_profile_sorts_kernels_into_categories():
+    from bench.gpu import kernel_category
+
+    assert kernel_category("nvjet_sm90_hsh_128x8_64x12_4x1_v_bz_TNT") == "gemm"
+    assert kernel_category("void cublasLt::splitKreduce_kernel<32, 16, int, float>") == "gemm"
+    assert kernel_category("quant_gemv_int4_f16_r1") == "gemm"
+    assert kernel_category("paged_decode_attention_f16_d128_g2") == "attention"
+    assert kernel_category("paged_kv_write_f16") == "attention"
+    assert kernel_category("rms_norm_rope_bf16") == "fused_elementwise"
+    assert kernel_category("silu_mul_f16") == "fused_elementwise"
+    assert kernel_category("void at::native::vectorized_elementwise_kernel<8, at::native::CUDAFunctor_add>") == (
+        "other_elementwise"
+    )
