@@ -14,7 +14,8 @@ export ROS_DOMAIN_ID ?= 77
 export PYTHONUNBUFFERED := 1
 
 # The GPU check (see tools/gpu_check.py): gpu-wheels runs where a package index is reachable and fills
-# $(GPU_WHEELS_DIR) with what a bare CUDA machine lacks; gpu-check runs there with its own python3 (torch).
+# $(GPU_WHEELS_DIR) with what a bare CUDA machine lacks (keeping the PyCUDA archive an earlier gpu-check
+# built); gpu-check runs there with its own python3 (torch).
 GPU_PYTHON ?= python3
 GPU_PY_VERSION ?= 3.12
 GPU_PLATFORMS ?= manylinux_2_28_x86_64 manylinux_2_27_x86_64 manylinux_2_17_x86_64 manylinux2014_x86_64
@@ -60,7 +61,7 @@ bench-quick: install
 
 gpu-wheels: venv
 	@test -f $(GPU_BIG_CONFIG) || { echo "gpu-wheels: $(GPU_BIG_CONFIG) not found (set GPU_BIG_CONFIG to a Qwen3-VL-2B config.json)" >&2; exit 1; }
-	rm -rf $(GPU_WHEELS_DIR) && mkdir -p $(GPU_WHEELS_DIR)
+	mkdir -p $(GPU_WHEELS_DIR) && find $(GPU_WHEELS_DIR) -mindepth 1 -maxdepth 1 ! -name 'pycuda-built-*.tgz' -exec rm -rf {} +
 	$(PY) -m pip download -q --disable-pip-version-check --no-deps --no-binary=:all: --no-build-isolation \
 		-d $(GPU_WHEELS_DIR) pycuda==$(PYCUDA_VERSION)
 	$(PY) -m pip download -q --disable-pip-version-check --no-deps --only-binary=:all: \

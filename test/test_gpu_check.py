@@ -86,3 +86,34 @@ def test_gpu_check_without_the_wheels_says_how_to_get_them(tmp_path):
     assert proc.returncode == 1
     reason = json.loads((tmp_path / "out" / "gpu_check.json").read_text())["steps"]["preflight"]["reason"]
     assert "make gpu-wheels" in reason and "PyCUDA sdist" in reason
+
+
+def test_gpu_check_takes_the_pycuda_an_earlier_run_archived_and_gpu_wheels_keeps_it(wheels, tmp_path):
+    import shutil
+    import tarfile
+
+    from tools.gpu_check import prebuilt_name
+
+    folder = tmp_path / "wheels"
+    shutil.copytree(wheels, folder)
+    package = tmp_path / "pkg" / "pycuda"  # stands in for a build: importable, with a driver module
+    package.mkdir(parents=True)
+    (package / "__init__.py").write_text('VERSION_TEXT = "prebuilt-stand-in"\n')
+    (package / "driver.py").write_text("")
+    with tarfile.open(folder / prebuilt_name(), "w:gz") as tar:
+        tar.add(package, arcname="pycuda")
+    out = tmp_path / "out"
+    subprocess.run(
+        [sys.executable, "-m", "tools.gpu_check", "--wheels", str(folder), "--out", str(out),
+         "--steps", "preflight,wheels,pycuda"],
+        cwd=REPO, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    step = json.loads((out / "gpu_check.json").read_text())["steps"]["pycuda"]
+    assert step["status"] == "ok", step
+    assert step["prebuilt"] == prebuilt_name() and step["version"] == "prebuilt-stand-in"
+    # Fetching the wheels again keeps the archive (it can only be made on a CUDA machine).
+    version = f"{sys.version_info.major}.{sys.version_info.minor}"
+    make = ["make", "-s", "gpu-wheels", f"GPU_WHEELS_DIR={folder}", f"GPU_PY_VERSION={version}"]
+    proc = subprocess.run([*make, f"GPU_BIG_CONFIG={CONFIG_2B}"], cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert (folder / prebuilt_name()).is_file() and list(folder.glob("pycuda-*.tar.gz"))

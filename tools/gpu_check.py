@@ -7,7 +7,8 @@ benchmark checkpoint takes. The steps, each timed and recorded:
 
 1. ``preflight``  python, torch (and its CUDA), nvcc, the wheel folder's contents;
 2. ``wheels``     install the wheels into a private folder (``--target``; the system is not touched);
-3. ``pycuda``     build PyCUDA from its sdist against this machine's CUDA (about 2 minutes);
+3. ``pycuda``     build PyCUDA from its sdist against this machine's CUDA (about 80 s), or take the
+                  archive an earlier run made (``pycuda-built-cp<py>-cuda<release>.tgz`` in the wheel folder);
 4. ``device``     the first GPU call: torch sees a CUDA device (name, architecture, memory);
 5. ``diagnostics`` ``python -m orin_vlm_node.cuda``: the kernels build and load from this checkout;
 6. ``gpu_tests``  the GPU tests (kernels against torch, CUDA-graph decode, the engine on CUDA);
@@ -158,6 +159,15 @@ def wheels(c: Check) -> dict[str, Any]:
 
 
 def pycuda(c: Check) -> dict[str, Any]:
+    """PyCUDA from a prebuilt archive of an earlier run on a machine of the same Python and CUDA (seconds),
+    else built from its sdist (about 80 s on 16 cores); a fresh build is archived into ``--out`` for the
+    next run (bring it along in the wheel folder: ``make gpu-wheels`` keeps it)."""
+    archive = c.wheels / prebuilt_name()
+    if archive.is_file():
+        try:
+            return _use_prebuilt(c, archive)
+        except (StepFailed, OSError, tarfile.TarError) as exc:
+            c.log(f"prebuilt {archive.name} unusable ({exc}); building from the sdist")
     sdist = sorted(c.wheels.glob("pycuda-*.tar.gz"))[-1]
     with tarfile.open(sdist) as tar:
         tar.extractall(c.work, filter="data")
@@ -169,7 +179,26 @@ def pycuda(c: Check) -> dict[str, Any]:
     c.run([sys.executable, "setup.py", "build_ext", "--inplace", "-j", jobs], 600, cwd=src)
     c.pythonpath.insert(0, str(src))
     version = c.python("import json, pycuda; print(json.dumps(pycuda.VERSION_TEXT))", 60)
-    return {"sdist": sdist.name, "cuda_root": str(cuda_root), "version": version}
+    with tarfile.open(c.out / archive.name, "w:gz") as tar:
+        tar.add(src / "pycuda", arcname="pycuda", filter=lambda m: None if m.name.endswith(".o") else m)
+    return {"sdist": sdist.name, "cuda_root": str(cuda_root), "version": version, "archived": archive.name}
+
+
+def prebuilt_name() -> str:
+    """``pycuda-built-cp312-cuda13.0.tgz``: the archive of a PyCUDA built for this Python and CUDA release."""
+    from orin_vlm_node.cuda.build import find_nvcc, nvcc_version
+
+    release = nvcc_version(find_nvcc()).split("release ")[1].split(",")[0]
+    return f"pycuda-built-cp{sys.version_info.major}{sys.version_info.minor}-cuda{release}.tgz"
+
+
+def _use_prebuilt(c: Check, archive: Path) -> dict[str, Any]:
+    target = c.work / "pycuda-prebuilt"
+    with tarfile.open(archive) as tar:
+        tar.extractall(target, filter="data")
+    c.pythonpath.insert(0, str(target))
+    version = c.python("import json, pycuda.driver, pycuda; print(json.dumps(pycuda.VERSION_TEXT))", 60)
+    return {"prebuilt": archive.name, "version": version}
 
 
 def _cuda_root() -> Path:
