@@ -187,36 +187,38 @@ def test_decode_weight_bytes_counts_the_text_decoder_and_one_lm_head():
     assert decode_weight_bytes(model(tied=False)) == layer + 100 * 16 * 4  # lm_head instead of the embedding
 
 
-def test_gpu_section_parts_record_a_failure_and_stop_starting_parts_once_the_budget_is_spent(tmp_path):
-    import time
+def test_gpu_section_parts_record_a_failure_and_stop_starting_parts_once_the_budget_is_spent(tmp_path, monkeypatch):
+    import types
     from dataclasses import replace
 
+    import bench.gpu
     from bench.config import FULL
     from bench.context import BenchContext
-    from bench.gpu import _run_parts
 
+    clock = [0.0]  # the section's own clock, advanced by the parts only (deterministic)
+    monkeypatch.setattr(bench.gpu, "time", types.SimpleNamespace(monotonic=lambda: clock[0]))
     ran: list[str] = []
 
     def part(name: str, seconds: float = 0.0, fail: bool = False):
         def run() -> None:
             ran.append(name)
-            time.sleep(seconds)
+            clock[0] += seconds
             if fail:
                 raise RuntimeError(f"{name} broke")
 
         return name, run
 
     res = SectionResult("gpu")
-    ctx = BenchContext(replace(FULL, gpu_budget_s=0.2), tmp_path)
-    _run_parts(ctx, res, time.monotonic(), [part("a", fail=True), part("b", 0.3), part("c"), part("d")])
+    ctx = BenchContext(replace(FULL, gpu_budget_s=10.0), tmp_path)
+    bench.gpu._run_parts(ctx, res, 0.0, [part("a", 1, fail=True), part("b", 20), part("c"), part("d")])
     assert ran == ["a", "b"]  # a's error did not stop b; after b the budget was spent
     assert res.skipped_parts[0] == {"part": "a", "reason": "error: RuntimeError: a broke"}
     assert [p["part"] for p in res.skipped_parts[1:]] == ["c", "d"]
-    assert all(p["reason"].startswith("time budget of 0 s spent") for p in res.skipped_parts[1:])
+    assert all(p["reason"] == "time budget of 10 s spent (21 s)" for p in res.skipped_parts[1:])
 
     unlimited = SectionResult("gpu")
     ran.clear()
-    _run_parts(BenchContext(FULL, tmp_path), unlimited, time.monotonic() - 1e6, [part("a"), part("b")])
+    bench.gpu._run_parts(BenchContext(FULL, tmp_path), unlimited, -1e6, [part("a"), part("b")])
     assert ran == ["a", "b"] and unlimited.skipped_parts == []  # gpu_budget_s 0: no limit
 
 
