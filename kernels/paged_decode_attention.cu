@@ -4,8 +4,9 @@
 // that share the kv head (GQA) are processed together, so every K/V vector is loaded once per chunk. A
 // GQA group larger than MAX_GROUP is served by several chunks (gridDim.x = num_kv_heads * chunks), so any
 // group size that divides the head count works. Inside a warp, the lanes are split into sub-groups of
-// LANES_PER_TOKEN lanes, each sub-group owning one token per step and each lane VPL 16-byte vectors of that
-// token's head (one for every head size except fp32 at 256). Every sub-group keeps its own online-softmax
+// LANES_PER_TOKEN lanes, each sub-group owning kDecodeUnroll tokens per step (their K and V loads all issued
+// before the first is used, so a warp keeps several tokens' loads in flight) and each lane VPL 16-byte
+// vectors of a token's head (one for every head size except fp32 at 256). Every sub-group keeps its own online-softmax
 // state (running max m, sum l, unnormalized output acc); the states are merged across the warp with
 // shuffles and across warps through shared memory. Shared memory is fixed by the template parameters,
 // independent of the context length.
@@ -21,6 +22,7 @@
 namespace orin_vlm {
 
 constexpr int kDecodeWarps = 4;
+constexpr int kDecodeUnroll = 2;  // tokens per sub-group whose K/V loads are in flight together
 
 // How one head row of HEAD_DIM elements of T is spread over the lanes of a token sub-group.
 template <typename T, int HEAD_DIM>
@@ -115,52 +117,67 @@ __device__ __forceinline__ void paged_decode_attention(
   const size_t token_stride = static_cast<size_t>(num_kv_heads) * HEAD_DIM;
   const size_t head_offset = static_cast<size_t>(kvh) * HEAD_DIM;
 
-  // Warp-uniform loop: every lane of the warp runs the same iterations so the shuffles stay converged.
-  for (int base = t_begin + warp * TOKENS_PER_WARP; base < t_end; base += kDecodeWarps * TOKENS_PER_WARP) {
-    const int t = base + sub;
-    const int blk = t < t_end ? physical_block(table_row, t, page_size, max_blocks_per_seq) : -1;
-    const bool valid = blk >= 0;
-    const size_t row = valid ? (static_cast<size_t>(blk) * page_size + t % page_size) * token_stride : 0;
-    float kv[REGS];
+  // Warp-uniform loop: every lane of the warp runs the same iterations so the shuffles stay converged. One
+  // iteration takes kDecodeUnroll tokens per sub-group and issues all their K and V loads before the first
+  // is used: a memory-bound kernel needs loads in flight, and a token's V does not depend on its score.
+  constexpr int kWarpTokens = TOKENS_PER_WARP * kDecodeUnroll;  // tokens of one warp in one iteration
+  for (int base = t_begin + warp * kWarpTokens; base < t_end; base += kDecodeWarps * kWarpTokens) {
+    float kr[kDecodeUnroll][REGS];
+    float vr[kDecodeUnroll][REGS];
+    bool valid[kDecodeUnroll];
 #pragma unroll
-    for (int j = 0; j < VPL; ++j) {
-      if (valid) {
-        load_vec(k_pool + row + head_offset + Layout::dim(lane_in_token, j), kv + j * VEC);
-      } else {
+    for (int u = 0; u < kDecodeUnroll; ++u) {
+      const int t = base + u * TOKENS_PER_WARP + sub;
+      const int blk = t < t_end ? physical_block(table_row, t, page_size, max_blocks_per_seq) : -1;
+      valid[u] = blk >= 0;
+      const size_t row = valid[u] ? (static_cast<size_t>(blk) * page_size + t % page_size) * token_stride : 0;
 #pragma unroll
-        for (int i = 0; i < VEC; ++i) kv[j * VEC + i] = 0.0f;
+      for (int j = 0; j < VPL; ++j) {
+        if (valid[u]) {
+          const size_t at = row + head_offset + Layout::dim(lane_in_token, j);
+          load_vec(k_pool + at, kr[u] + j * VEC);
+          load_vec(v_pool + at, vr[u] + j * VEC);
+        } else {
+#pragma unroll
+          for (int i = 0; i < VEC; ++i) kr[u][j * VEC + i] = vr[u][j * VEC + i] = 0.0f;
+        }
       }
     }
-    float s[MAX_GROUP];
+    float s[kDecodeUnroll][MAX_GROUP];
 #pragma unroll
-    for (int g = 0; g < MAX_GROUP; ++g) {
-      float dot = 0.0f;
+    for (int u = 0; u < kDecodeUnroll; ++u) {
 #pragma unroll
-      for (int i = 0; i < REGS; ++i) dot += qr[g][i] * kv[i];
-      s[g] = dot;
+      for (int g = 0; g < MAX_GROUP; ++g) {
+        float dot = 0.0f;
+#pragma unroll
+        for (int i = 0; i < REGS; ++i) dot += qr[g][i] * kr[u][i];
+        s[u][g] = dot;
+      }
     }
 #pragma unroll
     for (int off = LANES_PER_TOKEN / 2; off > 0; off >>= 1) {
 #pragma unroll
-      for (int g = 0; g < MAX_GROUP; ++g) {
-        if (g < heads) s[g] += __shfl_xor_sync(kFullMask, s[g], off);
+      for (int u = 0; u < kDecodeUnroll; ++u) {
+#pragma unroll
+        for (int g = 0; g < MAX_GROUP; ++g) {
+          if (g < heads) s[u][g] += __shfl_xor_sync(kFullMask, s[u][g], off);
+        }
       }
     }
-    if (valid) {
 #pragma unroll
-      for (int j = 0; j < VPL; ++j) {
-        load_vec(v_pool + row + head_offset + Layout::dim(lane_in_token, j), kv + j * VEC);
-      }
+    for (int u = 0; u < kDecodeUnroll; ++u) {
+      if (valid[u]) {
 #pragma unroll
-      for (int g = 0; g < MAX_GROUP; ++g) {
-        if (g < heads) {
-          const float m_new = fmaxf(m[g], s[g]);
-          const float alpha = exp2_diff(m[g], m_new);
-          const float p = exp2f(s[g] - m_new);
-          l[g] = l[g] * alpha + p;
+        for (int g = 0; g < MAX_GROUP; ++g) {
+          if (g < heads) {
+            const float m_new = fmaxf(m[g], s[u][g]);
+            const float alpha = exp2_diff(m[g], m_new);
+            const float p = exp2f(s[u][g] - m_new);
+            l[g] = l[g] * alpha + p;
 #pragma unroll
-          for (int i = 0; i < REGS; ++i) acc[g][i] = acc[g][i] * alpha + p * kv[i];
-          m[g] = m_new;
+            for (int i = 0; i < REGS; ++i) acc[g][i] = acc[g][i] * alpha + p * vr[u][i];
+            m[g] = m_new;
+          }
         }
       }
     }
