@@ -2,9 +2,11 @@
 
 The parent passes its wall-clock time just before starting this process, so ``ready_s`` counts what an
 operator waits for: interpreter and torch import, model load, kernel build (or cache hit), KV pool and
-CUDA-graph setup. Then one short image request runs and the process reports the GPU memory in use: the
-device's used memory (``total - free``: the CUDA context included, this being the only process on the
-GPU) and torch's peak reservation. Prints one JSON object.
+CUDA-graph setup. Then a short text request and a short image request run and the process reports the
+GPU memory in use: the device's used memory (``total - free``: the CUDA context included, this being the
+only process on the GPU) and torch's peak reservation, and both after each stage (``memory_stages``: the
+CUDA context, the ready engine, the text request, the image request), so memory outside torch's allocator
+(libraries' code and workspaces loaded on first use) shows where it comes from. Prints one JSON object.
 
 Usage: ``python -m bench.startup_probe MODEL_DIR DTYPE KERNEL_CACHE_DIR MAX_CONTEXT_TOKENS PARENT_START``.
 """
@@ -24,7 +26,18 @@ def main() -> int:
     from orin_vlm_node.engine import Engine, EngineConfig, Finished, Request, SamplingParams, Turn
 
     imported = time.time() - float(parent_start)
+    stages: dict[str, dict[str, float]] = {}
+
+    def stage(name: str) -> float:
+        torch.cuda.synchronize()
+        free, total = torch.cuda.mem_get_info()
+        used = (total - free) / 2**20
+        stages[name] = {"device_used_mb": used, "torch_reserved_mb": torch.cuda.memory_reserved() / 2**20}
+        return used
+
     t0 = time.perf_counter()
+    torch.cuda.init()
+    stage("cuda_context")
     config = EngineConfig(
         model_path=model_dir,
         device="cuda",
@@ -38,11 +51,14 @@ def main() -> int:
     torch.cuda.synchronize()
     ready = time.time() - float(parent_start)
     load = time.perf_counter() - t0
+    stage("engine_ready")
+    sampling = SamplingParams(temperature=0.0, max_new_tokens=8)
+    text = [e for e in engine.generate(Request(Turn("Describe the robot."), sampling)) if isinstance(e, Finished)][0]
+    stage("text_request")
     image = np.random.default_rng(0).integers(0, 256, size=(448, 448, 3), dtype=np.uint8)
-    request = Request(Turn("Describe this image.", (image,)), SamplingParams(temperature=0.0, max_new_tokens=8))
+    request = Request(Turn("Describe this image.", (image,)), sampling)
     final = [e for e in engine.generate(request) if isinstance(e, Finished)][0]
-    torch.cuda.synchronize()
-    free, total = torch.cuda.mem_get_info()
+    used = stage("image_request")
     described = engine.describe()
     weights = sum(p.numel() * p.element_size() for p in engine.model.parameters())
     print(
@@ -52,8 +68,9 @@ def main() -> int:
                 "engine_s": load,
                 "ready_s": ready,
                 "finish_reason": final.finish_reason,
-                "error": final.error,
-                "device_used_mb": (total - free) / 2**20,
+                "error": final.error or text.error,
+                "device_used_mb": used,
+                "memory_stages": stages,
                 "torch_peak_reserved_mb": torch.cuda.max_memory_reserved() / 2**20,
                 "weight_mb": weights / 2**20,
                 "kv_pool_mb": described["kv_cache"]["pool_bytes"] / 2**20,
