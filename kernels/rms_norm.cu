@@ -2,6 +2,9 @@
 // runs about eight (cast, square, mean, add eps, rsqrt, scale, cast back, weight product) and four more for
 // RoPE (x * cos, swap halves, * sin, add); at batch 1 a decode step is made of such small kernels.
 //
+// add_rms_norm_<dtype>: the residual add before a norm too: sum = x + delta (rounded to the storage type, as
+// torch's add) is written to sum_out and normalised into out, one row per token ([rows, dim], contiguous).
+//
 // rms_norm_<dtype> / rms_norm_rope_<dtype>: row r of `rows = tokens * heads` is head h = r % heads of token
 // t = r / heads, read at x + t * x_token_stride + h * dim (the q and k heads of a fused q/k/v projection are
 // normalised in place of their token rows; a plain norm has heads = 1 and x_token_stride = dim). Heads below
@@ -21,6 +24,18 @@ namespace orin_vlm {
 constexpr int kNormThreads = 128;
 constexpr int kMaxRopeDim = 256;
 
+// 1 / sqrt(mean of squares + eps) of a row whose squares each thread of the block summed in part.
+__device__ __forceinline__ float rms_scale(float squares, int dim, float eps) {
+  __shared__ float warp_sums[kNormThreads / kWarpSize];
+  squares = warp_sum(squares);
+  if (threadIdx.x % kWarpSize == 0) warp_sums[threadIdx.x / kWarpSize] = squares;
+  __syncthreads();
+  float total = 0.0f;
+#pragma unroll
+  for (int i = 0; i < kNormThreads / kWarpSize; ++i) total += warp_sums[i];
+  return rsqrtf(total * (1.0f / static_cast<float>(dim)) + eps);
+}
+
 // Grid: (rows); block: kNormThreads threads.
 template <typename T, bool ROPE>
 __device__ __forceinline__ void rms_norm(T* __restrict__ out, const T* __restrict__ x, const T* __restrict__ weight_a,
@@ -28,7 +43,6 @@ __device__ __forceinline__ void rms_norm(T* __restrict__ out, const T* __restric
                                          const T* __restrict__ sin_signed, int heads, int split, int dim,
                                          int x_token_stride, float eps) {
   if (blockDim.x != kNormThreads) KERNEL_TRAP();
-  __shared__ float warp_sums[kNormThreads / kWarpSize];
   const int row = blockIdx.x;
   const int token = row / heads;
   const int head = row % heads;
@@ -39,13 +53,7 @@ __device__ __forceinline__ void rms_norm(T* __restrict__ out, const T* __restric
     const float v = to_float(__ldg(xr + d));
     squares += v * v;
   }
-  squares = warp_sum(squares);
-  if (threadIdx.x % kWarpSize == 0) warp_sums[threadIdx.x / kWarpSize] = squares;
-  __syncthreads();
-  float total = 0.0f;
-#pragma unroll
-  for (int i = 0; i < kNormThreads / kWarpSize; ++i) total += warp_sums[i];
-  const float inv = rsqrtf(total * (1.0f / static_cast<float>(dim)) + eps);
+  const float inv = rms_scale(squares, dim, eps);
   T* o = out + static_cast<size_t>(row) * dim;
   if constexpr (!ROPE) {
     for (int d = threadIdx.x; d < dim; d += kNormThreads) {
@@ -71,6 +79,27 @@ __device__ __forceinline__ void rms_norm(T* __restrict__ out, const T* __restric
   }
 }
 
+// Grid: (rows); block: kNormThreads threads. Each thread reads back only the sums it wrote itself.
+template <typename T>
+__device__ __forceinline__ void add_rms_norm(T* __restrict__ sum_out, T* __restrict__ out, const T* __restrict__ x,
+                                             const T* __restrict__ delta, const T* __restrict__ weight, int dim,
+                                             float eps) {
+  if (blockDim.x != kNormThreads) KERNEL_TRAP();
+  const size_t row = static_cast<size_t>(blockIdx.x) * dim;
+  float squares = 0.0f;
+  for (int d = threadIdx.x; d < dim; d += kNormThreads) {
+    const T sum = from_float<T>(__fadd_rn(to_float(__ldg(x + row + d)), to_float(__ldg(delta + row + d))));
+    sum_out[row + d] = sum;
+    const float v = to_float(sum);
+    squares += v * v;
+  }
+  const float inv = rms_scale(squares, dim, eps);
+  for (int d = threadIdx.x; d < dim; d += kNormThreads) {
+    const float normed = to_float(from_float<T>(to_float(sum_out[row + d]) * inv));
+    out[row + d] = from_float<T>(to_float(__ldg(weight + d)) * normed);
+  }
+}
+
 }  // namespace orin_vlm
 
 #define ORIN_RMS_NORM_KERNELS(DT, T)                                                                            \
@@ -85,6 +114,10 @@ __device__ __forceinline__ void rms_norm(T* __restrict__ out, const T* __restric
                          const T* sin_signed, int heads, int split, int dim, int x_token_stride, float eps) {  \
     orin_vlm::rms_norm<T, true>(out, x, weight_a, weight_b, cos, sin_signed, heads, split, dim, x_token_stride, \
                                 eps);                                                                          \
+  }                                                                                                            \
+  extern "C" __global__ void __launch_bounds__(orin_vlm::kNormThreads)                                         \
+      add_rms_norm_##DT(T* sum_out, T* out, const T* x, const T* delta, const T* weight, int dim, float eps) {  \
+    orin_vlm::add_rms_norm<T>(sum_out, out, x, delta, weight, dim, eps);                                       \
   }
 
 ORIN_RMS_NORM_KERNELS(f32, float)

@@ -1,7 +1,7 @@
 """The fused elementwise kernels (``kernels/rms_norm.cu``, ``kernels/silu_mul.cu``) under the CPU CUDA emulator,
 through ``CudaFusedOps`` (the GPU path's launch code), against the text decoder's torch ops: plain rows, the q
-and k heads of a fused projection normalised (and rotated) in place with their two weights, SwiGLU, and a whole
-model answering with them."""
+and k heads of a fused projection normalised (and rotated) in place with their two weights, the residual add
+with the norm after it, SwiGLU, and a whole model answering with them."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import torch
 from orin_vlm_node.cuda import launch as L
 from orin_vlm_node.cuda.fused import CudaFusedOps
 from orin_vlm_node.model.rope import TextRopeTables, apply_text_rope
-from orin_vlm_node.model.text import MLP, RMSNorm, attach_fused_ops, rms_norm
+from orin_vlm_node.model.text import MLP, RMSNorm, add_rms_norm, attach_fused_ops, rms_norm
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 # The kernel sums the squares in another order than torch's mean and its rsqrt may round otherwise: the
@@ -43,6 +43,20 @@ def test_rms_norm_kernel_matches_the_torch_norm_on_rows(harness, dtype, dim):
     want = rms_norm(norm, x)  # torch ops: no kernel attached
     norm.fused = CudaFusedOps(harness)
     _check(rms_norm(norm, x), want)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("dim", [64, 200, 2048])
+def test_residual_add_and_norm_in_one_kernel_match_the_torch_add_then_norm(harness, dtype, dim):
+    norm = _norm(dim, dtype, seed=dim + 1)
+    gen = torch.Generator().manual_seed(2)
+    x, delta = (torch.randn(4, dim, generator=gen).to(dtype) for _ in range(2))
+    want_sum, want = add_rms_norm(norm, x, delta)  # torch ops: no kernel attached
+    norm.fused = CudaFusedOps(harness)
+    got_sum, got = add_rms_norm(norm, x, delta)
+    assert torch.equal(got_sum, want_sum)  # one rounded add, as torch's
+    _check(got, want)
+    assert add_rms_norm(norm, x, None)[0] is x  # no pending add: the plain norm
 
 
 def _rope(tokens: int, dim: int, dtype: torch.dtype) -> TextRopeTables:
@@ -89,6 +103,10 @@ def test_fused_ops_refuse_rows_they_cannot_take(harness):
         ops.rms_norm(torch.ones(1, 1, 512), torch.ones(512), torch.ones(512), 1, 1e-6, _rope(1, 512, torch.float32))
     with pytest.raises(ValueError, match=r"\(L, 2I\)"):
         ops.silu_mul(torch.ones(2, 7))
+    with pytest.raises(ValueError, match="two .* rows alike"):
+        ops.add_rms_norm(torch.ones(2, 8), torch.ones(3, 8), w, 1e-6)
+    with pytest.raises(ValueError, match="no norm kernel"):
+        L.rms_norm_launch(1, torch.float32, "layer_norm")
     with pytest.raises(ValueError, match="rows >= 1"):
         L.rms_norm_launch(0, torch.float32)
 
@@ -120,11 +138,13 @@ def test_a_model_with_the_fused_kernels_attached_answers_as_with_torch_ops(harne
     layers = engine.model_config.text.num_hidden_layers
     assert attach_fused_ops(engine.model, CudaFusedOps(launcher)) == 5 * layers + 1  # 4 norms + MLP a layer, final
     assert answer() == want
-    # Per forward: the input and post-attention norms, q and k norms with RoPE, the MLP activation in every
-    # layer, and the final norm.
+    # Per forward: the first layer's input norm alone; every other norm after a residual add (the next
+    # layer's input norm takes the MLP's add, the post-attention norm the attention's, the final norm the
+    # last MLP's); q and k norms with RoPE and the MLP activation in every layer.
     forwards = 12  # the prefill and 11 decode steps
     tag = {"fp32": "f32", "bf16": "bf16"}[dtype]
-    assert launcher.kernels.count(f"rms_norm_{tag}") == forwards * (2 * layers + 1)
+    assert launcher.kernels.count(f"rms_norm_{tag}") == forwards
+    assert launcher.kernels.count(f"add_rms_norm_{tag}") == forwards * 2 * layers
     assert launcher.kernels.count(f"rms_norm_rope_{tag}") == forwards * layers
     assert launcher.kernels.count(f"silu_mul_{tag}") == forwards * layers
     assert not any(isinstance(m, MLP) and m.fused is None for m in engine.model.modules())

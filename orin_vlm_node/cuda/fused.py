@@ -1,9 +1,10 @@
-"""The text decoder's elementwise work through fused kernels: ``kernels/rms_norm.cu`` (each RMSNorm, and the
-q/k norms with RoPE, one launch) and ``kernels/silu_mul.cu`` (the SwiGLU activation, one launch).
+"""The text decoder's elementwise work through fused kernels: ``kernels/rms_norm.cu`` (each RMSNorm with the
+residual add before it, and the q/k norms with RoPE, one launch) and ``kernels/silu_mul.cu`` (the SwiGLU
+activation, one launch).
 
 At batch 1 on a fast GPU a decode step is bound by its small kernels, not by its weights (measured on an
 H200: about 1000 of the 1150 kernels of a 2B token were 1-2 us elementwise ops, about 40 a layer, where
-these kernels leave 4). :class:`CudaFusedOps` is what the decoder's modules call (their ``fused``, see
+these kernels leave 5). :class:`CudaFusedOps` is what the decoder's modules call (their ``fused``, see
 ``model.text.attach_fused_ops``) when the kernels are loaded; it launches on the ``launcher`` (the PyCUDA
 runtime on torch's stream, so CUDA graphs capture it; the CPU harness in the tests). Each kernel rounds
 where torch's separate ops round, so the results are torch's but for the order of one sum.
@@ -18,7 +19,8 @@ from . import launch as L
 
 
 class CudaFusedOps:
-    """RMSNorm (optionally with RoPE) of rows of heads, and silu(gate) * up (see module docstring)."""
+    """RMSNorm of rows of heads (optionally with RoPE, or after the residual add), and silu(gate) * up (see
+    module docstring)."""
 
     def __init__(self, launcher) -> None:
         self.launcher = launcher
@@ -50,9 +52,22 @@ class CudaFusedOps:
         if tables and (dim > L.MAX_ROPE_DIM or dim % 2):
             raise ValueError(f"rms_norm with RoPE takes even rows of at most {L.MAX_ROPE_DIM}, got {dim}")
         out = torch.empty((tokens, heads, dim), dtype=x.dtype, device=x.device)
-        cfg = L.rms_norm_launch(tokens * heads, x.dtype, rope=bool(tables))
+        cfg = L.rms_norm_launch(tokens * heads, x.dtype, "rms_norm_rope" if tables else "rms_norm")
         self.launcher.launch(cfg, [out, x, *weights, *tables, heads, split, dim, x.stride(0), eps])
         return out
+
+    def add_rms_norm(
+        self, x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The residual add and the norm after it: (x + delta, weight * cast(sum / rms(sum))), both (L, D)."""
+        if x.dim() != 2 or delta.shape != x.shape or delta.dtype != x.dtype or x.shape[0] < 1:
+            raise ValueError(f"add_rms_norm takes two (L, D) rows alike, got {tuple(x.shape)} and {tuple(delta.shape)}")
+        x, delta = x.contiguous(), delta.contiguous()
+        weight = self._fit(weight, (x.shape[1],), x, "weight")
+        total, out = torch.empty_like(x), torch.empty_like(x)
+        cfg = L.rms_norm_launch(x.shape[0], x.dtype, "add_rms_norm")
+        self.launcher.launch(cfg, [total, out, x, delta, weight, x.shape[1], eps])
+        return total, out
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         """(L, 2I) gate columns then up columns -> (L, I) silu(gate) * up."""

@@ -31,6 +31,7 @@ DECODE_BLOCKS_PER_SM = 8
 
 NORM_THREADS = 128  # kNormThreads in kernels/rms_norm.cu
 MAX_ROPE_DIM = 256  # kMaxRopeDim there: the rows the norm + RoPE kernel rotates (head_dim)
+NORM_KERNELS = ("rms_norm", "rms_norm_rope", "add_rms_norm")  # the kernel kinds of kernels/rms_norm.cu
 SILU_THREADS = 256  # kSiluThreads in kernels/silu_mul.cu
 
 # Rows of x one quantized GEMV kernel is instantiated for (a launch takes the smallest that holds its rows);
@@ -58,7 +59,7 @@ KERNEL_MODULES: dict[str, tuple[str, ...]] = {
     "quant_gemv": tuple(
         f"quant_gemv_{mode}_{t}_r{r}" for mode in GEMV_MODES for t in DTYPE_TAGS.values() for r in GEMV_ROW_BUCKETS
     ),
-    "rms_norm": tuple(f"rms_norm{rope}_{t}" for rope in ("", "_rope") for t in DTYPE_TAGS.values()),
+    "rms_norm": tuple(f"{kind}_{t}" for kind in NORM_KERNELS for t in DTYPE_TAGS.values()),
     "silu_mul": tuple(f"silu_mul_{t}" for t in DTYPE_TAGS.values()),
 }
 
@@ -71,6 +72,7 @@ ARG_KINDS: dict[str, tuple[str, ...]] = {
     "quant_gemv": ("ptr",) * 5 + ("i32",) * 4,
     "rms_norm": ("ptr",) * 4 + ("i32",) * 4 + ("f32",),
     "rms_norm_rope": ("ptr",) * 6 + ("i32",) * 4 + ("f32",),
+    "add_rms_norm": ("ptr",) * 5 + ("i32", "f32"),
     "silu_mul": ("ptr",) * 2 + ("i32",) * 2,
 }
 
@@ -255,13 +257,16 @@ def check_kv_row(num_kv_heads: int, head_dim: int, dtype: object) -> int:
     return elems
 
 
-def rms_norm_launch(rows: int, dtype: object, rope: bool = False) -> LaunchConfig:
-    """One block of NORM_THREADS threads per row (a token's hidden state, or one head of it); ``rope``: the
-    variant that also rotates the row (head rows of at most MAX_ROPE_DIM)."""
+def rms_norm_launch(rows: int, dtype: object, kind: str = "rms_norm") -> LaunchConfig:
+    """One block of NORM_THREADS threads per row (a token's hidden state, or one head of it); ``kind``, one of
+    NORM_KERNELS: the plain norm, the norm that also rotates the row (head rows of at most MAX_ROPE_DIM) or
+    the residual add followed by the norm."""
     if rows < 1:
         raise ValueError(f"rms_norm launch needs rows >= 1, got {rows}")
+    if kind not in NORM_KERNELS:
+        raise ValueError(f"no norm kernel {kind!r}; choose from {NORM_KERNELS}")
     tag = DTYPE_TAGS[dtype_name(dtype)]
-    return _checked(LaunchConfig(f"rms_norm{'_rope' if rope else ''}_{tag}", (rows, 1, 1), (NORM_THREADS, 1, 1), 0))
+    return _checked(LaunchConfig(f"{kind}_{tag}", (rows, 1, 1), (NORM_THREADS, 1, 1), 0))
 
 
 def silu_mul_launch(rows: int, inter: int, dtype: object) -> LaunchConfig:

@@ -15,7 +15,7 @@ from torch import nn
 
 from ..kvcache import StepAttention
 from .config import ModelConfig
-from .text import TextDecoder, rms_norm
+from .text import TextDecoder, add_rms_norm
 from .vision import VisionFeatures, VisionTower
 
 
@@ -84,14 +84,21 @@ class Qwen3VLModel(nn.Module):
                 )
             x = x.index_copy(0, visual_rows, vision.embeds.to(x.device, x.dtype))
         rope = decoder.rope_tables(rope_positions, x.dtype)
+        delta = None  # the last layer's MLP output, added by the next norm (DecoderLayer.forward)
         for index, layer in enumerate(decoder.layers):
-            x = layer(x, rope, attn, index)
+            x, delta = layer(x, delta, rope, attn, index)
             if visual_rows is not None and index < len(vision.deepstack):
                 # DeepStack: add level `index` to this layer's OUTPUT at the image positions
                 # (docs/architecture.md, pitfall 7).
+                x, delta = x + delta, None
                 x = x.index_add(0, visual_rows, vision.deepstack[index].to(x.device, x.dtype))
-        rows = x[-1:] if logits_index is None else x.index_select(0, logits_index.to(x.device))
-        return self.lm_head(rms_norm(decoder.norm, rows))
+        # Only the rows whose logits are wanted go through the final add and norm (no host tensor here: a
+        # decode step is captured in a CUDA graph).
+        rows = logits_index.to(x.device) if logits_index is not None else None
+        x = x[-1:] if rows is None else x.index_select(0, rows)
+        if delta is not None:
+            delta = delta[-1:] if rows is None else delta.index_select(0, rows)
+        return self.lm_head(add_rms_norm(decoder.norm, x, delta)[1])
 
     def init_buffers(self) -> None:
         """Recompute non-persistent buffers (rotary tables) after parameters were materialised."""

@@ -3,7 +3,8 @@
 Per layer: RMSNorm -> q/k/v projections (one fused GEMM) -> per-head RMSNorm on q and k *before* RoPE ->
 interleaved M-RoPE in the activation dtype -> attention through the step's :class:`StepAttention`
 (the KV backend owns slots, masks and GQA) -> o_proj -> residual -> RMSNorm -> SwiGLU (gate and up fused)
--> residual.
+-> residual. That last residual add is left to the next norm (the next layer's, or the final one): a layer
+takes and returns the stream as (x, pending delta), so on CUDA one kernel adds and normalises.
 No biases anywhere. RMSNorm multiplies by its weight *after* casting back to the input dtype
 (docs/architecture.md, pitfall 8); that order is what makes bf16 results match transformers.
 """
@@ -43,6 +44,17 @@ def rms_norm(norm: RMSNorm, x: torch.Tensor) -> torch.Tensor:
     if norm.fused is not None:
         return norm.fused.rms_norm(x.unsqueeze(1), norm.weight, norm.weight, 1, norm.eps).view_as(x)
     return norm.weight * norm.normalize(x)
+
+
+def add_rms_norm(norm: RMSNorm, x: torch.Tensor, delta: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The residual add ``x + delta`` (none when ``delta`` is None) and ``norm`` of the sum: (sum, normed),
+    both (L, D); one kernel for both when the fused kernels are attached."""
+    if delta is None:
+        return x, rms_norm(norm, x)
+    if norm.fused is not None:
+        return norm.fused.add_rms_norm(x, delta, norm.weight, norm.eps)
+    x = x + delta
+    return x, norm.weight * norm.normalize(x)
 
 
 class FusedLinear(nn.Module):
@@ -143,9 +155,15 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x: torch.Tensor, rope: TextRopeTables, attn: StepAttention, layer: int) -> torch.Tensor:
-        x = x + self.self_attn(rms_norm(self.input_layernorm, x), rope, attn, layer)
-        return x + self.mlp(rms_norm(self.post_attention_layernorm, x))
+    def forward(
+        self, x: torch.Tensor, delta: torch.Tensor | None, rope: TextRopeTables, attn: StepAttention, layer: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer on the residual stream ``x + delta`` (``delta``: the previous layer's MLP output, not yet
+        added, or None), returned the same way: (stream, this layer's MLP output). Leaving the last add to the
+        next norm lets one kernel do both (``add_rms_norm``); the sums are the same."""
+        x, h = add_rms_norm(self.input_layernorm, x, delta)
+        x, h = add_rms_norm(self.post_attention_layernorm, x, self.self_attn(h, rope, attn, layer))
+        return x, self.mlp(h)
 
 
 class TextDecoder(nn.Module):
