@@ -202,7 +202,7 @@ def test_gpu_engine_quantized_kernels_and_graphs_match_the_torch_path(tmp_path_f
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
-def test_gpu_fused_norm_rope_and_silu_match_torch_ops_on_the_gpu(backend, dtype):
+def test_gpu_fused_norms_rope_and_silu_match_torch_ops_on_the_gpu(backend, dtype):
     """The fused elementwise kernels against the decoder's torch ops on the GPU itself (same roundings: in half
     precision all but rare last-place differences identical)."""
     import torch.nn.functional as F
@@ -221,6 +221,10 @@ def test_gpu_fused_norm_rope_and_silu_match_torch_ops_on_the_gpu(backend, dtype)
     x = 3 * torch.randn(tokens, hidden, device="cuda").to(dtype)
     got = ops.rms_norm(x.unsqueeze(1), norm.weight, norm.weight, 1, norm.eps).view_as(x)
     torch.testing.assert_close(got, norm.weight * norm.normalize(x), rtol=tol, atol=tol)
+    delta = torch.randn_like(x)
+    total, got = ops.add_rms_norm(x, delta, norm.weight, norm.eps)
+    assert torch.equal(total, x + delta)
+    torch.testing.assert_close(got, norm.weight * norm.normalize(x + delta), rtol=tol, atol=tol)
     heads = torch.randn(tokens, nq + 2 * nkv, hd, device="cuda").to(dtype)
     angles = torch.rand(tokens, hd // 2, device="cuda") * 50
     rope = TextRopeTables.build(angles.cos().repeat(1, 2).to(dtype), angles.sin().repeat(1, 2).to(dtype))
