@@ -43,7 +43,8 @@ class CudaFusedOps:
         tokens, heads, dim = x.shape
         if x.stride(2) != 1 or x.stride(1) != dim:
             x = x.contiguous()
-        weights = tuple(self._fit(w, (dim,), x, "weight") for w in (weight_a, weight_b))
+        weight_a = self._fit(weight_a, (dim,), x, "weight")
+        weights = (weight_a, weight_a if weight_b is weight_a else self._fit(weight_b, (dim,), x, "weight"))
         tables = (
             ()
             if rope is None

@@ -25,8 +25,8 @@ SUPPORTED_HEAD_DIMS = (32, 64, 128, 256)  # ORIN_FOR_EACH_HEAD_DIM in kernels/at
 GROUP_BUCKETS = (1, 2, 4, 8)
 MAX_DYNAMIC_SHARED_BYTES = 48 * 1024  # the per-block default on every GPU we target; no opt-in needed
 DEFAULT_MIN_TOKENS_PER_SPLIT = 16  # one warp step of every decode warp: a shorter split only adds reduce work
-# Decode blocks per SM the split plan aims for: one block holds only DECODE_WARPS warps, each with one or two
-# tokens' K/V loads in flight, so a memory-bound kernel needs several blocks per SM to keep loads in flight.
+# Decode blocks per SM the split plan aims for: one block holds only DECODE_WARPS warps, each with a few tokens'
+# K/V loads in flight, so a memory-bound kernel needs several blocks per SM to keep enough loads in flight.
 DECODE_BLOCKS_PER_SM = 8
 
 NORM_THREADS = 128  # kNormThreads in kernels/rms_norm.cu
