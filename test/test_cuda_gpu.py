@@ -160,6 +160,38 @@ def test_gpu_engine_batches_in_graphs_and_every_request_gets_its_tokens_alone(tm
     assert decode["graphs"] == "on" and decode["graphs_captured"] >= 4, decode
 
 
+def test_gpu_overlapped_decode_answers_as_the_step_by_step_decode(tmp_path_factory):
+    """fp32, kernels + graphs: the static step overlaps on CUDA (token N read after step N+1 launched,
+    through pinned memory and an event); switched off, the same engine reads every token before the next
+    step. Every event of greedy, seeded and penalised answers, one ending at a stop string, is the same."""
+    from orin_vlm_node.engine import Engine, EngineConfig, Request, SamplingParams, Turn
+
+    path = str(_tiny(tmp_path_factory, 64))
+    cache = str(tmp_path_factory.mktemp("kernel_cache"))
+    engine = Engine(EngineConfig(model_path=path, device="cuda", dtype="fp32", max_context_tokens=1024,
+                                 kernel_cache_dir=cache, allow_kernel_fallback=False))  # fmt: skip
+    turn = Turn("Tell the robot what to do next, step by step.")
+    samplings = [
+        SamplingParams(temperature=0.0, max_new_tokens=120),
+        SamplingParams(temperature=0.8, top_p=0.9, seed=5, repetition_penalty=1.2, max_new_tokens=80),
+        SamplingParams(temperature=0.0, presence_penalty=0.5, max_new_tokens=80),
+    ]
+
+    def answers() -> list[list[tuple]]:
+        return [[(type(e).__name__, e.text, e.token_ids) for e in engine.generate(Request(turn, s))] for s in samplings]
+
+    assert engine.decode_step.overlap
+    overlapped = answers()
+    text = overlapped[0][-1][1]
+    stop = text[len(text) // 2 :][:3]
+    samplings.append(SamplingParams(temperature=0.0, max_new_tokens=120, stop=(stop,)))
+    overlapped.append(answers()[-1])
+    engine.decode_step.overlap = False
+    assert answers() == overlapped
+    assert overlapped[-1][-1][1] == text[: text.index(stop)]
+    assert engine.describe()["kv_blocks_used"] == 0
+
+
 @pytest.mark.parametrize("mode", ["int8", "int4"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize(("n", "k"), [(4096, 2048), (2048, 6144), (37, 75)])

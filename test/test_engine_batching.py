@@ -2,7 +2,9 @@
 
 Requests are batched by consuming their streams in turn from one thread (each ``next`` may run one
 scheduler step for everybody), which makes the interleaving deterministic; one test uses real threads.
-The reference is the same engine serving each request alone (fp32 on the CPU, greedy).
+The reference is the same engine serving each request alone (fp32 on the CPU, greedy). Every test runs
+twice: with the CPU's decode step, and with the static step overlapping as on a GPU (the scheduler stages
+the device tokens of step N and reads them after launching step N+1).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import torch
 from orin_vlm_node.cuda import CudaPagedAttention
 from orin_vlm_node.engine import Engine, EngineConfig, Finished, Request, SamplingParams, TextDelta, Turn
 from orin_vlm_node.engine.decode_step import StaticDecodeStep
+from orin_vlm_node.engine.engine import MAX_BATCH
 from support.checkpoints import cached_tiny_checkpoint
 
 torch.set_num_threads(1)
@@ -40,9 +43,23 @@ MIXED = [
 ]
 
 
+@pytest.fixture(scope="module", params=["dynamic", "overlap"])
+def overlap(request) -> bool:
+    return request.param == "overlap"
+
+
+def _engine(overlap: bool, **fields) -> Engine:
+    engine = Engine(EngineConfig(model_path=str(cached_tiny_checkpoint()), device="cpu", **fields))
+    if overlap:
+        engine.decode_step = StaticDecodeStep(
+            engine.model, engine.cache, torch.device("cpu"), False, max_batch=MAX_BATCH, overlap=True
+        )
+    return engine
+
+
 @pytest.fixture(scope="module")
-def engine():
-    return Engine(EngineConfig(model_path=str(cached_tiny_checkpoint()), device="cpu", prefill_chunk_tokens=16))
+def engine(overlap):
+    return _engine(overlap, prefill_chunk_tokens=16)
 
 
 def _copy(request: Request, **changes) -> Request:
@@ -192,10 +209,10 @@ def test_threads_batch_and_reconfigure_waits_for_them(engine):
         engine.reconfigure(prefill_chunk_tokens=16)
 
 
-def _small(blocks: int, **kw) -> Engine:
+def _small(blocks: int, overlap: bool, **kw) -> Engine:
     """An engine whose pool of ``blocks`` blocks of 16 tokens runs out when several requests grow together."""
     fields = {"page_size": 16, "max_context_tokens": 160, "prefill_chunk_tokens": 16} | kw
-    return Engine(EngineConfig(model_path=str(cached_tiny_checkpoint()), device="cpu", kv_pool_blocks=blocks, **fields))
+    return _engine(overlap, kv_pool_blocks=blocks, **fields)
 
 
 STORIES = [Request(Turn(f"Tell a long story number {i}."), _greedy(100)) for i in range(2)] + [
@@ -204,9 +221,9 @@ STORIES = [Request(Turn(f"Tell a long story number {i}."), _greedy(100)) for i i
 
 
 @pytest.mark.parametrize("prefix_caching", [False, True])
-def test_when_the_pool_runs_out_the_youngest_is_preempted_and_resumes_with_its_tokens(prefix_caching):
+def test_when_the_pool_runs_out_the_youngest_is_preempted_and_resumes_with_its_tokens(prefix_caching, overlap):
     # 12 blocks of 16 tokens: enough for each answer alone, not for three at once.
-    small = _small(12, prefix_caching=prefix_caching)
+    small = _small(12, overlap, prefix_caching=prefix_caching)
     alone = [_alone(small, r) for r in STORIES]
     assert all(a.finish_reason == "length" and a.metrics["preemptions"] == 0 for a in alone)
     results = _together([small.generate(_copy(r)) for r in STORIES])
@@ -219,10 +236,10 @@ def test_when_the_pool_runs_out_the_youngest_is_preempted_and_resumes_with_its_t
     assert small.describe()["kv_blocks_used"] == 0
 
 
-def test_preempted_turns_of_a_conversation_with_images_resume_and_the_conversation_goes_on():
+def test_preempted_turns_of_a_conversation_with_images_resume_and_the_conversation_goes_on(overlap):
     # 14 blocks: each turn of the conversation (the younger request, with an image) runs beside an answer
     # for someone else and the pool cannot hold both; the other one fits beside the conversation's history.
-    small = _small(14, max_sessions=1, max_context_tokens=200)
+    small = _small(14, overlap, max_sessions=1, max_context_tokens=200)
     conversation = [
         Request(Turn("What is on the table?", (_image(64, 96, 1),)), _greedy(90), session_id="a"),
         Request(Turn("And in this one?", (_image(48, 64, 2),)), _greedy(30), session_id="a"),
@@ -252,8 +269,8 @@ class _CancelWhenPreempted(logging.Handler):
             self.fired = self.engine.cancel(self.request_id)
 
 
-def test_a_request_cancelled_while_preempted_ends_and_its_turn_is_undone():
-    small = _small(12, max_sessions=1)
+def test_a_request_cancelled_while_preempted_ends_and_its_turn_is_undone(overlap):
+    small = _small(12, overlap, max_sessions=1)
     earlier = _alone(small, Request(Turn("Hello."), _greedy(5), session_id="talk"))
     before = small.session_token_ids("talk")
     requests = [
@@ -280,11 +297,13 @@ def test_a_request_cancelled_while_preempted_ends_and_its_turn_is_undone():
     assert small.describe()["kv_blocks_used"] == 0
 
 
-def test_a_request_that_cannot_get_kv_beside_a_conversation_in_use_ends_pool_exhausted_and_the_rest_finish():
+def test_a_request_that_cannot_get_kv_beside_a_conversation_in_use_ends_pool_exhausted_and_the_rest_finish(
+    overlap,
+):
     # 10 blocks (one 160-token context): a conversation's history holds most of them while its next turn
     # waits; the other request cannot grow to its 128 tokens beside that history, and a conversation in
     # use is never dropped to make room, so that request alone ends kv_pool_exhausted.
-    small = _small(10, max_sessions=1, prefix_caching=False)
+    small = _small(10, overlap, max_sessions=1, prefix_caching=False)
     first_turn = Request(Turn("Tell a long story."), _greedy(70), session_id="talk")
     requests = [STORIES[0], Request(Turn("Go on."), _greedy(20), session_id="talk")]
     reference = _alone(small, _copy(STORIES[0]))  # alone (no conversation kept) it fits

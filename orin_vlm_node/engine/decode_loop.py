@@ -3,11 +3,12 @@
 It owns what only matters token by token: the sampler (with its seeded generator), the ids the
 repetition and presence penalties look at, the incremental detokenizer (never splits a UTF-8
 character) and the stop-string matcher (holds back text that may still become a stop string). It does
-not run the model: :meth:`DecodeLoop.accept` takes the logits of the last position fed and returns the
-token to feed next, so the scheduler can feed the tokens of several requests in one batched step.
-``interrupt()`` says whether the request must stop early (context full, cancelled). The generated ids
-and text stay readable after an exception, so the engine can settle the request's KV with what was
-produced.
+not run the model, and it splits a token's life in two so the host's share can overlap the device's:
+:meth:`DecodeLoop.sample` takes the logits of the last position fed and only *launches* the choice of the
+next token (a device tensor, no wait), :meth:`DecodeLoop.take` is given that token once the host has read
+it, streams its text and says whether to feed it. ``interrupt()`` says whether the request must stop
+early (context full, cancelled). The generated ids and text stay readable after an exception, so the
+engine can settle the request's KV with what was produced.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from ..processing import IncrementalDetokenizer, Tokenizer
+from ..transfer import host_to_device
 from .metrics import RequestMetrics
 from .sampling import ResolvedSampling, Sampler
 from .stop_strings import StopStringMatcher
@@ -50,17 +52,26 @@ class DecodeLoop:
     def text(self) -> str:
         return "".join(self.text_parts)
 
-    def accept(
-        self, logits: torch.Tensor, interrupt: Callable[[], str | None]
-    ) -> tuple[list[tuple[str, tuple[int, ...]]], int | None]:
-        """Take the logits of the last position fed (the prompt's, then each fed token's): sample a token,
-        stream its text, decide whether to stop. Returns the (text, token ids) pieces to emit and the token
-        to feed next, or None when the answer ended (:attr:`reason` says why; the pieces then end with the
-        text held back until now)."""
+    def sample(self, logits: torch.Tensor) -> torch.Tensor:
+        """The next token chosen from the logits of the last position fed ((N, vocab), the last row counts),
+        as a () long tensor on their device: launched, not waited for. Penalties look at the tokens taken
+        so far, so every token sampled before must have been taken."""
+        generated = context = None
+        if self._penalized:
+            generated = host_to_device(self.generated, logits.device)
+            context = torch.cat([self._context, generated])
+        return self._sampler.sample(logits[-1], context, generated)
+
+    def take(self, token: int, interrupt: Callable[[], str | None]) -> tuple[list[tuple[str, tuple[int, ...]]], bool]:
+        """The token :meth:`sample` chose, read by the host: stream its text, decide whether to stop. Returns
+        the (text, token ids) pieces to emit and whether to feed the token (False: the answer ended,
+        :attr:`reason` says why; the pieces then end with the text held back until now)."""
         pieces: list[tuple[str, tuple[int, ...]]] = []
-        token = self._sample(logits)
+        if not self.generated:
+            self._metrics.mark_first_token()
+        self.generated.append(token)
         if token in self._eos and not self.params.ignore_eos:
-            return self._end("stop", pieces), None
+            return self._end("stop", pieces), False
         self._delta_ids.append(token)
         piece = self._stops.push(self._detok.push(token))
         if piece:
@@ -68,11 +79,16 @@ class DecodeLoop:
             pieces.append((piece, tuple(self._delta_ids)))
             self._delta_ids = []
         if self._stops.stopped:
-            return self._end("stop", pieces), None
+            return self._end("stop", pieces), False
         stop = "length" if len(self.generated) >= self.params.max_new_tokens else interrupt()
         if stop:
-            return self._end(stop, pieces), None
-        return pieces, token
+            return self._end(stop, pieces), False
+        return pieces, True
+
+    @property
+    def last_by_length(self) -> bool:
+        """Whether the next token taken will be the answer's last by ``max_new_tokens``."""
+        return len(self.generated) + 1 >= self.params.max_new_tokens
 
     def end(self, reason: str) -> list[tuple[str, tuple[int, ...]]]:
         """The answer ends before the next token could be fed (``kv_pool_exhausted``): the held-back text."""
@@ -86,15 +102,3 @@ class DecodeLoop:
                 self.text_parts.append(tail)
                 pieces.append((tail, tuple(self._delta_ids)))
         return pieces
-
-    def _sample(self, logits: torch.Tensor) -> int:
-        generated = None
-        context = None
-        if self._penalized:
-            generated = torch.tensor(self.generated, dtype=torch.long, device=logits.device)
-            context = torch.cat([self._context, generated])
-        token = int(self._sampler.sample(logits[-1], context, generated))
-        if not self.generated:
-            self._metrics.mark_first_token()
-        self.generated.append(token)
-        return token

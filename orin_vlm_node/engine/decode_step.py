@@ -14,7 +14,11 @@ staged tokens, in staging order. Two implementations, chosen in one place (:func
   ``prepare``, so ``run`` can be captured as a CUDA graph and replayed. ``prepare`` always goes through
   ``KVCache.prepare_static_decode``, which allocates the block and uploads the table row before any
   replay (docs/architecture.md, "Paging under CUDA graphs"). The batch runs as one forward whose
-  attention is one kernel launch over the batch's ``[batch, max_blocks]`` table rows.
+  attention is one kernel launch over the batch's ``[batch, max_blocks]`` table rows. On CUDA it
+  *overlaps* (``overlap``): a staged token may be a device tensor, the token the previous step's logits
+  chose, not yet read by the host, so the scheduler can queue step N+1 before it reads token N
+  (:mod:`.sampled_tokens`); ``discard()`` takes staged rows back when the scheduler must read the tokens
+  first after all.
 
 A graph has fixed shapes. One graph attending over the whole ``max_context_tokens`` would cost every
 token as much as the longest conversation, so the static step keeps one attention (and one graph) per
@@ -62,9 +66,15 @@ def batch_buckets(max_batch: int) -> tuple[int, ...]:
 class DecodeStep(Protocol):
     """What the scheduler calls for every batch of generated tokens."""
 
-    def prepare(self, seq: int, token_id: int, rope_delta: int) -> None:
+    overlap: bool  # whether the scheduler stages device tokens and reads them while the next step runs
+
+    def prepare(self, seq: int, token_id: int | torch.Tensor, rope_delta: int) -> None:
         """Host half: stage ``token_id`` of ``seq`` in this step: reserve KV slot ``length(seq)`` for it at
-        RoPE position slot + rope_delta."""
+        RoPE position slot + rope_delta. ``token_id`` may be a () device tensor when ``overlap``."""
+        ...
+
+    def discard(self) -> None:
+        """Take back the rows staged since the last ``run()``: their KV slots are released."""
         ...
 
     def run(self) -> torch.Tensor:
@@ -78,7 +88,10 @@ class DecodeStep(Protocol):
 
 class DynamicDecodeStep:
     """The ordinary decode step: ``cache.step`` and fresh input tensors every token; any number of
-    sequences, each token a row of one forward."""
+    sequences, each token a row of one forward. Nothing to overlap: on the CPU every op runs as it is
+    called."""
+
+    overlap = False
 
     def __init__(self, model: torch.nn.Module, cache: KVCache):
         self.model = model
@@ -86,18 +99,25 @@ class DynamicDecodeStep:
         self._tokens: list[int] = []
         self._positions: list[int] = []
         self._steps: list[StepAttention] = []
+        self._seqs: list[int] = []
 
-    def prepare(self, seq: int, token_id: int, rope_delta: int) -> None:
+    def prepare(self, seq: int, token_id: int | torch.Tensor, rope_delta: int) -> None:
         slot = self.cache.length(seq)
         self._steps.append(self.cache.step(seq, 1))
-        self._tokens.append(token_id)
+        self._tokens.append(int(token_id))
         self._positions.append(slot + rope_delta)
+        self._seqs.append(seq)
+
+    def discard(self) -> None:
+        for seq in self._seqs:
+            self.cache.truncate(seq, self.cache.length(seq) - 1)
+        self._tokens, self._positions, self._steps, self._seqs = [], [], [], []
 
     def run(self) -> torch.Tensor:
         if not self._steps:
             raise RuntimeError("run() without prepare()")
         tokens, positions, steps = self._tokens, self._positions, self._steps
-        self._tokens, self._positions, self._steps = [], [], []
+        self._tokens, self._positions, self._steps, self._seqs = [], [], [], []
         device = self.model.device
         ids = torch.tensor(tokens, dtype=torch.long, device=device)  # (B,)
         if len(steps) == 1:
@@ -115,7 +135,8 @@ class StaticDecodeStep:
     and that bucket's graph runner.
 
     With ``use_graphs`` on a CUDA device each bucket's forward is captured once and replayed; otherwise
-    (CPU, graphs disabled, a failed capture) it runs eagerly over the same buffers.
+    (CPU, graphs disabled, a failed capture) it runs eagerly over the same buffers. ``overlap`` (default:
+    on CUDA) lets the scheduler stage device tokens and read them while the next step runs.
     """
 
     def __init__(
@@ -126,8 +147,10 @@ class StaticDecodeStep:
         use_graphs: bool,
         max_batch: int = 1,
         buckets: tuple[int, ...] | None = None,
+        overlap: bool | None = None,
     ):
         self.model = model
+        self.overlap = device.type == "cuda" if overlap is None else overlap
         self.cache = cache
         self.device = device
         self.max_batch = max_batch
@@ -150,20 +173,31 @@ class StaticDecodeStep:
         }
         self.staged = 0  # rows prepared since the last run()
         self.width = self.buckets[0]  # the context bucket of the staged rows
+        self._seqs: list[int] = []  # the sequence of each staged row
 
-    def prepare(self, seq: int, token_id: int, rope_delta: int) -> None:
+    def prepare(self, seq: int, token_id: int | torch.Tensor, rope_delta: int) -> None:
         """The token goes to KV slot ``s = length(seq)`` and RoPE position ``s + rope_delta`` (all three
-        M-RoPE streams), so positions keep running behind slots after an image."""
+        M-RoPE streams), so positions keep running behind slots after an image. A device token is copied
+        on the device, in stream order: after the work that chose it, without the host reading it."""
         row = self.staged
         if row == self.max_batch:
             raise RuntimeError(f"a decode step takes at most {self.max_batch} sequences")
         slot = self.cache.length(seq)
         self.cache.prepare_static_decode(seq, self.buffers, row)
-        self.input_ids[row].fill_(token_id)
+        if isinstance(token_id, torch.Tensor):
+            self.input_ids[row].copy_(token_id)
+        else:
+            self.input_ids[row].fill_(token_id)
         self.positions[row].fill_(slot + rope_delta)
         width = next(w for w in self.buckets if w > slot)
         self.width = width if row == 0 else max(self.width, width)
         self.staged = row + 1
+        self._seqs.append(seq)
+
+    def discard(self) -> None:
+        for seq in self._seqs:
+            self.cache.truncate(seq, self.cache.length(seq) - 1)
+        self.staged, self._seqs = 0, []
 
     def forward(self, batch: int, width: int) -> torch.Tensor:
         """Device half, eager, for the first ``batch`` rows over the first ``width`` slots: reads only the
@@ -181,7 +215,7 @@ class StaticDecodeStep:
         batch = next(b for b in self.batch_buckets if b >= staged)
         if batch > staged:
             self.buffers.pad(staged)  # rows past the bucket are never read
-        self.staged = 0
+        self.staged, self._seqs = 0, []
         return self._runners[batch, self.width].run()[:staged]
 
     def describe(self) -> dict:
@@ -193,6 +227,7 @@ class StaticDecodeStep:
             "batch_buckets": list(self.batch_buckets),
             "graphs": "off (" + "; ".join(sorted(eager)) + ")" if eager else "on",
             "graphs_captured": sum(g["captured"] for g in graphs),
+            "overlap": self.overlap,
         }
 
 

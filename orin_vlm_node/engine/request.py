@@ -2,8 +2,9 @@
 
 The scheduler (:mod:`.scheduler`) drives it phase by phase, on the engine's model, KV cache, session
 store and decode step, interleaved with the other requests of the batch: :meth:`RequestRun.advance_prefill`
-one prompt piece at a time, then per token :meth:`~RequestRun.accept` (sample, stream, decide),
-:meth:`~RequestRun.stage` (reserve the KV slot in the batched decode step) and :meth:`~RequestRun.fed`.
+one prompt piece at a time, then per token :meth:`~RequestRun.sample` (on the device),
+:meth:`~RequestRun.take` (the host reads it: stream, decide), :meth:`~RequestRun.stage` (reserve the KV
+slot in the batched decode step) and :meth:`~RequestRun.fed`.
 When the pool runs out the scheduler may :meth:`~RequestRun.preempt` a request: the KV this turn added
 is freed and, once it runs again, recomputed by the same piecewise prefill (its prompt, then the tokens
 it had generated) before decoding goes on where it stopped. Whatever way it ends -- finished,
@@ -148,20 +149,33 @@ class RequestRun:
         self.loop = DecodeLoop(self._params, e.tokenizer, self.session.token_ids, logits.device, self.metrics)
         return logits
 
-    def accept(self, logits: torch.Tensor) -> tuple[list[TextDelta], int | None]:
-        """The logits of the last position fed: the text to stream and the token to feed next (None: the
-        answer ended, :attr:`loop` ``.reason`` says why)."""
+    def sample(self, logits: torch.Tensor) -> torch.Tensor:
+        """The next token chosen from the logits of the last position fed, as a () device tensor (launched,
+        not read: :meth:`take` gets it once the host has)."""
+        return self.loop.sample(logits)
+
+    def take(self, token: int, staged: bool) -> tuple[list[TextDelta], bool]:
+        """The token :meth:`sample` chose, read by the host: the text to stream and whether to feed it (False:
+        the answer ended, :attr:`loop` ``.reason`` says why). ``staged``: it is in a decode step already
+        (overlap), its KV slot reserved."""
         e, seq, limit = self.engine, self.seq, self.config.max_context_tokens
 
         def interrupt() -> str | None:
-            if e.cache.length(seq) + 1 > limit:
+            if not staged and e.cache.length(seq) + 1 > limit:
                 return "length"
             return "cancelled" if e.is_cancelled(self.rid) else None
 
-        pieces, token = self.loop.accept(logits, interrupt)
-        return [TextDelta(self.rid, text, ids) for text, ids in pieces], token
+        pieces, go_on = self.loop.take(token, interrupt)
+        return [TextDelta(self.rid, text, ids) for text, ids in pieces], go_on
 
-    def stage(self, step: DecodeStep, token: int) -> None:
+    @property
+    def may_stage_unread(self) -> bool:
+        """Whether a token sampled but not yet read may go into the next decode step: not the answer's last
+        by ``max_new_tokens`` and with a slot left under ``max_context_tokens`` (else :meth:`take` ends the
+        answer with it, as it would have unstaged)."""
+        return not self.loop.last_by_length and self.engine.cache.length(self.seq) + 1 <= self.config.max_context_tokens
+
+    def stage(self, step: DecodeStep, token: int | torch.Tensor) -> None:
         """Stage ``token`` in the decode step (its KV slot reserved; idle sessions evicted for room). May raise
         PoolExhausted before any change."""
         self.with_eviction(lambda: step.prepare(self.seq, token, self.session.rope_delta))

@@ -156,10 +156,9 @@ def filter_logits(logits: torch.Tensor, params: ResolvedSampling) -> torch.Tenso
     distribution as fp32 ones. At least one token always survives (the most likely one).
     """
     x = logits.float() / params.temperature
-    neg_inf = torch.tensor(float("-inf"), device=x.device)
     if params.top_k > 0 and params.top_k < x.shape[-1]:
         kth = torch.topk(x, params.top_k, dim=-1).values[..., -1:]
-        x = torch.where(x < kth, neg_inf, x)
+        x = x.masked_fill(x < kth, float("-inf"))
     if params.top_p < 1.0:
         sorted_x, order = torch.sort(x, dim=-1, descending=True)
         probs = torch.softmax(sorted_x, dim=-1)

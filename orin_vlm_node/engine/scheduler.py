@@ -14,8 +14,16 @@ while the next step runs. A step:
    in use by a running one waits for it: a conversation's turns never overlap);
 2. runs one prefill piece (``prefill_chunk_tokens``) of the oldest request still prefilling, so a long
    prompt delays the running answers by one piece per step, not by its whole prefill;
-3. feeds the pending token of every decoding request through one batched decode step and hands each
-   request its row of logits (:meth:`.request.RequestRun.accept`: sample, stream, decide).
+3. feeds the pending token of every decoding request through one batched decode step and samples each
+   request's next token from its row of logits (:meth:`.request.RequestRun.sample`, on the device);
+   the host reads the tokens and each request streams its text and decides whether to go on
+   (:meth:`.request.RequestRun.take`). Where the decode step *overlaps* (CUDA), the tokens are read one
+   step later: the next step is staged with the device tokens and launched first, so the host's share of
+   token N (reading it, detokenizing, stop strings, events) runs while the GPU computes token N+1 instead
+   of leaving it idle. An answer that ends at token N then had a row of step N+1 computed for nothing:
+   its reserved slot is released as it finishes. Tokens still unread are read before anything that
+   depends on them (a preemption, a failed staging), and a token that will be an answer's last by
+   ``max_new_tokens`` or the context limit is never staged.
 
 When the pool runs out (a prefill piece or a decode token needs blocks that evicting idle sessions
 does not free), the most recently admitted request that holds KV of its turn is *preempted*: that KV is
@@ -48,8 +56,10 @@ from typing import TYPE_CHECKING
 
 from ..kvcache import PoolExhausted
 from .events import Event, Finished
+from .sampled_tokens import SampledTokens
 
 if TYPE_CHECKING:
+    from .decode_step import DecodeStep
     from .engine import Engine
     from .request import RequestRun
 
@@ -64,7 +74,7 @@ class Member:
     arrival: int  # submission order: the queue's order, preempted requests included
     events: deque[Event] = field(default_factory=deque)
     phase: str = "waiting"  # waiting -> prefill -> decode -> done; a preemption goes back to waiting
-    token: int | None = None  # decode: the token to feed next
+    token: int | None = None  # decode: the token to feed next, when the host has it (else it is sampled, unread)
     readmit_after: int | None = None  # preempted: admitted again once more than this many requests finished
 
     @property
@@ -90,6 +100,7 @@ class Scheduler:
         self._paused = 0  # exclusive() calls waiting: admit nothing new
         self._arrivals = 0  # requests submitted so far
         self._finished = 0  # requests finished so far
+        self._sampled: SampledTokens[Member] | None = None  # overlap: tokens of the last step, not yet read
 
     def stream(self, run: RequestRun) -> Iterator[Event]:
         """Submit ``run``; its events as the steps produce them, ending with its ``Finished``. Closing the
@@ -234,38 +245,92 @@ class Scheduler:
             self._accept(member, logits)
 
     def _decode(self, members: list[Member]) -> None:
-        """Feed every member's pending token in one step; each takes its row of logits."""
+        """Feed every member's pending token in one step, then sample each member's next token from its row.
+
+        A pending token is on the host (``member.token``: after a prefill, or without overlap) or, with
+        overlap, still on the device in :attr:`_sampled`, the tokens sampled from the previous step: those
+        are staged as they are, this step is launched, and only then are they read (:meth:`_settle`), so
+        the host streams token N while the device computes N+1. A member whose token turns out to end its
+        answer had its row computed for nothing; its reserved slot is released when it finishes.
+        """
         step = self.engine.decode_step
-        fed: list[Member] = []
-        for member in members:
-            while member.phase == "decode":  # a younger member's preemption may have taken it out
-                try:
-                    member.run.stage(step, member.token)
-                except PoolExhausted as exc:
-                    if self._make_room(member, exc) == "retry":
-                        continue
-                except Exception as exc:  # noqa: BLE001
-                    self._finish(member, *member.run.outcome(exc))
-                else:
-                    fed.append(member)
-                break
+        sampled, self._sampled = self._sampled, None
+        fed = self._stage(step, members, sampled)
+        if fed is None:  # staging needs the tokens read first (the pool ran out): take the rows back, read them
+            step.discard()
+            sampled.staged.clear()
+            self._settle(sampled)
+            self._decode([m for m in self._running if m.phase == "decode"])
+            return
         if not fed:
+            if sampled is not None:
+                self._settle(sampled)
             return
         try:
-            logits = step.run()  # (B, vocab)
+            logits = step.run()  # (B, vocab), launched
         except Exception as exc:  # noqa: BLE001 - the batch's forward failed: every member of it ends
             for member in fed:
                 self._finish(member, *member.run.outcome(exc))
+            if sampled is not None:
+                self._settle(sampled)
             return
+        if sampled is not None:
+            self._settle(sampled)  # the previous step's tokens, read while this step runs
+        rows = []
         for row, member in enumerate(fed):
-            member.run.fed(member.token)
+            if member.done:  # its token (read just now) ended the answer
+                continue
+            if member.token is not None:  # a host token: it is in the session once it went through
+                member.run.fed(member.token)
+                member.token = None
             member.run.metrics.batch_size = max(member.run.metrics.batch_size, len(fed))
-            self._accept(member, logits[row : row + 1])
+            rows.append((member, logits[row : row + 1]))
+        chosen = self._sample(rows)
+        if chosen is not None and step.overlap:
+            self._sampled = chosen
+        elif chosen is not None:
+            self._settle(chosen)
+
+    def _stage(self, step: DecodeStep, members: list[Member], sampled: SampledTokens | None) -> list[Member] | None:
+        """Stage the members' pending tokens; the members staged, in row order. None when staging failed
+        while ``sampled`` tokens are unread: who may be preempted, and what a failed member's answer was,
+        depend on them, so the caller reads them and stages again."""
+        fed: list[Member] = []
+        for member in members:
+            while member.phase == "decode":  # a younger member's preemption may have taken it out
+                token = member.token
+                if token is None:  # its token is on the device, unread
+                    if not member.run.may_stage_unread:
+                        break  # reading it will end the answer
+                    token = sampled.row(member)
+                try:
+                    member.run.stage(step, token)
+                except PoolExhausted as exc:
+                    if sampled is not None:
+                        return None
+                    if self._make_room(member, exc) == "retry":
+                        continue
+                except Exception as exc:  # noqa: BLE001
+                    if sampled is not None:
+                        return None
+                    self._finish(member, *member.run.outcome(exc))
+                else:
+                    fed.append(member)
+                    if member.token is None:
+                        sampled.staged.add(member)
+                break
+        return fed
 
     def _make_room(self, member: Member, exc: PoolExhausted) -> str:
         """``member`` needs KV the pool does not have: preempt the most recently admitted request holding
         KV of its turn. "retry" when that was another one; "preempted" when it was ``member`` itself;
-        "exhausted" when nobody else holds any, so the request cannot fit and has ended."""
+        "exhausted" when nobody else holds any, so the request cannot fit and has ended. Tokens sampled on
+        the device and not yet read are read first ("retry"): answers they end free their KV, and a
+        preempted request must know every token it generated."""
+        if self._sampled is not None:
+            sampled, self._sampled = self._sampled, None
+            self._settle(sampled)
+            return "retry"
         holders = [m for m in self._running if m is member or m.run.holds_turn_kv]
         victim = holders[-1]
         if victim is not member:
@@ -292,18 +357,51 @@ class Scheduler:
             at = next((i for i, m in enumerate(self._waiting) if m.arrival > member.arrival), len(self._waiting))
             self._waiting.insert(at, member)
 
-    def _accept(self, member: Member, logits) -> None:  # logits (1, vocab)
-        run = member.run
+    def _accept(self, member: Member, logits) -> None:  # logits (1, vocab) of a prefill
+        chosen = self._sample([(member, logits)])
+        if chosen is not None:
+            self._settle(chosen)
+
+    def _sample(self, rows: list[tuple[Member, object]]) -> SampledTokens | None:
+        """Launch the choice of each member's next token from its (1, vocab) logits; None when none is left
+        (a member whose sampling fails ends with the error)."""
+        members, tokens = [], []
+        for member, logits in rows:
+            try:
+                tokens.append(member.run.sample(logits))
+            except Exception as exc:  # noqa: BLE001
+                self._finish(member, *member.run.outcome(exc))
+            else:
+                members.append(member)
+        return SampledTokens(members, tokens) if members else None
+
+    def _settle(self, sampled: SampledTokens) -> None:
+        """Read sampled tokens on the host; each member streams its token's text and goes on or finishes. A
+        token already staged (overlap) is in the session from now on; any other is the member's next to
+        feed."""
         try:
-            deltas, token = run.accept(logits)
-        except Exception as exc:  # noqa: BLE001
-            self._finish(member, *run.outcome(exc))
+            tokens = sampled.read()
+        except Exception as exc:  # noqa: BLE001 - the device work that chose them failed
+            for member in sampled.members:
+                if not member.done:
+                    self._finish(member, *member.run.outcome(exc))
             return
-        self._emit(member, deltas)
-        if token is None:
-            self._finish(member, run.loop.reason, None)
-        else:
-            member.phase, member.token = "decode", token
+        for member, token in zip(sampled.members, tokens, strict=True):
+            if member.done:
+                continue
+            run, staged = member.run, member in sampled.staged
+            try:
+                deltas, go_on = run.take(token, staged)
+            except Exception as exc:  # noqa: BLE001
+                self._finish(member, *run.outcome(exc))
+                continue
+            self._emit(member, deltas)
+            if not go_on:
+                self._finish(member, run.loop.reason, None)
+            elif staged:
+                run.fed(token)
+            else:
+                member.phase, member.token = "decode", token
 
     def _emit(self, member: Member, events: list) -> None:
         if events:

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..transfer import host_to_device
 from .attention import PagedAttentionImpl, StepBlocks, TorchPagedAttention, block_runs
 from .base import ExtraKeys, KVCache, StaticDecodeBuffers
 from .block_pool import BlockKey, BlockPool
@@ -163,14 +164,15 @@ class PagedKVCache(KVCache):
             s.dirty.update(range(start, len(s.table)))
 
     def _sync(self, s: _Seq) -> None:
-        """Step 3: upload changed table entries (a small indexed H2D write; never during a graph capture)."""
+        """Step 3: upload changed table entries (a small indexed H2D write queued without waiting for the
+        device, so a new page does not stall an overlapped decode; never during a graph capture)."""
         if not s.dirty:
             return
         s.runs = None
         idx = sorted(s.dirty)
         vals = [s.table[i] if i < len(s.table) else -1 for i in idx]
         dev = s.dev_table.device
-        s.dev_table[torch.tensor(idx, dtype=torch.long, device=dev)] = torch.tensor(vals, dtype=torch.int32, device=dev)
+        s.dev_table[host_to_device(idx, dev)] = host_to_device(vals, dev, torch.int32)
         s.dirty.clear()
 
     def ensure_capacity(self, seq: int, new_len: int) -> None:
