@@ -18,10 +18,14 @@ that config is absent), batch 1, greedy, answers of a fixed length (``ignore_eos
 * ``quant.<none|int8|int4>``: batch-1 decode with kernels + graphs and fp16 activations, the decoder's
   projections stored as ``weight_quant`` says (the INT8/INT4 GEMV kernels); tokens/s, the fraction of each
   model's own bound (the bytes it really reads), and the speedup over fp16 weights.
+* ``gemv.<projection>.<fp16|int8|int4>``: one row through each projection shape of the 2B decoder, torch's
+  fp16 product against the INT8 / INT4 GEMV kernels: device time in graphs and the weight bytes read per
+  second as a fraction of the copy bandwidth.
 * ``batching.fp16.batch<N>``: 1, 2, 4 and 8 requests decoding together with kernels + graphs (one graph
   per batch bucket), the figures of the ``batching`` section: aggregate tokens/s over one request's, and
   each member's per-token latency over one request's alone.
-* ``step.fp16.*``: where a decode token's time goes: its wall time, and torch.profiler's kernels over
+* ``step.fp16.*``: where a decode token's time goes: its wall time (overlapped, and step by step with
+  overlap off: what queuing step N+1 before reading token N gains), and torch.profiler's kernels over
   16 tokens by category (GEMMs, attention, fused elementwise, other
   elementwise) with their count per token; the 15 costliest kernels in ``setup``.
 * ``ttft_448.<dtype>``: an image of 448x448 and a short question: vision tower + prefill + first token.
@@ -174,6 +178,58 @@ def _kernels(torch, ctx: BenchContext, res: SectionResult) -> None:
             res.add(f"{key}.gbs", "GB/s", [kv_bytes / (p * 1e-6) / 1e9 for p in paged], "paged kernel K/V read rate")
 
 
+def _gemv(torch, ctx: BenchContext, res: SectionResult, bandwidth: float) -> None:
+    """One row through each projection shape of the 2B decoder (fused q/k/v, o, fused gate/up, down): torch's
+    fp16 product (cuBLAS) and the INT8 / INT4 GEMV kernels, device time in CUDA graphs, and the rate at which
+    each reads its weight bytes as a fraction of the copy bandwidth: whether a quantized decode falls short
+    of its bound in the products or around them."""
+    import itertools
+
+    import torch.nn.functional as F
+
+    from orin_vlm_node.cuda import AttentionShape, select_backend
+    from orin_vlm_node.cuda.quant_gemv import CudaQuantGemv
+    from orin_vlm_node.model.quant import QuantizedLinear, WeightQuant
+
+    if not Path(ctx.config.big_config_path).is_file():
+        res.skip_part("gemv", f"{ctx.config.big_config_path} not found")
+        return
+    text = json.loads(Path(ctx.config.big_config_path).read_text())["text_config"]
+    hidden, inter, heads = text["hidden_size"], text["intermediate_size"], text["num_attention_heads"]
+    head_dim, kv_heads = text["head_dim"], text["num_key_value_heads"]
+    shapes = {  # name: (N, K)
+        "qkv": ((heads + 2 * kv_heads) * head_dim, hidden),
+        "o": (hidden, heads * head_dim),
+        "gate_up": (2 * inter, hidden),
+        "down": (hidden, inter),
+    }
+    cache_dir = tempfile.mkdtemp(prefix="bench_gemv_", dir=ctx.scratch)
+    choice = select_backend("cuda", True, AttentionShape(torch.float16, 128, 16, 8), kernel_cache_dir=cache_dir)
+    if not choice.kernels:
+        res.skip_part("gemv", choice.status)
+        return
+    gemv = CudaQuantGemv(choice.launcher)
+    copies = 8  # distinct weights called in turn: no call finds its weight in L2 after the one before
+    for name, (n, k) in shapes.items():
+        x = torch.randn(1, k, device="cuda").to(torch.float16)
+        weights = [(torch.randn(n, k, device="cuda") * 0.02).to(torch.float16) for _ in range(copies)]
+        sides = {"fp16": (lambda w, x=x: F.linear(x, w), weights, n * k * 2)}
+        for mode in ("int8", "int4"):
+            modules = [QuantizedLinear.from_weight(w, WeightQuant(mode)) for w in weights]
+            sides[mode] = (lambda m, x=x: gemv(m, x), modules, modules[0].nbytes)
+        for mode, (fn, items, nbytes) in sides.items():
+            turn = itertools.cycle(items)
+            us = [
+                _graph_us(torch, lambda f=fn, t=turn: f(next(t)), calls=copies) for _ in range(ctx.config.gpu_repeats)
+            ]
+            res.add(f"gemv.{name}.{mode}.us", "us", us, f"{n}x{k} weight, one fp16 row, device time", mode=mode)
+            res.add(f"gemv.{name}.{mode}.bandwidth_fraction", "fraction",
+                    [nbytes / (u * 1e-6) / 1e9 / bandwidth for u in us],
+                    "weight bytes read per second / copy bandwidth", mode=mode)  # fmt: skip
+        del weights, sides
+        torch.cuda.empty_cache()
+
+
 def _engine(model_dir: Path, dtype: str, cache_dir: str, **overrides):
     from orin_vlm_node.engine import Engine, EngineConfig
 
@@ -253,9 +309,10 @@ def kernel_category(name: str) -> str:
 
 
 def _step_profile(torch, ctx: BenchContext, res: SectionResult, model_dir: Path) -> None:
-    """Where a decode token's time goes (fp16, kernels + graphs): the wall time of a token, and
-    torch.profiler's kernels over 16 tokens by category, with their count per token (what the kernels do not
-    cover of a token is gaps between kernels and host time)."""
+    """Where a decode token's time goes (fp16, kernels + graphs): the wall time of a token, overlapped and
+    step by step (what overlapping the host with the device gains), and torch.profiler's kernels over 16
+    tokens by category, with their count per token (what the kernels do not cover of a token is gaps
+    between kernels and host time)."""
     from torch.profiler import ProfilerActivity, profile
 
     from orin_vlm_node.engine import Request, SamplingParams, Turn
@@ -268,8 +325,18 @@ def _step_profile(torch, ctx: BenchContext, res: SectionResult, model_dir: Path)
         return run_engine(engine, Request(Turn(PROMPT), sampling, request_id=f"gpu-prof-{next(ids)}"))
 
     answer(32)  # captures the step's graph
-    token_ms = [1e3 / answer(ctx.config.gpu_max_new_tokens).decode_tok_s for _ in range(ctx.config.gpu_repeats)]
-    res.add("step.fp16.token_ms", "ms", token_ms, "wall time a decode token (no profiler)")
+
+    def token_ms(overlap: bool) -> float:
+        engine.decode_step.overlap = overlap
+        return 1e3 / answer(ctx.config.gpu_max_new_tokens).decode_tok_s
+
+    pairs = [(token_ms(True), token_ms(False)) for _ in range(ctx.config.gpu_repeats)]
+    engine.decode_step.overlap = True
+    res.add("step.fp16.token_ms", "ms", [a for a, _ in pairs], "wall time a decode token (no profiler)")
+    res.add("step.fp16.token_ms_step_by_step", "ms", [b for _, b in pairs],
+            "the same with overlap off: the host reads each token before it stages the next step")  # fmt: skip
+    res.add("step.fp16.overlap_gain", "x", paired_ratio([b for _, b in pairs], [a for a, _ in pairs]),
+            "token time step by step / overlapped (per pair)")  # fmt: skip
     tokens = 16
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         answer(tokens)
@@ -412,6 +479,7 @@ def run(ctx: BenchContext) -> SectionResult:
         ("step_profile", functools.partial(_step_profile, torch, ctx, res, model_dir)),
         ("startup_memory", functools.partial(_startup_and_memory, ctx, res, model_dir, default_dir)),
         ("kernels", functools.partial(_kernels, torch, ctx, res)),
+        ("gemv", functools.partial(_gemv, torch, ctx, res, bandwidth)),
         ("quant", functools.partial(_quantized_decode, torch, ctx, res, model_dir, bandwidth)),
         ("batching", functools.partial(_batching, ctx, res, model_dir)),
         *((f"decode.{d}", functools.partial(_decode, torch, ctx, res, model_dir, d, bandwidth)) for d in other_dtypes),

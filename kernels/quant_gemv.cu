@@ -10,7 +10,8 @@
 //         w[n, k] = q[n, k] * s[n, k/G] + o[n, k/G]
 //
 // One warp computes one output column n for every row m: the lanes walk row n of the weights in 16-byte
-// vectors (int8: 16 weights, int4: 32 per vector; a warp reads 512 contiguous bytes per step), read the
+// vectors (int8: 16 weights, int4: 32 per vector; a warp reads 512 contiguous bytes per vector, and each
+// lane issues kGemvUnroll vectors before it uses the first, so a row is requested at once), read the
 // matching x elements (x is small and stays in cache), accumulate in fp32 and reduce across the warp. For
 // int4 a vector lies inside one group when G is a multiple of 32, so its scale and offset factor out:
 // sum_k x q s + x o = s * (x . q) + o * sum(x). The vector path needs K a multiple of 32 (every projection of
@@ -23,6 +24,22 @@
 namespace orin_vlm {
 
 constexpr int kGemvWarps = 4;
+// 16-byte weight vectors each lane loads before it uses the first: one load in flight per lane leaves a
+// GPU with HBM idle most of the time (a warp's row of a 2048-wide projection is 2..4 such loads, each
+// waiting out the memory latency in turn); four keep the bytes of the whole row requested at once.
+constexpr int kGemvUnroll = 4;
+
+// Vectors at byte offsets off, off + stride, ... (kGemvUnroll of them) of a weight row, those below `end`;
+// all loads are issued before any is used.
+template <typename W>
+__device__ __forceinline__ void load_row_vectors(const W* __restrict__ row, int off, int stride, int end,
+                                                 uint4* __restrict__ raw) {
+#pragma unroll
+  for (int u = 0; u < kGemvUnroll; ++u) {
+    const int at = off + u * stride;
+    raw[u] = at < end ? __ldg(reinterpret_cast<const uint4*>(row + at)) : make_uint4(0, 0, 0, 0);
+  }
+}
 
 // Elements k0 .. k0+n-1 of row m of x, widened to fp32 (16-byte loads when `vec`, else one by one).
 template <typename T, int N>
@@ -57,18 +74,25 @@ __device__ __forceinline__ void gemv_int8(T* __restrict__ y, const T* __restrict
   constexpr int kChunk = 16;  // int8 weights per 16-byte vector
   const bool vec = K % 32 == 0;
   const int vec_end = vec ? K : 0;
-  for (int k = lane * kChunk; k < vec_end; k += kWarpSize * kChunk) {
-    const uint4 raw = __ldg(reinterpret_cast<const uint4*>(row + k));
-    const int8_t* w = reinterpret_cast<const int8_t*>(&raw);
+  constexpr int kStride = kWarpSize * kChunk;  // weights a warp covers per vector load
+  for (int k0 = lane * kChunk; k0 < vec_end; k0 += kStride * kGemvUnroll) {
+    uint4 raw[kGemvUnroll];
+    load_row_vectors(row, k0, kStride, vec_end, raw);
 #pragma unroll
-    for (int m = 0; m < R; ++m) {
-      if (m >= rows) break;
-      float xs[kChunk];
-      load_x<T, kChunk>(x, static_cast<size_t>(m) * K + k, true, xs);
-      float dot = 0.0f;
+    for (int u = 0; u < kGemvUnroll; ++u) {
+      const int k = k0 + u * kStride;
+      if (k >= vec_end) break;
+      const int8_t* w = reinterpret_cast<const int8_t*>(&raw[u]);
 #pragma unroll
-      for (int i = 0; i < kChunk; ++i) dot += xs[i] * static_cast<float>(w[i]);
-      acc[m] += dot;
+      for (int m = 0; m < R; ++m) {
+        if (m >= rows) break;
+        float xs[kChunk];
+        load_x<T, kChunk>(x, static_cast<size_t>(m) * K + k, true, xs);
+        float dot = 0.0f;
+#pragma unroll
+        for (int i = 0; i < kChunk; ++i) dot += xs[i] * static_cast<float>(w[i]);
+        acc[m] += dot;
+      }
     }
   }
   for (int k = vec_end + lane; k < K; k += kWarpSize) {  // the scalar path (K not a multiple of 32)
@@ -100,29 +124,36 @@ __device__ __forceinline__ void gemv_int4(T* __restrict__ y, const T* __restrict
   constexpr int kChunk = 32;  // int4 weights per 16-byte vector
   const bool vec = K % kChunk == 0 && group % kChunk == 0;
   const int vec_end = vec ? K : 0;
-  for (int k = lane * kChunk; k < vec_end; k += kWarpSize * kChunk) {
-    const uint4 raw = __ldg(reinterpret_cast<const uint4*>(row + k / 2));
-    const uint8_t* bytes = reinterpret_cast<const uint8_t*>(&raw);
-    float w[kChunk];
+  constexpr int kStride = kWarpSize * kChunk;  // weights a warp covers per vector load
+  for (int k0 = lane * kChunk; k0 < vec_end; k0 += kStride * kGemvUnroll) {
+    uint4 raw[kGemvUnroll];
+    load_row_vectors(row, k0 / 2, kStride / 2, vec_end / 2, raw);
 #pragma unroll
-    for (int i = 0; i < kChunk / 2; ++i) {
-      w[2 * i] = static_cast<float>(bytes[i] & 0xF);
-      w[2 * i + 1] = static_cast<float>(bytes[i] >> 4);
-    }
-    const float s = __half2float(__ldg(s_row + k / group));
-    const float o = __half2float(__ldg(o_row + k / group));
+    for (int u = 0; u < kGemvUnroll; ++u) {
+      const int k = k0 + u * kStride;
+      if (k >= vec_end) break;
+      const uint8_t* bytes = reinterpret_cast<const uint8_t*>(&raw[u]);
+      float w[kChunk];
 #pragma unroll
-    for (int m = 0; m < R; ++m) {
-      if (m >= rows) break;
-      float xs[kChunk];
-      load_x<T, kChunk>(x, static_cast<size_t>(m) * K + k, true, xs);
-      float dot = 0.0f, sum = 0.0f;
-#pragma unroll
-      for (int i = 0; i < kChunk; ++i) {
-        dot += xs[i] * w[i];
-        sum += xs[i];
+      for (int i = 0; i < kChunk / 2; ++i) {
+        w[2 * i] = static_cast<float>(bytes[i] & 0xF);
+        w[2 * i + 1] = static_cast<float>(bytes[i] >> 4);
       }
-      acc[m] += s * dot + o * sum;
+      const float s = __half2float(__ldg(s_row + k / group));
+      const float o = __half2float(__ldg(o_row + k / group));
+#pragma unroll
+      for (int m = 0; m < R; ++m) {
+        if (m >= rows) break;
+        float xs[kChunk];
+        load_x<T, kChunk>(x, static_cast<size_t>(m) * K + k, true, xs);
+        float dot = 0.0f, sum = 0.0f;
+#pragma unroll
+        for (int i = 0; i < kChunk; ++i) {
+          dot += xs[i] * w[i];
+          sum += xs[i];
+        }
+        acc[m] += s * dot + o * sum;
+      }
     }
   }
   for (int k = vec_end + lane; k < K; k += kWarpSize) {  // the scalar path

@@ -17,8 +17,10 @@ DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 RTOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
 
 # (N, K, group): the vector path (K and the group multiples of 32), N not a multiple of the 4 columns a
-# block computes, K not a multiple of the group, odd K, groups smaller than a vector (the scalar path).
-SHAPES = [(64, 128, 32), (37, 256, 128), (21, 96, 64), (19, 75, 32), (8, 33, 2), (5, 64, 16)]
+# block computes, K not a multiple of the group, odd K, groups smaller than a vector (the scalar path), and
+# rows long enough that a lane loads more than one batch of vectors, the last one partly (4608: int8 9
+# vectors a lane, int4 4 or 5).
+SHAPES = [(64, 128, 32), (37, 256, 128), (21, 96, 64), (19, 75, 32), (8, 33, 2), (5, 64, 16), (6, 4608, 128)]
 
 
 def _quantized(n: int, k: int, mode: str, group: int, seed: int) -> QuantizedLinear:
