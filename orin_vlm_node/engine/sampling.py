@@ -144,7 +144,7 @@ def apply_penalties(
     if params.presence_penalty != 0.0 and generated_ids.numel() > 0:
         out = out.clone() if out is logits else out
         seen = torch.zeros(out.shape[-1], dtype=torch.bool, device=out.device)
-        seen[generated_ids] = True
+        seen.index_fill_(0, generated_ids, True)  # a scalar fill: no host value copied to the device
         out = out - seen.to(out.dtype) * params.presence_penalty
     return out
 
