@@ -169,4 +169,4 @@ def test_buckets_double_up_to_the_limit_and_the_step_is_chosen_by_device(model):
     cache = _cache(model, "paged", 16, sequences=1, max_context=64)
     step = build_decode_step(model, cache, torch.device("cpu"), use_graphs=True, max_batch=4)
     assert isinstance(step, DynamicDecodeStep)  # on the CPU one dynamic step serves every batch
-    assert step.describe() == {"step": "dynamic"}
+    assert step.describe() == {"step": "dynamic", "overlap": False}

@@ -127,7 +127,7 @@ class DynamicDecodeStep:
         return self.model.forward(ids, rope, SequencesAttention(steps), logits_index=rows)
 
     def describe(self) -> dict:
-        return {"step": "dynamic"}
+        return {"step": "dynamic", "overlap": self.overlap}
 
 
 class StaticDecodeStep:
