@@ -37,7 +37,7 @@ def _greedy(n: int, **kw) -> SamplingParams:
 # Mixed lengths, an image, a stop string: (request, tokens it may produce).
 MIXED = [
     Request(Turn("Describe the scene."), _greedy(24)),
-    Request(Turn("What is on the table?", (_image(64, 96, 1),)), _greedy(9)),
+    Request(Turn("What is on the table?", (_image(64, 96, 1),)), _greedy(14)),
     Request(Turn("Count the boxes. " * 12), _greedy(17)),
     Request(Turn("Where is the robot?"), _greedy(30)),
 ]

@@ -109,9 +109,10 @@ def test_last_token_always_recomputed_and_released_blocks_stay_reusable():
     seq, _, _ = _serve(cache, model, prompt)
     cache.release(seq)
     assert cache.stats()["blocks_used"] == 0 and cache.stats()["blocks_cached_free"] == 4
-    # Same prompt again: the last block must be recomputed, or there would be no logits to sample from.
+    # Same prompt again: the last token must be recomputed, or there would be no logits to sample from;
+    # the first three of the last block are the cached block's head.
     seq2, cached, last = _serve(cache, model, prompt)
-    assert cached == 12
+    assert cached == 15
     _, last_ref = _recompute(model, prompt)
     torch.testing.assert_close(last, last_ref, rtol=1e-6, atol=1e-6)
     # The longer conversation (prompt + generated tokens) reuses all four blocks.
@@ -198,10 +199,45 @@ def test_rewriting_a_cached_block_after_truncate_never_corrupts_the_index(forked
     rewritten = prompt[:6] + [50, 51, 52]
     model.forward(rewritten[6:], None, cache.step(seq, 3))
     cache.register_prefix(seq, rewritten)
-    assert cache.match_prefix(prompt) == (8 if forked else 4)
+    # Forked: the old block 1 stayed cached for the fork. Alone: it lost its key, and what is left of the
+    # prompt's block 1 in the cache is the head the rewrite kept ([5, 6]).
+    assert cache.match_prefix(prompt) == (8 if forked else 6)
     assert cache.match_prefix(rewritten + [60]) == 8
     fresh, cached, last = _serve(cache, model, prompt)
     _, last_ref = _recompute(model, prompt)
     torch.testing.assert_close(last, last_ref, rtol=1e-6, atol=1e-6)
     if other is not None:
         assert cache.block_table(other)[1] != cache.block_table(seq)[1]
+
+
+@pytest.mark.parametrize("held", [False, True])
+def test_a_new_question_reuses_the_shared_head_of_a_cached_block_and_leaves_it_intact(held):
+    """A robot's next question about the same image: the page holding the image's end also held the last
+    question's start. Its shared head is reused (the prompt's KV equals a recompute); writing the rest of
+    the page copies the block when another sequence holds it, else takes it over (its key dropped), so the
+    cached content is never overwritten while findable."""
+    model, cache = ToyModel(), _cache()
+    pad = 9
+    image = [1, 2] + [pad] * 7  # text, then an image ending inside block 2
+    extra = [None] * 2 + ["imgA"] * 7
+    first = image + [20, 21, 22, 23, 24]  # 14 tokens: blocks 0..2 full and registered
+    second = image + [30, 31, 32, 33]  # shares 9 tokens: blocks 0, 1 and one token of block 2
+    seq_a, _, _ = _serve(cache, model, first, extra + [None] * 5)
+    if not held:
+        cache.release(seq_a)
+    cached_block = cache.block_table(seq_a)[2] if held else None
+    kv_before = _kv(cache, seq_a).clone() if held else None
+    assert cache.match_prefix(second, extra + [None] * 4) == 9
+    assert cache.match_prefix(second, extra[:-1] + ["imgB"] + [None] * 4) == 8  # other image: not its token
+    seq_b, cached, last_b = _serve(cache, model, second, extra + [None] * 4)
+    assert cached == 9 and cache.stats()["prefix_hit_tokens"] == 9
+    kv_ref, last_ref = _recompute(model, second, extra + [None] * 4)
+    torch.testing.assert_close(_kv(cache, seq_b), kv_ref, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(last_b, last_ref, rtol=1e-6, atol=1e-6)
+    if held:  # copied: the first sequence still reads its own block 2, unchanged and still cached
+        assert cache.block_table(seq_b)[2] != cached_block
+        torch.testing.assert_close(_kv(cache, seq_a), kv_before, rtol=0, atol=0)
+        assert cache.match_prefix(first, extra + [None] * 5) == 12
+    else:  # taken over: the old key is gone, the new content is offered under its own
+        assert cache.match_prefix(first, extra + [None] * 5) == 9
+        assert cache.match_prefix(second + [40], extra + [None] * 5) == 12

@@ -127,7 +127,8 @@ class KVCache(ABC):
 
     @abstractmethod
     def attach_prefix(self, seq: int, token_ids: Sequence[int], extra_keys: ExtraKeys | None = None) -> int:
-        """Attach the longest cached full-block prefix to the empty ``seq``; returns its token count.
+        """Attach the longest cached prefix to the empty ``seq``: whole cached blocks, then the shared head of
+        the cached block that agrees longest with the rest; returns its token count.
 
         Never the whole prompt: at least the last token is left to compute so logits exist.
         ``extra_keys[i]`` (optional, per token) is anything else the KV of token ``i`` depends on,

@@ -47,6 +47,7 @@ class BlockPool:
         self._cached_free: OrderedDict[int, None] = OrderedDict()
         self._key: list[BlockKey | None] = [None] * self.num_blocks
         self._by_digest: dict[bytes, int] = {}
+        self._children: dict[bytes | None, set[int]] = {}  # parent digest -> cached blocks that follow it
 
     # -- queries ---------------------------------------------------------------------------------
     @property
@@ -70,6 +71,11 @@ class BlockPool:
 
     def lookup(self, digest: bytes) -> int | None:
         return self._by_digest.get(digest)
+
+    def children(self, parent: bytes | None) -> tuple[int, ...]:
+        """Cached blocks whose key follows ``parent`` (None: first blocks of a sequence), for a prompt that
+        shares only the head of such a block."""
+        return tuple(self._children.get(parent, ()))
 
     def free_blocks(self) -> list[int]:
         """Snapshot of unreferenced blocks (free and cached-free), for checks and tests."""
@@ -124,6 +130,7 @@ class BlockPool:
             raise KVCacheError(f"block {block} or its key is already cached")
         self._key[block] = key
         self._by_digest[key.digest] = block
+        self._children.setdefault(key.parent, set()).add(block)
 
     def drop_key(self, block: int) -> None:
         """Forget the block's content key (before it is overwritten); an unreferenced block becomes free."""
@@ -133,6 +140,10 @@ class BlockPool:
         self._key[block] = None
         if self._by_digest.get(key.digest) == block:
             del self._by_digest[key.digest]
+        siblings = self._children[key.parent]
+        siblings.discard(block)
+        if not siblings:
+            del self._children[key.parent]
         if block in self._cached_free:
             del self._cached_free[block]
             self._free.append(block)

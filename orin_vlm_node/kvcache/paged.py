@@ -71,6 +71,7 @@ class PagedKVCache(KVCache):
         self._prefix_queries = 0
         self._prefix_hit_blocks = 0
         self._prefix_miss_blocks = 0
+        self._prefix_hit_tokens = 0  # full blocks and the shared heads of partial ones
 
     # -- storage views ---------------------------------------------------------------------------
     def k_pool(self, layer: int) -> torch.Tensor:
@@ -255,8 +256,19 @@ class PagedKVCache(KVCache):
                 s.hashes.clear()
         return self._prefix_enabled
 
-    def _find_prefix(self, tokens: tuple[int, ...], extras: tuple | None) -> tuple[list[tuple[int, bytes]], int]:
-        """Longest verified chain of cached blocks for this prompt, leaving the last token uncached."""
+    def _find_prefix(
+        self, tokens: tuple[int, ...], extras: tuple | None
+    ) -> tuple[list[tuple[int, bytes]], int, tuple[int, int] | None]:
+        """Longest verified chain of cached blocks for this prompt, leaving the last token uncached; the
+        full blocks (block, digest), how many full blocks the prompt has to look up, and the cached block
+        that shares the most of the next tokens (block, tokens shared) or None.
+
+        Why the partial block: a robot asks new questions about the same system prompt and image, and the
+        page that holds the image's end holds the previous question's start too, so whole pages alone
+        would leave up to a page of the shared prompt to recompute. The shared head of such a page is
+        reused as it is: the sequence holds the block and, when its prefill writes the rest of the page,
+        copy-on-write (or, for a block nobody else holds, dropping its key) keeps the cached content intact.
+        """
         max_full = (len(tokens) - 1) // self.page_size if tokens else 0
         hits: list[tuple[int, bytes]] = []
         parent: bytes | None = None
@@ -273,14 +285,34 @@ class PagedKVCache(KVCache):
                 break  # digest collision: never serve KV computed from other content
             hits.append((block, digest))
             parent = digest
-        return hits, max_full
+        return hits, max_full, self._partial_block(tokens, extras, len(hits), parent)
+
+    def _partial_block(
+        self, tokens: tuple[int, ...], extras: tuple | None, index: int, parent: bytes | None
+    ) -> tuple[int, int] | None:
+        """The cached block after ``parent`` whose tokens (and extra keys) agree longest with the prompt's
+        block ``index``, and how many tokens agree (at most all but the prompt's last token); None if none."""
+        p = self.page_size
+        head = tokens[index * p : (index + 1) * p]
+        limit = min(len(head), len(tokens) - index * p - 1)
+        wanted = dict(block_extras(extras, index, p))
+        best: tuple[int, int] | None = None
+        for block in self.pool.children(parent):
+            key = self.pool.key(block)
+            have = dict(key.extras)
+            n = 0
+            while n < limit and key.tokens[n] == head[n] and have.get(n) == wanted.get(n):
+                n += 1
+            if n and (best is None or n > best[1]):
+                best = (block, n)
+        return best
 
     def match_prefix(self, token_ids: Sequence[int], extra_keys: ExtraKeys | None = None) -> int:
         if not self._prefix_enabled:
             return 0
         tokens = normalize_tokens(token_ids)
-        hits, _ = self._find_prefix(tokens, normalize_extra_keys(extra_keys, len(tokens)))
-        return len(hits) * self.page_size
+        hits, _, partial = self._find_prefix(tokens, normalize_extra_keys(extra_keys, len(tokens)))
+        return len(hits) * self.page_size + (partial[1] if partial else 0)
 
     def attach_prefix(self, seq: int, token_ids: Sequence[int], extra_keys: ExtraKeys | None = None) -> int:
         s = self._get(seq)
@@ -291,7 +323,7 @@ class PagedKVCache(KVCache):
         if not self._prefix_enabled:
             return 0
         self._check_context(len(tokens))
-        hits, max_full = self._find_prefix(tokens, extras)
+        hits, max_full, partial = self._find_prefix(tokens, extras)
         self._prefix_queries += 1
         self._prefix_hit_blocks += len(hits)
         self._prefix_miss_blocks += max_full - len(hits)
@@ -299,8 +331,14 @@ class PagedKVCache(KVCache):
             self.pool.incref(block)
             s.table.append(block)
             s.hashes.append(digest)
-        s.dirty.update(range(len(hits)))
         s.length = len(hits) * self.page_size
+        if partial is not None:  # the head of a cached block; writing the rest copies or unkeys it first
+            block, shared = partial
+            self.pool.incref(block)
+            s.table.append(block)
+            s.length += shared
+        s.dirty.update(range(len(s.table)))
+        self._prefix_hit_tokens += s.length
         self._sync(s)
         return s.length
 
@@ -379,7 +417,7 @@ class PagedKVCache(KVCache):
             "prefix_queries": self._prefix_queries,
             "prefix_hit_blocks": self._prefix_hit_blocks,
             "prefix_miss_blocks": self._prefix_miss_blocks,
-            "prefix_hit_tokens": self._prefix_hit_blocks * p,
+            "prefix_hit_tokens": self._prefix_hit_tokens,
             "prefix_hit_rate": self._prefix_hit_blocks / lookups if lookups else 0.0,
             "evictions": self.pool.evictions,
         }
