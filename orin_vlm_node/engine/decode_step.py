@@ -17,8 +17,8 @@ staged tokens, in staging order. Two implementations, chosen in one place (:func
   attention is one kernel launch over the batch's ``[batch, max_blocks]`` table rows. On CUDA it
   *overlaps* (``overlap``): a staged token may be a device tensor, the token the previous step's logits
   chose, not yet read by the host, so the scheduler can queue step N+1 before it reads token N
-  (:mod:`.sampled_tokens`); ``discard()`` takes staged rows back when the scheduler must read the tokens
-  first after all.
+  (:mod:`.sampled_tokens`); ``discard()`` forgets the staged rows when the scheduler must read the
+  tokens first after all (it releases their KV slots itself, ``RequestRun.unstage``).
 
 A graph has fixed shapes. One graph attending over the whole ``max_context_tokens`` would cost every
 token as much as the longest conversation, so the static step keeps one attention (and one graph) per
@@ -74,7 +74,7 @@ class DecodeStep(Protocol):
         ...
 
     def discard(self) -> None:
-        """Take back the rows staged since the last ``run()``: their KV slots are released."""
+        """Forget the rows staged since the last ``run()`` (their callers release the KV slots they reserved)."""
         ...
 
     def run(self) -> torch.Tensor:
@@ -99,25 +99,21 @@ class DynamicDecodeStep:
         self._tokens: list[int] = []
         self._positions: list[int] = []
         self._steps: list[StepAttention] = []
-        self._seqs: list[int] = []
 
     def prepare(self, seq: int, token_id: int | torch.Tensor, rope_delta: int) -> None:
         slot = self.cache.length(seq)
         self._steps.append(self.cache.step(seq, 1))
         self._tokens.append(int(token_id))
         self._positions.append(slot + rope_delta)
-        self._seqs.append(seq)
 
     def discard(self) -> None:
-        for seq in self._seqs:
-            self.cache.truncate(seq, self.cache.length(seq) - 1)
-        self._tokens, self._positions, self._steps, self._seqs = [], [], [], []
+        self._tokens, self._positions, self._steps = [], [], []
 
     def run(self) -> torch.Tensor:
         if not self._steps:
             raise RuntimeError("run() without prepare()")
         tokens, positions, steps = self._tokens, self._positions, self._steps
-        self._tokens, self._positions, self._steps, self._seqs = [], [], [], []
+        self._tokens, self._positions, self._steps = [], [], []
         device = self.model.device
         ids = torch.tensor(tokens, dtype=torch.long, device=device)  # (B,)
         if len(steps) == 1:
@@ -173,7 +169,6 @@ class StaticDecodeStep:
         }
         self.staged = 0  # rows prepared since the last run()
         self.width = self.buckets[0]  # the context bucket of the staged rows
-        self._seqs: list[int] = []  # the sequence of each staged row
 
     def prepare(self, seq: int, token_id: int | torch.Tensor, rope_delta: int) -> None:
         """The token goes to KV slot ``s = length(seq)`` and RoPE position ``s + rope_delta`` (all three
@@ -192,12 +187,9 @@ class StaticDecodeStep:
         width = next(w for w in self.buckets if w > slot)
         self.width = width if row == 0 else max(self.width, width)
         self.staged = row + 1
-        self._seqs.append(seq)
 
     def discard(self) -> None:
-        for seq in self._seqs:
-            self.cache.truncate(seq, self.cache.length(seq) - 1)
-        self.staged, self._seqs = 0, []
+        self.staged = 0
 
     def forward(self, batch: int, width: int) -> torch.Tensor:
         """Device half, eager, for the first ``batch`` rows over the first ``width`` slots: reads only the
@@ -215,7 +207,7 @@ class StaticDecodeStep:
         batch = next(b for b in self.batch_buckets if b >= staged)
         if batch > staged:
             self.buffers.pad(staged)  # rows past the bucket are never read
-        self.staged, self._seqs = 0, []
+        self.staged = 0
         return self._runners[batch, self.width].run()[:staged]
 
     def describe(self) -> dict:

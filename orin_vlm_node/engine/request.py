@@ -180,6 +180,11 @@ class RequestRun:
         PoolExhausted before any change."""
         self.with_eviction(lambda: step.prepare(self.seq, token, self.session.rope_delta))
 
+    def unstage(self) -> None:
+        """Release the KV slot :meth:`stage` reserved, for a step that is taken back before it runs."""
+        cache = self.engine.cache
+        cache.truncate(self.seq, cache.length(self.seq) - 1)
+
     def fed(self, token: int) -> None:
         """``token`` went through the model: the session holds it."""
         self.session.append([token], [None])

@@ -255,8 +255,10 @@ class Scheduler:
         """
         step = self.engine.decode_step
         sampled, self._sampled = self._sampled, None
-        fed = self._stage(step, members, sampled)
-        if fed is None:  # staging needs the tokens read first (the pool ran out): take the rows back, read them
+        fed, complete = self._stage(step, members, sampled)
+        if not complete:  # staging needs the tokens read first (the pool ran out): take the rows back, read them
+            for member in fed:
+                member.run.unstage()
             step.discard()
             sampled.staged.clear()
             self._settle(sampled)
@@ -291,10 +293,12 @@ class Scheduler:
         elif chosen is not None:
             self._settle(chosen)
 
-    def _stage(self, step: DecodeStep, members: list[Member], sampled: SampledTokens | None) -> list[Member] | None:
-        """Stage the members' pending tokens; the members staged, in row order. None when staging failed
-        while ``sampled`` tokens are unread: who may be preempted, and what a failed member's answer was,
-        depend on them, so the caller reads them and stages again."""
+    def _stage(
+        self, step: DecodeStep, members: list[Member], sampled: SampledTokens | None
+    ) -> tuple[list[Member], bool]:
+        """Stage the members' pending tokens; the members staged, in row order, and whether staging went
+        through. It stops when staging fails while ``sampled`` tokens are unread: who may be preempted, and
+        what a failed member's answer was, depend on them, so the caller reads them and stages again."""
         fed: list[Member] = []
         for member in members:
             while member.phase == "decode":  # a younger member's preemption may have taken it out
@@ -307,19 +311,19 @@ class Scheduler:
                     member.run.stage(step, token)
                 except PoolExhausted as exc:
                     if sampled is not None:
-                        return None
+                        return fed, False
                     if self._make_room(member, exc) == "retry":
                         continue
                 except Exception as exc:  # noqa: BLE001
                     if sampled is not None:
-                        return None
+                        return fed, False
                     self._finish(member, *member.run.outcome(exc))
                 else:
                     fed.append(member)
                     if member.token is None:
                         sampled.staged.add(member)
                 break
-        return fed
+        return fed, True
 
     def _make_room(self, member: Member, exc: PoolExhausted) -> str:
         """``member`` needs KV the pool does not have: preempt the most recently admitted request holding

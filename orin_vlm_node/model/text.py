@@ -49,12 +49,11 @@ def rms_norm(norm: RMSNorm, x: torch.Tensor) -> torch.Tensor:
 def add_rms_norm(norm: RMSNorm, x: torch.Tensor, delta: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
     """The residual add ``x + delta`` (none when ``delta`` is None) and ``norm`` of the sum: (sum, normed),
     both (L, D); one kernel for both when the fused kernels are attached."""
-    if delta is None:
-        return x, rms_norm(norm, x)
-    if norm.fused is not None:
+    if delta is not None and norm.fused is not None:
         return norm.fused.add_rms_norm(x, delta, norm.weight, norm.eps)
-    x = x + delta
-    return x, norm.weight * norm.normalize(x)
+    if delta is not None:
+        x = x + delta
+    return x, rms_norm(norm, x)
 
 
 class FusedLinear(nn.Module):
