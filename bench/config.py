@@ -47,12 +47,14 @@ class BenchConfig:
     # ROS
     ros: bool = True
     ros_max_new_tokens: int = 400  # long answers: the per-token cost of publishing is what is measured
-    # Fresh processes of the same engine decode up to 15% apart for their whole life on this host, while repeats
-    # inside one process agree to about 3%: one node process against one engine-alone process compared two draws
-    # (31 pairs of one round moved the overhead's median between -2% and +11% from run to run). So the section runs
-    # rounds, each with a fresh node and a fresh engine-alone process, and reduces per round, then over rounds.
-    ros_rounds: int = 10
-    ros_repeats: int = 3  # alternating pairs per round
+    # Fresh processes of the same engine decode up to 15% apart for their whole life on this host (six alive at
+    # once, asked in turn: one was the slowest or next to it in 7 of 10 turns, its median 7% below the others),
+    # while the host's own slow phases move every process together: one node process against one engine-alone
+    # process compared two draws (31 pairs of one round moved the overhead's median between -2% and +11% from run
+    # to run). So the section runs rounds, each with a fresh node and a fresh engine-alone process, and reduces
+    # per round, then over rounds.
+    ros_rounds: int = 16
+    ros_repeats: int = 2  # alternating pairs per round
     ros_startup_timeout_s: float = 120.0
     # continuous batching
     batch_sizes: tuple[int, ...] = (1, 2, 4, 8)
