@@ -199,7 +199,7 @@ def test_int4_weights_the_kernel_cannot_read_are_refused_with_the_reason(gemm, k
     module.scales = module.scales.t().contiguous().t()  # same values, columns apart
     with pytest.raises(ValueError, match=r"scales is torch.float16 \(16, 4\), not contiguous torch.float16"):
         getattr(gemm, kernel)(x, module)
-    with pytest.raises(ValueError, match="int4 weights of 48 inputs"):
+    with pytest.raises(ValueError, match=r"the weight takes \(m, 64\) rows, got \(2, 48\)"):
         getattr(gemm, kernel)(torch.randn(2, 48), _quantized(16, 64, "int4", 16, seed=1))
 
 
@@ -233,14 +233,32 @@ def test_a_non_contiguous_input_is_taken(gemm):
 
 
 @pytest.mark.parametrize(
-    "w",
-    [torch.randn(16, 8).t(), torch.randn(8, 16).half(), torch.randn(8, 15)],
+    "w,reason",
+    [
+        (torch.randn(16, 8).t(), "take a contiguous fp32/bf16/int8"),
+        (torch.randn(8, 16).half(), "take a contiguous fp32/bf16/int8"),
+        (torch.randn(8, 15), r"the weight takes \(m, 15\) rows, got \(2, 16\)"),
+    ],
     ids=["transposed", "fp16", "other_k"],
 )
 @pytest.mark.parametrize("kernel", ["few_rows", "many_rows"])
-def test_a_weight_the_kernel_cannot_read_raw_is_refused(gemm, w, kernel):
-    with pytest.raises(ValueError, match=f"{kernel}_gemm takes a contiguous fp32/bf16/int8"):
+def test_a_weight_the_kernel_cannot_read_raw_is_refused(gemm, w, reason, kernel):
+    with pytest.raises(ValueError, match=reason):
         getattr(gemm, kernel)(torch.randn(2, 16), w)
+
+
+def test_a_bound_weight_is_checked_once_and_read_at_its_current_address(gemm):
+    """A projection binds its weight when routed to the kernels; replacing the weight's storage in place
+    (``param.data = ...``) must not leave the kernel reading the old memory."""
+    gen = torch.Generator().manual_seed(9)
+    w, x = torch.nn.Parameter(torch.randn(24, 16, generator=gen)), torch.randn(3, 16, generator=gen)
+    bound = gemm.bind(w)
+    torch.testing.assert_close(bound.few_rows(x), F.linear(x, w), rtol=1e-5, atol=1e-5)
+    w.data = torch.randn(24, 16, generator=gen)
+    torch.testing.assert_close(bound.few_rows(x), F.linear(x, w), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(bound.many_rows(x), F.linear(x, w), rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="take a contiguous fp32/bf16/int8"):
+        gemm.bind(torch.randn(16, 24).t())
 
 
 @pytest.mark.parametrize(

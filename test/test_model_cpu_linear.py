@@ -95,10 +95,10 @@ def test_rows_of_a_kernel_call_in_pieces_are_bit_identical_to_each_row_alone(nam
 def _kernel_calls(linear: CpuLinear, x: torch.Tensor) -> tuple[torch.Tensor, list[str]]:
     """``linear(x)`` and what it called: the kernels (ctypes calls, counted through wrapping mocks), then
     torch's GEMM ops (from the profiler)."""
-    gemm = linear.gemm
+    product = linear.product
     with (
-        mock.patch.object(gemm, "few_rows", wraps=gemm.few_rows) as few,
-        mock.patch.object(gemm, "many_rows", wraps=gemm.many_rows) as many,
+        mock.patch.object(product, "few_rows", wraps=product.few_rows) as few,
+        mock.patch.object(product, "many_rows", wraps=product.many_rows) as many,
         torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof,
     ):
         out = linear(x)

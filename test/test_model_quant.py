@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from orin_vlm_node.cpu import load_cpu_gemm
+from orin_vlm_node.cpu.gemm import BoundWeight
 from orin_vlm_node.engine import Engine, EngineConfig, EngineError, Request, SamplingParams, Turn
 from orin_vlm_node.model import CheckpointError, load_model
 from orin_vlm_node.model.cpu_linear import KERNEL_ROWS, CpuQuantKernels
@@ -152,8 +153,8 @@ def test_the_cpu_kernels_compute_what_the_torch_path_computes(checkpoint, gemm, 
         positions = torch.arange(len(ids)).expand(3, -1)
         logits = []
         with (
-            mock.patch.object(gemm, "few_rows", wraps=gemm.few_rows) as few,
-            mock.patch.object(gemm, "many_rows", wraps=gemm.many_rows) as many,
+            mock.patch.object(BoundWeight, "few_rows", autospec=True, side_effect=BoundWeight.few_rows) as few,
+            mock.patch.object(BoundWeight, "many_rows", autospec=True, side_effect=BoundWeight.many_rows) as many,
         ):
             for model in (with_kernels, torch_path):
                 seq = engine.cache.new_sequence()

@@ -80,48 +80,83 @@ class CpuGemm:
         # of bf16 weights there, and the callers route those rows to it (``model.cpu_linear``).
         self.torch_bf16_prefill = torch_bf16_prefill
 
+    def bind(self, w: Weight) -> BoundWeight:
+        """``w`` checked once for the kernels (a weight they cannot read raw raises ``ValueError``)."""
+        return BoundWeight(self, w)
+
     def few_rows(self, x: torch.Tensor, w: Weight) -> torch.Tensor:
-        """(m, k) x (n, k) -> (m, n) for 1 <= m <= ``max_rows``; CPU tensors. Every decode step's call."""
-        fn, x32, y, threads, weight = _operands(self._few, "few_rows_gemm", x, w)
-        if fn(x32.data_ptr(), y.data_ptr(), *y.shape, x32.shape[1], threads, *weight):
-            raise ValueError(f"few_rows_gemm takes 1..{self.max_rows} rows, got {y.shape[0]}")
-        return y.to(x.dtype)
+        """(m, k) x (n, k) -> (m, n) for 1 <= m <= ``max_rows``; CPU tensors."""
+        return self.bind(w).few_rows(x)
 
     def many_rows(self, x: torch.Tensor, w: Weight) -> torch.Tensor:
         """(m, k) x (n, k) -> (m, n) for any m >= 1; CPU tensors."""
-        fn, x32, y, threads, weight = _operands(self._many, "many_rows_gemm", x, w)
+        return self.bind(w).many_rows(x)
+
+
+class BoundWeight:
+    """One weight with its kernels, checked once: a projection binds its weight when it is routed to the
+    kernels, and every product after that only converts ``x`` and calls.
+
+    Why: on the default model a decode token is 17 products of small weights, and the check of the weight's
+    dtype, shape, layout and int4 groups on every call cost as much as the kernel call itself (9.7 us a call
+    against 4.4 for the ctypes call alone, 384 x 128 fp32, one thread). The weight's pointers are read on
+    every call, so a weight whose storage is replaced in place is never read at its old address."""
+
+    def __init__(self, gemm: CpuGemm, w: Weight) -> None:
+        if isinstance(w, torch.Tensor):
+            key = w.dtype
+            if key not in gemm._few or w.dim() != 2 or not w.is_contiguous():  # the kernel reads w's memory raw
+                raise ValueError(f"the CPU kernels take a contiguous fp32/bf16/int8 (n, k) weight, got "
+                                 f"{w.dtype} {tuple(w.shape)} strides {w.stride()}")  # fmt: skip
+            self.n, self.k = w.shape
+        else:
+            key = "int4"
+            _check_int4(w)
+            self.n, self.k = w.qweight.shape[0], w.in_features
+        self.weight = w
+        self.max_rows = gemm.max_rows
+        self._few, self._many = gemm._few[key], gemm._many[key]
+        self._threaded = self.n * self.k >= PARALLEL_MIN_WEIGHTS
+
+    def _pointers(self) -> tuple[int, ...]:
+        w = self.weight
+        if isinstance(w, torch.Tensor):
+            return (w.data_ptr(),)
+        return w.qweight.data_ptr(), w.scales.data_ptr(), w.offsets.data_ptr(), w.group_size
+
+    def _operands(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """``x`` as contiguous fp32, the output ``y (m, n)`` and the thread count."""
+        if x.dim() != 2 or x.shape[1] != self.k:
+            raise ValueError(f"the weight takes (m, {self.k}) rows, got {tuple(x.shape)}")
+        x32 = x if x.dtype == torch.float32 and x.is_contiguous() else x.to(torch.float32).contiguous()
+        threads = torch.get_num_threads() if self._threaded else 1
+        return x32, torch.empty(x32.shape[0], self.n), threads
+
+    def few_rows(self, x: torch.Tensor) -> torch.Tensor:
+        """(m, k) -> (m, n) for 1 <= m <= ``max_rows``. Every decode step's call."""
+        x32, y, threads = self._operands(x)
+        if self._few(x32.data_ptr(), y.data_ptr(), y.shape[0], self.n, self.k, threads, *self._pointers()):
+            raise ValueError(f"few_rows_gemm takes 1..{self.max_rows} rows, got {y.shape[0]}")
+        return y if x.dtype == torch.float32 else y.to(x.dtype)
+
+    def many_rows(self, x: torch.Tensor) -> torch.Tensor:
+        """(m, k) -> (m, n) for any m >= 1."""
+        x32, y, threads = self._operands(x)
         scratch = torch.empty(x32.numel())  # the rows packed k-major, in groups
-        if fn(x32.data_ptr(), y.data_ptr(), scratch.data_ptr(), *y.shape, x32.shape[1], threads, *weight):
+        ptrs = self._pointers()
+        if self._many(x32.data_ptr(), y.data_ptr(), scratch.data_ptr(), y.shape[0], self.n, self.k, threads, *ptrs):
             raise ValueError(f"many_rows_gemm takes 1 or more rows, got {y.shape[0]}")
-        return y.to(x.dtype)
+        return y if x.dtype == torch.float32 else y.to(x.dtype)
 
 
-def _operands(
-    fns: dict[object, Callable[..., int]], kernel: str, x: torch.Tensor, w: Weight
-) -> tuple[Callable[..., int], torch.Tensor, torch.Tensor, int, tuple[int, ...]]:
-    """The kernel for ``w``, ``x`` as contiguous fp32, the output ``y (m, n)``, the thread count and the weight's
-    arguments; a weight the kernel cannot read raw raises."""
-    if isinstance(w, torch.Tensor):
-        fn, n = fns.get(w.dtype), w.shape[0]
-        if fn is None or not w.is_contiguous() or w.shape[1] != x.shape[1]:  # the kernel reads w's memory raw
-            raise ValueError(f"{kernel} takes a contiguous fp32/bf16/int8 (n, {x.shape[1]}) weight, got "
-                             f"{w.dtype} {tuple(w.shape)} strides {w.stride()}")  # fmt: skip
-        weight = (w.data_ptr(),)
-    else:
-        fn, n, weight = fns["int4"], w.qweight.shape[0], _int4_arguments(kernel, x, w)
-    x32 = x.to(torch.float32).contiguous()  # no copy for a contiguous fp32 x
-    threads = torch.get_num_threads() if n * x32.shape[1] >= PARALLEL_MIN_WEIGHTS else 1
-    return fn, x32, torch.empty(x32.shape[0], n), threads, weight
-
-
-def _int4_arguments(kernel: str, x: torch.Tensor, w: Int4Weight) -> tuple[int, ...]:
-    """The pointers and group size of an int4 weight, after checking that its buffers have the layout
-    :class:`Int4Weight` describes for ``x``'s k (the kernel reads them raw)."""
+def _check_int4(w: Int4Weight) -> None:
+    """Raises unless the int4 weight's buffers have the layout :class:`Int4Weight` describes (the kernels
+    read them raw)."""
     k, g = w.in_features, w.group_size
     n, groups = w.qweight.shape[0], -(-k // g) if g > 0 else 0
     buffers = ((w.qweight, (n, -(-k // 2)), torch.uint8), (w.scales, (n, groups), torch.float16),
                (w.offsets, (n, groups), torch.float16))  # fmt: skip
-    problems = [] if k == x.shape[1] and g >= INT4_MIN_GROUP and not g & (g - 1) else [f"{k} inputs in groups of {g}"]
+    problems = [] if g >= INT4_MIN_GROUP and not g & (g - 1) else [f"{k} inputs in groups of {g}"]
     problems += [
         f"{name} is {t.dtype} {tuple(t.shape)}, not contiguous {dtype} {shape}"
         for name, (t, shape, dtype) in zip(("qweight", "scales", "offsets"), buffers, strict=True)
@@ -129,10 +164,8 @@ def _int4_arguments(kernel: str, x: torch.Tensor, w: Int4Weight) -> tuple[int, .
     ]
     if problems:
         raise ValueError(
-            f"{kernel} takes int4 weights of {x.shape[1]} inputs in groups of a power of two >= {INT4_MIN_GROUP}: "
-            + "; ".join(problems)
+            f"the CPU kernels take int4 weights in groups of a power of two >= {INT4_MIN_GROUP}: " + "; ".join(problems)
         )
-    return w.qweight.data_ptr(), w.scales.data_ptr(), w.offsets.data_ptr(), g
 
 
 class _Int4Probe(NamedTuple):

@@ -55,30 +55,39 @@ batch's tokens are those each sequence gets alone."""
 ONE_CALL_ELEMENTS = 1 << 20  # an fp32 weight of at most this many elements (4 MB) is one F.linear call
 
 
+class RowsProduct(Protocol):
+    """One weight bound to the kernels (``orin_vlm_node.cpu.gemm.BoundWeight``): ``x (m, k) @ w (n, k).T``,
+    ``few_rows`` for 1..``max_rows`` rows, batch-invariant; ``many_rows`` for any row count."""
+
+    max_rows: int
+
+    def few_rows(self, x: torch.Tensor) -> torch.Tensor: ...
+
+    def many_rows(self, x: torch.Tensor) -> torch.Tensor: ...
+
+
 class RowsGemm(Protocol):
-    """``x (m, k) @ w (n, k).T`` (``orin_vlm_node.cpu.CpuGemm``): ``few_rows`` for 1..``max_rows`` rows,
-    batch-invariant; ``many_rows`` for any row count. ``w``: an fp32, bf16 or int8 tensor, or an int4
-    :class:`~.quant.QuantizedLinear` (its buffers are the layout the kernels read)."""
+    """The CPU kernels (``orin_vlm_node.cpu.CpuGemm``): ``bind(w)`` checks a weight once and gives its
+    :class:`RowsProduct`. ``w``: an fp32, bf16 or int8 tensor, or an int4 :class:`~.quant.QuantizedLinear` (its
+    buffers are the layout the kernels read)."""
 
     max_rows: int
     origin: str
     int4_min_group: int  # the smallest int4 group the kernels take
     torch_bf16_prefill: bool  # the CPU multiplies bf16 natively: torch's GEMM for a prefill of bf16 weights
 
-    def few_rows(self, x: torch.Tensor, w: Any) -> torch.Tensor: ...
-
-    def many_rows(self, x: torch.Tensor, w: Any) -> torch.Tensor: ...
+    def bind(self, w: Any) -> RowsProduct: ...
 
 
-def kernel_product(gemm: RowsGemm, x: torch.Tensor, w: Any) -> torch.Tensor:
+def kernel_product(product: RowsProduct, x: torch.Tensor) -> torch.Tensor:
     """(L, in) -> (L, out): up to ``KERNEL_ROWS`` rows (a decode step) through the few-rows kernel, in pieces
     of its ``max_rows``; more (a prefill) through the many-rows kernel."""
-    rows, step = x.shape[0], gemm.max_rows
+    rows, step = x.shape[0], product.max_rows
     if 1 <= rows <= step:
-        return gemm.few_rows(x, w)
+        return product.few_rows(x)
     if rows <= KERNEL_ROWS:
-        return torch.cat([gemm.few_rows(x[i : i + step], w) for i in range(0, rows, step)])
-    return gemm.many_rows(x, w)
+        return torch.cat([product.few_rows(x[i : i + step]) for i in range(0, rows, step)])
+    return product.many_rows(x)
 
 
 def _bf16_on_torch(weight: torch.Tensor, gemm: RowsGemm) -> bool:
@@ -96,7 +105,7 @@ class CpuLinear(nn.Module):
     def __init__(self, weight: nn.Parameter, gemm: RowsGemm) -> None:
         super().__init__()
         self.matrix = weight  # the same Parameter (a tied head's is the embedding table)
-        self.gemm = gemm
+        self.product = gemm.bind(weight)  # checked once here, not on every decode step's call
         small = weight.dtype == torch.float32 and weight.numel() <= ONE_CALL_ELEMENTS
         self.torch_prefill = small or _bf16_on_torch(weight, gemm)
 
@@ -104,14 +113,14 @@ class CpuLinear(nn.Module):
         """(L, in) -> (L, out)."""
         if self.torch_prefill and x.shape[0] > KERNEL_ROWS:
             return F.linear(x, self.matrix)
-        return kernel_product(self.gemm, x, self.matrix)
+        return kernel_product(self.product, x)
 
     def extra_repr(self) -> str:
         out_features, in_features = self.matrix.shape
         above = "F.linear" if self.torch_prefill else "many_rows_gemm"
         return (
             f"in_features={in_features}, out_features={out_features}, few_rows_gemm<={KERNEL_ROWS} "
-            f"(pieces of {self.gemm.max_rows}), {above} above"
+            f"(pieces of {self.product.max_rows}), {above} above"
         )
 
 
@@ -131,8 +140,8 @@ class CpuQuantKernels:
     def __call__(self, module: QuantizedLinear, x: torch.Tensor) -> torch.Tensor:
         """(L, K) -> (L, N) in x's dtype."""
         if module.mode == "int8":
-            return kernel_product(self.gemm, x, module.qweight) * module.scales.to(x.dtype)
-        return kernel_product(self.gemm, x, module)
+            return kernel_product(self.gemm.bind(module.qweight), x) * module.scales.to(x.dtype)
+        return kernel_product(self.gemm.bind(module), x)
 
 
 def use_cpu_gemm(model: nn.Module, gemm: RowsGemm) -> str:
