@@ -277,8 +277,9 @@ def _decode_figures(res: SectionResult, rounds: list[_Round]) -> None:
     The overhead is taken per round, then over rounds: fresh processes of the same engine decode at rates
     up to 15% apart for their whole life on this host (within a process repeats agree to about 3%), so
     pairs inside one round share their two processes' draw and only more rounds average it out."""
-    e_tps = [_tok_s(s) for rnd in rounds for s in rnd.engine]
-    r_tps = [_tok_s(s) for rnd in rounds for s in rnd.ros]
+    per_round = [([_tok_s(s) for s in rnd.engine], [_tok_s(s) for s in rnd.ros]) for rnd in rounds]
+    e_tps = [x for engine, _ in per_round for x in engine]
+    r_tps = [x for _, ros in per_round for x in ros]
     node_tps = [float(s.finished["metrics"]["decode_tokens_per_s"]) for rnd in rounds for s in rnd.ros]
     res.add("engine.decode_tok_s", "tok/s", e_tps, "engine alone: tokens/s between first and last delta", side="engine")
     res.add(
@@ -291,10 +292,7 @@ def _decode_figures(res: SectionResult, rounds: list[_Round]) -> None:
         pair_overhead,
         "subscriber time per token / engine-alone time per token - 1 (per pair, all rounds)",
     )
-    round_overhead = [
-        statistics.median(x - 1.0 for x in paired_ratio([_tok_s(s) for s in rnd.engine], [_tok_s(s) for s in rnd.ros]))
-        for rnd in rounds
-    ]
+    round_overhead = [statistics.median(x - 1.0 for x in paired_ratio(engine, ros)) for engine, ros in per_round]
     res.add(
         "decode_overhead",
         "fraction",

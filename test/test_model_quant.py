@@ -18,8 +18,8 @@ from orin_vlm_node.cpu import load_cpu_gemm
 from orin_vlm_node.cpu.gemm import BoundWeight
 from orin_vlm_node.engine import Engine, EngineConfig, EngineError, Request, SamplingParams, Turn
 from orin_vlm_node.model import CheckpointError, load_model
-from orin_vlm_node.model.cpu_linear import KERNEL_ROWS, CpuQuantKernels
-from orin_vlm_node.model.quant import QuantizedLinear, WeightQuant, attach_kernels, weight_bytes
+from orin_vlm_node.model.cpu_linear import KERNEL_ROWS, CpuQuantLinear, use_cpu_gemm
+from orin_vlm_node.model.quant import QuantizedLinear, WeightQuant, weight_bytes
 from orin_vlm_node.model.text import DecoderLayer
 from support.checkpoints import cached_tiny_checkpoint
 
@@ -144,8 +144,12 @@ def gemm(tmp_path_factory):
 @pytest.mark.parametrize("quant", [WeightQuant("int8"), WeightQuant("int4", 32), WeightQuant("int4", 8)])
 def test_the_cpu_kernels_compute_what_the_torch_path_computes(checkpoint, gemm, quant):
     with_kernels, torch_path = load_model(checkpoint, quant=quant), load_model(checkpoint, quant=quant)
-    projections = 4 * len(with_kernels.language_model.layers)
-    assert attach_kernels(with_kernels, CpuQuantKernels(gemm)) == projections
+    layers = with_kernels.language_model.layers
+    projections = 4 * len(layers)
+    assert f"({projections} quantized projections + LM head;" in use_cpu_gemm(with_kernels, gemm)
+    routed = [getattr(getattr(layer, s), a) for layer in layers for s, a in layer.PROJECTIONS]
+    assert all(isinstance(m, CpuQuantLinear) for m in routed)
+    assert weight_bytes(with_kernels) == weight_bytes(torch_path)  # the stored bytes, not a copy
     engine = Engine(EngineConfig(model_path=str(checkpoint), device="cpu"))
     text = "Where is the charging station? Count the boxes on the shelf."
     for rows in (1, 3, 9, 40):  # a decode step, batches (pieces of the few-rows kernel), a prefill

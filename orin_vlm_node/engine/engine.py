@@ -45,7 +45,7 @@ from ..cuda.quant_gemv import CudaQuantGemv
 from ..kvcache import KVCache, build_kv_cache, check_page_size
 from ..model import load_model
 from ..model.config import ModelConfig
-from ..model.cpu_linear import KERNEL_ROWS, CpuQuantKernels, use_cpu_gemm
+from ..model.cpu_linear import KERNEL_ROWS, quant_refusal, use_cpu_gemm
 from ..model.errors import CheckpointError
 from ..model.quant import attach_kernels, weight_bytes
 from ..model.text import attach_fused_ops
@@ -109,10 +109,8 @@ class Engine:
         if parts & {"model", "kv_cache", "backend"}:
             self.attention = select_attention(self._config, self.model_config, self.dtype, self.device)
             launcher = self.attention.launcher if self.attention.kernels else None
-            kernels = (
-                CudaQuantGemv(launcher) if launcher else CpuQuantKernels(self._cpu_gemm) if self._cpu_gemm else None
-            )
-            if attach_kernels(self.model, kernels):
+            # The CUDA GEMV kernels for quantized projections (the CPU kernels are routed with the model's load).
+            if attach_kernels(self.model, CudaQuantGemv(launcher) if launcher else None):
                 log.info("quantized projections: %s", self.weight_path)
             attach_fused_ops(self.model, CudaFusedOps(launcher) if launcher else None)
         if parts & {"model", "kv_cache"}:
@@ -272,9 +270,9 @@ class Engine:
             return f"{mode}: GEMV kernels for up to 8 rows, torch GEMM beyond"
         if self._cpu_gemm is None:
             return f"{mode}: torch (weights widened for each product)"
-        if mode == "int4" and group < self._cpu_gemm.int4_min_group:
-            return (f"{mode}: torch (weights widened for each product; the CPU GEMM kernels take groups of "
-                    f"{self._cpu_gemm.int4_min_group} or more, not {group})")  # fmt: skip
+        refusal = quant_refusal(mode, group, self._cpu_gemm)
+        if refusal:
+            return f"{mode}: torch (weights widened for each product; {refusal})"
         return f"{mode}: CPU GEMM kernels on the stored weights, few rows for 1..{KERNEL_ROWS}, many rows above"
 
     def describe(self) -> dict:

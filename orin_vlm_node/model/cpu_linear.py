@@ -30,9 +30,13 @@ CPU without bf16 arithmetic; on one with it (``cpu.gemm.native_bf16``: AVX512-BF
 bf16 GEMM runs on those units and beats the kernel, which widens to fp32 (24 rows 9.1 ms against 15.9, 256
 rows 60 against 130), so a bf16 prefill takes ``F.linear`` there; decode rows keep the few-rows kernel.
 
-Quantized projections (``weight_quant``) stay :class:`~.quant.QuantizedLinear` modules and take the same
-kernels through :class:`CpuQuantKernels`, which hands them the stored bytes: the rows are routed as above
+Quantized projections (``weight_quant``) keep their :class:`~.quant.QuantizedLinear` (the stored bytes) inside
+a :class:`CpuQuantLinear`, which hands those bytes to the same kernels: the rows are routed as above
 (:func:`kernel_product`), so a decode step's tokens are batch-invariant there too.
+
+A routed projection binds its weight once, when it is routed (``RowsGemm.bind``: dtype, shape, layout and
+int4 groups checked there, not on every call: the check costs as much as a small product). The model is on
+its device and in its dtype by then and is not moved afterwards (another device or dtype reloads it).
 """
 
 from __future__ import annotations
@@ -71,7 +75,6 @@ class RowsGemm(Protocol):
     :class:`RowsProduct`. ``w``: an fp32, bf16 or int8 tensor, or an int4 :class:`~.quant.QuantizedLinear` (its
     buffers are the layout the kernels read)."""
 
-    max_rows: int
     origin: str
     int4_min_group: int  # the smallest int4 group the kernels take
     torch_bf16_prefill: bool  # the CPU multiplies bf16 natively: torch's GEMM for a prefill of bf16 weights
@@ -124,35 +127,46 @@ class CpuLinear(nn.Module):
         )
 
 
-class CpuQuantKernels:
-    """The ``kernels`` of a :class:`~.quant.QuantizedLinear` on the CPU: the stored weight through the same
-    kernels as a float one, widened in registers (the torch path widens the whole weight to a float copy
-    for every product: on a 2B-shape gate+up projection, one row and one thread, 49 ms in int8 and 304 ms
-    in int4 against 3.6 ms for the fp32 weight in the kernel). INT8 applies its per-row scale after the
-    product, as the torch path does; INT4 groups smaller than the kernels take stay on the torch path."""
+def quant_refusal(mode: str, group_size: int, gemm: RowsGemm) -> str:
+    """Why the CPU kernels do not take projections quantized as ``mode`` with ``group_size`` ('' when they
+    do): int4 groups smaller than the kernels widen at once stay on the torch path."""
+    if mode == "int4" and group_size < gemm.int4_min_group:
+        return f"the CPU GEMM kernels take groups of {gemm.int4_min_group} or more, not {group_size}"
+    return ""
 
-    def __init__(self, gemm: RowsGemm) -> None:
-        self.gemm = gemm
 
-    def fits(self, module: QuantizedLinear, x: torch.Tensor) -> bool:
-        return x.device.type == "cpu" and (module.mode == "int8" or module.group_size >= self.gemm.int4_min_group)
+class CpuQuantLinear(nn.Module):
+    """A quantized projection through the CPU kernels: the stored weight widened in registers (the torch path
+    widens the whole weight to a float copy for every product: on a 2B-shape gate+up projection, one row and
+    one thread, 49 ms in int8 and 304 ms in int4 against 3.6 ms for the fp32 weight in the kernel). INT8
+    applies its per-row scale after the product, as the torch path does."""
 
-    def __call__(self, module: QuantizedLinear, x: torch.Tensor) -> torch.Tensor:
+    weight = None  # callers use the module (``text.project``); the stored weight is ``stored``
+
+    def __init__(self, stored: QuantizedLinear, gemm: RowsGemm) -> None:
+        super().__init__()
+        self.stored = stored  # a child module: its buffers stay the model's
+        self.product = gemm.bind(stored.qweight if stored.mode == "int8" else stored)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         """(L, K) -> (L, N) in x's dtype."""
-        if module.mode == "int8":
-            return kernel_product(self.gemm.bind(module.qweight), x) * module.scales.to(x.dtype)
-        return kernel_product(self.gemm.bind(module), x)
+        y = kernel_product(self.product, x)
+        return y * self.stored.scales.to(x.dtype) if self.stored.mode == "int8" else y
 
 
 def use_cpu_gemm(model: nn.Module, gemm: RowsGemm) -> str:
-    """Route the decoder's float projections and the LM head through ``gemm``; what was done, for the log
-    and diagnostics. The caller (the engine, through ``cpu.cpu_gemm_for``) checked device and dtype."""
-    routed = 0
+    """Route the decoder's projections (float, and quantized ones the kernels take) and the LM head through
+    ``gemm``; what was done, for the log and diagnostics. The caller (the engine, through
+    ``cpu.cpu_gemm_for``) checked device and dtype."""
+    routed = quantized = 0
     for layer in model.language_model.layers:
         for sub, attr in layer.PROJECTIONS:
             parent = getattr(layer, sub)
             module = getattr(parent, attr)
-            if module.weight is None:  # a quantized projection has its own path
+            if isinstance(module, QuantizedLinear):
+                if not quant_refusal(module.mode, module.group_size, gemm):
+                    setattr(parent, attr, CpuQuantLinear(module, gemm))
+                    quantized += 1
                 continue
             setattr(parent, attr, CpuLinear(module.weight, gemm))
             routed += 1
@@ -160,8 +174,10 @@ def use_cpu_gemm(model: nn.Module, gemm: RowsGemm) -> str:
     above = "many rows above"
     if _bf16_on_torch(model.lm_head.matrix, gemm):
         above = "torch's GEMM above (this CPU has bf16 arithmetic)"
+    counts = [f"{routed} projections"] if routed else []
+    counts += [f"{quantized} quantized projections"] if quantized else []
     what = (
-        f"CPU GEMM kernels, few rows for 1..{KERNEL_ROWS}, {above} ({routed} projections + LM head; "
+        f"CPU GEMM kernels, few rows for 1..{KERNEL_ROWS}, {above} ({' + '.join([*counts, 'LM head'])}; "
         f"library {gemm.origin})"
     )
     log.info("CPU projections: %s", what)

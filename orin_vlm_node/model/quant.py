@@ -64,8 +64,9 @@ class QuantizedLinear(nn.Module):
     def __init__(self, out_features: int, in_features: int, mode: str, group_size: int, device=None) -> None:
         super().__init__()
         self.out_features, self.in_features, self.mode, self.group_size = out_features, in_features, mode, group_size
-        # The kernels that multiply the stored weight when the engine loaded them (CUDA: the GEMV kernels,
-        # ``cuda.quant_gemv.CudaQuantGemv``; CPU: the GEMM kernels, ``cpu_linear.CpuQuantKernels``); None = torch.
+        # The CUDA GEMV kernels that multiply the stored weight when the engine loaded them
+        # (``cuda.quant_gemv.CudaQuantGemv``); None = torch. On the CPU the engine wraps the module instead
+        # (``cpu_linear.CpuQuantLinear``).
         self.kernels = None
         n, k = out_features, in_features
         if mode == "int8":
@@ -121,9 +122,9 @@ class QuantizedLinear(nn.Module):
         return (q.to(torch.float32) * scales.float() + offsets.float()).to(dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """(L, K) -> (L, N) in x's dtype: the kernels when they are loaded and take the call (CUDA: a decode
-        step's few rows; CPU: any rows); else the torch path, the reference of both: widen the weight, one
-        product (INT8 applies its per-row scale after the product, where it factors out)."""
+        """(L, K) -> (L, N) in x's dtype: the CUDA kernels when they are loaded and take the call (a decode
+        step's few rows); else the torch path, the reference of the CUDA and the CPU kernels: widen the weight,
+        one product (INT8 applies its per-row scale after the product, where it factors out)."""
         if self.kernels is not None and self.kernels.fits(self, x):
             return self.kernels(self, x)
         if self.mode == "int8":
