@@ -139,19 +139,22 @@ class CpuQuantLinear(nn.Module):
     """A quantized projection through the CPU kernels: the stored weight widened in registers (the torch path
     widens the whole weight to a float copy for every product: on a 2B-shape gate+up projection, one row and
     one thread, 49 ms in int8 and 304 ms in int4 against 3.6 ms for the fp32 weight in the kernel). INT8
-    applies its per-row scale after the product, as the torch path does."""
+    applies its per-row scale after the product, as the torch path does, with the scales widened once to
+    the model's ``dtype`` and applied in place (scaling one row of the default model's 384 outputs: 3.4 us
+    with the scales widened on every product, 1.0 us so)."""
 
     weight = None  # callers use the module (``text.project``); the stored weight is ``stored``
 
-    def __init__(self, stored: QuantizedLinear, gemm: RowsGemm) -> None:
+    def __init__(self, stored: QuantizedLinear, gemm: RowsGemm, dtype: torch.dtype) -> None:
         super().__init__()
         self.stored = stored  # a child module: its buffers stay the model's
         self.product = gemm.bind(stored.qweight if stored.mode == "int8" else stored)
+        self.scales = stored.scales.to(dtype) if stored.mode == "int8" else None  # (N,)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """(L, K) -> (L, N) in x's dtype."""
-        y = kernel_product(self.product, x)
-        return y * self.stored.scales.to(x.dtype) if self.stored.mode == "int8" else y
+        """(L, K) -> (L, N) in the model's dtype (x's)."""
+        y = kernel_product(self.product, x)  # a new tensor: scaled in place
+        return y.mul_(self.scales) if self.scales is not None else y
 
 
 def use_cpu_gemm(model: nn.Module, gemm: RowsGemm) -> str:
@@ -159,13 +162,14 @@ def use_cpu_gemm(model: nn.Module, gemm: RowsGemm) -> str:
     ``gemm``; what was done, for the log and diagnostics. The caller (the engine, through
     ``cpu.cpu_gemm_for``) checked device and dtype."""
     routed = quantized = 0
+    dtype = model.lm_head.weight.dtype  # the model's float dtype: its activations'
     for layer in model.language_model.layers:
         for sub, attr in layer.PROJECTIONS:
             parent = getattr(layer, sub)
             module = getattr(parent, attr)
             if isinstance(module, QuantizedLinear):
                 if not quant_refusal(module.mode, module.group_size, gemm):
-                    setattr(parent, attr, CpuQuantLinear(module, gemm))
+                    setattr(parent, attr, CpuQuantLinear(module, gemm, dtype))
                     quantized += 1
                 continue
             setattr(parent, attr, CpuLinear(module.weight, gemm))
