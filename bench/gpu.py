@@ -18,9 +18,9 @@ that config is absent), batch 1, greedy, answers of a fixed length (``ignore_eos
 * ``quant.<none|int8|int4>``: batch-1 decode with kernels + graphs and fp16 activations, the decoder's
   projections stored as ``weight_quant`` says (the INT8/INT4 GEMV kernels); tokens/s, the fraction of each
   model's own bound (the bytes it really reads), and the speedup over fp16 weights.
-* ``gemv.<projection>.<fp16|int8|int4>``: one row through each projection shape of the 2B decoder, torch's
-  fp16 product against the INT8 / INT4 GEMV kernels: device time in graphs and the weight bytes read per
-  second as a fraction of the copy bandwidth.
+* ``gemv.<projection>.<fp16|fp16_kernel|int8|int4>``: one row through each projection shape of the 2B
+  decoder, torch's fp16 product against the GEMV kernels (fp16, INT8 and INT4 weights): device time in graphs
+  and the weight bytes read per second as a fraction of the copy bandwidth.
 * ``batching.fp16.batch<N>``: 1, 2, 4 and 8 requests decoding together with kernels + graphs (one graph
   per batch bucket), the figures of the ``batching`` section: aggregate tokens/s over one request's, and
   each member's per-token latency over one request's alone.
@@ -84,31 +84,6 @@ def _cuda_ms(torch, fn, iters: int = 200, warmup: int = 20) -> float:
     return start.elapsed_time(end) / iters
 
 
-def _graph_us(torch, fn, calls: int = 20, repeats: int = 5) -> float:
-    """Device microseconds of one ``fn()`` as the engine runs it: ``calls`` of them captured in one CUDA graph,
-    replayed ``repeats`` times, the fastest replay over ``calls`` (no host launch cost in the figure)."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):  # warm-up: workspaces are allocated before the capture
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(calls):
-            fn()
-    graph.replay()
-    best = float("inf")
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        torch.cuda.synchronize()
-        best = min(best, start.elapsed_time(end) * 1e3 / calls)
-    return best
-
-
 def decode_weight_bytes(model) -> int:
     """Bytes one decode step reads from weights: every text-decoder parameter except the embedding table
     (one row is read), plus the LM head (the embedding matrix itself when tied), and the quantized
@@ -138,6 +113,7 @@ def _kernels(torch, ctx: BenchContext, res: SectionResult) -> None:
     import torch.nn.functional as F
 
     from orin_vlm_node.cuda import AttentionShape, select_backend
+    from orin_vlm_node.cuda.graph import device_us
 
     cfg = ctx.config
     nq, nkv, hd, dtype = 16, 8, 128, torch.float16
@@ -156,7 +132,7 @@ def _kernels(torch, ctx: BenchContext, res: SectionResult) -> None:
         qs = q.transpose(0, 1).unsqueeze(0)  # (1, nq, 1, hd)
         kv_bytes = 2 * context * nkv * hd * 2
         sdpa = [
-            _graph_us(torch, lambda k=kc, v=vc, q=qs: F.scaled_dot_product_attention(q, k, v, enable_gqa=True))
+            device_us(lambda k=kc, v=vc, q=qs: F.scaled_dot_product_attention(q, k, v, enable_gqa=True))
             for _ in range(cfg.gpu_repeats)
         ]
         res.add(f"kernels.ctx{context}.sdpa_us", "us", sdpa, "torch SDPA over contiguous K/V (GQA)", context=context)
@@ -170,7 +146,7 @@ def _kernels(torch, ctx: BenchContext, res: SectionResult) -> None:
             table[0, order] = torch.arange(blocks, dtype=torch.int32, device="cuda")
             k_pool, v_pool = k_pool[order].contiguous(), v_pool[order].contiguous()  # scattered, same content
             decode = functools.partial(impl.attend_decode, q, k_pool, v_pool, table, kv_len, blocks)
-            paged = [_graph_us(torch, decode) for _ in range(cfg.gpu_repeats)]
+            paged = [device_us(decode) for _ in range(cfg.gpu_repeats)]
             key = f"kernels.ctx{context}.page{page}"
             res.add(f"{key}.paged_us", "us", paged, "paged decode kernel, shuffled block table", context=context)
             res.add(f"{key}.overhead", "fraction", [p / s - 1 for p, s in zip(paged, sdpa, strict=True)],
@@ -180,15 +156,18 @@ def _kernels(torch, ctx: BenchContext, res: SectionResult) -> None:
 
 def _gemv(torch, ctx: BenchContext, res: SectionResult, bandwidth: float) -> None:
     """One row through each projection shape of the 2B decoder (fused q/k/v, o, fused gate/up, down): torch's
-    fp16 product (cuBLAS) and the INT8 / INT4 GEMV kernels, device time in CUDA graphs, and the rate at which
-    each reads its weight bytes as a fraction of the copy bandwidth: whether a quantized decode falls short
-    of its bound in the products or around them."""
+    fp16 product (cuBLAS) and the GEMV kernels on fp16, INT8 and INT4 weights, device time in CUDA graphs,
+    and the rate at which each reads its weight bytes as a fraction of the copy bandwidth: how close each
+    product comes to the bound, and which of cuBLAS and the kernel the engine should pick (it times the
+    same pair at startup, ``CudaGemv.faster_rows``)."""
     import itertools
 
     import torch.nn.functional as F
 
     from orin_vlm_node.cuda import AttentionShape, select_backend
-    from orin_vlm_node.cuda.quant_gemv import CudaQuantGemv
+    from orin_vlm_node.cuda.gemv import CudaGemv
+    from orin_vlm_node.cuda.graph import device_us
+    from orin_vlm_node.model.gemv_linear import GemvLinear
     from orin_vlm_node.model.quant import QuantizedLinear, WeightQuant
 
     if not Path(ctx.config.big_config_path).is_file():
@@ -208,20 +187,23 @@ def _gemv(torch, ctx: BenchContext, res: SectionResult, bandwidth: float) -> Non
     if not choice.kernels:
         res.skip_part("gemv", choice.status)
         return
-    gemv = CudaQuantGemv(choice.launcher)
+    gemv = CudaGemv(choice.launcher)
     copies = 8  # distinct weights called in turn: no call finds its weight in L2 after the one before
     for name, (n, k) in shapes.items():
         x = torch.randn(1, k, device="cuda").to(torch.float16)
         weights = [(torch.randn(n, k, device="cuda") * 0.02).to(torch.float16) for _ in range(copies)]
         sides = {"fp16": (lambda w, x=x: F.linear(x, w), weights, n * k * 2)}
+        linears = [torch.nn.Linear(k, n, bias=False, device="meta") for _ in weights]
+        for linear, w in zip(linears, weights, strict=True):
+            linear.weight = torch.nn.Parameter(w, requires_grad=False)
+        wrapped = [GemvLinear(linear, gemv, rows=gemv.max_rows) for linear in linears]
+        sides["fp16_kernel"] = (lambda m, x=x: m(x), wrapped, n * k * 2)
         for mode in ("int8", "int4"):
             modules = [QuantizedLinear.from_weight(w, WeightQuant(mode)) for w in weights]
             sides[mode] = (lambda m, x=x: gemv(m, x), modules, modules[0].nbytes)
         for mode, (fn, items, nbytes) in sides.items():
             turn = itertools.cycle(items)
-            us = [
-                _graph_us(torch, lambda f=fn, t=turn: f(next(t)), calls=copies) for _ in range(ctx.config.gpu_repeats)
-            ]
+            us = [device_us(lambda f=fn, t=turn: f(next(t)), calls=copies) for _ in range(ctx.config.gpu_repeats)]
             res.add(f"gemv.{name}.{mode}.us", "us", us, f"{n}x{k} weight, one fp16 row, device time", mode=mode)
             res.add(f"gemv.{name}.{mode}.bandwidth_fraction", "fraction",
                     [nbytes / (u * 1e-6) / 1e9 / bandwidth for u in us],
@@ -298,7 +280,7 @@ def _decode(torch, ctx: BenchContext, res: SectionResult, model_dir: Path, dtype
 KERNEL_CATEGORIES = (
     ("attention", ("paged_decode", "paged_prefill", "paged_kv_write", "flash", "fmha", "attention")),
     ("fused_elementwise", ("rms_norm", "silu_mul")),
-    ("gemm", ("gemm", "gemv", "nvjet", "cutlass", "splitkreduce", "quant_gemv", "sm90_xmma", "ampere_")),
+    ("gemm", ("gemm", "gemv", "nvjet", "cutlass", "splitkreduce", "sm90_xmma", "ampere_")),
 )
 
 

@@ -227,7 +227,7 @@ def test_gpu_step_profile_sorts_kernels_into_categories():
 
     assert kernel_category("nvjet_sm90_hsh_128x8_64x12_4x1_v_bz_TNT") == "gemm"
     assert kernel_category("void cublasLt::splitKreduce_kernel<32, 16, int, float>") == "gemm"
-    assert kernel_category("quant_gemv_int4_f16_r1") == "gemm"
+    assert kernel_category("gemv_int4_f16_r1") == kernel_category("gemv_float_f16_r8") == "gemm"
     assert kernel_category("paged_decode_attention_f16_d128_g2") == "attention"
     assert kernel_category("paged_kv_write_f16") == "attention"
     assert kernel_category("rms_norm_rope_bf16") == "fused_elementwise"

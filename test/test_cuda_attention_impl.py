@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from cuda_harness.harness import RecordingLauncher
 
 from orin_vlm_node.cuda import AttentionShape, CudaPagedAttention, DecodeGraph, KernelsUnavailable, select_backend
 from orin_vlm_node.cuda import launch as L
@@ -66,17 +67,6 @@ def test_prefill_chunks_and_static_decode_match_torch_impl(harness, dtype, page,
     assert torch.equal(ours.kv_storage, ref.kv_storage)  # the write kernel placed every token identically
 
 
-class _CountingLauncher:
-    """The harness, remembering the kernels launched."""
-
-    def __init__(self, inner):
-        self.inner, self.kernels = inner, []
-
-    def launch(self, cfg, args):
-        self.kernels.append(cfg.kernel)
-        return self.inner.launch(cfg, args)
-
-
 @pytest.mark.parametrize(
     ("dtype", "page", "sm_count", "split"), [(torch.float16, 4, 16, True), (torch.float32, 16, 1, False)]
 )
@@ -84,7 +74,7 @@ def test_batched_static_decode_is_one_launch_and_matches_torch_impl(harness, dty
     """Three sequences of different lengths decode together in buffers of four (one padding row), the
     kernels in the harness against the torch implementation: same outputs row by row, the same K/V stored
     (the write kernel skips the padding row; the torch path redirects it), one decode launch per layer."""
-    launcher = _CountingLauncher(harness)
+    launcher = RecordingLauncher(harness)
     impl = CudaPagedAttention(launcher, sm_count=sm_count, min_tokens_per_split=16)
     ours, ref = _caches(impl, dtype, page, max_ctx=64)
     nq, nkv, hd = 4, 2, 64

@@ -124,7 +124,7 @@ def test_source_closure_follows_includes_of_the_real_kernels():
         "paged_decode_attention",
         "paged_prefill_attention",
         "paged_kv_write",
-        "quant_gemv",
+        "gemv",
         "rms_norm",
         "silu_mul",
     }

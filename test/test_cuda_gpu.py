@@ -198,18 +198,62 @@ def test_gpu_overlapped_decode_answers_as_the_step_by_step_decode(tmp_path_facto
 def test_gpu_quantized_gemv_matches_the_torch_reference(backend, mode, dtype, n, k):
     import torch.nn.functional as F
 
-    from orin_vlm_node.cuda.quant_gemv import CudaQuantGemv
+    from orin_vlm_node.cuda.gemv import CudaGemv
     from orin_vlm_node.model.quant import QuantizedLinear, WeightQuant
 
     weight = torch.randn(n, k, device="cuda") * 0.02
     module = QuantizedLinear.from_weight(weight, WeightQuant(mode, 128 if k % 128 == 0 else 32))
-    gemv = CudaQuantGemv(backend.launcher)
+    gemv = CudaGemv(backend.launcher)
     reference = module.dequantize(torch.float32)
     for rows in (1, 4, 8):
         x = torch.randn(rows, k, device="cuda").to(dtype)
         expected = F.linear(x.float(), reference)
         tol = {torch.float16: 2e-3, torch.bfloat16: 1.6e-2}[dtype] * expected.abs().amax().item()
         torch.testing.assert_close(gemv(module, x).float(), expected, rtol=0, atol=tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+@pytest.mark.parametrize(("n", "k"), [(4096, 2048), (2048, 6144), (37, 75)])
+def test_gpu_float_gemv_matches_f_linear_and_is_timed_against_it(backend, dtype, n, k):
+    import torch.nn.functional as F
+
+    from orin_vlm_node.cuda.gemv import CudaGemv
+    from orin_vlm_node.model.gemv_linear import GemvLinear
+
+    linear = torch.nn.Linear(k, n, bias=False, device="cuda", dtype=dtype)
+    gemv = CudaGemv(backend.launcher)
+    module = GemvLinear(linear, gemv, rows=gemv.max_rows)
+    for rows in (1, 3, 8):
+        x = torch.randn(rows, k, device="cuda").to(dtype)
+        expected = F.linear(x.float(), linear.weight.float())
+        tol = {torch.float16: 2e-3, torch.bfloat16: 1.6e-2, torch.float32: 1e-5}[dtype] * expected.abs().amax().item()
+        torch.testing.assert_close(module(x).float(), expected, rtol=0, atol=tol)
+    rows, why = gemv.faster_rows(linear.weight)  # device time in CUDA graphs, both sides
+    assert rows in (0, 1, 2, 4, 8) and "kernel vs F.linear: 1 row " in why, why
+
+
+def test_gpu_engine_float_gemv_says_what_it_measured_and_answers_as_without_kernels(tmp_path_factory):
+    """fp32: the float projections the GEMV kernel won (timed at startup) inside the captured decode graphs
+    give the tokens of torch's products, 200 greedy tokens; turning the kernels off at runtime puts the
+    model back as loaded."""
+    from orin_vlm_node.engine import Engine, EngineConfig, Request, SamplingParams, Turn
+    from orin_vlm_node.model.gemv_linear import GemvLinear
+
+    path = str(_tiny(tmp_path_factory, 64))
+    cache = str(tmp_path_factory.mktemp("kernel_cache"))
+    common = dict(model_path=path, device="cuda", dtype="fp32", max_context_tokens=512, kernel_cache_dir=cache)
+    fast = Engine(EngineConfig(**common, allow_kernel_fallback=False))
+    slow = Engine(EngineConfig(**common, use_cuda_kernels=False, use_cuda_graph=False))
+    path_used = fast.describe()["weight_path"]
+    assert path_used.startswith("float weights: GEMV kernels for decode rows: ") and "kernel vs F.linear" in path_used
+    assert slow.describe()["weight_path"].startswith("float weights: F.linear")
+    sampling = SamplingParams(temperature=0.0, max_new_tokens=200, ignore_eos=True)
+    turn = Turn("Tell the robot what to do next, step by step.")
+    a = list(fast.generate(Request(turn, sampling)))[-1]
+    b = list(slow.generate(Request(turn, sampling)))[-1]
+    assert a.token_ids == b.token_ids
+    fast.reconfigure(use_cuda_kernels=False)
+    assert not any(isinstance(m, GemvLinear) for m in fast.model.modules())
 
 
 @pytest.mark.parametrize("mode", ["int8", "int4"])

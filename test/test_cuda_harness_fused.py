@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from cuda_harness.harness import RecordingLauncher
 
 from orin_vlm_node.cuda import launch as L
 from orin_vlm_node.cuda.fused import CudaFusedOps
@@ -111,16 +112,6 @@ def test_fused_ops_refuse_rows_they_cannot_take(harness):
         L.rms_norm_launch(0, torch.float32)
 
 
-class _CountingLauncher:
-    def __init__(self, inner):
-        self.inner = inner
-        self.kernels: list[str] = []
-
-    def launch(self, cfg, args):
-        self.kernels.append(cfg.kernel)
-        return self.inner.launch(cfg, args)
-
-
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 def test_a_model_with_the_fused_kernels_attached_answers_as_with_torch_ops(harness, tmp_path, dtype):
     from orin_vlm_node.engine import Engine, EngineConfig, Request, SamplingParams, Turn
@@ -134,7 +125,7 @@ def test_a_model_with_the_fused_kernels_attached_answers_as_with_torch_ops(harne
         return tuple(list(engine.generate(Request(Turn("What does the robot see?"), sampling)))[-1].token_ids)
 
     want = answer()
-    launcher = _CountingLauncher(harness)
+    launcher = RecordingLauncher(harness)
     layers = engine.model_config.text.num_hidden_layers
     assert attach_fused_ops(engine.model, CudaFusedOps(launcher)) == 5 * layers + 1  # 4 norms + MLP a layer, final
     assert answer() == want

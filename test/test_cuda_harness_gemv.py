@@ -1,17 +1,23 @@
-"""The quantized GEMV kernels (``kernels/quant_gemv.cu``) under the CPU CUDA emulator, through
-``CudaQuantGemv`` (the GPU path's launch code), against the torch reference ``QuantizedLinear`` computes:
-the float product with the dequantized weight, in fp32. The kernels accumulate in fp32, so the expected
-difference is the rounding of the output to its dtype plus accumulation order."""
+"""The GEMV kernels (``kernels/gemv.cu``) under the CPU CUDA emulator, through ``CudaGemv`` (the GPU path's
+launch code), against torch: for a quantized weight what the reference ``QuantizedLinear`` computes (the float
+product with the dequantized weight), for a float weight ``F.linear``, both in fp32. The kernels accumulate in
+fp32, so the expected difference is the rounding of the output to its dtype plus accumulation order. Then the
+routing: which projections of a model take the kernel (quantized ones always, float ones for the rows the
+timing gave them), a model that computes what it computed before, and detaching that restores the model."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 import torch.nn.functional as F
+from cuda_harness.harness import RecordingLauncher
 
 from orin_vlm_node.cuda import launch as L
-from orin_vlm_node.cuda.quant_gemv import CudaQuantGemv
-from orin_vlm_node.model.quant import QuantizedLinear, WeightQuant, attach_kernels
+from orin_vlm_node.cuda.gemv import CudaGemv
+from orin_vlm_node.model import load_model
+from orin_vlm_node.model.gemv_linear import GemvLinear, attach_gemv
+from orin_vlm_node.model.quant import QuantizedLinear, WeightQuant
+from support.checkpoints import cached_tiny_checkpoint
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 RTOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
@@ -33,7 +39,7 @@ def _quantized(n: int, k: int, mode: str, group: int, seed: int) -> QuantizedLin
 @pytest.mark.parametrize("n,k,group", SHAPES)
 def test_gemv_kernels_match_the_torch_reference(harness, mode, dtype, n, k, group):
     module = _quantized(n, k, mode, group, seed=n * k)
-    gemv = CudaQuantGemv(harness)
+    gemv = CudaGemv(harness)
     weight = module.dequantize(torch.float32)
     for rows in (1, 3, 8):
         x = torch.randn(rows, k).to(dtype)
@@ -45,32 +51,143 @@ def test_gemv_kernels_match_the_torch_reference(harness, mode, dtype, n, k, grou
         torch.testing.assert_close(got.float(), expected, rtol=RTOL[dtype], atol=RTOL[dtype] * scale)
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("n,k", [(64, 128), (37, 256), (19, 75), (6, 4608), (5, 36)])
+def test_the_float_gemv_kernel_matches_f_linear(harness, dtype, n, k):
+    """Float weights: K a multiple of 32 (the vector path, 4608: several batches of vectors a lane, the last
+    one partly), and not (75, 36: the scalar path)."""
+    gen = torch.Generator().manual_seed(n + k)
+    linear = torch.nn.Linear(k, n, bias=False).to(dtype)
+    with torch.no_grad():
+        linear.weight.copy_(torch.randn(n, k, generator=gen) * 0.05)
+    module = GemvLinear(linear, CudaGemv(harness), rows=8)
+    for rows in (1, 3, 8):
+        x = torch.randn(rows, k, generator=gen).to(dtype)
+        assert module.kernels.fits(module, x)
+        got = module.kernels(module, x)
+        assert got.dtype == dtype and got.shape == (rows, n)
+        expected = F.linear(x.float(), linear.weight.float())
+        scale = expected.abs().amax().item()
+        torch.testing.assert_close(got.float(), expected, rtol=RTOL[dtype], atol=RTOL[dtype] * scale)
+
+
+def _timer(launcher: RecordingLauncher, kernel_wins_up_to: int):
+    """A stand-in for the device timing: runs the product once and says the kernel took 1 us for up to
+    ``kernel_wins_up_to`` rows and 3 us above, torch 2 us."""
+
+    def time_us(fn, calls):
+        before = len(launcher.kernels)
+        rows = fn().shape[0]
+        if len(launcher.kernels) == before:
+            return 2.0
+        return 1.0 if rows <= kernel_wins_up_to else 3.0
+
+    return time_us
+
+
+def test_a_float_weight_takes_the_kernel_for_the_row_buckets_it_won_and_says_so(harness):
+    launcher = RecordingLauncher(harness)
+    weight = torch.randn(40, 64)
+    rows, why = CudaGemv(launcher, _timer(launcher, 2)).faster_rows(weight)
+    assert rows == 2  # 1 and 2 rows won, 4 lost: 8 not timed
+    assert (
+        why
+        == "kernel for 1..2 rows (kernel vs F.linear: 1 row 1.0 vs 2.0 us, 2 rows 1.0 vs 2.0 us, 4 rows 3.0 vs 2.0 us)"
+    )
+    assert launcher.kernels == ["gemv_float_f32_r1", "gemv_float_f32_r2", "gemv_float_f32_r4"]
+    assert CudaGemv(launcher, _timer(launcher, 0)).faster_rows(weight)[0] == 0
+    assert CudaGemv(launcher, _timer(launcher, 8)).faster_rows(weight)[0] == 8
+    assert CudaGemv(launcher, _timer(launcher, 8)).faster_rows(weight.t())[1].startswith("F.linear (")  # not contiguous
+
+    def failing(fn, calls):
+        raise RuntimeError("capture failed")
+
+    assert CudaGemv(launcher, failing).faster_rows(weight) == (
+        0,
+        "F.linear (kernel vs F.linear: 1 rows not timed: RuntimeError: capture failed)",
+    )
+
+
+@pytest.mark.parametrize("mode", ["none", "int4"])
+def test_a_model_routed_to_the_kernels_computes_what_it_computed_and_detaching_restores_it(harness, mode):
+    """A tiny model in fp32: each float shape timed once; a forward of one token (a decode step's rows) runs
+    every projection and the head through the kernels, one of 20 tokens (a prefill) only the head (the last
+    token's logits), and both give the logits the model gave before; None puts back the modules as loaded;
+    without CUDA graphs the float weights are not timed and stay as loaded."""
+    from orin_vlm_node.engine import Engine, EngineConfig
+
+    path = cached_tiny_checkpoint()
+    cache = Engine(EngineConfig(model_path=str(path), device="cpu", max_sessions=0)).cache
+    model = load_model(path, quant=WeightQuant(mode, 32) if mode != "none" else None)
+    sites = [(getattr(layer, s), a) for layer in model.language_model.layers for s, a in layer.PROJECTIONS]
+    sites.append((model, "lm_head"))
+    loaded = [getattr(parent, attr) for parent, attr in sites]
+
+    def logits(tokens: int) -> torch.Tensor:
+        seq = cache.new_sequence()
+        ids = torch.arange(5, 5 + tokens)
+        out = model.forward(ids, torch.arange(tokens).expand(3, -1), cache.step(seq, tokens))
+        cache.release(seq)
+        return out
+
+    want = {tokens: logits(tokens) for tokens in (1, 20)}
+    launcher = RecordingLauncher(harness)
+    timed: list[tuple] = []
+
+    def time_us(fn, calls):
+        before = len(launcher.kernels)
+        timed.append(tuple(fn().shape))
+        return 1.0 if len(launcher.kernels) > before else 2.0
+
+    what = attach_gemv(model, CudaGemv(launcher, time_us))
+    floats = 1 if mode == "int4" else len(sites)
+    shapes = {tuple(m.weight.shape) for m in loaded if isinstance(getattr(m, "weight", None), torch.Tensor)}
+    assert len(timed) == 2 * len(L.GEMV_ROW_BUCKETS) * len(shapes)  # every bucket won: each shape timed once
+    assert what.startswith("GEMV kernels for decode rows: ")
+    assert f"{floats} of {floats} float ones" in what
+    assert (f"{len(sites) - 1} quantized projections" in what) == (mode == "int4")
+    routed = [getattr(parent, attr) for parent, attr in sites]
+    kinds = [QuantizedLinear] * (len(sites) - 1) if mode == "int4" else [GemvLinear] * (len(sites) - 1)
+    assert [type(m) for m in routed] == [*kinds, GemvLinear]
+    assert all(m.kernels is not None for m in routed)
+    assert routed[-1].matrix is model.language_model.embed_tokens.weight  # the tied head: no copy
+    launcher.kernels.clear()
+    torch.testing.assert_close(logits(1), want[1], rtol=1e-4, atol=1e-5)
+    stored = "int4" if mode == "int4" else "float"
+    assert launcher.kernels == [f"gemv_{stored}_f32_r1"] * (len(sites) - 1) + ["gemv_float_f32_r1"]
+    launcher.kernels.clear()
+    torch.testing.assert_close(logits(20), want[20], rtol=1e-4, atol=1e-5)  # a prefill: torch's products,
+    assert launcher.kernels == ["gemv_float_f32_r1"]  # but for the head (the last token's logits only)
+    assert attach_gemv(model, None) == ""
+    assert all(getattr(parent, attr) is m for (parent, attr), m in zip(sites, loaded, strict=True))
+    assert all(m.kernels is None for m in model.modules() if isinstance(m, QuantizedLinear))
+    timed.clear()  # a decode without CUDA graphs: float weights stay on torch, untimed
+    what = attach_gemv(model, CudaGemv(launcher, time_us), floats=False)
+    assert what.endswith(f"float ones: F.linear ({floats}; decode not in CUDA graphs)") and not timed
+    assert all(getattr(parent, attr) is m for (parent, attr), m in zip(sites, loaded, strict=True))
+
+
 def test_a_quantized_projection_routes_decode_rows_to_the_kernels_and_prefill_to_torch(harness):
     module = _quantized(48, 128, "int4", 32, seed=1)
-    launched: list[str] = []
-
-    class Recording:
-        def launch(self, cfg, args):
-            launched.append(cfg.kernel)
-            harness.launch(cfg, args)
-
-    holder = torch.nn.Sequential(module)
-    assert attach_kernels(holder, CudaQuantGemv(Recording())) == 1
+    launcher = RecordingLauncher(harness)
+    module.kernels = CudaGemv(launcher)
     x = torch.randn(20, 128)
     torch.testing.assert_close(module(x[:4]), F.linear(x[:4], module.dequantize(torch.float32)))
-    assert launched == ["quant_gemv_int4_f32_r4"]
+    assert launcher.kernels == ["gemv_int4_f32_r4"]
     module(x)  # 20 rows: a prefill, torch's GEMM on the widened weight
-    assert launched == ["quant_gemv_int4_f32_r4"]
-    attach_kernels(holder, None)
-    module(x[:1])
-    assert len(launched) == 1
+    assert launcher.kernels == ["gemv_int4_f32_r4"]
 
 
 def test_gemv_launch_picks_the_rows_bucket_and_refuses_what_no_kernel_takes():
-    assert L.gemv_launch("int8", 3, 37, torch.float16).kernel == "quant_gemv_int8_f16_r4"
+    assert L.gemv_launch("int8", 3, 37, torch.float16).kernel == "gemv_int8_f16_r4"
+    assert L.gemv_launch("float", 5, 37, torch.float16).kernel == "gemv_float_f16_r8"
     assert L.gemv_launch("int4", 1, 37, torch.bfloat16).grid == (10, 1, 1)
     with pytest.raises(L.UnsupportedShape, match="1..8 rows"):
         L.gemv_launch("int8", 9, 37, torch.float16)
     with pytest.raises(L.UnsupportedShape, match="int3"):
         L.gemv_launch("int3", 1, 37, torch.float16)
-    assert not CudaQuantGemv(None).fits(_quantized(8, 32, "int8", 32, seed=0), torch.randn(9, 32))
+    gemv = CudaGemv(None)
+    assert not gemv.fits(_quantized(8, 32, "int8", 32, seed=0), torch.randn(9, 32))
+    half = GemvLinear(torch.nn.Linear(32, 8, bias=False).half(), gemv, rows=8)
+    assert not gemv.fits(half, torch.randn(2, 32))  # fp32 rows, fp16 weight
+    assert gemv.fits(half, torch.randn(2, 32).half())

@@ -19,10 +19,10 @@ def test_the_checkout_finds_its_own_kernels():
     found = S.find_kernel_sources()
     assert found.directory == (REPO / "kernels").resolve() and found.found_by == "source checkout"
     assert found.modules == (
+        "gemv",
         "paged_decode_attention",
         "paged_kv_write",
         "paged_prefill_attention",
-        "quant_gemv",
         "rms_norm",
         "silu_mul",
     )
@@ -34,7 +34,9 @@ def test_kernel_dir_setting_wins_and_is_checked(tmp_path):
     found = S.find_kernel_sources(str(copy))
     assert found.directory == copy and found.found_by == "kernel_dir setting"
     (copy / "paged_kv_write.cu").unlink()
-    with pytest.raises(S.KernelSourcesNotFound, match=r"lacks paged_kv_write\.cu \(has paged_decode_attention\.cu"):
+    with pytest.raises(
+        S.KernelSourcesNotFound, match=r"lacks paged_kv_write\.cu \(has gemv\.cu, paged_decode_attention\.cu"
+    ):
         S.find_kernel_sources(str(copy))
     with pytest.raises(S.KernelSourcesNotFound, match="holds no .cu files"):
         S.check_kernel_dir(tmp_path)

@@ -16,7 +16,7 @@ DECODE_WARPS = 4
 PREFILL_WARPS = 4
 PREFILL_BLOCK_K = 32
 KV_WRITE_THREADS = 128
-GEMV_WARPS = 4  # kGemvWarps in kernels/quant_gemv.cu: output columns per block, one warp each
+GEMV_WARPS = 4  # kGemvWarps in kernels/gemv.cu: output columns per block, one warp each
 WARP_SIZE = 32
 
 SUPPORTED_HEAD_DIMS = (32, 64, 128, 256)  # ORIN_FOR_EACH_HEAD_DIM in kernels/attention_common.cuh
@@ -34,10 +34,10 @@ MAX_ROPE_DIM = 256  # kMaxRopeDim there: the rows the norm + RoPE kernel rotates
 NORM_KERNELS = ("rms_norm", "rms_norm_rope", "add_rms_norm")  # the kernel kinds of kernels/rms_norm.cu
 SILU_THREADS = 256  # kSiluThreads in kernels/silu_mul.cu
 
-# Rows of x one quantized GEMV kernel is instantiated for (a launch takes the smallest that holds its rows);
-# more rows than the largest (a prefill) take torch's GEMM on the widened weights instead.
+# Rows of x one GEMV kernel is instantiated for (a launch takes the smallest that holds its rows); more rows
+# than the largest (a prefill) take torch's GEMM instead.
 GEMV_ROW_BUCKETS = (1, 2, 4, 8)
-GEMV_MODES = ("int8", "int4")
+GEMV_MODES = ("float", "int8", "int4")  # how the weight is stored: the activations' dtype, or quantized
 
 # torch dtype name -> kernel name suffix and element size.
 DTYPE_TAGS = {"float32": "f32", "float16": "f16", "bfloat16": "bf16"}
@@ -56,8 +56,8 @@ KERNEL_MODULES: dict[str, tuple[str, ...]] = {
         f"paged_prefill_attention_{t}_d{d}" for t in DTYPE_TAGS.values() for d in SUPPORTED_HEAD_DIMS
     ),
     "paged_kv_write": tuple(f"paged_kv_write_{t}" for t in DTYPE_TAGS.values()),
-    "quant_gemv": tuple(
-        f"quant_gemv_{mode}_{t}_r{r}" for mode in GEMV_MODES for t in DTYPE_TAGS.values() for r in GEMV_ROW_BUCKETS
+    "gemv": tuple(
+        f"gemv_{mode}_{t}_r{r}" for mode in GEMV_MODES for t in DTYPE_TAGS.values() for r in GEMV_ROW_BUCKETS
     ),
     "rms_norm": tuple(f"{kind}_{t}" for kind in NORM_KERNELS for t in DTYPE_TAGS.values()),
     "silu_mul": tuple(f"silu_mul_{t}" for t in DTYPE_TAGS.values()),
@@ -69,7 +69,7 @@ ARG_KINDS: dict[str, tuple[str, ...]] = {
     "paged_decode_reduce": ("ptr",) * 3 + ("i32",) * 2,
     "paged_prefill_attention": ("ptr",) * 7 + ("i32",) * 4 + ("f32",),
     "paged_kv_write": ("ptr",) * 5 + ("i32",),
-    "quant_gemv": ("ptr",) * 5 + ("i32",) * 4,
+    "gemv": ("ptr",) * 5 + ("i32",) * 4,
     "rms_norm": ("ptr",) * 4 + ("i32",) * 4 + ("f32",),
     "rms_norm_rope": ("ptr",) * 6 + ("i32",) * 4 + ("f32",),
     "add_rms_norm": ("ptr",) * 5 + ("i32", "f32"),
@@ -246,7 +246,7 @@ def gemv_launch(mode: str, rows: int, out_features: int, dtype: object) -> Launc
         raise UnsupportedShape(f"GEMV kernels take 1..{GEMV_ROW_BUCKETS[-1]} rows, got {rows}")
     tag = DTYPE_TAGS[dtype_name(dtype)]
     grid = (math.ceil(out_features / GEMV_WARPS), 1, 1)
-    return _checked(LaunchConfig(f"quant_gemv_{mode}_{tag}_r{bucket}", grid, (GEMV_WARPS * WARP_SIZE, 1, 1), 0))
+    return _checked(LaunchConfig(f"gemv_{mode}_{tag}_r{bucket}", grid, (GEMV_WARPS * WARP_SIZE, 1, 1), 0))
 
 
 def check_kv_row(num_kv_heads: int, head_dim: int, dtype: object) -> int:

@@ -41,13 +41,14 @@ import torch
 from ..cpu import cpu_gemm_for
 from ..cuda import KernelsUnavailable
 from ..cuda.fused import CudaFusedOps
-from ..cuda.quant_gemv import CudaQuantGemv
+from ..cuda.gemv import CudaGemv
 from ..kvcache import KVCache, build_kv_cache, check_page_size
 from ..model import load_model
 from ..model.config import ModelConfig
 from ..model.cpu_linear import KERNEL_ROWS, quant_refusal, use_cpu_gemm
 from ..model.errors import CheckpointError
-from ..model.quant import attach_kernels, weight_bytes
+from ..model.gemv_linear import attach_gemv
+from ..model.quant import weight_bytes
 from ..model.text import attach_fused_ops
 from ..processing import ChatTemplate, ImageProcessor, ProcessingError, Tokenizer
 from ..settings import BY_NAME
@@ -109,9 +110,9 @@ class Engine:
         if parts & {"model", "kv_cache", "backend"}:
             self.attention = select_attention(self._config, self.model_config, self.dtype, self.device)
             launcher = self.attention.launcher if self.attention.kernels else None
-            # The CUDA GEMV kernels for quantized projections (the CPU kernels are routed with the model's load).
-            if attach_kernels(self.model, CudaQuantGemv(launcher) if launcher else None):
-                log.info("quantized projections: %s", self.weight_path)
+            # The CUDA GEMV kernels for decode rows (the CPU kernels are routed with the model's load).
+            gemv = CudaGemv(launcher) if launcher else None
+            self._gemv_path = attach_gemv(self.model, gemv, floats=self._config.use_cuda_graph)
             attach_fused_ops(self.model, CudaFusedOps(launcher) if launcher else None)
         if parts & {"model", "kv_cache"}:
             self._build_cache()
@@ -261,13 +262,14 @@ class Engine:
 
     @property
     def weight_path(self) -> str:
-        """How the projections multiply: float weights (the CPU GEMM kernels or ``F.linear``), quantized ones
-        (CUDA: the GEMV kernels for decode rows; CPU: the CPU GEMM kernels on the stored bytes; else torch)."""
-        if self._config.weight_quant == "none":
-            return f"float weights: {self._float_path}"
+        """How the projections multiply: on CUDA with the kernels, which take the GEMV kernels for decode rows
+        (quantized ones all, float ones where they measured faster); else float weights through the CPU GEMM
+        kernels or ``F.linear``, quantized ones through the CPU GEMM kernels on the stored bytes or torch."""
         mode, group = self._config.weight_quant, self._config.weight_quant_group_size
-        if self.attention.kernels:
-            return f"{mode}: GEMV kernels for up to 8 rows, torch GEMM beyond"
+        if self._gemv_path:  # CUDA with the kernels: which products take the GEMV kernels, measured
+            return f"{'float weights' if mode == 'none' else mode}: {self._gemv_path}"
+        if mode == "none":
+            return f"float weights: {self._float_path}"
         if self._cpu_gemm is None:
             return f"{mode}: torch (weights widened for each product)"
         refusal = quant_refusal(mode, group, self._cpu_gemm)

@@ -65,8 +65,8 @@ class QuantizedLinear(nn.Module):
         super().__init__()
         self.out_features, self.in_features, self.mode, self.group_size = out_features, in_features, mode, group_size
         # The CUDA GEMV kernels that multiply the stored weight when the engine loaded them
-        # (``cuda.quant_gemv.CudaQuantGemv``); None = torch. On the CPU the engine wraps the module instead
-        # (``cpu_linear.CpuQuantLinear``).
+        # (``cuda.gemv.CudaGemv``, set by ``gemv_linear.attach_gemv``); None = torch. On the CPU the engine
+        # wraps the module instead (``cpu_linear.CpuQuantLinear``).
         self.kernels = None
         n, k = out_features, in_features
         if mode == "int8":
@@ -138,15 +138,6 @@ class QuantizedLinear(nn.Module):
     def extra_repr(self) -> str:
         group = f", group_size={self.group_size}" if self.mode == "int4" else ""
         return f"in_features={self.in_features}, out_features={self.out_features}, mode={self.mode}{group}"
-
-
-def attach_kernels(model: nn.Module, kernels) -> int:
-    """Route the quantized projections of ``model`` through ``kernels`` (an object with ``fits(module, x)`` and
-    ``__call__(module, x)``; None: the torch path); how many there are."""
-    modules = [m for m in model.modules() if isinstance(m, QuantizedLinear)]
-    for m in modules:
-        m.kernels = kernels
-    return len(modules)
 
 
 def weight_bytes(model: nn.Module) -> int:

@@ -85,8 +85,8 @@ class FusedLinear(nn.Module):
 def project(x: torch.Tensor, linear: nn.Module) -> torch.Tensor:
     """``x`` through a bias-free projection: a plain weight as a function of it (a decode step is mostly
     dispatch, and a module call costs several times a plain function call); one whose ``weight`` is None
-    (quantized: :class:`.quant.QuantizedLinear`; the CPU's :class:`.cpu_linear.CpuLinear`) through its
-    module."""
+    (quantized: :class:`.quant.QuantizedLinear`; the CPU's :class:`.cpu_linear.CpuLinear`; the GPU's
+    :class:`.gemv_linear.GemvLinear`) through its module."""
     weight = linear.weight
     return F.linear(x, weight) if weight is not None else linear(x)
 

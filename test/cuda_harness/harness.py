@@ -172,3 +172,16 @@ class Harness:
             raise HarnessError(f"{cfg.kernel}: argument count does not match the kernel signature")
         if rc != 0:
             raise HarnessError(f"{cfg.kernel}: {self._lib.cuemu_last_error().decode()}")
+
+
+class RecordingLauncher:
+    """A launcher (``launch(cfg, args)``) that remembers the name of every kernel it launched, in ``kernels``,
+    and passes the launch on to ``inner`` (a :class:`Harness`)."""
+
+    def __init__(self, inner) -> None:
+        self.inner = inner
+        self.kernels: list[str] = []
+
+    def launch(self, cfg, args) -> None:
+        self.kernels.append(cfg.kernel)
+        self.inner.launch(cfg, args)

@@ -1,24 +1,29 @@
-// Weight-only quantized GEMV / skinny GEMM: y[m, n] = sum_k x[m, k] * w[n, k] for up to 8 rows of x.
+// GEMV / skinny GEMM for a decode step: y[m, n] = sum_k x[m, k] * w[n, k] for up to 8 rows of x.
 //
 // Why: a decode step multiplies one token per sequence (1..8 rows) by every weight matrix once, so its
-// speed is the bytes of weights read per second. Reading INT8 or packed INT4 weights and widening them in
-// registers reads 2x or ~3.8x fewer bytes than fp16. The formats are those of
-// orin_vlm_node/model/quant.py (QuantizedLinear), which is also the reference the tests hold these to:
+// speed is the bytes of weights read per second; one kernel per product, summing each output in one fixed
+// order whatever the row count (no split-K reduce as a second kernel). Reading INT8 or packed INT4 weights
+// and widening them in registers reads 2x or ~3.8x fewer bytes than fp16. The quantized formats are those
+// of orin_vlm_node/model/quant.py (QuantizedLinear), which is also the reference the tests hold these to:
 //
+//   float: weight [N, K] in the activation type (the checkpoint's weights as loaded)
 //   int8: qweight [N, K] int8, scales [N] fp16:                 w[n, k] = q[n, k] * s[n]
 //   int4: qweight [N, ceil(K/2)] uint8 (even k in the low nibble), scales and offsets [N, ceil(K/G)] fp16:
 //         w[n, k] = q[n, k] * s[n, k/G] + o[n, k/G]
 //
 // One warp computes one output column n for every row m: the lanes walk row n of the weights in 16-byte
-// vectors (int8: 16 weights, int4: 32 per vector; a warp reads 512 contiguous bytes per vector, and each
-// lane issues kGemvUnroll vectors before it uses the first, so a row is requested at once), read the
-// matching x elements (x is small and stays in cache), accumulate in fp32 and reduce across the warp. For
-// int4 a vector lies inside one group when G is a multiple of 32, so its scale and offset factor out:
-// sum_k x q s + x o = s * (x . q) + o * sum(x). The vector path needs K a multiple of 32 (every projection of
-// the models we serve); any other shape takes the scalar path (same formulas, element by element).
+// vectors (float: 4 or 8 weights, int8: 16, int4: 32 per vector; a warp reads 512 contiguous bytes per
+// vector, and each lane issues kGemvUnroll vectors before it uses the first, so a row is requested at
+// once), read the matching x elements (x is small and stays in cache), accumulate in fp32 and reduce across
+// the warp. For int4 a vector lies inside one group when G is a multiple of 32, so its scale and offset
+// factor out: sum_k x q s + x o = s * (x . q) + o * sum(x). The vector path needs K a multiple of 32 (every
+// projection of the models we serve); any other shape takes the scalar path (same formulas, element by
+// element).
 //
-// quant_gemv_<int8|int4>_<f32|f16|bf16>_r<R>: x and y in the activation type, R = the rows bucket (1, 2, 4, 8;
-// rows <= R). Grid: (ceil(N / kGemvWarps)); block: kGemvWarps warps (launch.py: GEMV_WARPS).
+// gemv_<float|int8|int4>_<f32|f16|bf16>_r<R>: x, y (and float weights) in the activation type, R = the rows
+// bucket (1, 2, 4, 8; rows <= R). Grid: (ceil(N / kGemvWarps)); block: kGemvWarps warps (launch.py:
+// GEMV_WARPS). Every kernel takes the same arguments (y, x, weight, scales, offsets, rows, N, K, group);
+// those a format has no use for are null / 0.
 #include "attention_common.cuh"
 
 namespace orin_vlm {
@@ -62,16 +67,25 @@ __device__ __forceinline__ void store_rows(T* __restrict__ y, const float* __res
   }
 }
 
-template <typename T, int R>
-__device__ __forceinline__ void gemv_int8(T* __restrict__ y, const T* __restrict__ x, const int8_t* __restrict__ q,
-                                          const __half* __restrict__ scales, int rows, int N, int K) {
+__device__ __forceinline__ float widen(int8_t v) { return static_cast<float>(v); }
+template <typename T>
+__device__ __forceinline__ float widen(T v) {
+  return to_float(v);
+}
+
+// Weights stored one element each (W: the activations' float type T, or int8 with a scale per output column,
+// applied to the sum: `scales` null for float weights): every 16-byte vector of the row widened to fp32 once,
+// then multiplied with each row of x.
+template <typename T, typename W, int R>
+__device__ __forceinline__ void gemv_dense(T* __restrict__ y, const T* __restrict__ x, const W* __restrict__ w,
+                                           const __half* __restrict__ scales, int rows, int N, int K) {
   if (rows < 1 || rows > R || blockDim.x != kGemvWarps * kWarpSize) KERNEL_TRAP();
   const int lane = threadIdx.x % kWarpSize;
   const int n = blockIdx.x * kGemvWarps + threadIdx.x / kWarpSize;
   if (n >= N) return;  // a whole warp leaves together: the reductions below stay full-warp
-  const int8_t* row = q + static_cast<size_t>(n) * K;
+  const W* row = w + static_cast<size_t>(n) * K;
   float acc[R] = {};
-  constexpr int kChunk = 16;  // int8 weights per 16-byte vector
+  constexpr int kChunk = 16 / static_cast<int>(sizeof(W));  // weights per 16-byte vector
   const bool vec = K % 32 == 0;
   const int vec_end = vec ? K : 0;
   constexpr int kStride = kWarpSize * kChunk;  // weights a warp covers per vector load
@@ -82,7 +96,10 @@ __device__ __forceinline__ void gemv_int8(T* __restrict__ y, const T* __restrict
     for (int u = 0; u < kGemvUnroll; ++u) {
       const int k = k0 + u * kStride;
       if (k >= vec_end) break;
-      const int8_t* w = reinterpret_cast<const int8_t*>(&raw[u]);
+      const W* e = reinterpret_cast<const W*>(&raw[u]);
+      float wf[kChunk];
+#pragma unroll
+      for (int i = 0; i < kChunk; ++i) wf[i] = widen(e[i]);
 #pragma unroll
       for (int m = 0; m < R; ++m) {
         if (m >= rows) break;
@@ -90,20 +107,22 @@ __device__ __forceinline__ void gemv_int8(T* __restrict__ y, const T* __restrict
         load_x<T, kChunk>(x, static_cast<size_t>(m) * K + k, true, xs);
         float dot = 0.0f;
 #pragma unroll
-        for (int i = 0; i < kChunk; ++i) dot += xs[i] * static_cast<float>(w[i]);
+        for (int i = 0; i < kChunk; ++i) dot += xs[i] * wf[i];
         acc[m] += dot;
       }
     }
   }
   for (int k = vec_end + lane; k < K; k += kWarpSize) {  // the scalar path (K not a multiple of 32)
-    const float w = static_cast<float>(__ldg(row + k));
+    const float wk = widen(__ldg(row + k));
 #pragma unroll
     for (int m = 0; m < R; ++m)
-      if (m < rows) acc[m] += to_float(__ldg(x + static_cast<size_t>(m) * K + k)) * w;
+      if (m < rows) acc[m] += to_float(__ldg(x + static_cast<size_t>(m) * K + k)) * wk;
   }
-  const float s = __half2float(__ldg(scales + n));
+  if (scales != nullptr) {
+    const float s = __half2float(__ldg(scales + n));
 #pragma unroll
-  for (int m = 0; m < R; ++m) acc[m] *= s;
+    for (int m = 0; m < R; ++m) acc[m] *= s;
+  }
   store_rows<T, R>(y, acc, rows, n, N);
 }
 
@@ -169,16 +188,20 @@ __device__ __forceinline__ void gemv_int4(T* __restrict__ y, const T* __restrict
 
 }  // namespace orin_vlm
 
-#define ORIN_GEMV_KERNELS_R(DT, T, R)                                                                           \
-  extern "C" __global__ void quant_gemv_int8_##DT##_r##R(T* y, const T* x, const int8_t* qweight,              \
-                                                        const __half* scales, const __half* offsets, int rows, \
-                                                        int n, int k, int group) {                             \
-    orin_vlm::gemv_int8<T, R>(y, x, qweight, scales, rows, n, k);                                               \
-  }                                                                                                             \
-  extern "C" __global__ void quant_gemv_int4_##DT##_r##R(T* y, const T* x, const uint8_t* qweight,             \
-                                                        const __half* scales, const __half* offsets, int rows, \
-                                                        int n, int k, int group) {                             \
-    orin_vlm::gemv_int4<T, R>(y, x, qweight, scales, offsets, rows, n, k, group);                               \
+#define ORIN_GEMV_KERNELS_R(DT, T, R)                                                                                  \
+  extern "C" __global__ void gemv_float_##DT##_r##R(T* y, const T* x, const T* weight, const __half* scales,           \
+                                                   const __half* offsets, int rows, int n, int k, int group) {         \
+    orin_vlm::gemv_dense<T, T, R>(y, x, weight, nullptr, rows, n, k);                                                  \
+  }                                                                                                                    \
+  extern "C" __global__ void gemv_int8_##DT##_r##R(T* y, const T* x, const int8_t* qweight,                            \
+                                                  const __half* scales, const __half* offsets, int rows,               \
+                                                  int n, int k, int group) {                                           \
+    orin_vlm::gemv_dense<T, int8_t, R>(y, x, qweight, scales, rows, n, k);                                             \
+  }                                                                                                                    \
+  extern "C" __global__ void gemv_int4_##DT##_r##R(T* y, const T* x, const uint8_t* qweight,                           \
+                                                  const __half* scales, const __half* offsets, int rows,               \
+                                                  int n, int k, int group) {                                           \
+    orin_vlm::gemv_int4<T, R>(y, x, qweight, scales, offsets, rows, n, k, group);                                      \
   }
 
 #define ORIN_GEMV_KERNELS(DT, T) \

@@ -1,0 +1,100 @@
+"""Projections through ``kernels/gemv.cu``: the decode-time product of 1..8 rows, for float and quantized weights.
+
+:class:`CudaGemv` is what a :class:`~orin_vlm_node.model.quant.QuantizedLinear` and a
+:class:`~orin_vlm_node.model.gemv_linear.GemvLinear` call (their ``kernels``, see ``gemv_linear.attach_gemv``)
+when the kernels are loaded: it checks that the call fits a kernel (rows, dtype, layout), allocates the output
+and launches on the ``launcher`` (the PyCUDA runtime on torch's stream, so CUDA graphs capture it; or the CPU
+harness in the tests). A call that does not fit (a prefill of many rows) goes back to the module's torch path:
+with hundreds of rows the product is compute-bound, the weights are read once either way, and torch's tiled
+GEMM is the faster one.
+
+A float weight competes with torch's product (cuBLAS), which is close to the bandwidth on some shapes and
+GPUs and not on others; :meth:`CudaGemv.faster_rows` times both on this GPU, as a decode graph runs them, and
+the engine routes a shape to the kernel only for the rows it won.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+from . import launch as L
+from .graph import device_us
+
+TIMING_BYTES = 64 << 20  # weight bytes read per timed graph: enough calls of a small weight to time it
+
+
+class CudaGemv:
+    """Float, INT8 and INT4 weights x activation rows through the GEMV kernels (see module docstring).
+
+    ``time_us(fn, calls)``: device microseconds of one ``fn()`` (``graph.device_us``: in a CUDA graph)."""
+
+    max_rows = L.GEMV_ROW_BUCKETS[-1]
+
+    def __init__(self, launcher, time_us: Callable[..., float] = device_us) -> None:
+        self.launcher = launcher
+        self.time_us = time_us
+
+    def fits(self, module, x: torch.Tensor) -> bool:
+        """Whether the kernels take ``module``'s product of ``x`` (L, K): 1..max_rows rows of a supported dtype,
+        16-byte aligned, and for a float weight one in x's dtype (every quantized format and shape is taken)."""
+        return (
+            x.dim() == 2
+            and 1 <= x.shape[0] <= self.max_rows
+            and str(x.dtype).removeprefix("torch.") in L.DTYPE_TAGS
+            and x.data_ptr() % 16 == 0
+            and (module.mode != "float" or _takes_weight(module.matrix, x))
+        )
+
+    def __call__(self, module, x: torch.Tensor) -> torch.Tensor:
+        """(L, K) -> (L, N) in x's dtype, for a QuantizedLinear or GemvLinear ``module`` (on x's device)."""
+        if module.mode == "float":
+            return self._product(x, "float", (module.matrix, None, None), 0)
+        offsets = module.offsets if module.mode == "int4" else None
+        return self._product(x, module.mode, (module.qweight, module.scales, offsets), module.group_size)
+
+    def faster_rows(self, weight: torch.Tensor) -> tuple[int, str]:
+        """The largest rows bucket up to which the kernel multiplied the float ``weight`` (N, K) faster than
+        ``F.linear`` (0: not even one row, or the weight is not one the kernel reads), each bucket timed on
+        both until the kernel loses one; and those timings, for the log."""
+        n, k = weight.shape
+        x = torch.zeros((self.max_rows, k), dtype=weight.dtype, device=weight.device)
+        if not _takes_weight(weight, x):
+            return 0, f"F.linear ({weight.dtype} weight not contiguous and 16-byte aligned)"
+        calls = max(1, min(16, TIMING_BYTES // (weight.numel() * weight.element_size())))
+        rows, timings = 0, []
+        for bucket in L.GEMV_ROW_BUCKETS:
+            rows_x = x[:bucket]
+            try:
+                kernel = self.time_us(lambda r=rows_x: self._product(r, "float", (weight, None, None), 0), calls=calls)
+                torch_us = self.time_us(lambda r=rows_x: F.linear(r, weight), calls=calls)
+            except Exception as exc:  # noqa: BLE001 - a product that cannot be timed keeps what was measured
+                timings.append(f"{bucket} rows not timed: {type(exc).__name__}: {exc}")
+                break
+            timings.append(f"{bucket} row{'s' * (bucket > 1)} {kernel:.1f} vs {torch_us:.1f} us")
+            if kernel >= torch_us:
+                break
+            rows = bucket
+        chosen = f"kernel for 1..{rows} rows" if rows else "F.linear"
+        return rows, f"{chosen} (kernel vs F.linear: {', '.join(timings)})"
+
+    def _product(self, x: torch.Tensor, mode: str, stored: tuple, group: int) -> torch.Tensor:
+        """Launch ``gemv_<mode>`` on x (L, K) and the stored weight (weight or qweight, scales, offsets)."""
+        x = x.contiguous()
+        rows, k = x.shape
+        n = stored[0].shape[0]
+        expected = k if mode != "int4" else -(-k // 2)
+        if stored[0].shape[1] != expected:
+            raise ValueError(f"x has {k} columns, the weight is {tuple(stored[0].shape)} ({mode})")
+        y = torch.empty((rows, n), dtype=x.dtype, device=x.device)
+        self.launcher.launch(L.gemv_launch(mode, rows, n, x.dtype), [y, x, *stored, rows, n, k, group])
+        return y
+
+
+def _takes_weight(weight: torch.Tensor, x: torch.Tensor) -> bool:
+    """A float weight the kernel reads in place: x's dtype and device, contiguous rows, 16-byte aligned."""
+    return (
+        weight.dtype == x.dtype and weight.device == x.device and weight.is_contiguous() and weight.data_ptr() % 16 == 0
+    )

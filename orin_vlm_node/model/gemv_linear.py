@@ -1,0 +1,126 @@
+"""The GPU path of the decoder's projections and LM head: a decode step's few rows through the GEMV kernels
+(``kernels/gemv.cu``, launched by ``cuda.gemv.CudaGemv``), everything else through torch.
+
+Why: at batch 1 a decode step reads every weight once, so its projections should run at the memory's copy
+bandwidth. torch's product of one row (cuBLAS) reached 65-80% of it on an H200 for the 2B's layer shapes, and
+adds a split-K reduce kernel to most of them; the GEMV kernel is one launch per product. Which of the two is
+faster depends on the GPU, the weight's shape and the row count, so a float weight takes the kernel only
+for the row buckets where it measured faster on this GPU (``CudaGemv.faster_rows``, timed once per shape
+when the kernels are attached); a quantized weight always takes it (its torch path widens the whole weight
+for every product).
+
+:func:`attach_gemv` wraps the float projections that take the kernel in a :class:`GemvLinear` (the loaded
+module stays inside it: no copy of the weight, a tied head keeps the embedding table) and points every
+:class:`~.quant.QuantizedLinear` at the kernels; called with None it undoes both, so switching the kernels
+off at runtime leaves the model as loaded.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .quant import QuantizedLinear
+
+log = logging.getLogger("orin_vlm_node.model")
+
+
+class GemvKernels(Protocol):
+    """The GEMV kernels (``cuda.gemv.CudaGemv``): the product of a module's weight with a few rows of x."""
+
+    def fits(self, module: nn.Module, x: torch.Tensor) -> bool: ...
+
+    def __call__(self, module: nn.Module, x: torch.Tensor) -> torch.Tensor: ...
+
+    def faster_rows(self, weight: torch.Tensor) -> tuple[int, str]:
+        """The largest rows bucket up to which the kernel beat torch on ``weight`` (0: never), and the
+        timings that decided it, for the log."""
+        ...
+
+
+class GemvLinear(nn.Module):
+    """A bias-free float projection whose products of 1..``rows`` rows the GEMV kernel computes; more rows
+    (a prefill, or a batch the kernel measured slower for) go through ``F.linear``."""
+
+    weight = None  # callers use the module (``text.project``); the float weight is ``matrix``
+    mode = "float"  # how the kernels read the weight: stored in the activations' dtype
+
+    def __init__(self, inner: nn.Module, kernels: GemvKernels, rows: int) -> None:
+        super().__init__()
+        self.inner = inner  # the module as loaded (nn.Linear or FusedLinear): its Parameter, not a copy
+        self.kernels = kernels
+        self.rows = rows
+
+    @property
+    def matrix(self) -> torch.Tensor:
+        """The (N, K) weight."""
+        return self.inner.weight
+
+    @property
+    def out_features(self) -> int:
+        return self.inner.weight.shape[0]
+
+    @property
+    def in_features(self) -> int:
+        return self.inner.weight.shape[1]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """(L, K) -> (L, N)."""
+        if x.shape[0] <= self.rows and self.kernels.fits(self, x):
+            return self.kernels(self, x)
+        return F.linear(x, self.inner.weight)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, gemv_kernel<={self.rows} rows"
+
+
+def _sites(model: nn.Module) -> list[tuple[nn.Module, str]]:
+    """(parent, attribute) of every decoder projection and of the LM head."""
+    sites = [(getattr(layer, sub), attr) for layer in model.language_model.layers for sub, attr in layer.PROJECTIONS]
+    return [*sites, (model, "lm_head")]
+
+
+def attach_gemv(model: nn.Module, kernels: GemvKernels | None, floats: bool = True) -> str:
+    """Route ``model``'s decoder projections and LM head through ``kernels`` (module docstring), or back to
+    torch when None; what was done, for the log and diagnostics ('' when None). ``floats`` False keeps the
+    float weights on torch: the kernels were timed as a CUDA graph runs them, and a decode launched from
+    Python (no graphs) pays the PyCUDA launch on every product, several times torch's."""
+    for parent, attr in _sites(model):
+        module = getattr(parent, attr)
+        if isinstance(module, GemvLinear):
+            setattr(parent, attr, module.inner)
+    quantized = [m for m in model.modules() if isinstance(m, QuantizedLinear)]
+    for m in quantized:
+        m.kernels = kernels
+    if kernels is None:
+        return ""
+    decided: dict[tuple, tuple[int, str]] = {}  # (shape, dtype) -> (rows, timings): one timing per shape
+    float_sites = routed = 0
+    for parent, attr in _sites(model):
+        module = getattr(parent, attr)
+        weight = getattr(module, "weight", None)
+        if not isinstance(weight, torch.Tensor):  # quantized, or routed elsewhere (the CPU kernels)
+            continue
+        float_sites += 1
+        if not floats:
+            continue
+        key = (tuple(weight.shape), weight.dtype)
+        if key not in decided:
+            decided[key] = kernels.faster_rows(weight)
+        rows = decided[key][0]
+        if rows:
+            setattr(parent, attr, GemvLinear(module, kernels, rows))
+            routed += 1
+    parts = [f"{len(quantized)} quantized projections"] if quantized else []
+    if float_sites and not floats:
+        parts.append(f"float ones: F.linear ({float_sites}; decode not in CUDA graphs)")
+    elif float_sites:
+        parts.append(f"{routed} of {float_sites} float ones")
+        parts += [f"{n}x{k}: {timings}" for ((n, k), _), (_, timings) in decided.items()]
+    what = "GEMV kernels for decode rows: " + "; ".join(parts)
+    log.info("CUDA projections: %s", what)
+    return what
