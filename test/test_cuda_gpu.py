@@ -228,7 +228,7 @@ def test_gpu_float_gemv_matches_f_linear_and_is_timed_against_it(backend, dtype,
         expected = F.linear(x.float(), linear.weight.float())
         tol = {torch.float16: 2e-3, torch.bfloat16: 1.6e-2, torch.float32: 1e-5}[dtype] * expected.abs().amax().item()
         torch.testing.assert_close(module(x).float(), expected, rtol=0, atol=tol)
-    rows, why = gemv.faster_rows(linear.weight)  # device time in CUDA graphs, both sides
+    rows, why = gemv.faster_rows([linear.weight])  # device time in CUDA graphs, both sides
     assert rows in (0, 1, 2, 4, 8) and "kernel vs F.linear: 1 row " in why, why
 
 

@@ -88,24 +88,49 @@ def _timer(launcher: RecordingLauncher, kernel_wins_up_to: int):
 def test_a_float_weight_takes_the_kernel_for_the_row_buckets_it_won_and_says_so(harness):
     launcher = RecordingLauncher(harness)
     weight = torch.randn(40, 64)
-    rows, why = CudaGemv(launcher, _timer(launcher, 2)).faster_rows(weight)
+    rows, why = CudaGemv(launcher, _timer(launcher, 2)).faster_rows([weight])
     assert rows == 2  # 1 and 2 rows won, 4 lost: 8 not timed
     assert (
         why
         == "kernel for 1..2 rows (kernel vs F.linear: 1 row 1.0 vs 2.0 us, 2 rows 1.0 vs 2.0 us, 4 rows 3.0 vs 2.0 us)"
     )
     assert launcher.kernels == ["gemv_float_f32_r1", "gemv_float_f32_r2", "gemv_float_f32_r4"]
-    assert CudaGemv(launcher, _timer(launcher, 0)).faster_rows(weight)[0] == 0
-    assert CudaGemv(launcher, _timer(launcher, 8)).faster_rows(weight)[0] == 8
-    assert CudaGemv(launcher, _timer(launcher, 8)).faster_rows(weight.t())[1].startswith("F.linear (")  # not contiguous
+    assert CudaGemv(launcher, _timer(launcher, 0)).faster_rows([weight])[0] == 0
+    assert CudaGemv(launcher, _timer(launcher, 8)).faster_rows([weight])[0] == 8
+    not_contiguous = CudaGemv(launcher, _timer(launcher, 8)).faster_rows([weight.t()])
+    assert not_contiguous[0] == 0 and not_contiguous[1].startswith("F.linear (")
 
     def failing(fn, calls):
         raise RuntimeError("capture failed")
 
-    assert CudaGemv(launcher, failing).faster_rows(weight) == (
+    assert CudaGemv(launcher, failing).faster_rows([weight]) == (
         0,
         "F.linear (kernel vs F.linear: 1 rows not timed: RuntimeError: capture failed)",
     )
+
+
+def test_a_timed_graph_walks_through_the_weights_of_the_shape_as_a_decode_step_does(harness):
+    """One product per weight in turn (layers' weights are not in L2 when their product starts), as many
+    products as the timing's byte budget asks for, at most 16."""
+    weights = [torch.randn(8, 32) for _ in range(3)]
+    read: list[int] = []
+
+    class WeightsRead(RecordingLauncher):
+        def launch(self, cfg, args):
+            read.append(args[2].data_ptr())
+            super().launch(cfg, args)
+
+    calls_asked: list[int] = []
+
+    def time_us(fn, calls):
+        calls_asked.append(calls)
+        for _ in range(calls):
+            fn()
+        return 1.0  # a tie: the kernel is not faster, so only one row is timed
+
+    assert CudaGemv(WeightsRead(harness), time_us).faster_rows(weights)[0] == 0
+    assert calls_asked == [16, 16]
+    assert read == [w.data_ptr() for w in weights] * 5 + [weights[0].data_ptr()]
 
 
 @pytest.mark.parametrize("mode", ["none", "int4"])

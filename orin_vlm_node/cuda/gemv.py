@@ -15,7 +15,8 @@ the engine routes a shape to the kernel only for the rows it won.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import itertools
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -24,6 +25,7 @@ from . import launch as L
 from .graph import device_us
 
 TIMING_BYTES = 64 << 20  # weight bytes read per timed graph: enough calls of a small weight to time it
+MAX_TIMED = 16  # products in one timed graph at most (and distinct weights walked through)
 
 
 class CudaGemv:
@@ -55,21 +57,31 @@ class CudaGemv:
         offsets = module.offsets if module.mode == "int4" else None
         return self._product(x, module.mode, (module.qweight, module.scales, offsets), module.group_size)
 
-    def faster_rows(self, weight: torch.Tensor) -> tuple[int, str]:
-        """The largest rows bucket up to which the kernel multiplied the float ``weight`` (N, K) faster than
-        ``F.linear`` (0: not even one row, or the weight is not one the kernel reads), each bucket timed on
-        both until the kernel loses one; and those timings, for the log."""
-        n, k = weight.shape
-        x = torch.zeros((self.max_rows, k), dtype=weight.dtype, device=weight.device)
-        if not _takes_weight(weight, x):
-            return 0, f"F.linear ({weight.dtype} weight not contiguous and 16-byte aligned)"
-        calls = max(1, min(16, TIMING_BYTES // (weight.numel() * weight.element_size())))
+    def faster_rows(self, weights: Sequence[torch.Tensor]) -> tuple[int, str]:
+        """The largest rows bucket up to which the kernel multiplied float weights of one shape (N, K) faster
+        than ``F.linear`` (0: not even one row, or the weights are not ones the kernel reads), each bucket timed
+        on both until the kernel loses one; and those timings, for the log.
+
+        Each timed graph walks through ``weights`` (the model's layers of that shape, up to MAX_TIMED), one
+        product each, as a decode step does: a weight is not in the GPU's L2 cache when its product starts,
+        as in the step (a product timed on one weight again and again would time the L2 cache on a GPU whose
+        L2 holds it)."""
+        weights = list(weights)[:MAX_TIMED]
+        k = weights[0].shape[1]
+        x = torch.zeros((self.max_rows, k), dtype=weights[0].dtype, device=weights[0].device)
+        if not all(_takes_weight(w, x) for w in weights):
+            return 0, f"F.linear ({weights[0].dtype} weights not contiguous and 16-byte aligned)"
+        nbytes = weights[0].numel() * weights[0].element_size()
+        calls = max(len(weights), min(MAX_TIMED, TIMING_BYTES // nbytes))
         rows, timings = 0, []
         for bucket in L.GEMV_ROW_BUCKETS:
             rows_x = x[:bucket]
+            turn = itertools.cycle(weights)
             try:
-                kernel = self.time_us(lambda r=rows_x: self._product(r, "float", (weight, None, None), 0), calls=calls)
-                torch_us = self.time_us(lambda r=rows_x: F.linear(r, weight), calls=calls)
+                kernel = self.time_us(
+                    lambda r=rows_x, t=turn: self._product(r, "float", (next(t), None, None), 0), calls=calls
+                )
+                torch_us = self.time_us(lambda r=rows_x, t=turn: F.linear(r, next(t)), calls=calls)
             except Exception as exc:  # noqa: BLE001 - a product that cannot be timed keeps what was measured
                 timings.append(f"{bucket} rows not timed: {type(exc).__name__}: {exc}")
                 break

@@ -6,8 +6,8 @@ bandwidth. torch's product of one row (cuBLAS) reached 65-80% of it on an H200 f
 adds a split-K reduce kernel to most of them; the GEMV kernel is one launch per product. Which of the two is
 faster depends on the GPU, the weight's shape and the row count, so a float weight takes the kernel only
 for the row buckets where it measured faster on this GPU (``CudaGemv.faster_rows``, timed once per shape
-when the kernels are attached); a quantized weight always takes it (its torch path widens the whole weight
-for every product).
+over the layers of that shape when the kernels are attached); a quantized weight always takes it (its torch
+path widens the whole weight for every product).
 
 :func:`attach_gemv` wraps the float projections that take the kernel in a :class:`GemvLinear` (the loaded
 module stays inside it: no copy of the weight, a tied head keeps the embedding table) and points every
@@ -18,6 +18,7 @@ off at runtime leaves the model as loaded.
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from typing import Protocol
 
 import torch
@@ -36,9 +37,9 @@ class GemvKernels(Protocol):
 
     def __call__(self, module: nn.Module, x: torch.Tensor) -> torch.Tensor: ...
 
-    def faster_rows(self, weight: torch.Tensor) -> tuple[int, str]:
-        """The largest rows bucket up to which the kernel beat torch on ``weight`` (0: never), and the
-        timings that decided it, for the log."""
+    def faster_rows(self, weights: Sequence[torch.Tensor]) -> tuple[int, str]:
+        """The largest rows bucket up to which the kernel beat torch on ``weights`` (of one shape; 0: never),
+        and the timings that decided it, for the log."""
         ...
 
 
@@ -98,28 +99,29 @@ def attach_gemv(model: nn.Module, kernels: GemvKernels | None, floats: bool = Tr
         m.kernels = kernels
     if kernels is None:
         return ""
-    decided: dict[tuple, tuple[int, str]] = {}  # (shape, dtype) -> (rows, timings): one timing per shape
-    float_sites = routed = 0
-    for parent, attr in _sites(model):
+    floating = [
+        (parent, attr)
+        for parent, attr in _sites(model)
+        if isinstance(getattr(getattr(parent, attr), "weight", None), torch.Tensor)  # not quantized, not the CPU's
+    ]
+    targets = floating if floats else []
+    by_shape: dict[tuple, list[torch.Tensor]] = {}  # (shape, dtype) -> the weights: one timing per shape
+    for parent, attr in targets:
+        weight = getattr(parent, attr).weight
+        by_shape.setdefault((tuple(weight.shape), weight.dtype), []).append(weight)
+    decided = {key: kernels.faster_rows(weights) for key, weights in by_shape.items()}  # -> (rows, timings)
+    routed = 0
+    for parent, attr in targets:
         module = getattr(parent, attr)
-        weight = getattr(module, "weight", None)
-        if not isinstance(weight, torch.Tensor):  # quantized, or routed elsewhere (the CPU kernels)
-            continue
-        float_sites += 1
-        if not floats:
-            continue
-        key = (tuple(weight.shape), weight.dtype)
-        if key not in decided:
-            decided[key] = kernels.faster_rows(weight)
-        rows = decided[key][0]
+        rows = decided[(tuple(module.weight.shape), module.weight.dtype)][0]
         if rows:
             setattr(parent, attr, GemvLinear(module, kernels, rows))
             routed += 1
     parts = [f"{len(quantized)} quantized projections"] if quantized else []
-    if float_sites and not floats:
-        parts.append(f"float ones: F.linear ({float_sites}; decode not in CUDA graphs)")
-    elif float_sites:
-        parts.append(f"{routed} of {float_sites} float ones")
+    if floating and not floats:
+        parts.append(f"float ones: F.linear ({len(floating)}; decode not in CUDA graphs)")
+    elif floating:
+        parts.append(f"{routed} of {len(floating)} float ones")
         parts += [f"{n}x{k}: {timings}" for ((n, k), _), (_, timings) in decided.items()]
     what = "GEMV kernels for decode rows: " + "; ".join(parts)
     log.info("CUDA projections: %s", what)
