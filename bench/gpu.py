@@ -230,6 +230,8 @@ def _decode(torch, ctx: BenchContext, res: SectionResult, model_dir: Path, dtype
     cache_dir = str(ctx.scratch / "kernel_cache")
     engines = {name: _engine(model_dir, dtype, cache_dir, **kw) for name, kw in PATHS.items()}
     res.setup.setdefault("decode_paths", {})[dtype] = {k: e.describe()["decode_path"] for k, e in engines.items()}
+    # which projections took the GEMV kernel, with the startup timings that decided it
+    res.setup.setdefault("float_weight_paths", {})[dtype] = {k: e.describe()["weight_path"] for k, e in engines.items()}
     hf = HFRunner(str(model_dir), {"fp16": torch.float16, "bf16": torch.bfloat16}[dtype], device="cuda")
     res.setup.setdefault("hf_attn_implementation", hf.attn_implementation)
     ids = iter(range(10**6))
