@@ -54,15 +54,14 @@ def _projection_bytes(model) -> tuple[int, int]:
     from orin_vlm_node.model.quant import QuantizedLinear
 
     stored = count = 0
-    for layer in model.language_model.layers:
-        for sub, attr in layer.PROJECTIONS:
-            module = getattr(getattr(layer, sub), attr)
-            if isinstance(module, QuantizedLinear):
-                stored += module.nbytes
-                count += module.in_features * module.out_features
-            else:  # a float projection (nn.Linear, or CpuLinear on the CPU kernels): its one weight parameter
-                stored += sum(p.numel() * p.element_size() for p in module.parameters())
-                count += sum(p.numel() for p in module.parameters())
+    for parent, attr in model.language_model.projection_sites():
+        module = getattr(parent, attr)
+        if isinstance(module, QuantizedLinear):
+            stored += module.nbytes
+            count += module.in_features * module.out_features
+        else:  # a float projection (nn.Linear, or CpuLinear on the CPU kernels): its one weight parameter
+            stored += sum(p.numel() * p.element_size() for p in module.parameters())
+            count += sum(p.numel() for p in module.parameters())
     return stored, count
 
 

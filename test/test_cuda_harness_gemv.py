@@ -144,8 +144,7 @@ def test_a_model_routed_to_the_kernels_computes_what_it_computed_and_detaching_r
     path = cached_tiny_checkpoint()
     cache = Engine(EngineConfig(model_path=str(path), device="cpu", max_sessions=0)).cache
     model = load_model(path, quant=WeightQuant(mode, 32) if mode != "none" else None)
-    sites = [(getattr(layer, s), a) for layer in model.language_model.layers for s, a in layer.PROJECTIONS]
-    sites.append((model, "lm_head"))
+    sites = [*model.language_model.projection_sites(), (model, "lm_head")]
     loaded = [getattr(parent, attr) for parent, attr in sites]
 
     def logits(tokens: int) -> torch.Tensor:

@@ -163,17 +163,15 @@ def use_cpu_gemm(model: nn.Module, gemm: RowsGemm) -> str:
     ``cpu.cpu_gemm_for``) checked device and dtype."""
     routed = quantized = 0
     dtype = model.lm_head.weight.dtype  # the model's float dtype: its activations'
-    for layer in model.language_model.layers:
-        for sub, attr in layer.PROJECTIONS:
-            parent = getattr(layer, sub)
-            module = getattr(parent, attr)
-            if isinstance(module, QuantizedLinear):
-                if not quant_refusal(module.mode, module.group_size, gemm):
-                    setattr(parent, attr, CpuQuantLinear(module, gemm, dtype))
-                    quantized += 1
-                continue
-            setattr(parent, attr, CpuLinear(module.weight, gemm))
-            routed += 1
+    for parent, attr in model.language_model.projection_sites():
+        module = getattr(parent, attr)
+        if isinstance(module, QuantizedLinear):
+            if not quant_refusal(module.mode, module.group_size, gemm):
+                setattr(parent, attr, CpuQuantLinear(module, gemm, dtype))
+                quantized += 1
+            continue
+        setattr(parent, attr, CpuLinear(module.weight, gemm))
+        routed += 1
     model.lm_head = CpuLinear(model.lm_head.weight, gemm)
     above = "many rows above"
     if _bf16_on_torch(model.lm_head.matrix, gemm):

@@ -81,8 +81,7 @@ class GemvLinear(nn.Module):
 
 def _sites(model: nn.Module) -> list[tuple[nn.Module, str]]:
     """(parent, attribute) of every decoder projection and of the LM head."""
-    sites = [(getattr(layer, sub), attr) for layer in model.language_model.layers for sub, attr in layer.PROJECTIONS]
-    return [*sites, (model, "lm_head")]
+    return [*model.language_model.projection_sites(), (model, "lm_head")]
 
 
 def attach_gemv(model: nn.Module, kernels: GemvKernels | None, floats: bool = True) -> str:

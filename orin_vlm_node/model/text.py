@@ -178,6 +178,11 @@ class TextDecoder(nn.Module):
         self.register_buffer("rope_streams", torch.empty(cfg.head_dim // 2, dtype=torch.long), persistent=False)
         self.init_buffers()
 
+    def projection_sites(self) -> list[tuple[nn.Module, str]]:
+        """(parent, attribute) of every layer's projections, in layer order: where the engine swaps in the
+        module that multiplies on its device (``setattr(parent, attribute, ...)``)."""
+        return [(getattr(layer, sub), attr) for layer in self.layers for sub, attr in layer.PROJECTIONS]
+
     def init_buffers(self) -> None:
         """(Re)compute the rotary tables on the buffers' device (after a meta-device build)."""
         device = self.inv_freq.device
