@@ -154,6 +154,7 @@ def test_gpu_engine_batches_in_graphs_and_every_request_gets_its_tokens_alone(tm
             if finals[i] is None:
                 event = next(stream)
                 finals[i] = event if isinstance(event, Finished) else None
+    assert [f.finish_reason for f in finals] == ["length"] * 4
     assert [f.token_ids for f in finals] == alone
     assert max(f.metrics["batch_size"] for f in finals) == 4
     decode = engine.describe()["decode"]
@@ -251,6 +252,7 @@ def test_gpu_engine_float_gemv_says_what_it_measured_and_answers_as_without_kern
     turn = Turn("Tell the robot what to do next, step by step.")
     a = list(fast.generate(Request(turn, sampling)))[-1]
     b = list(slow.generate(Request(turn, sampling)))[-1]
+    assert a.finish_reason == b.finish_reason == "length"
     assert a.token_ids == b.token_ids
     fast.reconfigure(use_cuda_kernels=False)
     assert not any(isinstance(m, GemvLinear) for m in fast.model.modules())
@@ -274,6 +276,7 @@ def test_gpu_engine_quantized_kernels_and_graphs_match_the_torch_path(tmp_path_f
     turn = Turn("Tell the robot what to do next, step by step.")
     a = list(fast.generate(Request(turn, sampling)))[-1]
     b = list(slow.generate(Request(turn, sampling)))[-1]
+    assert a.finish_reason == b.finish_reason == "length"
     assert a.token_ids == b.token_ids
 
 

@@ -77,6 +77,25 @@ ARG_KINDS: dict[str, tuple[str, ...]] = {
 }
 
 
+def pointer_problem(value: object, device: object) -> str | None:
+    """Why ``value`` cannot be a kernel's pointer argument on ``device``; None when it can (or is None, a
+    null pointer).
+
+    The kernels index their tensors themselves: each reads dense innermost rows and takes the outer stride it
+    honours as an argument of its own (the q/k heads of a fused projection are normalised in place of their
+    token rows), so a view passes when it lies on ``device`` with non-negative strides and a dense last
+    dimension. The GPU runtime and the CPU harness both apply this rule, so a layout the harness runs in the
+    tests is one the GPU accepts."""
+    if value is None:
+        return None
+    if getattr(value, "device", None) != device or not callable(getattr(value, "stride", None)):
+        return f"expected a tensor on {device}"
+    strides, shape = value.stride(), value.shape
+    if min(strides, default=0) < 0 or (shape and shape[-1] > 1 and strides[-1] != 1):
+        return f"expected non-negative strides and a dense last dimension, got shape {tuple(shape)} strides {strides}"
+    return None
+
+
 class UnsupportedShape(ValueError):
     """The kernels have no instantiation for this head_dim / dtype / GQA ratio."""
 

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from .build import BuildConfig, CompiledModule, arch_from_capability, build_all
-from .launch import ARG_KINDS, LaunchConfig
+from .launch import ARG_KINDS, LaunchConfig, pointer_problem
 from .sources import KernelSources, find_kernel_sources
 
 _log = logging.getLogger(__name__)
@@ -143,12 +143,10 @@ class KernelRuntime:
         values: list[ctypes._SimpleCData] = []
         for i, (kind, value) in enumerate(zip(kinds, args, strict=True)):
             if kind == "ptr":
-                if value is None:
-                    values.append(ctypes.c_void_p(0))
-                elif isinstance(value, torch.Tensor) and value.device == self.device and value.is_contiguous():
-                    values.append(ctypes.c_void_p(value.data_ptr()))
-                else:
-                    raise CudaRuntimeError(f"{cfg.kernel} argument {i}: expected a contiguous tensor on {self.device}")
+                problem = pointer_problem(value, self.device)
+                if problem:
+                    raise CudaRuntimeError(f"{cfg.kernel} argument {i}: {problem}")
+                values.append(ctypes.c_void_p(0 if value is None else value.data_ptr()))
             elif kind == "i32":
                 values.append(ctypes.c_int32(int(value)))
             else:

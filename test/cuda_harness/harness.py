@@ -21,11 +21,12 @@ from pathlib import Path
 
 import torch
 
-from orin_vlm_node.cuda.launch import ARG_KINDS, KERNEL_MODULES, LaunchConfig
+from orin_vlm_node.cuda.launch import ARG_KINDS, KERNEL_MODULES, LaunchConfig, pointer_problem
 
 HARNESS_DIR = Path(__file__).resolve().parent
 REPO_ROOT = HARNESS_DIR.parent.parent
 KERNEL_DIR = REPO_ROOT / "kernels"
+CPU = torch.device("cpu")
 CXX_FLAGS = (
     "-std=c++17",
     "-O2",
@@ -139,15 +140,12 @@ class Harness:
         starts, sizes = [], []
         for i, (kind, value) in enumerate(zip(kinds, args, strict=True)):
             if kind == "ptr":
+                problem = pointer_problem(value, CPU)
+                if problem:
+                    raise HarnessError(f"{cfg.kernel} argument {i}: {problem}")
                 if value is None:
                     slots[i] = 0
                     continue
-                if (
-                    not isinstance(value, torch.Tensor)
-                    or value.device.type != "cpu"
-                    or min(value.stride(), default=0) < 0
-                ):
-                    raise HarnessError(f"{cfg.kernel} argument {i}: expected a CPU tensor with non-negative strides")
                 slots[i] = value.data_ptr()
                 starts.append(value.data_ptr())
                 # A strided view (e.g. some heads of each token's row) is readable up to its last element.
