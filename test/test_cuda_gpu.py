@@ -22,11 +22,16 @@ pytestmark = [
 
 
 @pytest.fixture(scope="module")
-def backend(tmp_path_factory):
+def kernel_cache(tmp_path_factory) -> str:
+    """One kernel cache for the module: the first engine builds the kernels (the cold path), the others load
+    the cubins it cached, as a robot's restarts do (the diagnostics step of the GPU check times both)."""
+    return str(tmp_path_factory.mktemp("kernel_cache"))
+
+
+@pytest.fixture(scope="module")
+def backend(kernel_cache):
     shape = AttentionShape(torch.float16, 128, 16, 8)
-    choice = select_backend(
-        "cuda", True, shape, kernel_cache_dir=str(tmp_path_factory.mktemp("kernels")), allow_fallback=False
-    )
+    choice = select_backend("cuda", True, shape, kernel_cache_dir=kernel_cache, allow_fallback=False)
     assert choice.kernels and isinstance(choice.attention_impl, CudaPagedAttention)
     return choice
 
@@ -110,14 +115,15 @@ def _tiny(tmp_path_factory, head_dim: int):
 
 
 @pytest.mark.parametrize("head_dim", [32, 64, 128, 256])
-def test_gpu_engine_kernels_and_graphs_match_the_torch_path_across_context_buckets(tmp_path_factory, head_dim):
+def test_gpu_engine_kernels_and_graphs_match_the_torch_path_across_context_buckets(
+    tmp_path_factory, kernel_cache, head_dim
+):
     """fp32, 300 greedy tokens from a 1024-token limit: the static step moves from the 256 to the 512
     bucket (a second graph) and crosses many pages; tokens equal the eager torch path's."""
     from orin_vlm_node.engine import Engine, EngineConfig, Request, SamplingParams, Turn
 
     path = str(_tiny(tmp_path_factory, head_dim))
-    cache = str(tmp_path_factory.mktemp("kernel_cache"))
-    common = dict(model_path=path, device="cuda", dtype="fp32", max_context_tokens=1024, kernel_cache_dir=cache)
+    common = dict(model_path=path, device="cuda", dtype="fp32", max_context_tokens=1024, kernel_cache_dir=kernel_cache)
     fast = Engine(EngineConfig(**common, allow_kernel_fallback=False))
     slow = Engine(EngineConfig(**common, use_cuda_kernels=False, use_cuda_graph=False))
     info = fast.describe()
@@ -133,15 +139,14 @@ def test_gpu_engine_kernels_and_graphs_match_the_torch_path_across_context_bucke
     assert decode["graphs"] == "on" and decode["graphs_captured"] >= 2, decode
 
 
-def test_gpu_engine_batches_in_graphs_and_every_request_gets_its_tokens_alone(tmp_path_factory):
+def test_gpu_engine_batches_in_graphs_and_every_request_gets_its_tokens_alone(tmp_path_factory, kernel_cache):
     """fp32, kernels + graphs: four requests of different lengths decode together (batch buckets 4, then 2
     and 1 as they finish, 3 replaying the bucket of 4 with a padding row), each with its tokens alone."""
     from orin_vlm_node.engine import Engine, EngineConfig, Finished, Request, SamplingParams, Turn
 
     path = str(_tiny(tmp_path_factory, 64))
-    cache = str(tmp_path_factory.mktemp("kernel_cache"))
     engine = Engine(EngineConfig(model_path=path, device="cuda", dtype="fp32", max_context_tokens=1024,
-                                 kernel_cache_dir=cache, allow_kernel_fallback=False, max_batch=4))  # fmt: skip
+                                 kernel_cache_dir=kernel_cache, allow_kernel_fallback=False, max_batch=4))  # fmt: skip
     requests = [
         Request(Turn(text), SamplingParams(temperature=0.0, max_new_tokens=n, ignore_eos=True))
         for text, n in [("Describe the scene.", 40), ("Count the boxes. " * 30, 300), ("Where?", 90), ("Go.", 150)]
@@ -161,16 +166,15 @@ def test_gpu_engine_batches_in_graphs_and_every_request_gets_its_tokens_alone(tm
     assert decode["graphs"] == "on" and decode["graphs_captured"] >= 4, decode
 
 
-def test_gpu_overlapped_decode_answers_as_the_step_by_step_decode(tmp_path_factory):
+def test_gpu_overlapped_decode_answers_as_the_step_by_step_decode(tmp_path_factory, kernel_cache):
     """fp32, kernels + graphs: the static step overlaps on CUDA (token N read after step N+1 launched,
     through pinned memory and an event); switched off, the same engine reads every token before the next
     step. Every event of greedy, seeded and penalised answers, one ending at a stop string, is the same."""
     from orin_vlm_node.engine import Engine, EngineConfig, Request, SamplingParams, Turn
 
     path = str(_tiny(tmp_path_factory, 64))
-    cache = str(tmp_path_factory.mktemp("kernel_cache"))
     engine = Engine(EngineConfig(model_path=path, device="cuda", dtype="fp32", max_context_tokens=1024,
-                                 kernel_cache_dir=cache, allow_kernel_fallback=False))  # fmt: skip
+                                 kernel_cache_dir=kernel_cache, allow_kernel_fallback=False))  # fmt: skip
     turn = Turn("Tell the robot what to do next, step by step.")
     samplings = [
         SamplingParams(temperature=0.0, max_new_tokens=120),
@@ -233,7 +237,7 @@ def test_gpu_float_gemv_matches_f_linear_and_is_timed_against_it(backend, dtype,
     assert rows in (0, 1, 2, 4, 8) and "kernel vs F.linear: 1 row " in why, why
 
 
-def test_gpu_engine_float_gemv_says_what_it_measured_and_answers_as_without_kernels(tmp_path_factory):
+def test_gpu_engine_float_gemv_says_what_it_measured_and_answers_as_without_kernels(tmp_path_factory, kernel_cache):
     """fp32: the float projections the GEMV kernel won (timed at startup) inside the captured decode graphs
     give the tokens of torch's products, 200 greedy tokens; turning the kernels off at runtime puts the
     model back as loaded."""
@@ -241,8 +245,7 @@ def test_gpu_engine_float_gemv_says_what_it_measured_and_answers_as_without_kern
     from orin_vlm_node.model.gemv_linear import GemvLinear
 
     path = str(_tiny(tmp_path_factory, 64))
-    cache = str(tmp_path_factory.mktemp("kernel_cache"))
-    common = dict(model_path=path, device="cuda", dtype="fp32", max_context_tokens=512, kernel_cache_dir=cache)
+    common = dict(model_path=path, device="cuda", dtype="fp32", max_context_tokens=512, kernel_cache_dir=kernel_cache)
     fast = Engine(EngineConfig(**common, allow_kernel_fallback=False))
     slow = Engine(EngineConfig(**common, use_cuda_kernels=False, use_cuda_graph=False))
     path_used = fast.describe()["weight_path"]
@@ -259,14 +262,13 @@ def test_gpu_engine_float_gemv_says_what_it_measured_and_answers_as_without_kern
 
 
 @pytest.mark.parametrize("mode", ["int8", "int4"])
-def test_gpu_engine_quantized_kernels_and_graphs_match_the_torch_path(tmp_path_factory, mode):
+def test_gpu_engine_quantized_kernels_and_graphs_match_the_torch_path(tmp_path_factory, kernel_cache, mode):
     """fp32 activations: the GEMV kernels inside the captured decode graphs give the tokens of the torch
     path (weights widened for torch's GEMM), 200 greedy tokens."""
     from orin_vlm_node.engine import Engine, EngineConfig, Request, SamplingParams, Turn
 
     path = str(_tiny(tmp_path_factory, 64))
-    cache = str(tmp_path_factory.mktemp("kernel_cache"))
-    common = dict(model_path=path, device="cuda", dtype="fp32", max_context_tokens=512, kernel_cache_dir=cache,
+    common = dict(model_path=path, device="cuda", dtype="fp32", max_context_tokens=512, kernel_cache_dir=kernel_cache,
                   weight_quant=mode, weight_quant_group_size=32)  # fmt: skip
     fast = Engine(EngineConfig(**common, allow_kernel_fallback=False))
     slow = Engine(EngineConfig(**common, use_cuda_kernels=False, use_cuda_graph=False))

@@ -82,6 +82,23 @@ def test_q_and_k_heads_are_normalised_and_rotated_in_place_of_the_projection(har
     _check(got, want)
 
 
+def test_kernel_pointer_arguments_follow_the_one_rule_the_gpu_runtime_applies(harness):
+    """A view with a token stride (the q/k heads of a fused projection) is passed in place; a tensor whose
+    last dimension is not dense, or on another device, is refused with the reason, by the harness as by the
+    GPU runtime (both call ``launch.pointer_problem``)."""
+    cpu = torch.device("cpu")
+    heads = torch.randn(3, 8, 64)
+    assert L.pointer_problem(heads[:, :6], cpu) is None and L.pointer_problem(None, cpu) is None
+    assert "dense last dimension" in L.pointer_problem(heads.transpose(1, 2), cpu)
+    assert "expected a tensor on cpu" in L.pointer_problem(torch.empty(2, device="meta"), cpu)
+    assert "expected a tensor" in L.pointer_problem(3, cpu)
+    w = torch.ones(8)
+    with pytest.raises(Exception, match="argument 1: expected non-negative strides and a dense last dimension"):
+        harness.launch(
+            L.rms_norm_launch(8, torch.float32), [torch.empty(8, 8), torch.ones(8, 8).t(), w, w, 1, 1, 8, 8, 1e-6]
+        )
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("rows,inter", [(1, 96), (3, 1000), (5, 7)])
 def test_silu_mul_kernel_matches_torch(harness, dtype, rows, inter):

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.metadata
+import importlib.util
 import json
 import sys
 import time
@@ -56,10 +57,16 @@ def _gpu() -> dict[str, Any]:
 
 
 def _pycuda() -> str | None:
+    """PyCUDA's version, None when it is not importable. One built in place and put on the path (as the GPU
+    check does) has no package metadata but loads the kernels all the same: its own VERSION_TEXT says then."""
+    if importlib.util.find_spec("pycuda") is None:
+        return None
     try:
         return importlib.metadata.version("pycuda")
     except importlib.metadata.PackageNotFoundError:
-        return None
+        import pycuda
+
+        return pycuda.VERSION_TEXT
 
 
 def _cache(cache_dir: str) -> dict[str, Any]:
