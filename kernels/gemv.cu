@@ -13,7 +13,7 @@
 //
 // One warp computes one output column n for every row m: the lanes walk row n of the weights in 16-byte
 // vectors (float: 4 or 8 weights, int8: 16, int4: 32 per vector; a warp reads 512 contiguous bytes per
-// vector, and each lane issues kGemvUnroll vectors before it uses the first, so a row is requested at
+// vector, and each lane issues kGemvUnroll<W> vectors before it uses the first, so a row is requested at
 // once), read the matching x elements (x is small and stays in cache), accumulate in fp32 and reduce across
 // the warp. For int4 a vector lies inside one group when G is a multiple of 32, so its scale and offset
 // factor out: sum_k x q s + x o = s * (x . q) + o * sum(x). The vector path needs K a multiple of 32 (every
@@ -30,17 +30,20 @@ namespace orin_vlm {
 
 constexpr int kGemvWarps = 4;
 // 16-byte weight vectors each lane loads before it uses the first: one load in flight per lane leaves a
-// GPU with HBM idle most of the time (a warp's row of a 2048-wide projection is 2..4 such loads, each
-// waiting out the memory latency in turn); four keep the bytes of the whole row requested at once.
-constexpr int kGemvUnroll = 4;
-
-// Vectors at byte offsets off, off + stride, ... (kGemvUnroll of them) of a weight row, those below `end`;
-// all loads are issued before any is used.
+// GPU with HBM idle most of the time (a warp's row of a 2048-wide projection is 2..8 such loads, each
+// waiting out the memory latency in turn). Enough to request the whole row of a 2048-wide projection at
+// once: 4 for INT8 (2 KB) and INT4 (1 KB), 8 for 16-bit weights (4 KB; a fast GPU spends most of such a
+// small product waiting, so a second round trip costs what the bytes do).
 template <typename W>
+constexpr int kGemvUnroll = sizeof(W) >= 2 ? 8 : 4;
+
+// Vectors at byte offsets off, off + stride, ... (U of them) of a weight row, those below `end`; all loads
+// are issued before any is used.
+template <int U, typename W>
 __device__ __forceinline__ void load_row_vectors(const W* __restrict__ row, int off, int stride, int end,
                                                  uint4* __restrict__ raw) {
 #pragma unroll
-  for (int u = 0; u < kGemvUnroll; ++u) {
+  for (int u = 0; u < U; ++u) {
     const int at = off + u * stride;
     raw[u] = at < end ? __ldg(reinterpret_cast<const uint4*>(row + at)) : make_uint4(0, 0, 0, 0);
   }
@@ -89,11 +92,12 @@ __device__ __forceinline__ void gemv_dense(T* __restrict__ y, const T* __restric
   const bool vec = K % 32 == 0;
   const int vec_end = vec ? K : 0;
   constexpr int kStride = kWarpSize * kChunk;  // weights a warp covers per vector load
-  for (int k0 = lane * kChunk; k0 < vec_end; k0 += kStride * kGemvUnroll) {
-    uint4 raw[kGemvUnroll];
-    load_row_vectors(row, k0, kStride, vec_end, raw);
+  constexpr int kUnroll = kGemvUnroll<W>;
+  for (int k0 = lane * kChunk; k0 < vec_end; k0 += kStride * kUnroll) {
+    uint4 raw[kUnroll];
+    load_row_vectors<kUnroll>(row, k0, kStride, vec_end, raw);
 #pragma unroll
-    for (int u = 0; u < kGemvUnroll; ++u) {
+    for (int u = 0; u < kUnroll; ++u) {
       const int k = k0 + u * kStride;
       if (k >= vec_end) break;
       const W* e = reinterpret_cast<const W*>(&raw[u]);
@@ -144,11 +148,12 @@ __device__ __forceinline__ void gemv_int4(T* __restrict__ y, const T* __restrict
   const bool vec = K % kChunk == 0 && group % kChunk == 0;
   const int vec_end = vec ? K : 0;
   constexpr int kStride = kWarpSize * kChunk;  // weights a warp covers per vector load
-  for (int k0 = lane * kChunk; k0 < vec_end; k0 += kStride * kGemvUnroll) {
-    uint4 raw[kGemvUnroll];
-    load_row_vectors(row, k0 / 2, kStride / 2, vec_end / 2, raw);
+  constexpr int kUnroll = kGemvUnroll<uint8_t>;
+  for (int k0 = lane * kChunk; k0 < vec_end; k0 += kStride * kUnroll) {
+    uint4 raw[kUnroll];
+    load_row_vectors<kUnroll>(row, k0 / 2, kStride / 2, vec_end / 2, raw);
 #pragma unroll
-    for (int u = 0; u < kGemvUnroll; ++u) {
+    for (int u = 0; u < kUnroll; ++u) {
       const int k = k0 + u * kStride;
       if (k >= vec_end) break;
       const uint8_t* bytes = reinterpret_cast<const uint8_t*>(&raw[u]);

@@ -69,7 +69,7 @@ def _copy(request: Request, **changes) -> Request:
 
 def _alone(engine: Engine, request: Request) -> Finished:
     final = list(engine.generate(_copy(request)))[-1]
-    assert isinstance(final, Finished), final
+    assert isinstance(final, Finished) and final.finish_reason in ("stop", "length"), final
     return final
 
 
