@@ -5,6 +5,8 @@ with the norm after it, SwiGLU, and a whole model answering with them."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 from cuda_harness.harness import RecordingLauncher
@@ -82,21 +84,45 @@ def test_q_and_k_heads_are_normalised_and_rotated_in_place_of_the_projection(har
     _check(got, want)
 
 
-def test_kernel_pointer_arguments_follow_the_one_rule_the_gpu_runtime_applies(harness):
+def test_launch_arguments_follow_the_one_rule_the_gpu_runtime_applies(harness):
     """A view with a token stride (the q/k heads of a fused projection) is passed in place; a tensor whose
-    last dimension is not dense, or on another device, is refused with the reason, by the harness as by the
-    GPU runtime (both call ``launch.pointer_problem``)."""
-    cpu = torch.device("cpu")
-    heads = torch.randn(3, 8, 64)
-    assert L.pointer_problem(heads[:, :6], cpu) is None and L.pointer_problem(None, cpu) is None
-    assert "dense last dimension" in L.pointer_problem(heads.transpose(1, 2), cpu)
-    assert "expected a tensor on cpu" in L.pointer_problem(torch.empty(2, device="meta"), cpu)
-    assert "expected a tensor" in L.pointer_problem(3, cpu)
-    w = torch.ones(8)
-    with pytest.raises(Exception, match="argument 1: expected non-negative strides and a dense last dimension"):
-        harness.launch(
-            L.rms_norm_launch(8, torch.float32), [torch.empty(8, 8), torch.ones(8, 8).t(), w, w, 1, 1, 8, 8, 1e-6]
-        )
+    last dimension is not dense or that lies on another device, an int beyond int32 (it would wrap) and a
+    wrong argument count are refused with the reason, by the harness as by the GPU runtime (both call
+    ``launch.check_launch_args`` before they launch)."""
+    cpu, w = torch.device("cpu"), torch.ones(8)
+    cfg = L.rms_norm_launch(8, torch.float32)
+
+    def args(x=None, out=None, heads=1, eps=1e-6):
+        return [
+            torch.empty(8, 8) if out is None else out,
+            torch.ones(8, 8) if x is None else x,
+            w,
+            w,
+            heads,
+            1,
+            8,
+            8,
+            eps,
+        ]
+
+    L.check_launch_args(cfg, args(torch.ones(8, 16)[:, :8]), cpu)
+    L.check_launch_args(
+        L.gemv_launch("float", 1, 8, torch.float32),
+        [torch.empty(1, 8), torch.ones(1, 8), w.view(1, 8), None, None, 1, 8, 8, 0],
+        cpu,
+    )
+    refused = {
+        "argument 1: expected non-negative strides and a dense last dimension": args(torch.ones(8, 8).t()),
+        "argument 0: expected a tensor on cpu": args(out=torch.empty(8, 8, device="meta")),
+        "argument 4: expected an int32, got 2147483648": args(heads=2**31),
+        "argument 8: expected a float, got 'x'": args(eps="x"),
+        "takes 9 arguments, got 8": args()[:8],
+    }
+    for message, bad in refused.items():
+        with pytest.raises(L.LaunchArgumentError, match=re.escape(message)):
+            L.check_launch_args(cfg, bad, cpu)
+    with pytest.raises(L.LaunchArgumentError, match="argument 1: expected non-negative strides"):
+        harness.launch(cfg, args(torch.ones(8, 8).t()))
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)

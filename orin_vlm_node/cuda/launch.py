@@ -9,6 +9,8 @@ tests catch). No torch or CUDA import: everything here runs anywhere.
 from __future__ import annotations
 
 import math
+import numbers
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 # Mirrors of the kernel constants (kernels/paged_decode_attention.cu, paged_prefill_attention.cu).
@@ -77,25 +79,6 @@ ARG_KINDS: dict[str, tuple[str, ...]] = {
 }
 
 
-def pointer_problem(value: object, device: object) -> str | None:
-    """Why ``value`` cannot be a kernel's pointer argument on ``device``; None when it can (or is None, a
-    null pointer).
-
-    The kernels index their tensors themselves: each reads dense innermost rows and takes the outer stride it
-    honours as an argument of its own (the q/k heads of a fused projection are normalised in place of their
-    token rows), so a view passes when it lies on ``device`` with non-negative strides and a dense last
-    dimension. The GPU runtime and the CPU harness both apply this rule, so a layout the harness runs in the
-    tests is one the GPU accepts."""
-    if value is None:
-        return None
-    if getattr(value, "device", None) != device or not callable(getattr(value, "stride", None)):
-        return f"expected a tensor on {device}"
-    strides, shape = value.stride(), value.shape
-    if min(strides, default=0) < 0 or (shape and shape[-1] > 1 and strides[-1] != 1):
-        return f"expected non-negative strides and a dense last dimension, got shape {tuple(shape)} strides {strides}"
-    return None
-
-
 class UnsupportedShape(ValueError):
     """The kernels have no instantiation for this head_dim / dtype / GQA ratio."""
 
@@ -120,6 +103,49 @@ def kernel_family(kernel: str) -> str:
         if kernel.startswith(family + "_"):
             return family
     raise KeyError(f"unknown kernel {kernel!r}")
+
+
+I32_RANGE = (-(2**31), 2**31 - 1)
+
+
+class LaunchArgumentError(ValueError):
+    """A launch's arguments do not fit the kernel's parameter list (``ARG_KINDS``); the message names the
+    kernel, the argument and why."""
+
+
+def check_launch_args(cfg: LaunchConfig, args: Sequence[object], device: object) -> None:
+    """Refuse (LaunchArgumentError) arguments that the kernel of ``cfg`` would misread on ``device``: the
+    GPU runtime and the CPU harness both call this before they marshal anything, so a launch the CPU tests
+    run is one the GPU takes.
+
+    Pointers: a tensor (or None, a null pointer) on ``device`` with non-negative strides and a dense last
+    dimension. The kernels index their tensors themselves, reading dense innermost rows and taking the outer
+    stride they honour as an argument of their own (the q/k norm reads the heads of the fused QKV projection
+    in place), so such a view is passed as it is. Ints: within int32 (a larger one would wrap silently).
+    Floats: a real number."""
+    kinds = ARG_KINDS[cfg.family]
+    if len(args) != len(kinds):
+        raise LaunchArgumentError(f"{cfg.kernel} takes {len(kinds)} arguments, got {len(args)}")
+    for i, (kind, value) in enumerate(zip(kinds, args, strict=True)):
+        problem = _argument_problem(kind, value, device)
+        if problem:
+            raise LaunchArgumentError(f"{cfg.kernel} argument {i}: {problem}")
+
+
+def _argument_problem(kind: str, value: object, device: object) -> str | None:
+    if kind == "i32":
+        ok = isinstance(value, numbers.Integral) and I32_RANGE[0] <= int(value) <= I32_RANGE[1]
+        return None if ok else f"expected an int32, got {value!r}"
+    if kind == "f32":
+        return None if isinstance(value, numbers.Real) else f"expected a float, got {value!r}"
+    if value is None:
+        return None
+    if getattr(value, "device", None) != device or not callable(getattr(value, "stride", None)):
+        return f"expected a tensor on {device}"
+    strides, shape = value.stride(), value.shape
+    if min(strides, default=0) < 0 or (shape and shape[-1] > 1 and strides[-1] != 1):
+        return f"expected non-negative strides and a dense last dimension, got shape {tuple(shape)} strides {strides}"
+    return None
 
 
 def dtype_name(dtype: object) -> str:

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from .build import BuildConfig, CompiledModule, arch_from_capability, build_all
-from .launch import ARG_KINDS, LaunchConfig, pointer_problem
+from .launch import ARG_KINDS, LaunchConfig, check_launch_args
 from .sources import KernelSources, find_kernel_sources
 
 _log = logging.getLogger(__name__)
@@ -81,7 +81,8 @@ class KernelRuntime:
     """The built kernels, loaded once, launchable from any thread: ``launch(cfg, args)``.
 
     ``args`` follow the kernel's parameter list (``launch.ARG_KINDS``): tensors (or None for a null
-    pointer) for pointers, Python ints and floats for scalars. The CPU harness has the same method.
+    pointer) for pointers, Python ints and floats for scalars, refused by ``launch.check_launch_args``
+    (LaunchArgumentError) before anything is launched. The CPU harness has the same method and checks.
     """
 
     def __init__(self, modules: dict[str, CompiledModule], device: torch.device) -> None:
@@ -137,15 +138,10 @@ class KernelRuntime:
         fn = self._functions.get(cfg.kernel)
         if fn is None:
             raise CudaRuntimeError(f"kernel {cfg.kernel} is not loaded")
-        kinds = ARG_KINDS[cfg.family]
-        if len(args) != len(kinds):
-            raise CudaRuntimeError(f"{cfg.kernel} takes {len(kinds)} arguments, got {len(args)}")
+        check_launch_args(cfg, args, self.device)
         values: list[ctypes._SimpleCData] = []
-        for i, (kind, value) in enumerate(zip(kinds, args, strict=True)):
+        for kind, value in zip(ARG_KINDS[cfg.family], args, strict=True):
             if kind == "ptr":
-                problem = pointer_problem(value, self.device)
-                if problem:
-                    raise CudaRuntimeError(f"{cfg.kernel} argument {i}: {problem}")
                 values.append(ctypes.c_void_p(0 if value is None else value.data_ptr()))
             elif kind == "i32":
                 values.append(ctypes.c_int32(int(value)))

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from orin_vlm_node.cuda.launch import ARG_KINDS, KERNEL_MODULES, LaunchConfig, pointer_problem
+from orin_vlm_node.cuda.launch import ARG_KINDS, KERNEL_MODULES, LaunchConfig, check_launch_args
 
 HARNESS_DIR = Path(__file__).resolve().parent
 REPO_ROOT = HARNESS_DIR.parent.parent
@@ -133,16 +133,11 @@ class Harness:
         self._lib.cuemu_set_read_ranges.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
 
     def launch(self, cfg: LaunchConfig, args: Sequence[Arg]) -> None:
-        kinds = ARG_KINDS[cfg.family]
-        if len(args) != len(kinds):
-            raise HarnessError(f"{cfg.kernel} takes {len(kinds)} arguments, got {len(args)}")
+        check_launch_args(cfg, args, CPU)
         slots = (ctypes.c_uint64 * len(args))()
         starts, sizes = [], []
-        for i, (kind, value) in enumerate(zip(kinds, args, strict=True)):
+        for i, (kind, value) in enumerate(zip(ARG_KINDS[cfg.family], args, strict=True)):
             if kind == "ptr":
-                problem = pointer_problem(value, CPU)
-                if problem:
-                    raise HarnessError(f"{cfg.kernel} argument {i}: {problem}")
                 if value is None:
                     slots[i] = 0
                     continue
