@@ -16,13 +16,21 @@ export PYTHONUNBUFFERED := 1
 # The GPU check (see tools/gpu_check.py): gpu-wheels runs where a package index is reachable and fills
 # $(GPU_WHEELS_DIR) with what a bare CUDA machine lacks (keeping the PyCUDA archive an earlier gpu-check
 # built); gpu-check runs there with its own python3 (torch).
+# For a Jetson with JetPack 6: make gpu-wheels GPU_PY_VERSION=3.10 GPU_ARCH=aarch64.
 GPU_PYTHON ?= python3
 GPU_PY_VERSION ?= 3.12
-GPU_PLATFORMS ?= manylinux_2_28_x86_64 manylinux_2_27_x86_64 manylinux_2_17_x86_64 manylinux2014_x86_64
+GPU_ARCH ?= x86_64
+GPU_PLATFORMS ?= $(addsuffix _$(GPU_ARCH),manylinux_2_28 manylinux_2_27 manylinux_2_17 manylinux2014)
 GPU_WHEELS_DIR ?= .gpu-wheels
 GPU_BIG_CONFIG ?= ../shared/model-configs/Qwen3-VL-2B-Instruct.config.json
 PYCUDA_VERSION := 2026.1
-GPU_WHEELS := pytools==2026.1.1 platformdirs==4.14.7 mako==1.4.3 siphash24==1.9 transformers==5.23.0
+# PyCUDA's dependencies and the parity reference, pinned per Python of the GPU machine: on 3.10 (JetPack 6)
+# platformdirs stops at 4.12 and transformers at 5.20 (which has Qwen3-VL as the parity check uses it).
+# deps/ gets what transformers needs (tokenizers, huggingface_hub, ...): a bare machine with only torch
+# lacks them, and gpu-check installs those of them the machine does not have.
+GPU_WHEELS_DEFAULT := pytools==2026.1.1 platformdirs==4.14.7 mako==1.4.3 siphash24==1.9 transformers==5.23.0
+GPU_WHEELS_3.10 := pytools==2026.1.1 platformdirs==4.12.4 mako==1.4.3 siphash24==1.9 transformers==5.20.2
+GPU_WHEELS ?= $(or $(GPU_WHEELS_$(GPU_PY_VERSION)),$(GPU_WHEELS_DEFAULT))
 
 .PHONY: venv install test lint demo bench bench-quick gpu-wheels gpu-check clean
 
@@ -67,6 +75,10 @@ gpu-wheels: venv
 	$(PY) -m pip download -q --disable-pip-version-check --no-deps --only-binary=:all: \
 		--python-version $(GPU_PY_VERSION) --implementation cp $(addprefix --platform ,$(GPU_PLATFORMS)) \
 		-d $(GPU_WHEELS_DIR) $(GPU_WHEELS)
+	$(PY) -m pip download -q --disable-pip-version-check --only-binary=:all: \
+		--python-version $(GPU_PY_VERSION) --implementation cp $(addprefix --platform ,$(GPU_PLATFORMS)) \
+		-d $(GPU_WHEELS_DIR)/deps $(filter transformers==%,$(GPU_WHEELS))
+	rm -f $(GPU_WHEELS_DIR)/deps/transformers-*.whl
 	install -m 0644 $(GPU_BIG_CONFIG) $(GPU_WHEELS_DIR)/Qwen3-VL-2B-Instruct.config.json
 	@ls -l $(GPU_WHEELS_DIR)
 

@@ -48,7 +48,31 @@ def test_gpu_wheels_holds_what_a_bare_cuda_machine_lacks(wheels):
     assert any(n.startswith("pycuda-") and n.endswith(".tar.gz") for n in names), names
     for package in ("pytools", "platformdirs", "mako", "siphash24", "transformers-5.23.0"):
         assert any(n.startswith(package) and n.endswith(".whl") for n in names), (package, names)
+    deps = sorted(p.name for p in (wheels / "deps").iterdir())  # what transformers needs on a bare machine
+    for package in ("tokenizers-", "huggingface_hub-", "safetensors-", "numpy-", "regex-"):
+        assert any(n.startswith(package) for n in deps), (package, deps)
+    assert not any(n.startswith("transformers-") for n in deps), deps
     assert json.loads((wheels / "Qwen3-VL-2B-Instruct.config.json").read_text())["text_config"]["num_hidden_layers"]
+
+
+def test_gpu_wheels_for_a_jetson_resolve_for_its_python_and_arch(tmp_path):
+    """JetPack 6 ships Python 3.10 on aarch64: the pins for that Python exist there (platformdirs and
+    transformers stop supporting 3.10 before the default pins), with aarch64 builds where a wheel is native."""
+    if not CONFIG_2B.is_file():
+        pytest.skip(f"{CONFIG_2B} not found (the 2B config travels with the wheels)")
+    out = tmp_path / "jetson"
+    make = ["make", "-s", "gpu-wheels", f"GPU_WHEELS_DIR={out}", "GPU_PY_VERSION=3.10", "GPU_ARCH=aarch64",
+            f"GPU_BIG_CONFIG={CONFIG_2B}"]  # fmt: skip
+    proc = subprocess.run(make, cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    names = sorted(p.name for p in out.iterdir())
+    for package in ("pycuda-2026.1.tar.gz", "platformdirs-4.12.4-", "transformers-5.20.2-", "pytools-", "mako-"):
+        assert any(n.startswith(package) for n in names), (package, names)
+    native = [n for n in names if n.endswith(".whl") and not n.endswith("py3-none-any.whl")]
+    assert native and all("cp310" in n and "aarch64" in n for n in native), names
+    deps = sorted(p.name for p in (out / "deps").iterdir())
+    assert any(n.startswith("tokenizers-") and "aarch64" in n for n in deps), deps
+    assert any(n.startswith("numpy-") and "cp310" in n and "aarch64" in n for n in deps), deps
 
 
 def test_gpu_check_runs_up_to_the_first_gpu_call_and_reports(wheels, tmp_path):
@@ -65,7 +89,14 @@ def test_gpu_check_runs_up_to_the_first_gpu_call_and_reports(wheels, tmp_path):
     report = json.loads((out / "gpu_check.json").read_text())
     steps = report["steps"]
     assert steps["preflight"]["status"] == "ok" and steps["preflight"]["nvcc"]
-    assert steps["wheels"]["status"] == "ok" and len(steps["wheels"]["installed"]) == 5
+    wheels_step = steps["wheels"]
+    assert wheels_step["status"] == "ok" and wheels_step["installed"][:5] == sorted(
+        p.name for p in wheels.glob("*.whl")
+    )
+    # Of transformers' dependencies only what this Python lacks is installed (it has tokenizers, numpy...).
+    extra = wheels_step["installed"][5:]
+    assert not [n for n in extra if n.startswith(("tokenizers-", "numpy-", "safetensors-", "huggingface_hub-"))]
+    assert wheels_step["dependencies_present"] + len(extra) == len(list((wheels / "deps").glob("*.whl")))
     assert steps["device"]["status"] == "failed"
     assert "no CUDA device" in steps["device"]["reason"]
     assert steps["diagnostics"]["status"] == "skipped" and "needs pycuda, device" in steps["diagnostics"]["reason"]

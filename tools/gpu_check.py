@@ -6,7 +6,8 @@ the pinned transformers (the parity reference), and the Qwen3-VL-2B config whose
 benchmark checkpoint takes. The steps, each timed and recorded:
 
 1. ``preflight``  python, torch (and its CUDA), nvcc, the wheel folder's contents;
-2. ``wheels``     install the wheels into a private folder (``--target``; the system is not touched);
+2. ``wheels``     install the wheels into a private folder (``--target``; the system is not touched), and
+                  of the parity reference's dependencies (``deps/``) those this Python lacks;
 3. ``pycuda``     build PyCUDA from its sdist against this machine's CUDA (about 80 s), or take the
                   archive an earlier run made (``pycuda-built-cp<py>-cuda<release>.tgz`` in the wheel folder);
 4. ``device``     the first GPU call: torch sees a CUDA device (name, architecture, memory);
@@ -150,12 +151,29 @@ def preflight(c: Check) -> dict[str, Any]:
 
 
 def wheels(c: Check) -> dict[str, Any]:
+    """The pinned wheels (PyCUDA's dependencies, the parity reference) into a private folder, and of the
+    reference's dependencies (``deps/``) those this Python does not have: the folder comes first on the
+    children's path, so a package the machine already has (numpy, which its torch was built with) must not
+    be shadowed by another version."""
     site = c.work / "site"
-    files = sorted(str(p) for p in c.wheels.glob("*.whl"))
+    files = sorted(c.wheels.glob("*.whl"))
+    missing = [p for p in sorted((c.wheels / "deps").glob("*.whl")) if not _installed(p.name.split("-")[0])]
     c.run([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile",
-           "--disable-pip-version-check", "--target", str(site), *files], 300)  # fmt: skip
+           "--disable-pip-version-check", "--target", str(site), *map(str, files + missing)], 300)  # fmt: skip
     c.pythonpath.append(str(site))
-    return {"target": str(site), "installed": [Path(f).name for f in files]}
+    present = len(list((c.wheels / "deps").glob("*.whl"))) - len(missing)
+    return {"target": str(site), "installed": [p.name for p in files + missing], "dependencies_present": present}
+
+
+def _installed(distribution: str) -> bool:
+    """Whether this Python has ``distribution`` (a wheel's name: ``huggingface_hub``, ``PyYAML``...)."""
+    import importlib.metadata
+
+    try:
+        importlib.metadata.distribution(distribution)
+    except importlib.metadata.PackageNotFoundError:
+        return False
+    return True
 
 
 def pycuda(c: Check) -> dict[str, Any]:
