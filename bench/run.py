@@ -128,7 +128,7 @@ def main(argv: list[str] | None = None) -> int:
         config = replace(config, big_config_path=args.big_config)
 
     started = time.perf_counter()
-    created = dt.datetime.now(dt.UTC).isoformat(timespec="seconds")
+    created = dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
     machine = machine_info()  # before the run: the commit measured, not one made while it ran
     sections: dict[str, SectionResult] = {}
     with tempfile.TemporaryDirectory(prefix="orin_vlm_bench_") as scratch:
