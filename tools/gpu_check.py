@@ -157,11 +157,12 @@ def wheels(c: Check) -> dict[str, Any]:
     be shadowed by another version."""
     site = c.work / "site"
     files = sorted(c.wheels.glob("*.whl"))
-    missing = [p for p in sorted((c.wheels / "deps").glob("*.whl")) if not _installed(p.name.split("-")[0])]
+    deps = sorted((c.wheels / "deps").glob("*.whl"))
+    missing = [p for p in deps if not _installed(p.name.split("-")[0])]
     c.run([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile",
            "--disable-pip-version-check", "--target", str(site), *map(str, files + missing)], 300)  # fmt: skip
     c.pythonpath.append(str(site))
-    present = len(list((c.wheels / "deps").glob("*.whl"))) - len(missing)
+    present = len(deps) - len(missing)
     return {"target": str(site), "installed": [p.name for p in files + missing], "dependencies_present": present}
 
 
