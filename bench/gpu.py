@@ -20,7 +20,9 @@ that config is absent), batch 1, greedy, answers of a fixed length (``ignore_eos
   model's own bound (the bytes it really reads), and the speedup over fp16 weights.
 * ``gemv.<projection>.<fp16|fp16_kernel|int8|int4>``: one row through each projection shape of the 2B
   decoder, torch's fp16 product against the GEMV kernels (fp16, INT8 and INT4 weights): device time in graphs
-  and the weight bytes read per second as a fraction of the copy bandwidth.
+  and the weight bytes read per second as a fraction of the copy bandwidth. For gate/up also the MLP's
+  activation on both sides, as the engine times it: ``fp16_then_silu_mul`` (cuBLAS, then the ``silu_mul``
+  kernel) and ``fp16_kernel_swiglu`` (the kernel's SwiGLU epilogue).
 * ``batching.fp16.batch<N>``: 1, 2, 4 and 8 requests decoding together with kernels + graphs (one graph
   per batch bucket), the figures of the ``batching`` section: aggregate tokens/s over one request's, and
   each member's per-token latency over one request's alone.
@@ -165,6 +167,7 @@ def _gemv(torch, ctx: BenchContext, res: SectionResult, bandwidth: float) -> Non
     import torch.nn.functional as F
 
     from orin_vlm_node.cuda import AttentionShape, select_backend
+    from orin_vlm_node.cuda.fused import CudaFusedOps
     from orin_vlm_node.cuda.gemv import CudaGemv
     from orin_vlm_node.cuda.graph import device_us
     from orin_vlm_node.model.gemv_linear import GemvLinear
@@ -187,7 +190,7 @@ def _gemv(torch, ctx: BenchContext, res: SectionResult, bandwidth: float) -> Non
     if not choice.kernels:
         res.skip_part("gemv", choice.status)
         return
-    gemv = CudaGemv(choice.launcher)
+    gemv, silu_mul = CudaGemv(choice.launcher), CudaFusedOps(choice.launcher).silu_mul
     copies = 8  # distinct weights called in turn: no call finds its weight in L2 after the one before
     for name, (n, k) in shapes.items():
         x = torch.randn(1, k, device="cuda").to(torch.float16)
@@ -198,6 +201,9 @@ def _gemv(torch, ctx: BenchContext, res: SectionResult, bandwidth: float) -> Non
             linear.weight = torch.nn.Parameter(w, requires_grad=False)
         wrapped = [GemvLinear(linear, gemv, rows=gemv.max_rows) for linear in linears]
         sides["fp16_kernel"] = (lambda m, x=x: m(x), wrapped, n * k * 2)
+        if name == "gate_up":
+            sides["fp16_then_silu_mul"] = (lambda w, x=x: silu_mul(F.linear(x, w)), weights, n * k * 2)
+            sides["fp16_kernel_swiglu"] = (lambda m, x=x: gemv(m, x, swiglu=True), wrapped, n * k * 2)
         for mode in ("int8", "int4"):
             modules = [QuantizedLinear.from_weight(w, WeightQuant(mode)) for w in weights]
             sides[mode] = (lambda m, x=x: gemv(m, x), modules, modules[0].nbytes)

@@ -1,4 +1,4 @@
-// Helpers shared by the paged attention kernels: 16-byte vector loads/stores, warp reductions,
+// Helpers shared by the kernels (attention, GEMV, elementwise): 16-byte vector loads/stores, warp reductions,
 // block-table address translation. Header-only (templates / forceinline) so every .cu is one module.
 #pragma once
 
@@ -42,6 +42,13 @@ __device__ __forceinline__ float warp_sum(float v) {
 #pragma unroll
   for (int off = kWarpSize / 2; off > 0; off >>= 1) v += __shfl_xor_sync(kFullMask, v, off);
   return v;
+}
+
+// SwiGLU of one element, torch's arithmetic on the storage type T: silu(gate) in fp32 as g / (1 + exp(-g)),
+// rounded to T, times up in fp32 (gate and up given as T values widened). The caller rounds the result to T.
+template <typename T>
+__device__ __forceinline__ float swiglu_value(float gate, float up) {
+  return to_float(from_float<T>(gate / (1.0f + expf(-gate)))) * up;
 }
 
 // exp2(a - b) that is 0 (not NaN) when a is -inf, including -inf - -inf.

@@ -20,10 +20,16 @@
 // projection of the models we serve); any other shape takes the scalar path (same formulas, element by
 // element).
 //
-// gemv_<float|int8|int4>_<f32|f16|bf16>_r<R>: x, y (and float weights) in the activation type, R = the rows
-// bucket (1, 2, 4, 8; rows <= R). Grid: (ceil(N / kGemvWarps)); block: kGemvWarps warps (launch.py:
-// GEMV_WARPS). Every kernel takes the same arguments (y, x, weight, scales, offsets, rows, N, K, group);
-// those a format has no use for are null / 0.
+// SwiGLU epilogue (the _swiglu kernels): the weight is the MLP's fused gate/up projection, 2N rows (the N
+// gate rows, then the N up rows), and y[m, n] = silu(gate[m, n]) * up[m, n] with the rounding of the
+// separate kernels (each sum rounded to the activation type as the product's output, then silu_mul.cu's
+// arithmetic): one warp computes the gate column n and the up column n, so the activation costs no launch
+// and the 2N-wide product never goes to memory.
+//
+// gemv_<float|int8|int4>[_swiglu]_<f32|f16|bf16>_r<R>: x, y (and float weights) in the activation type, R =
+// the rows bucket (1, 2, 4, 8; rows <= R). Grid: (ceil(N / kGemvWarps)), N the output columns; block:
+// kGemvWarps warps (launch.py: GEMV_WARPS). Every kernel takes the same arguments (y, x, weight, scales,
+// offsets, rows, N, K, group); those a format has no use for are null / 0.
 #include "attention_common.cuh"
 
 namespace orin_vlm {
@@ -61,12 +67,17 @@ __device__ __forceinline__ void load_x(const T* __restrict__ x, size_t offset, b
   }
 }
 
-template <typename T, int R>
-__device__ __forceinline__ void store_rows(T* __restrict__ y, const float* __restrict__ acc, int rows, int n, int N) {
+// Column n of y for each row m: the warp's partial sums of weight row n reduced (and, with SWIGLU, those of
+// up row n + N: silu(gate) * up, each sum first rounded to T as the product's output).
+template <typename T, int R, bool SWIGLU>
+__device__ __forceinline__ void store_rows(T* __restrict__ y, const float* __restrict__ acc,
+                                           const float* __restrict__ up, int rows, int n, int N) {
 #pragma unroll
   for (int m = 0; m < R; ++m) {
     const float total = warp_sum(acc[m]);
-    if (m < rows && threadIdx.x % kWarpSize == 0) y[static_cast<size_t>(m) * N + n] = from_float<T>(total);
+    float value = total;
+    if constexpr (SWIGLU) value = swiglu_value<T>(to_float(from_float<T>(total)), to_float(from_float<T>(warp_sum(up[m]))));
+    if (m < rows && threadIdx.x % kWarpSize == 0) y[static_cast<size_t>(m) * N + n] = from_float<T>(value);
   }
 }
 
@@ -77,17 +88,13 @@ __device__ __forceinline__ float widen(T v) {
 }
 
 // Weights stored one element each (W: the activations' float type T, or int8 with a scale per output column,
-// applied to the sum: `scales` null for float weights): every 16-byte vector of the row widened to fp32 once,
-// then multiplied with each row of x.
+// applied to the sum: `scale` 1 for float weights): the lane's part of row `row`'s products with each row of
+// x, into acc[m]. Every 16-byte vector of the row is widened to fp32 once, then multiplied with each row of x.
 template <typename T, typename W, int R>
-__device__ __forceinline__ void gemv_dense(T* __restrict__ y, const T* __restrict__ x, const W* __restrict__ w,
-                                           const __half* __restrict__ scales, int rows, int N, int K) {
-  if (rows < 1 || rows > R || blockDim.x != kGemvWarps * kWarpSize) KERNEL_TRAP();
-  const int lane = threadIdx.x % kWarpSize;
-  const int n = blockIdx.x * kGemvWarps + threadIdx.x / kWarpSize;
-  if (n >= N) return;  // a whole warp leaves together: the reductions below stay full-warp
-  const W* row = w + static_cast<size_t>(n) * K;
-  float acc[R] = {};
+__device__ __forceinline__ void dense_dot(const T* __restrict__ x, const W* __restrict__ row, float scale, int rows,
+                                          int K, int lane, float* __restrict__ acc) {
+#pragma unroll
+  for (int m = 0; m < R; ++m) acc[m] = 0.0f;
   constexpr int kChunk = 16 / static_cast<int>(sizeof(W));  // weights per 16-byte vector
   const bool vec = K % 32 == 0;
   const int vec_end = vec ? K : 0;
@@ -122,28 +129,41 @@ __device__ __forceinline__ void gemv_dense(T* __restrict__ y, const T* __restric
     for (int m = 0; m < R; ++m)
       if (m < rows) acc[m] += to_float(__ldg(x + static_cast<size_t>(m) * K + k)) * wk;
   }
-  if (scales != nullptr) {
-    const float s = __half2float(__ldg(scales + n));
 #pragma unroll
-    for (int m = 0; m < R; ++m) acc[m] *= s;
-  }
-  store_rows<T, R>(y, acc, rows, n, N);
+  for (int m = 0; m < R; ++m) acc[m] *= scale;
 }
 
-template <typename T, int R>
-__device__ __forceinline__ void gemv_int4(T* __restrict__ y, const T* __restrict__ x, const uint8_t* __restrict__ q,
-                                          const __half* __restrict__ scales, const __half* __restrict__ offsets,
-                                          int rows, int N, int K, int group) {
-  if (rows < 1 || rows > R || group < 1 || blockDim.x != kGemvWarps * kWarpSize) KERNEL_TRAP();
+// y = x w^T for dense weights (`scales` null for float weights), or its SwiGLU (weight rows n and n + N).
+template <typename T, typename W, int R, bool SWIGLU>
+__device__ __forceinline__ void gemv_dense(T* __restrict__ y, const T* __restrict__ x, const W* __restrict__ w,
+                                           const __half* __restrict__ scales, int rows, int N, int K) {
+  if (rows < 1 || rows > R || blockDim.x != kGemvWarps * kWarpSize) KERNEL_TRAP();
   const int lane = threadIdx.x % kWarpSize;
   const int n = blockIdx.x * kGemvWarps + threadIdx.x / kWarpSize;
-  if (n >= N) return;
+  if (n >= N) return;  // a whole warp leaves together: the reductions below stay full-warp
+  float acc[R], up[R];
+  dense_dot<T, W, R>(x, w + static_cast<size_t>(n) * K, scales ? __half2float(__ldg(scales + n)) : 1.0f, rows, K,
+                     lane, acc);
+  if constexpr (SWIGLU) {
+    const int u = n + N;
+    dense_dot<T, W, R>(x, w + static_cast<size_t>(u) * K, scales ? __half2float(__ldg(scales + u)) : 1.0f, rows, K,
+                       lane, up);
+  }
+  store_rows<T, R, SWIGLU>(y, acc, up, rows, n, N);
+}
+
+// Packed int4 weights: the lane's part of row n's products with each row of x, into acc[m].
+template <typename T, int R>
+__device__ __forceinline__ void int4_dot(const T* __restrict__ x, const uint8_t* __restrict__ q,
+                                         const __half* __restrict__ scales, const __half* __restrict__ offsets,
+                                         int n, int rows, int K, int group, int lane, float* __restrict__ acc) {
+#pragma unroll
+  for (int m = 0; m < R; ++m) acc[m] = 0.0f;
   const int row_bytes = (K + 1) / 2;
   const int groups = (K + group - 1) / group;
   const uint8_t* row = q + static_cast<size_t>(n) * row_bytes;
   const __half* s_row = scales + static_cast<size_t>(n) * groups;
   const __half* o_row = offsets + static_cast<size_t>(n) * groups;
-  float acc[R] = {};
   constexpr int kChunk = 32;  // int4 weights per 16-byte vector
   const bool vec = K % kChunk == 0 && group % kChunk == 0;
   const int vec_end = vec ? K : 0;
@@ -188,26 +208,44 @@ __device__ __forceinline__ void gemv_int4(T* __restrict__ y, const T* __restrict
     for (int m = 0; m < R; ++m)
       if (m < rows) acc[m] += to_float(__ldg(x + static_cast<size_t>(m) * K + k)) * w;
   }
-  store_rows<T, R>(y, acc, rows, n, N);
+}
+
+// y = x w^T for packed int4 weights, or its SwiGLU (weight rows n and n + N).
+template <typename T, int R, bool SWIGLU>
+__device__ __forceinline__ void gemv_int4(T* __restrict__ y, const T* __restrict__ x, const uint8_t* __restrict__ q,
+                                          const __half* __restrict__ scales, const __half* __restrict__ offsets,
+                                          int rows, int N, int K, int group) {
+  if (rows < 1 || rows > R || group < 1 || blockDim.x != kGemvWarps * kWarpSize) KERNEL_TRAP();
+  const int lane = threadIdx.x % kWarpSize;
+  const int n = blockIdx.x * kGemvWarps + threadIdx.x / kWarpSize;
+  if (n >= N) return;
+  float acc[R], up[R];
+  int4_dot<T, R>(x, q, scales, offsets, n, rows, K, group, lane, acc);
+  if constexpr (SWIGLU) int4_dot<T, R>(x, q, scales, offsets, n + N, rows, K, group, lane, up);
+  store_rows<T, R, SWIGLU>(y, acc, up, rows, n, N);
 }
 
 }  // namespace orin_vlm
 
-#define ORIN_GEMV_KERNELS_R(DT, T, R)                                                                                  \
-  extern "C" __global__ void gemv_float_##DT##_r##R(T* y, const T* x, const T* weight, const __half* scales,           \
-                                                   const __half* offsets, int rows, int n, int k, int group) {         \
-    orin_vlm::gemv_dense<T, T, R>(y, x, weight, nullptr, rows, n, k);                                                  \
+#define ORIN_GEMV_KERNELS_E(DT, T, R, E, SWIGLU)                                                                     \
+  extern "C" __global__ void gemv_float##E##_##DT##_r##R(T* y, const T* x, const T* weight, const __half* scales,      \
+                                                        const __half* offsets, int rows, int n, int k, int group) {    \
+    orin_vlm::gemv_dense<T, T, R, SWIGLU>(y, x, weight, nullptr, rows, n, k);                                          \
   }                                                                                                                    \
-  extern "C" __global__ void gemv_int8_##DT##_r##R(T* y, const T* x, const int8_t* qweight,                            \
-                                                  const __half* scales, const __half* offsets, int rows,               \
-                                                  int n, int k, int group) {                                           \
-    orin_vlm::gemv_dense<T, int8_t, R>(y, x, qweight, scales, rows, n, k);                                             \
+  extern "C" __global__ void gemv_int8##E##_##DT##_r##R(T* y, const T* x, const int8_t* qweight,                       \
+                                                       const __half* scales, const __half* offsets, int rows, int n,   \
+                                                       int k, int group) {                                             \
+    orin_vlm::gemv_dense<T, int8_t, R, SWIGLU>(y, x, qweight, scales, rows, n, k);                                     \
   }                                                                                                                    \
-  extern "C" __global__ void gemv_int4_##DT##_r##R(T* y, const T* x, const uint8_t* qweight,                           \
-                                                  const __half* scales, const __half* offsets, int rows,               \
-                                                  int n, int k, int group) {                                           \
-    orin_vlm::gemv_int4<T, R>(y, x, qweight, scales, offsets, rows, n, k, group);                                      \
+  extern "C" __global__ void gemv_int4##E##_##DT##_r##R(T* y, const T* x, const uint8_t* qweight,                      \
+                                                       const __half* scales, const __half* offsets, int rows, int n,   \
+                                                       int k, int group) {                                             \
+    orin_vlm::gemv_int4<T, R, SWIGLU>(y, x, qweight, scales, offsets, rows, n, k, group);                              \
   }
+
+#define ORIN_GEMV_KERNELS_R(DT, T, R)            \
+  ORIN_GEMV_KERNELS_E(DT, T, R, , false)         \
+  ORIN_GEMV_KERNELS_E(DT, T, R, _swiglu, true)
 
 #define ORIN_GEMV_KERNELS(DT, T) \
   ORIN_GEMV_KERNELS_R(DT, T, 1)  \

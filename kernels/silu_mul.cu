@@ -2,8 +2,9 @@
 // torch runs two (and, with the halves of one product, reads them through strided views).
 //
 // silu_mul_<dtype>: gate_up [rows, 2 * inter] (gate columns first, then up, as the fused projection stores
-// them) -> out [rows, inter]. torch's arithmetic: silu in fp32 as x / (1 + exp(-x)) rounded to the storage
-// type, then the product with up in fp32 rounded again.
+// them) -> out [rows, inter]. torch's arithmetic (attention_common.cuh: swiglu_value): silu in fp32 as
+// x / (1 + exp(-x)) rounded to the storage type, then the product with up in fp32 rounded again. A decode
+// step's few rows take the GEMV kernel's SwiGLU epilogue instead (gemv.cu); this kernel serves the rest.
 #include "attention_common.cuh"
 
 namespace orin_vlm {
@@ -19,9 +20,7 @@ __device__ __forceinline__ void silu_mul(T* __restrict__ out, const T* __restric
   const long long r = i / inter;
   const long long c = i % inter;
   const T* row = gate_up + r * 2 * inter;
-  const float g = to_float(__ldg(row + c));
-  const float act = to_float(from_float<T>(g / (1.0f + expf(-g))));
-  out[i] = from_float<T>(act * to_float(__ldg(row + inter + c)));
+  out[i] = from_float<T>(swiglu_value<T>(to_float(__ldg(row + c)), to_float(__ldg(row + inter + c))));
 }
 
 }  // namespace orin_vlm

@@ -237,6 +237,37 @@ def test_gpu_float_gemv_matches_f_linear_and_is_timed_against_it(backend, dtype,
     assert rows in (0, 1, 2, 4, 8) and "kernel vs F.linear: 1 row " in why, why
 
 
+@pytest.mark.parametrize("mode", ["float", "int8", "int4"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_gpu_swiglu_epilogue_matches_the_product_then_the_activation(backend, mode, dtype):
+    """The 2B's fused gate/up shape (2 x 6144 rows of 2048): silu(gate) * up from one kernel, against the
+    product rounded to the dtype, then torch's activation; a float weight is timed with its activation."""
+    import torch.nn.functional as F
+
+    from orin_vlm_node.cuda.gemv import CudaGemv
+    from orin_vlm_node.model.gemv_linear import GemvLinear
+    from orin_vlm_node.model.quant import QuantizedLinear, WeightQuant
+
+    weight = (torch.randn(12288, 2048, device="cuda") * 0.02).to(dtype)
+    gemv = CudaGemv(backend.launcher)
+    if mode == "float":
+        linear = torch.nn.Linear(2048, 12288, bias=False, device="meta")
+        linear.weight = torch.nn.Parameter(weight, requires_grad=False)
+        module, reference = GemvLinear(linear, gemv, rows=gemv.max_rows), weight.float()
+    else:
+        module = QuantizedLinear.from_weight(weight, WeightQuant(mode, 128))
+        module.kernels, reference = gemv, module.dequantize(torch.float32)
+    for rows in (1, 4, 8):
+        x = torch.randn(rows, 2048, device="cuda").to(dtype)
+        gate, up = F.linear(x.float(), reference).to(dtype).float().chunk(2, dim=-1)
+        expected = F.silu(gate).to(dtype).float() * up
+        tol = {torch.float16: 2e-3, torch.bfloat16: 1.6e-2}[dtype] * expected.abs().amax().item()
+        torch.testing.assert_close(gemv(module, x, swiglu=True).float(), expected, rtol=0, atol=tol)
+    if mode == "float":
+        rows, why = gemv.faster_rows([weight], swiglu=True)
+        assert rows in (0, 1, 2, 4, 8) and "kernel vs F.linear: 1 row " in why, why
+
+
 def test_gpu_engine_float_gemv_says_what_it_measured_and_answers_as_without_kernels(tmp_path_factory, kernel_cache):
     """fp32: the float projections the GEMV kernel won (timed at startup) inside the captured decode graphs
     give the tokens of torch's products, 200 greedy tokens; turning the kernels off at runtime puts the

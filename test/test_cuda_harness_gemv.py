@@ -3,7 +3,9 @@ launch code), against torch: for a quantized weight what the reference ``Quantiz
 product with the dequantized weight), for a float weight ``F.linear``, both in fp32. The kernels accumulate in
 fp32, so the expected difference is the rounding of the output to its dtype plus accumulation order. Then the
 routing: which projections of a model take the kernel (quantized ones always, float ones for the rows the
-timing gave them), a model that computes what it computed before, and detaching that restores the model."""
+timing gave them), a model that computes what it computed before, and detaching that restores the model.
+The SwiGLU epilogue (the MLP's gate/up product and its activation in one kernel) against torch's product
+followed by ``F.silu(gate) * up``, each rounded to the activation dtype as the separate ops round."""
 
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ from orin_vlm_node.cuda.gemv import CudaGemv
 from orin_vlm_node.model import load_model
 from orin_vlm_node.model.gemv_linear import GemvLinear, attach_gemv
 from orin_vlm_node.model.quant import QuantizedLinear, WeightQuant
+from orin_vlm_node.model.text import feeds_swiglu
 from support.checkpoints import cached_tiny_checkpoint
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -71,18 +74,51 @@ def test_the_float_gemv_kernel_matches_f_linear(harness, dtype, n, k):
         torch.testing.assert_close(got.float(), expected, rtol=RTOL[dtype], atol=RTOL[dtype] * scale)
 
 
+@pytest.mark.parametrize("mode", ["float", "int8", "int4"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("n,k,group", [(64, 128, 32), (37, 256, 128), (19, 75, 32), (6, 4608, 128)])
+def test_the_swiglu_epilogue_matches_the_product_then_the_activation(harness, mode, dtype, n, k, group):
+    """A fused gate/up weight of 2n rows -> n columns of silu(gate) * up: vector and scalar paths, rows that
+    make a lane load several batches of vectors, odd n."""
+    if mode == "float":
+        gen = torch.Generator().manual_seed(n * k)
+        linear = torch.nn.Linear(k, 2 * n, bias=False).to(dtype)
+        with torch.no_grad():
+            linear.weight.copy_(torch.randn(2 * n, k, generator=gen) * 0.05)
+        module, weight = GemvLinear(linear, CudaGemv(harness), rows=8), linear.weight.float()
+    else:
+        module = _quantized(2 * n, k, mode, group, seed=n * k)
+        module.kernels = CudaGemv(harness)
+        weight = module.dequantize(torch.float32)
+    for rows in (1, 3, 8):
+        x = (torch.randn(rows, k, generator=torch.Generator().manual_seed(rows)) * 2).to(dtype)
+        assert module.kernel_takes(x)
+        got = module.kernels(module, x, swiglu=True)
+        assert got.dtype == dtype and got.shape == (rows, n)
+        gate, up = F.linear(x.float(), weight).to(dtype).float().chunk(2, dim=-1)
+        expected = F.silu(gate).to(dtype).float() * up
+        scale = expected.abs().amax().item()
+        torch.testing.assert_close(got.float(), expected, rtol=RTOL[dtype], atol=RTOL[dtype] * scale)
+    with pytest.raises(ValueError, match="gate and up rows alike"):
+        CudaGemv(harness)(_quantized(7, 32, "int8", 32, seed=0), torch.randn(1, 32), swiglu=True)
+
+
 def _timer(launcher: RecordingLauncher, kernel_wins_up_to: int):
-    """A stand-in for the device timing: runs the product once and says the kernel took 1 us for up to
+    """A stand-in for the device timing: runs the product once and says the GEMV kernel took 1 us for up to
     ``kernel_wins_up_to`` rows and 3 us above, torch 2 us."""
 
     def time_us(fn, calls):
         before = len(launcher.kernels)
         rows = fn().shape[0]
-        if len(launcher.kernels) == before:
+        if not _gemv_launched(launcher, before):
             return 2.0
         return 1.0 if rows <= kernel_wins_up_to else 3.0
 
     return time_us
+
+
+def _gemv_launched(launcher: RecordingLauncher, since: int) -> bool:
+    return any(k.startswith("gemv_") for k in launcher.kernels[since:])
 
 
 def test_a_float_weight_takes_the_kernel_for_the_row_buckets_it_won_and_says_so(harness):
@@ -107,6 +143,14 @@ def test_a_float_weight_takes_the_kernel_for_the_row_buckets_it_won_and_says_so(
         0,
         "F.linear (kernel vs F.linear: 1 rows not timed: RuntimeError: capture failed)",
     )
+
+
+def test_a_swiglu_weight_is_timed_with_its_activation_on_both_sides(harness):
+    """The epilogue kernel against what the MLP runs without it: F.linear, then the silu_mul kernel."""
+    launcher = RecordingLauncher(harness)
+    rows, why = CudaGemv(launcher, _timer(launcher, 1)).faster_rows([torch.randn(40, 64)], swiglu=True)
+    assert rows == 1 and why.startswith("kernel for 1..1 rows (kernel vs F.linear: 1 row 1.0 vs 2.0 us")
+    assert launcher.kernels == ["gemv_float_swiglu_f32_r1", "silu_mul_f32", "gemv_float_swiglu_f32_r2", "silu_mul_f32"]
 
 
 def test_a_timed_graph_walks_through_the_weights_of_the_shape_as_a_decode_step_does(harness):
@@ -161,12 +205,18 @@ def test_a_model_routed_to_the_kernels_computes_what_it_computed_and_detaching_r
     def time_us(fn, calls):
         before = len(launcher.kernels)
         timed.append(tuple(fn().shape))
-        return 1.0 if len(launcher.kernels) > before else 2.0
+        return 1.0 if _gemv_launched(launcher, before) else 2.0
 
     what = attach_gemv(model, CudaGemv(launcher, time_us))
     floats = 1 if mode == "int4" else len(sites)
-    shapes = {tuple(m.weight.shape) for m in loaded if isinstance(getattr(m, "weight", None), torch.Tensor)}
-    assert len(timed) == 2 * len(L.GEMV_ROW_BUCKETS) * len(shapes)  # every bucket won: each shape timed once
+    swiglu = [feeds_swiglu(parent, attr) for parent, attr in sites]
+    keys = {
+        (tuple(m.weight.shape), s)
+        for m, s in zip(loaded, swiglu, strict=True)
+        if isinstance(getattr(m, "weight", None), torch.Tensor)
+    }
+    assert len(timed) == 2 * len(L.GEMV_ROW_BUCKETS) * len(keys)  # every bucket won: each key timed once
+    assert ("+ SwiGLU: kernel for 1..8 rows" in what) == (mode == "none")
     assert what.startswith("GEMV kernels for decode rows: ")
     assert f"{floats} of {floats} float ones" in what
     assert (f"{len(sites) - 1} quantized projections" in what) == (mode == "int4")
@@ -177,8 +227,10 @@ def test_a_model_routed_to_the_kernels_computes_what_it_computed_and_detaching_r
     assert routed[-1].matrix is model.language_model.embed_tokens.weight  # the tied head: no copy
     launcher.kernels.clear()
     torch.testing.assert_close(logits(1), want[1], rtol=1e-4, atol=1e-5)
-    stored = "int4" if mode == "int4" else "float"
-    assert launcher.kernels == [f"gemv_{stored}_f32_r1"] * (len(sites) - 1) + ["gemv_float_f32_r1"]
+    stored = "int4" if mode == "int4" else "float"  # the gate/up products with the activation in the kernel
+    epilogues = ["_swiglu" if s else "" for s in swiglu[:-1]]
+    assert launcher.kernels == [f"gemv_{stored}{e}_f32_r1" for e in epilogues] + ["gemv_float_f32_r1"]
+    assert epilogues.count("_swiglu") == model.config.text.num_hidden_layers
     launcher.kernels.clear()
     torch.testing.assert_close(logits(20), want[20], rtol=1e-4, atol=1e-5)  # a prefill: torch's products,
     assert launcher.kernels == ["gemv_float_f32_r1"]  # but for the head (the last token's logits only)
@@ -206,6 +258,7 @@ def test_gemv_launch_picks_the_rows_bucket_and_refuses_what_no_kernel_takes():
     assert L.gemv_launch("int8", 3, 37, torch.float16).kernel == "gemv_int8_f16_r4"
     assert L.gemv_launch("float", 5, 37, torch.float16).kernel == "gemv_float_f16_r8"
     assert L.gemv_launch("int4", 1, 37, torch.bfloat16).grid == (10, 1, 1)
+    assert L.gemv_launch("int4", 2, 37, torch.bfloat16, swiglu=True).kernel == "gemv_int4_swiglu_bf16_r2"
     with pytest.raises(L.UnsupportedShape, match="1..8 rows"):
         L.gemv_launch("int8", 9, 37, torch.float16)
     with pytest.raises(L.UnsupportedShape, match="int3"):

@@ -11,6 +11,10 @@ GEMM is the faster one.
 A float weight competes with torch's product (cuBLAS), which is close to the bandwidth on some shapes and
 GPUs and not on others; :meth:`CudaGemv.faster_rows` times both on this GPU, as a decode graph runs them, and
 the engine routes a shape to the kernel only for the rows it won.
+
+The MLP's fused gate/up projection takes the kernels' SwiGLU epilogue (``swiglu=True``): one launch writes
+silu(gate) * up, where the unfused path writes the 2I-wide product and launches ``silu_mul`` on it; its
+timing is against that pair (``F.linear`` then the ``silu_mul`` kernel).
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from . import launch as L
+from .fused import CudaFusedOps
 from .graph import device_us
 
 TIMING_BYTES = 64 << 20  # weight bytes read per timed graph: enough calls of a small weight to time it
@@ -38,6 +43,7 @@ class CudaGemv:
     def __init__(self, launcher, time_us: Callable[..., float] = device_us) -> None:
         self.launcher = launcher
         self.time_us = time_us
+        self._silu_mul = CudaFusedOps(launcher).silu_mul  # what follows F.linear where the epilogue is not used
 
     def fits(self, module, x: torch.Tensor) -> bool:
         """Whether the kernels take ``module``'s product of ``x`` (L, K): 1..max_rows rows of a supported dtype,
@@ -50,17 +56,19 @@ class CudaGemv:
             and (module.mode != "float" or _takes_weight(module.matrix, x))
         )
 
-    def __call__(self, module, x: torch.Tensor) -> torch.Tensor:
-        """(L, K) -> (L, N) in x's dtype, for a QuantizedLinear or GemvLinear ``module`` (on x's device)."""
+    def __call__(self, module, x: torch.Tensor, swiglu: bool = False) -> torch.Tensor:
+        """(L, K) -> (L, N) in x's dtype, for a QuantizedLinear or GemvLinear ``module`` (on x's device); with
+        ``swiglu`` (a fused gate/up weight, N even) -> (L, N / 2): silu(gate) * up."""
         if module.mode == "float":
-            return self._product(x, "float", (module.matrix, None, None), 0)
+            return self._product(x, "float", (module.matrix, None, None), 0, swiglu)
         offsets = module.offsets if module.mode == "int4" else None
-        return self._product(x, module.mode, (module.qweight, module.scales, offsets), module.group_size)
+        return self._product(x, module.mode, (module.qweight, module.scales, offsets), module.group_size, swiglu)
 
-    def faster_rows(self, weights: Sequence[torch.Tensor]) -> tuple[int, str]:
+    def faster_rows(self, weights: Sequence[torch.Tensor], swiglu: bool = False) -> tuple[int, str]:
         """The largest rows bucket up to which the kernel multiplied float weights of one shape (N, K) faster
         than ``F.linear`` (0: not even one row, or the weights are not ones the kernel reads), each bucket timed
-        on both until the kernel loses one; and those timings, for the log.
+        on both until the kernel loses one; and those timings, for the log. With ``swiglu`` (fused gate/up
+        weights) the kernel's SwiGLU epilogue is timed against ``F.linear`` followed by the ``silu_mul`` kernel.
 
         Each timed graph walks through ``weights`` (the model's layers of that shape, up to MAX_TIMED), one
         product each, as a decode step does: a weight is not in the GPU's L2 cache when its product starts,
@@ -79,9 +87,9 @@ class CudaGemv:
             turn = itertools.cycle(weights)
             try:
                 kernel = self.time_us(
-                    lambda r=rows_x, t=turn: self._product(r, "float", (next(t), None, None), 0), calls=calls
+                    lambda r=rows_x, t=turn: self._product(r, "float", (next(t), None, None), 0, swiglu), calls=calls
                 )
-                torch_us = self.time_us(lambda r=rows_x, t=turn: F.linear(r, next(t)), calls=calls)
+                torch_us = self.time_us(lambda r=rows_x, t=turn: self._torch_product(r, next(t), swiglu), calls=calls)
             except Exception as exc:  # noqa: BLE001 - a product that cannot be timed keeps what was measured
                 timings.append(f"{bucket} rows not timed: {type(exc).__name__}: {exc}")
                 break
@@ -92,17 +100,25 @@ class CudaGemv:
         chosen = f"kernel for 1..{rows} rows" if rows else "F.linear"
         return rows, f"{chosen} (kernel vs F.linear: {', '.join(timings)})"
 
-    def _product(self, x: torch.Tensor, mode: str, stored: tuple, group: int) -> torch.Tensor:
-        """Launch ``gemv_<mode>`` on x (L, K) and the stored weight (weight or qweight, scales, offsets)."""
+    def _product(self, x: torch.Tensor, mode: str, stored: tuple, group: int, swiglu: bool) -> torch.Tensor:
+        """Launch ``gemv_<mode>[_swiglu]`` on x (L, K) and the stored weight (weight or qweight, scales, offsets)."""
         x = x.contiguous()
         rows, k = x.shape
         n = stored[0].shape[0]
         expected = k if mode != "int4" else -(-k // 2)
         if stored[0].shape[1] != expected:
             raise ValueError(f"x has {k} columns, the weight is {tuple(stored[0].shape)} ({mode})")
+        if swiglu and n % 2:
+            raise ValueError(f"a SwiGLU product needs gate and up rows alike, the weight has {n} rows")
+        n //= 1 + swiglu
         y = torch.empty((rows, n), dtype=x.dtype, device=x.device)
-        self.launcher.launch(L.gemv_launch(mode, rows, n, x.dtype), [y, x, *stored, rows, n, k, group])
+        self.launcher.launch(L.gemv_launch(mode, rows, n, x.dtype, swiglu), [y, x, *stored, rows, n, k, group])
         return y
+
+    def _torch_product(self, x: torch.Tensor, weight: torch.Tensor, swiglu: bool) -> torch.Tensor:
+        """What a product takes without the kernel: ``F.linear``, then ``silu_mul`` for a SwiGLU one."""
+        y = F.linear(x, weight)
+        return self._silu_mul(y) if swiglu else y
 
 
 def _takes_weight(weight: torch.Tensor, x: torch.Tensor) -> bool:

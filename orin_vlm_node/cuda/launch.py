@@ -40,6 +40,7 @@ SILU_THREADS = 256  # kSiluThreads in kernels/silu_mul.cu
 # than the largest (a prefill) take torch's GEMM instead.
 GEMV_ROW_BUCKETS = (1, 2, 4, 8)
 GEMV_MODES = ("float", "int8", "int4")  # how the weight is stored: the activations' dtype, or quantized
+GEMV_EPILOGUES = ("", "_swiglu")  # the product itself, or silu(gate) * up of a fused gate/up weight
 
 # torch dtype name -> kernel name suffix and element size.
 DTYPE_TAGS = {"float32": "f32", "float16": "f16", "bfloat16": "bf16"}
@@ -59,7 +60,11 @@ KERNEL_MODULES: dict[str, tuple[str, ...]] = {
     ),
     "paged_kv_write": tuple(f"paged_kv_write_{t}" for t in DTYPE_TAGS.values()),
     "gemv": tuple(
-        f"gemv_{mode}_{t}_r{r}" for mode in GEMV_MODES for t in DTYPE_TAGS.values() for r in GEMV_ROW_BUCKETS
+        f"gemv_{mode}{epilogue}_{t}_r{r}"
+        for mode in GEMV_MODES
+        for epilogue in GEMV_EPILOGUES
+        for t in DTYPE_TAGS.values()
+        for r in GEMV_ROW_BUCKETS
     ),
     "rms_norm": tuple(f"{kind}_{t}" for kind in NORM_KERNELS for t in DTYPE_TAGS.values()),
     "silu_mul": tuple(f"silu_mul_{t}" for t in DTYPE_TAGS.values()),
@@ -282,8 +287,10 @@ def kv_write_launch(num_tokens: int, dtype: object) -> LaunchConfig:
     return _checked(LaunchConfig(f"paged_kv_write_{tag}", (num_tokens, 1, 1), (KV_WRITE_THREADS, 1, 1), 0))
 
 
-def gemv_launch(mode: str, rows: int, out_features: int, dtype: object) -> LaunchConfig:
-    """Grid (ceil(N / GEMV_WARPS)), GEMV_WARPS warps; the kernel of the smallest rows bucket that holds ``rows``."""
+def gemv_launch(mode: str, rows: int, out_features: int, dtype: object, swiglu: bool = False) -> LaunchConfig:
+    """Grid (ceil(N / GEMV_WARPS)), GEMV_WARPS warps; the kernel of the smallest rows bucket that holds ``rows``.
+    ``out_features`` N counts the output columns: with ``swiglu`` the weight has 2N rows (gate, then up) and
+    the kernel writes silu(gate) * up."""
     if mode not in GEMV_MODES:
         raise UnsupportedShape(f"no GEMV kernels for weights stored as {mode!r}; supported: {GEMV_MODES}")
     bucket = next((r for r in GEMV_ROW_BUCKETS if rows <= r), None)
@@ -291,7 +298,8 @@ def gemv_launch(mode: str, rows: int, out_features: int, dtype: object) -> Launc
         raise UnsupportedShape(f"GEMV kernels take 1..{GEMV_ROW_BUCKETS[-1]} rows, got {rows}")
     tag = DTYPE_TAGS[dtype_name(dtype)]
     grid = (math.ceil(out_features / GEMV_WARPS), 1, 1)
-    return _checked(LaunchConfig(f"gemv_{mode}_{tag}_r{bucket}", grid, (GEMV_WARPS * WARP_SIZE, 1, 1), 0))
+    kernel = f"gemv_{mode}{GEMV_EPILOGUES[swiglu]}_{tag}_r{bucket}"
+    return _checked(LaunchConfig(kernel, grid, (GEMV_WARPS * WARP_SIZE, 1, 1), 0))
 
 
 def check_kv_row(num_kv_heads: int, head_dim: int, dtype: object) -> int:

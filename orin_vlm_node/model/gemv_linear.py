@@ -7,7 +7,8 @@ adds a split-K reduce kernel to most of them; the GEMV kernel is one launch per 
 faster depends on the GPU, the weight's shape and the row count, so a float weight takes the kernel only
 for the row buckets where it measured faster on this GPU (``CudaGemv.faster_rows``, timed once per shape
 over the layers of that shape when the kernels are attached); a quantized weight always takes it (its torch
-path widens the whole weight for every product).
+path widens the whole weight for every product). The MLP's gate/up projection runs with the SwiGLU
+activation in the kernel's epilogue (``text.swiglu``), and is timed that way.
 
 :func:`attach_gemv` wraps the float projections that take the kernel in a :class:`GemvLinear` (the loaded
 module stays inside it: no copy of the weight, a tied head keeps the embedding table) and points every
@@ -26,6 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .quant import QuantizedLinear
+from .text import feeds_swiglu
 
 log = logging.getLogger("orin_vlm_node.model")
 
@@ -35,11 +37,13 @@ class GemvKernels(Protocol):
 
     def fits(self, module: nn.Module, x: torch.Tensor) -> bool: ...
 
-    def __call__(self, module: nn.Module, x: torch.Tensor) -> torch.Tensor: ...
+    def __call__(self, module: nn.Module, x: torch.Tensor, swiglu: bool = False) -> torch.Tensor:
+        """The product (L, N); with ``swiglu`` (a fused gate/up weight) silu(gate) * up, (L, N / 2)."""
+        ...
 
-    def faster_rows(self, weights: Sequence[torch.Tensor]) -> tuple[int, str]:
-        """The largest rows bucket up to which the kernel beat torch on ``weights`` (of one shape; 0: never),
-        and the timings that decided it, for the log."""
+    def faster_rows(self, weights: Sequence[torch.Tensor], swiglu: bool = False) -> tuple[int, str]:
+        """The largest rows bucket up to which the kernel beat torch on ``weights`` (of one shape; 0: never;
+        ``swiglu``: the products followed by the activation), and the timings that decided it, for the log."""
         ...
 
 
@@ -69,14 +73,24 @@ class GemvLinear(nn.Module):
     def in_features(self) -> int:
         return self.inner.weight.shape[1]
 
+    def kernel_takes(self, x: torch.Tensor) -> bool:
+        """Whether the kernel multiplies ``x`` (L, K): rows it was measured faster for, in a layout it reads."""
+        return x.shape[0] <= self.rows and self.kernels.fits(self, x)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """(L, K) -> (L, N)."""
-        if x.shape[0] <= self.rows and self.kernels.fits(self, x):
+        if self.kernel_takes(x):
             return self.kernels(self, x)
         return F.linear(x, self.inner.weight)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, gemv_kernel<={self.rows} rows"
+
+
+def _timing_key(parent: nn.Module, attr: str) -> tuple:
+    """Projections timed together: one weight shape and dtype, and whether the SwiGLU activation follows."""
+    weight = getattr(parent, attr).weight
+    return tuple(weight.shape), weight.dtype, feeds_swiglu(parent, attr)
 
 
 def _sites(model: nn.Module) -> list[tuple[nn.Module, str]]:
@@ -104,15 +118,15 @@ def attach_gemv(model: nn.Module, kernels: GemvKernels | None, floats: bool = Tr
         if isinstance(getattr(getattr(parent, attr), "weight", None), torch.Tensor)  # not quantized, not the CPU's
     ]
     targets = floating if floats else []
-    by_shape: dict[tuple, list[torch.Tensor]] = {}  # (shape, dtype) -> the weights: one timing per shape
+    by_shape: dict[tuple, list[torch.Tensor]] = {}  # (shape, dtype, swiglu) -> the weights: one timing each
     for parent, attr in targets:
         weight = getattr(parent, attr).weight
-        by_shape.setdefault((tuple(weight.shape), weight.dtype), []).append(weight)
-    decided = {key: kernels.faster_rows(weights) for key, weights in by_shape.items()}  # -> (rows, timings)
+        by_shape.setdefault(_timing_key(parent, attr), []).append(weight)
+    decided = {key: kernels.faster_rows(weights, key[2]) for key, weights in by_shape.items()}  # -> (rows, timings)
     routed = 0
     for parent, attr in targets:
         module = getattr(parent, attr)
-        rows = decided[(tuple(module.weight.shape), module.weight.dtype)][0]
+        rows = decided[_timing_key(parent, attr)][0]
         if rows:
             setattr(parent, attr, GemvLinear(module, kernels, rows))
             routed += 1
@@ -121,7 +135,7 @@ def attach_gemv(model: nn.Module, kernels: GemvKernels | None, floats: bool = Tr
         parts.append(f"float ones: F.linear ({len(floating)}; decode not in CUDA graphs)")
     elif floating:
         parts.append(f"{routed} of {len(floating)} float ones")
-        parts += [f"{n}x{k}: {timings}" for ((n, k), _), (_, timings) in decided.items()]
+        parts += [f"{n}x{k}{' + SwiGLU' * swiglu}: {timings}" for ((n, k), _, swiglu), (_, timings) in decided.items()]
     what = "GEMV kernels for decode rows: " + "; ".join(parts)
     log.info("CUDA projections: %s", what)
     return what

@@ -121,11 +121,15 @@ class QuantizedLinear(nn.Module):
         offsets = self.offsets.repeat_interleave(self.group_size, dim=1)[:, :k]
         return (q.to(torch.float32) * scales.float() + offsets.float()).to(dtype)
 
+    def kernel_takes(self, x: torch.Tensor) -> bool:
+        """Whether the CUDA kernels are attached and multiply ``x`` (L, K) (every format and shape; few rows)."""
+        return self.kernels is not None and self.kernels.fits(self, x)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """(L, K) -> (L, N) in x's dtype: the CUDA kernels when they are loaded and take the call (a decode
         step's few rows); else the torch path, the reference of the CUDA and the CPU kernels: widen the weight,
         one product (INT8 applies its per-row scale after the product, where it factors out)."""
-        if self.kernels is not None and self.kernels.fits(self, x):
+        if self.kernel_takes(x):
             return self.kernels(self, x)
         if self.mode == "int8":
             return F.linear(x, self.qweight.to(x.dtype)) * self.scales.to(x.dtype)

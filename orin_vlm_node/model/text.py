@@ -7,6 +7,7 @@ interleaved M-RoPE in the activation dtype -> attention through the step's :clas
 takes and returns the stream as (x, pending delta), so on CUDA one kernel adds and normalises.
 No biases anywhere. RMSNorm multiplies by its weight *after* casting back to the input dtype
 (docs/architecture.md, pitfall 8); that order is what makes bf16 results match transformers.
+With the GPU's GEMV kernels a decode step's SwiGLU is the gate/up kernel's epilogue (:func:`swiglu`).
 """
 
 from __future__ import annotations
@@ -118,6 +119,21 @@ class SelfAttention(nn.Module):
         return project(out.reshape(n, nq * self.head_dim), self.o_proj)
 
 
+def swiglu(x: torch.Tensor, gate_up_proj: nn.Module, fused) -> torch.Tensor:
+    """silu(gate) * up of ``x`` (L, K) through the fused gate/up projection -> (L, I). Where the projection's
+    GEMV kernels take ``x`` (a decode step's rows; :class:`.gemv_linear.GemvLinear` and a quantized
+    :class:`.quant.QuantizedLinear` with kernels attached), one kernel with the activation in its epilogue;
+    else the product, then the activation (the ``fused`` kernel, or torch)."""
+    kernel_takes = getattr(gate_up_proj, "kernel_takes", None)
+    if kernel_takes is not None and kernel_takes(x):
+        return gate_up_proj.kernels(gate_up_proj, x, swiglu=True)
+    gate_up = project(x, gate_up_proj)
+    if fused is not None:
+        return fused.silu_mul(gate_up)
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
 class MLP(nn.Module):
     def __init__(self, cfg: TextConfig):
         super().__init__()
@@ -127,11 +143,13 @@ class MLP(nn.Module):
         self.fused = None  # as RMSNorm's: the fused kernels when loaded
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = project(x, self.gate_up_proj)
-        if self.fused is not None:
-            return project(self.fused.silu_mul(gate_up), self.down_proj)
-        gate, up = gate_up.chunk(2, dim=-1)
-        return project(F.silu(gate) * up, self.down_proj)
+        return project(swiglu(x, self.gate_up_proj, self.fused), self.down_proj)
+
+
+def feeds_swiglu(parent: nn.Module, attr: str) -> bool:
+    """Whether the projection ``getattr(parent, attr)`` is an MLP's gate/up one, whose product the SwiGLU
+    activation consumes (:func:`swiglu`): its kernel is timed with the activation."""
+    return isinstance(parent, MLP) and attr == "gate_up_proj"
 
 
 def attach_fused_ops(model: nn.Module, ops) -> int:
