@@ -1,4 +1,4 @@
-"""The GEMV kernels (``kernels/gemv.cu``) under the CPU CUDA emulator, through ``CudaGemv`` (the GPU path's
+"""The GEMV kernels (``kernels/gemv.cuh``) under the CPU CUDA emulator, through ``CudaGemv`` (the GPU path's
 launch code), against torch: for a quantized weight what the reference ``QuantizedLinear`` computes (the float
 product with the dequantized weight), for a float weight ``F.linear``, both in fp32. The kernels accumulate in
 fp32, so the expected difference is the rounding of the output to its dtype plus accumulation order. Then the

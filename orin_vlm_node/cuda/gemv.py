@@ -1,4 +1,4 @@
-"""Projections through ``kernels/gemv.cu``: the decode-time product of 1..8 rows, for float and quantized weights.
+"""Projections through ``kernels/gemv.cuh``: the decode-time product of 1..8 rows, for float and quantized weights.
 
 :class:`CudaGemv` is what a :class:`~orin_vlm_node.model.quant.QuantizedLinear` and a
 :class:`~orin_vlm_node.model.gemv_linear.GemvLinear` call (their ``kernels``, see ``gemv_linear.attach_gemv``)

@@ -18,7 +18,7 @@ DECODE_WARPS = 4
 PREFILL_WARPS = 4
 PREFILL_BLOCK_K = 32
 KV_WRITE_THREADS = 128
-GEMV_WARPS = 4  # kGemvWarps in kernels/gemv.cu: output columns per block, one warp each
+GEMV_WARPS = 4  # kGemvWarps in kernels/gemv.cuh: output columns per block, one warp each
 WARP_SIZE = 32
 
 SUPPORTED_HEAD_DIMS = (32, 64, 128, 256)  # ORIN_FOR_EACH_HEAD_DIM in kernels/attention_common.cuh
@@ -59,13 +59,15 @@ KERNEL_MODULES: dict[str, tuple[str, ...]] = {
         f"paged_prefill_attention_{t}_d{d}" for t in DTYPE_TAGS.values() for d in SUPPORTED_HEAD_DIMS
     ),
     "paged_kv_write": tuple(f"paged_kv_write_{t}" for t in DTYPE_TAGS.values()),
-    "gemv": tuple(
-        f"gemv_{mode}{epilogue}_{t}_r{r}"
-        for mode in GEMV_MODES
+    **{
+        f"gemv{epilogue}": tuple(
+            f"gemv_{mode}{epilogue}_{t}_r{r}"
+            for mode in GEMV_MODES
+            for t in DTYPE_TAGS.values()
+            for r in GEMV_ROW_BUCKETS
+        )
         for epilogue in GEMV_EPILOGUES
-        for t in DTYPE_TAGS.values()
-        for r in GEMV_ROW_BUCKETS
-    ),
+    },
     "rms_norm": tuple(f"{kind}_{t}" for kind in NORM_KERNELS for t in DTYPE_TAGS.values()),
     "silu_mul": tuple(f"silu_mul_{t}" for t in DTYPE_TAGS.values()),
 }

@@ -1,5 +1,5 @@
 """The GPU path of the decoder's projections and LM head: a decode step's few rows through the GEMV kernels
-(``kernels/gemv.cu``, launched by ``cuda.gemv.CudaGemv``), everything else through torch.
+(``kernels/gemv.cuh``, launched by ``cuda.gemv.CudaGemv``), everything else through torch.
 
 Why: at batch 1 a decode step reads every weight once, so its projections should run at the memory's copy
 bandwidth. torch's product of one row (cuBLAS) reached 65-80% of it on an H200 for the 2B's layer shapes, and
