@@ -32,8 +32,8 @@
 // offsets, rows, N, K, group); those a format has no use for are null / 0.
 //
 // This header holds the kernels; gemv.cu instantiates the plain products and gemv_swiglu.cu the SwiGLU
-// ones: two modules, which nvcc compiles in parallel at a cold start (together they took three times as
-// long as either).
+// ones: two modules, which nvcc compiles in parallel at a cold start (in one module sm_87 took 30 s, split
+// 9.5 and 19.6 s).
 #pragma once
 
 #include "attention_common.cuh"

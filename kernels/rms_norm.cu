@@ -4,6 +4,8 @@
 //
 // add_rms_norm_<dtype>: the residual add before a norm too: sum = x + delta (rounded to the storage type, as
 // torch's add) is written to sum_out and normalised into out, one row per token ([rows, dim], contiguous).
+// A row of up to 4096 (fp16/bf16) or 2048 (fp32) elements, 16-byte aligned, is held in registers and read
+// with all its loads in flight at once (add_rms_norm_vec); others take a loop over the row.
 //
 // rms_norm_<dtype> / rms_norm_rope_<dtype>: row r of `rows = tokens * heads` is head h = r % heads of token
 // t = r / heads, read at x + t * x_token_stride + h * dim (the q and k heads of a fused q/k/v projection are
@@ -36,7 +38,11 @@ __device__ __forceinline__ float rms_scale(float squares, int dim, float eps) {
   return rsqrtf(total * (1.0f / static_cast<float>(dim)) + eps);
 }
 
-// Grid: (rows); block: kNormThreads threads.
+// Grid: (rows); block: kNormThreads threads. The rotated rows (head rows of at most kMaxRopeDim, so at most
+// kRopeSlots elements a thread) load x, the weight and both tables at once before the first use: at batch 1
+// the launch is a few dozen blocks, and its memory round trips are its cost.
+constexpr int kRopeSlots = kMaxRopeDim / kNormThreads;
+
 template <typename T, bool ROPE>
 __device__ __forceinline__ void rms_norm(T* __restrict__ out, const T* __restrict__ x, const T* __restrict__ weight_a,
                                          const T* __restrict__ weight_b, const T* __restrict__ cos,
@@ -48,44 +54,125 @@ __device__ __forceinline__ void rms_norm(T* __restrict__ out, const T* __restric
   const int head = row % heads;
   const T* xr = x + static_cast<size_t>(token) * x_token_stride + static_cast<size_t>(head) * dim;
   const T* w = head < split ? weight_a : weight_b;
-  float squares = 0.0f;
-  for (int d = threadIdx.x; d < dim; d += kNormThreads) {
-    const float v = to_float(__ldg(xr + d));
-    squares += v * v;
-  }
-  const float inv = rms_scale(squares, dim, eps);
   T* o = out + static_cast<size_t>(row) * dim;
   if constexpr (!ROPE) {
+    float squares = 0.0f;
+    for (int d = threadIdx.x; d < dim; d += kNormThreads) {
+      const float v = to_float(__ldg(xr + d));
+      squares += v * v;
+    }
+    const float inv = rms_scale(squares, dim, eps);
     for (int d = threadIdx.x; d < dim; d += kNormThreads) {
       const float normed = to_float(from_float<T>(to_float(__ldg(xr + d)) * inv));
       o[d] = from_float<T>(to_float(__ldg(w + d)) * normed);
     }
   } else {
     if (dim > kMaxRopeDim || dim % 2 != 0) KERNEL_TRAP();
+    const T* c = cos + static_cast<size_t>(token) * dim;
+    const T* s = sin_signed + static_cast<size_t>(token) * dim;
+    float xv[kRopeSlots], wv[kRopeSlots], cv[kRopeSlots], sv[kRopeSlots];
+    float squares = 0.0f;
+#pragma unroll
+    for (int i = 0; i < kRopeSlots; ++i) {
+      const int d = static_cast<int>(threadIdx.x) + i * kNormThreads;
+      const bool in = d < dim;
+      xv[i] = in ? to_float(__ldg(xr + d)) : 0.0f;
+      wv[i] = in ? to_float(__ldg(w + d)) : 0.0f;
+      cv[i] = in ? to_float(__ldg(c + d)) : 0.0f;
+      sv[i] = in ? to_float(__ldg(s + d)) : 0.0f;
+      squares += xv[i] * xv[i];
+    }
+    const float inv = rms_scale(squares, dim, eps);
     __shared__ float normed_row[kMaxRopeDim];  // the weighted row, as rounded to T: RoPE pairs d with d +- dim/2
-    for (int d = threadIdx.x; d < dim; d += kNormThreads) {
-      const float normed = to_float(from_float<T>(to_float(__ldg(xr + d)) * inv));
-      normed_row[d] = to_float(from_float<T>(to_float(__ldg(w + d)) * normed));
+#pragma unroll
+    for (int i = 0; i < kRopeSlots; ++i) {
+      const int d = static_cast<int>(threadIdx.x) + i * kNormThreads;
+      if (d < dim) normed_row[d] = to_float(from_float<T>(wv[i] * to_float(from_float<T>(xv[i] * inv))));
     }
     __syncthreads();
     const int half = dim / 2;
-    const T* c = cos + static_cast<size_t>(token) * dim;
-    const T* s = sin_signed + static_cast<size_t>(token) * dim;
-    for (int d = threadIdx.x; d < dim; d += kNormThreads) {
-      const float a = to_float(from_float<T>(__fmul_rn(normed_row[d], to_float(__ldg(c + d)))));
-      const float b = to_float(from_float<T>(__fmul_rn(normed_row[d < half ? d + half : d - half], to_float(__ldg(s + d)))));
+#pragma unroll
+    for (int i = 0; i < kRopeSlots; ++i) {
+      const int d = static_cast<int>(threadIdx.x) + i * kNormThreads;
+      if (d >= dim) continue;
+      const float a = to_float(from_float<T>(__fmul_rn(normed_row[d], cv[i])));
+      const float b = to_float(from_float<T>(__fmul_rn(normed_row[d < half ? d + half : d - half], sv[i])));
       o[d] = from_float<T>(__fadd_rn(a, b));
     }
   }
 }
 
-// Grid: (rows); block: kNormThreads threads. Each thread reads back only the sums it wrote itself.
+// 16-byte vectors of a row each thread of add_rms_norm's vector path holds: the whole row stays in registers,
+// rows of up to kNormThreads * kNormVecs * Vec<T>::kElems elements (4096 in fp16/bf16, 2048 in fp32).
+constexpr int kNormVecs = 4;
+
+__device__ __forceinline__ bool aligned16(const void* p) { return reinterpret_cast<size_t>(p) % 16 == 0; }
+
+// add_rms_norm of one row (pointers at the row) that fits the registers: every load of x, delta and the
+// weight is issued before the first is used, so a row costs one memory round trip, not one per loop step (at
+// batch 1 the kernel is a single block, and its latency is the whole cost).
+template <typename T>
+__device__ __forceinline__ void add_rms_norm_vec(T* __restrict__ sum_out, T* __restrict__ out, const T* __restrict__ x,
+                                                 const T* __restrict__ delta, const T* __restrict__ weight, int dim,
+                                                 float eps) {
+  constexpr int kElems = Vec<T>::kElems;
+  uint4 xr[kNormVecs], dr[kNormVecs], wr[kNormVecs];
+#pragma unroll
+  for (int v = 0; v < kNormVecs; ++v) {
+    const int d = (v * kNormThreads + static_cast<int>(threadIdx.x)) * kElems;
+    const bool in = d < dim;
+    xr[v] = in ? __ldg(reinterpret_cast<const uint4*>(x + d)) : make_uint4(0, 0, 0, 0);
+    dr[v] = in ? __ldg(reinterpret_cast<const uint4*>(delta + d)) : make_uint4(0, 0, 0, 0);
+    wr[v] = in ? __ldg(reinterpret_cast<const uint4*>(weight + d)) : make_uint4(0, 0, 0, 0);
+  }
+  float sums[kNormVecs][kElems];
+  float squares = 0.0f;
+#pragma unroll
+  for (int v = 0; v < kNormVecs; ++v) {
+    const int d = (v * kNormThreads + static_cast<int>(threadIdx.x)) * kElems;
+    const T* xe = reinterpret_cast<const T*>(&xr[v]);
+    const T* de = reinterpret_cast<const T*>(&dr[v]);
+    uint4 packed;
+    T* pe = reinterpret_cast<T*>(&packed);
+#pragma unroll
+    for (int i = 0; i < kElems; ++i) {
+      pe[i] = from_float<T>(__fadd_rn(to_float(xe[i]), to_float(de[i])));
+      sums[v][i] = to_float(pe[i]);
+      squares += sums[v][i] * sums[v][i];  // 0 past the row's end
+    }
+    if (d < dim) *reinterpret_cast<uint4*>(sum_out + d) = packed;
+  }
+  const float inv = rms_scale(squares, dim, eps);
+#pragma unroll
+  for (int v = 0; v < kNormVecs; ++v) {
+    const int d = (v * kNormThreads + static_cast<int>(threadIdx.x)) * kElems;
+    const T* we = reinterpret_cast<const T*>(&wr[v]);
+    uint4 packed;
+    T* pe = reinterpret_cast<T*>(&packed);
+#pragma unroll
+    for (int i = 0; i < kElems; ++i) {
+      const float normed = to_float(from_float<T>(sums[v][i] * inv));
+      pe[i] = from_float<T>(to_float(we[i]) * normed);
+    }
+    if (d < dim) *reinterpret_cast<uint4*>(out + d) = packed;
+  }
+}
+
+// Grid: (rows); block: kNormThreads threads. A row that fits the registers in 16-byte vectors takes
+// add_rms_norm_vec; any other (longer, or not 16-byte aligned) the loop below, where each thread reads back
+// only the sums it wrote itself.
 template <typename T>
 __device__ __forceinline__ void add_rms_norm(T* __restrict__ sum_out, T* __restrict__ out, const T* __restrict__ x,
                                              const T* __restrict__ delta, const T* __restrict__ weight, int dim,
                                              float eps) {
   if (blockDim.x != kNormThreads) KERNEL_TRAP();
   const size_t row = static_cast<size_t>(blockIdx.x) * dim;
+  constexpr int kElems = Vec<T>::kElems;
+  if (dim % kElems == 0 && dim <= kNormThreads * kNormVecs * kElems && aligned16(x + row) &&
+      aligned16(delta + row) && aligned16(weight) && aligned16(sum_out + row) && aligned16(out + row)) {
+    add_rms_norm_vec<T>(sum_out + row, out + row, x + row, delta + row, weight, dim, eps);
+    return;
+  }
   float squares = 0.0f;
   for (int d = threadIdx.x; d < dim; d += kNormThreads) {
     const T sum = from_float<T>(__fadd_rn(to_float(__ldg(x + row + d)), to_float(__ldg(delta + row + d))));

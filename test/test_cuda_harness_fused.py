@@ -49,11 +49,16 @@ def test_rms_norm_kernel_matches_the_torch_norm_on_rows(harness, dtype, dim):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("dim", [64, 200, 2048])
-def test_residual_add_and_norm_in_one_kernel_match_the_torch_add_then_norm(harness, dtype, dim):
+@pytest.mark.parametrize("dim", [36, 64, 200, 2048, 2560, 4096, 5120])
+@pytest.mark.parametrize("aligned", [True, False], ids=["aligned", "offset"])
+def test_residual_add_and_norm_in_one_kernel_match_the_torch_add_then_norm(harness, dtype, dim, aligned):
+    """Rows held in registers as 16-byte vectors (up to 4096 elements in fp16/bf16, 2048 in fp32; 2560: some
+    threads hold one vector fewer) and rows that take the loop: longer (5120; 4096 in fp32), not a whole
+    number of vectors (36 in half precision), or not 16-byte aligned (rows one element into their buffer)."""
     norm = _norm(dim, dtype, seed=dim + 1)
     gen = torch.Generator().manual_seed(2)
-    x, delta = (torch.randn(4, dim, generator=gen).to(dtype) for _ in range(2))
+    skip = 0 if aligned else 1
+    x, delta = (torch.randn(4 * dim + skip, generator=gen).to(dtype)[skip:].view(4, dim) for _ in range(2))
     want_sum, want = add_rms_norm(norm, x, delta)  # torch ops: no kernel attached
     norm.fused = CudaFusedOps(harness)
     got_sum, got = add_rms_norm(norm, x, delta)
@@ -70,8 +75,10 @@ def _rope(tokens: int, dim: int, dtype: torch.dtype) -> TextRopeTables:
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("rotate", [False, True], ids=["norm", "norm+rope"])
-def test_q_and_k_heads_are_normalised_and_rotated_in_place_of_the_projection(harness, dtype, rotate):
-    tokens, nq, nkv, hd = 3, 4, 2, 64
+@pytest.mark.parametrize("hd", [64, 200, 256])
+def test_q_and_k_heads_are_normalised_and_rotated_in_place_of_the_projection(harness, dtype, rotate, hd):
+    """Head sizes below and above the 128 threads of a block (a thread holds two elements of a rotated row)."""
+    tokens, nq, nkv = 3, 4, 2
     q_norm, k_norm = _norm(hd, dtype, seed=1), _norm(hd, dtype, seed=2)
     heads = torch.randn(tokens, nq + 2 * nkv, hd, generator=torch.Generator().manual_seed(3)).to(dtype)
     qk = heads[:, : nq + nkv]  # the q and k heads of each token, v heads left out: not contiguous
