@@ -124,8 +124,10 @@ def swiglu(x: torch.Tensor, gate_up_proj: nn.Module, fused) -> torch.Tensor:
     GEMV kernels take ``x`` (a decode step's rows; :class:`.gemv_linear.GemvLinear` and a quantized
     :class:`.quant.QuantizedLinear` with kernels attached), one kernel with the activation in its epilogue;
     else the product, then the activation (the ``fused`` kernel, or torch)."""
-    kernel_takes = getattr(gate_up_proj, "kernel_takes", None)
-    if kernel_takes is not None and kernel_takes(x):
+    # Looked up on the class: a plain module (the CPU's, torch's) has no such method, and a missing attribute
+    # asked of the module itself goes through nn.Module.__getattr__'s exception, on every decode step.
+    kernel_takes = getattr(type(gate_up_proj), "kernel_takes", None)
+    if kernel_takes is not None and kernel_takes(gate_up_proj, x):
         return gate_up_proj.kernels(gate_up_proj, x, swiglu=True)
     gate_up = project(x, gate_up_proj)
     if fused is not None:
