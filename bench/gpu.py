@@ -390,32 +390,36 @@ def _batching(ctx: BenchContext, res: SectionResult, model_dir: Path) -> None:
     res.setup["batching_decode"] = engine.describe()["decode"]
 
 
-def _probe(model_dir: Path, dtype: str, cache_dir: Path, max_context: int) -> dict:
+def _probe(torch, model_dir: Path, dtype: str, cache_dir: Path, max_context: int) -> dict:
+    """bench.startup_probe's record; what the device has in use before it starts (this process's CUDA
+    context and cache, other processes) is passed along and left out of its memory figures."""
+    torch.cuda.synchronize()
+    free, total = torch.cuda.mem_get_info()
     cmd = [sys.executable, "-m", "bench.startup_probe", str(model_dir), dtype, str(cache_dir),
-           str(max_context), repr(time.time())]  # fmt: skip
+           str(max_context), repr(time.time()), repr((total - free) / 2**20)]  # fmt: skip
     out = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
     if out.returncode != 0:
         raise RuntimeError(f"startup_probe failed ({out.returncode}): {out.stderr[-1500:]}")
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def _startup_and_memory(ctx: BenchContext, res: SectionResult, model_dir: Path, default_dir: Path) -> None:
+def _startup_and_memory(torch, ctx: BenchContext, res: SectionResult, model_dir: Path, default_dir: Path) -> None:
     cache = Path(tempfile.mkdtemp(prefix="bench_startup_cache_", dir=ctx.scratch))
     context = ctx.config.gpu_startup_context
-    cold = _probe(model_dir, "fp16", cache, context)
-    warm = _probe(model_dir, "fp16", cache, context)
+    cold = _probe(torch, model_dir, "fp16", cache, context)
+    warm = _probe(torch, model_dir, "fp16", cache, context)
     res.setup["startup"] = {"cold": cold, "warm": warm}
     res.add("startup.cold_s", "s", [cold["ready_s"]], "process start to ready engine, empty kernel cache (fp16)")
     res.add("startup.warm_s", "s", [warm["ready_s"]], "process start to ready engine, kernels cached (fp16)")
     limit_mb = warm["weight_mb"] + 1.25 * warm["kv_context_mb"] + 1024
-    res.add("memory.2b_fp16.used_mb", "MB", [warm["device_used_mb"]],
-            f"GPU memory in use after an image request at {context} context (CUDA context included)")  # fmt: skip
-    res.add("memory.2b_fp16.used_vs_limit", "x", [warm["device_used_mb"] / limit_mb],
+    res.add("memory.2b_fp16.used_mb", "MB", [warm["used_mb"]],
+            f"engine process's GPU memory after an image request, {context} context (CUDA context in)")  # fmt: skip
+    res.add("memory.2b_fp16.used_vs_limit", "x", [warm["used_mb"] / limit_mb],
             "used / (weights + 1.25 x one context of KV + 1 GB)")  # fmt: skip
-    small = _probe(default_dir, "fp32", cache, 4096)
+    small = _probe(torch, default_dir, "fp32", cache, 4096)
     res.setup["default_model_probe"] = small
-    res.add("memory.default_model.used_mb", "MB", [small["device_used_mb"]],
-            "default model: GPU memory in use after an image request (CUDA context included)")  # fmt: skip
+    res.add("memory.default_model.used_mb", "MB", [small["used_mb"]],
+            "default model: engine process's GPU memory after an image request (CUDA context included)")  # fmt: skip
 
 
 def _run_parts(
@@ -467,7 +471,7 @@ def run(ctx: BenchContext) -> SectionResult:
     _run_parts(ctx, res, started, [
         (f"decode.{first}", functools.partial(_decode, torch, ctx, res, model_dir, first, bandwidth)),
         ("step_profile", functools.partial(_step_profile, torch, ctx, res, model_dir)),
-        ("startup_memory", functools.partial(_startup_and_memory, ctx, res, model_dir, default_dir)),
+        ("startup_memory", functools.partial(_startup_and_memory, torch, ctx, res, model_dir, default_dir)),
         ("kernels", functools.partial(_kernels, torch, ctx, res)),
         ("gemv", functools.partial(_gemv, torch, ctx, res, bandwidth)),
         ("quant", functools.partial(_quantized_decode, torch, ctx, res, model_dir, bandwidth)),

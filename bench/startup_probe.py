@@ -3,12 +3,17 @@
 The parent passes its wall-clock time just before starting this process, so ``ready_s`` counts what an
 operator waits for: interpreter and torch import, model load, kernel build (or cache hit), KV pool and
 CUDA-graph setup. Then a short text request and a short image request run and the process reports the
-GPU memory in use: the device's used memory (``total - free``: the CUDA context included, this being the
-only process on the GPU) and torch's peak reservation, and both after each stage (``memory_stages``: the
-CUDA context, the ready engine, the text request, the image request), so memory outside torch's allocator
-(libraries' code and workspaces loaded on first use) shows where it comes from. Prints one JSON object.
+GPU memory it uses, its CUDA context included, and torch's peak reservation, and both after each stage
+(``memory_stages``: the CUDA context, the ready engine, the text request, the image request), so memory
+outside torch's allocator (libraries' code and workspaces loaded on first use) shows where it comes from.
+Prints one JSON object.
 
-Usage: ``python -m bench.startup_probe MODEL_DIR DTYPE KERNEL_CACHE_DIR MAX_CONTEXT_TOKENS PARENT_START``.
+The device only reports its memory in use by every process (``total - free``); the benchmark process that
+starts this one holds a CUDA context and cuBLAS of its own (about 0.9 GB on an H200), so the parent passes
+what the device had in use just before the start (OTHERS_MB) and this process's figure is the difference
+(``device_used_mb`` keeps the raw reading).
+
+Usage: ``python -m bench.startup_probe MODEL_DIR DTYPE KERNEL_CACHE_DIR MAX_CONTEXT_TOKENS PARENT_START OTHERS_MB``.
 """
 
 from __future__ import annotations
@@ -19,7 +24,7 @@ import time
 
 
 def main() -> int:
-    model_dir, dtype, cache_dir, max_context, parent_start = sys.argv[1:6]
+    model_dir, dtype, cache_dir, max_context, parent_start, others_mb = sys.argv[1:7]
     import numpy as np
     import torch
 
@@ -31,8 +36,8 @@ def main() -> int:
     def stage(name: str) -> float:
         torch.cuda.synchronize()
         free, total = torch.cuda.mem_get_info()
-        used = (total - free) / 2**20
-        stages[name] = {"device_used_mb": used, "torch_reserved_mb": torch.cuda.memory_reserved() / 2**20}
+        used = (total - free) / 2**20 - float(others_mb)
+        stages[name] = {"used_mb": used, "torch_reserved_mb": torch.cuda.memory_reserved() / 2**20}
         return used
 
     t0 = time.perf_counter()
@@ -69,7 +74,9 @@ def main() -> int:
                 "ready_s": ready,
                 "finish_reason": final.finish_reason,
                 "error": final.error or text.error,
-                "device_used_mb": used,
+                "used_mb": used,
+                "device_used_mb": used + float(others_mb),
+                "others_mb": float(others_mb),
                 "memory_stages": stages,
                 "torch_peak_reserved_mb": torch.cuda.max_memory_reserved() / 2**20,
                 "weight_mb": weights / 2**20,
