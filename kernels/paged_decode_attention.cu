@@ -16,7 +16,9 @@
 // log-sum-exp; paged_decode_reduce_* combines the splits. Splits past the sequence end write lse=-inf.
 //
 // The sequence length is read from device memory (seq_lens), so a captured CUDA graph stays valid
-// while the length grows. Unallocated block-table entries (-1) are never used as addresses.
+// while the length grows. Unallocated block-table entries (-1) are never used as addresses. The queries are
+// read in place, a batch row q_token_stride elements from the next (the q heads of the q/k norm's output
+// rows, which hold the k heads too: a batch of several rows needs no copy of them first).
 #include "attention_common.cuh"
 
 namespace orin_vlm {
@@ -45,13 +47,13 @@ __device__ __forceinline__ void paged_decode_attention(
     T* __restrict__ out,                   // [batch, num_heads, HEAD_DIM]            (num_splits == 1)
     float* __restrict__ partial_out,       // [batch, num_heads, num_splits, HEAD_DIM] (num_splits > 1)
     float* __restrict__ partial_lse,       // [batch, num_heads, num_splits], log2 domain
-    const T* __restrict__ q,               // [batch, num_heads, HEAD_DIM]
+    const T* __restrict__ q,               // [batch, num_heads, HEAD_DIM], batch rows q_token_stride apart
     const T* __restrict__ k_pool,          // [num_blocks, page_size, num_kv_heads, HEAD_DIM]
     const T* __restrict__ v_pool,          // same layout as k_pool
     const int* __restrict__ block_tables,  // [batch, max_blocks_per_seq], -1 = unallocated
     const int* __restrict__ seq_lens,      // [batch] tokens cached (including this step's token)
     int num_heads, int num_kv_heads, int page_size, int max_blocks_per_seq, int tokens_per_split,
-    float scale) {
+    int q_token_stride, float scale) {
   using Layout = DecodeLayout<T, HEAD_DIM>;
   constexpr int VEC = Layout::kVec;
   constexpr int VPL = Layout::kVpl;
@@ -92,7 +94,9 @@ __device__ __forceinline__ void paged_decode_attention(
     for (int j = 0; j < VPL; ++j) {
       float* dst = qr[g] + j * VEC;
       if (g < heads) {
-        load_vec(q + (static_cast<size_t>(b) * num_heads + head0 + g) * HEAD_DIM + Layout::dim(lane_in_token, j), dst);
+        load_vec(q + static_cast<size_t>(b) * q_token_stride + static_cast<size_t>(head0 + g) * HEAD_DIM +
+                     Layout::dim(lane_in_token, j),
+                 dst);
 #pragma unroll
         for (int i = 0; i < VEC; ++i) dst[i] *= qscale;
       } else {
@@ -310,10 +314,10 @@ __device__ __forceinline__ void paged_decode_reduce(T* __restrict__ out,        
       paged_decode_attention_##DT##_d##D##_g##G(                                                              \
           T* out, float* partial_out, float* partial_lse, const T* q, const T* k_pool, const T* v_pool,       \
           const int* block_tables, const int* seq_lens, int num_heads, int num_kv_heads, int page_size,       \
-          int max_blocks_per_seq, int tokens_per_split, float scale) {                                        \
+          int max_blocks_per_seq, int tokens_per_split, int q_token_stride, float scale) {                    \
     orin_vlm::paged_decode_attention<T, D, G>(out, partial_out, partial_lse, q, k_pool, v_pool, block_tables, \
                                               seq_lens, num_heads, num_kv_heads, page_size,                   \
-                                              max_blocks_per_seq, tokens_per_split, scale);                   \
+                                              max_blocks_per_seq, tokens_per_split, q_token_stride, scale);   \
   }
 
 #define ORIN_DECODE_KERNELS_FOR(DT, T, D) \

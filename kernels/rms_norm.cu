@@ -19,6 +19,13 @@
 // y = x * cos + swap_halves(x) * sin_signed with the token's rows of the two tables ([tokens, dim], the
 // storage type, sin_signed = [-sin, sin] of the halves), each product and the sum rounded on its own and
 // never contracted into a fused multiply-add.
+//
+// KV sink (rms_norm_rope with k_pool not null; a static decode step): the step's new keys and values go
+// straight into the paged pools, so the step needs no KV-write launch and no copy of the strided heads. Each
+// rotated k head (head >= split, heads - split = kv heads) is also stored at its token's slot of k_pool, and
+// the grid has tokens * kv_heads more blocks, which copy the v heads (v + t * v_token_stride + h * dim) to the
+// slot of v_pool. Pool layout [blocks, page_size, kv_heads, dim]: a token's row at slot * kv_heads * dim. A
+// negative slot (a padding row of a batch) stores nothing. k_pool null: grid (rows) and no stores.
 #include "attention_common.cuh"
 
 namespace orin_vlm {
@@ -43,13 +50,44 @@ __device__ __forceinline__ float rms_scale(float squares, int dim, float eps) {
 // the launch is a few dozen blocks, and its memory round trips are its cost.
 constexpr int kRopeSlots = kMaxRopeDim / kNormThreads;
 
+// Where the rotated k heads and the v heads of a static decode step go (see the top of the file).
+template <typename T>
+struct KVSink {
+  T* k_pool;                   // null: no sink
+  T* v_pool;
+  const T* v;                  // the step's v heads, [tokens, kv_heads, dim] rows at v_token_stride
+  const long long* slots;      // [tokens]
+  int v_token_stride;
+};
+
+// Block `row` past the norm rows of a sink launch: v head h of token t copied to its slot of v_pool.
+template <typename T>
+__device__ __forceinline__ void store_v_head(const KVSink<T>& sink, int row, int kv_heads, int dim) {
+  const int token = row / kv_heads;
+  const int head = row % kv_heads;
+  const long long slot = __ldg(sink.slots + token);
+  if (slot < 0) return;
+  const T* src = sink.v + static_cast<size_t>(token) * sink.v_token_stride + static_cast<size_t>(head) * dim;
+  T* dst = sink.v_pool + (static_cast<size_t>(slot) * kv_heads + head) * dim;
+  for (int d = threadIdx.x; d < dim; d += kNormThreads) dst[d] = __ldg(src + d);
+}
+
 template <typename T, bool ROPE>
 __device__ __forceinline__ void rms_norm(T* __restrict__ out, const T* __restrict__ x, const T* __restrict__ weight_a,
                                          const T* __restrict__ weight_b, const T* __restrict__ cos,
-                                         const T* __restrict__ sin_signed, int heads, int split, int dim,
-                                         int x_token_stride, float eps) {
+                                         const T* __restrict__ sin_signed, KVSink<T> sink, int heads, int split,
+                                         int dim, int x_token_stride, float eps) {
   if (blockDim.x != kNormThreads) KERNEL_TRAP();
+  const int kv_heads = heads - split;
+  // A sink launch has tokens * (heads + kv_heads) blocks: the norm rows first, then the v heads.
+  const int norm_rows =
+      sink.k_pool != nullptr ? static_cast<int>(gridDim.x) / (heads + kv_heads) * heads : static_cast<int>(gridDim.x);
+  if (sink.k_pool != nullptr && (kv_heads < 1 || static_cast<int>(gridDim.x) % (heads + kv_heads) != 0)) KERNEL_TRAP();
   const int row = blockIdx.x;
+  if (row >= norm_rows) {
+    store_v_head(sink, row - norm_rows, kv_heads, dim);
+    return;
+  }
   const int token = row / heads;
   const int head = row % heads;
   const T* xr = x + static_cast<size_t>(token) * x_token_stride + static_cast<size_t>(head) * dim;
@@ -90,6 +128,12 @@ __device__ __forceinline__ void rms_norm(T* __restrict__ out, const T* __restric
       if (d < dim) normed_row[d] = to_float(from_float<T>(wv[i] * to_float(from_float<T>(xv[i] * inv))));
     }
     __syncthreads();
+    // The k head's row of its token's slot in the pool, when this launch stores the keys (null: it does not).
+    T* k_row = nullptr;
+    if (sink.k_pool != nullptr && head >= split) {
+      const long long slot = __ldg(sink.slots + token);
+      if (slot >= 0) k_row = sink.k_pool + (static_cast<size_t>(slot) * kv_heads + (head - split)) * dim;
+    }
     const int half = dim / 2;
 #pragma unroll
     for (int i = 0; i < kRopeSlots; ++i) {
@@ -97,7 +141,9 @@ __device__ __forceinline__ void rms_norm(T* __restrict__ out, const T* __restric
       if (d >= dim) continue;
       const float a = to_float(from_float<T>(__fmul_rn(normed_row[d], cv[i])));
       const float b = to_float(from_float<T>(__fmul_rn(normed_row[d < half ? d + half : d - half], sv[i])));
-      o[d] = from_float<T>(__fadd_rn(a, b));
+      const T rotated = from_float<T>(__fadd_rn(a, b));
+      o[d] = rotated;
+      if (k_row != nullptr) k_row[d] = rotated;
     }
   }
 }
@@ -193,13 +239,15 @@ __device__ __forceinline__ void add_rms_norm(T* __restrict__ sum_out, T* __restr
   extern "C" __global__ void __launch_bounds__(orin_vlm::kNormThreads)                                         \
       rms_norm_##DT(T* out, const T* x, const T* weight_a, const T* weight_b, int heads, int split, int dim,    \
                     int x_token_stride, float eps) {                                                           \
-    orin_vlm::rms_norm<T, false>(out, x, weight_a, weight_b, nullptr, nullptr, heads, split, dim,              \
-                                 x_token_stride, eps);                                                         \
+    orin_vlm::rms_norm<T, false>(out, x, weight_a, weight_b, nullptr, nullptr, {nullptr, nullptr, nullptr,     \
+                                 nullptr, 0}, heads, split, dim, x_token_stride, eps);                         \
   }                                                                                                            \
   extern "C" __global__ void __launch_bounds__(orin_vlm::kNormThreads)                                         \
       rms_norm_rope_##DT(T* out, const T* x, const T* weight_a, const T* weight_b, const T* cos,               \
-                         const T* sin_signed, int heads, int split, int dim, int x_token_stride, float eps) {  \
-    orin_vlm::rms_norm<T, true>(out, x, weight_a, weight_b, cos, sin_signed, heads, split, dim, x_token_stride, \
+                         const T* sin_signed, T* k_pool, T* v_pool, const T* v, const long long* slots,        \
+                         int heads, int split, int dim, int x_token_stride, int v_token_stride, float eps) {   \
+    orin_vlm::rms_norm<T, true>(out, x, weight_a, weight_b, cos, sin_signed,                                   \
+                                {k_pool, v_pool, v, slots, v_token_stride}, heads, split, dim, x_token_stride, \
                                 eps);                                                                          \
   }                                                                                                            \
   extern "C" __global__ void __launch_bounds__(orin_vlm::kNormThreads)                                         \

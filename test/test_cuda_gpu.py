@@ -346,6 +346,21 @@ def test_gpu_fused_norms_rope_and_silu_match_torch_ops_on_the_gpu(backend, dtype
     torch.testing.assert_close(got, want, rtol=tol, atol=tol)
     if dtype != torch.float32:  # rounded to half precision: the same but for rare last-place roundings
         assert (got == want).float().mean() >= 0.99
+    # The same launch storing the keys and values of a static decode step (its KV sink): the same rows out,
+    # the rotated keys and the strided values at their slots, nothing for the padding row (slot -1).
+    from orin_vlm_node.kvcache import KVSink
+
+    pools = torch.zeros(2, 8, 16, nkv, hd, device="cuda", dtype=dtype)
+    slots = torch.tensor([70, -1, 3, 16], device="cuda")
+    v = heads[:, nq + nkv :]
+    stored = ops.rms_norm(
+        heads[:, : nq + nkv], q_norm.weight, k_norm.weight, nq, q_norm.eps, rope, KVSink(*pools, slots), v
+    )
+    assert torch.equal(stored, got)
+    flat = pools.view(2, -1, nkv, hd)
+    used = [(t, s) for t, s in enumerate(slots.tolist()) if s >= 0]
+    assert all(torch.equal(flat[0, s], got[t, nq:]) and torch.equal(flat[1, s], v[t]) for t, s in used)
+    assert int(flat.abs().sum(dim=(2, 3)).count_nonzero()) == 2 * len(used)
     gate_up = 4 * torch.randn(tokens, 2 * 6144, device="cuda").to(dtype)
     gate, up = gate_up.chunk(2, dim=-1)
     want = F.silu(gate) * up

@@ -13,6 +13,7 @@ from cuda_harness.harness import RecordingLauncher
 
 from orin_vlm_node.cuda import launch as L
 from orin_vlm_node.cuda.fused import CudaFusedOps
+from orin_vlm_node.kvcache import KVSink
 from orin_vlm_node.model.rope import TextRopeTables, apply_text_rope
 from orin_vlm_node.model.text import MLP, RMSNorm, add_rms_norm, attach_fused_ops, rms_norm
 
@@ -191,3 +192,113 @@ def test_a_model_with_the_fused_kernels_attached_answers_as_with_torch_ops(harne
     assert not any(isinstance(m, MLP) and m.fused is None for m in engine.model.modules())
     attach_fused_ops(engine.model, None)
     assert answer() == want
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("hd", [64, 256])
+def test_q_k_norm_rope_launch_stores_the_keys_and_values_in_a_kv_sink(harness, dtype, hd):
+    """A static decode step's K/V stored by the q/k norm + RoPE launch itself: each rotated k head and each
+    v head (read in place of the projection, strided) at its token's slot of the paged pools, nothing for a
+    padding row (slot -1), no other slot touched; the normalised rows are those of the launch without a sink."""
+    tokens, nq, nkv, page, blocks = 3, 4, 2, 4, 3
+    q_norm, k_norm = _norm(hd, dtype, seed=1), _norm(hd, dtype, seed=2)
+    heads = torch.randn(tokens, nq + 2 * nkv, hd, generator=torch.Generator().manual_seed(3)).to(dtype)
+    qk, v = heads[:, : nq + nkv], heads[:, nq + nkv :]
+    rope = _rope(tokens, hd, dtype)
+    ops = CudaFusedOps(harness)
+    want = ops.rms_norm(qk, q_norm.weight, k_norm.weight, nq, q_norm.eps, rope)
+    pools = torch.full((2, blocks, page, nkv, hd), 7.0, dtype=dtype)  # k and v; 7: never written
+    slots = torch.tensor([9, -1, 2])
+    sink = KVSink(pools[0], pools[1], slots)
+    got = ops.rms_norm(qk, q_norm.weight, k_norm.weight, nq, q_norm.eps, rope, sink, v)
+    assert torch.equal(got, want)
+    expected = torch.full_like(pools, 7.0).view(2, blocks * page, nkv, hd)
+    for token, slot in enumerate(slots.tolist()):
+        if slot >= 0:
+            expected[0, slot], expected[1, slot] = want[token, nq:], v[token]
+    assert torch.equal(pools.view(2, blocks * page, nkv, hd), expected)
+
+
+def test_a_kv_sink_that_does_not_fit_the_heads_is_refused(harness):
+    ops, w = CudaFusedOps(harness), torch.ones(8)
+    qk, v, rope = torch.ones(2, 3, 8), torch.ones(2, 1, 8), _rope(2, 8, torch.float32)
+    pools = torch.zeros(2, 4, 4, 1, 8)
+    slots = torch.tensor([0, 1])
+    ops.rms_norm(qk, w, w, 2, 1e-6, rope, KVSink(pools[0], pools[1], slots), v)
+    refused = {
+        "do not take 1 heads of 8": (KVSink(pools[0, :, :, :, :4], pools[1, :, :, :, :4], slots), v),
+        "needs the values": (KVSink(pools[0], pools[1], slots), None),
+        "slots must be": (KVSink(pools[0], pools[1], slots.int()), v),
+    }
+    for message, (sink, values) in refused.items():
+        with pytest.raises(ValueError, match=message):
+            ops.rms_norm(qk, w, w, 2, 1e-6, rope, sink, values)
+    with pytest.raises(ValueError, match="only with RoPE"):
+        ops.rms_norm(qk, w, w, 2, 1e-6, None, KVSink(pools[0], pools[1], slots), v)
+
+
+@pytest.mark.parametrize(
+    ("dtype", "kernel_attention"), [(torch.float32, True), (torch.bfloat16, True), (torch.bfloat16, False)]
+)
+def test_static_decode_stores_kv_in_the_norm_launch_as_the_write_launch_would(
+    harness, tmp_path, monkeypatch, dtype, kernel_attention
+):
+    """The static decode step (what a CUDA graph captures) of a model with the fused kernels, three sequences
+    of different lengths in buffers of four (one padding row), crossing pages: with the step's KV sink the
+    q/k norm + RoPE launch stores the K/V, and logits, greedy tokens and the pool are those of the same step
+    with the separate write (the kernel's launch, or torch's indexed copy where attention stays on torch: a
+    head size the attention kernels lack), bit for bit, with no write launch in the step."""
+    from orin_vlm_node.cuda import CudaPagedAttention
+    from orin_vlm_node.engine.decode_step import StaticDecodeStep
+    from orin_vlm_node.kvcache import KVCacheConfig, PagedKVCache, TorchPagedAttention
+    from orin_vlm_node.kvcache.paged_step import PagedStaticDecode
+    from orin_vlm_node.model import load_model, mrope_positions
+    from support.checkpoints import make_tiny_checkpoint
+
+    model = load_model(make_tiny_checkpoint(tmp_path / "ckpt", layers=2, seed=5), dtype)
+    cfg = model.config.text
+    launcher = RecordingLauncher(harness)
+    attach_fused_ops(model, CudaFusedOps(launcher))
+    prompts = [torch.arange(10, 10 + n) for n in (5, 9, 3)]
+
+    def run() -> tuple[list[torch.Tensor], torch.Tensor, list[str]]:
+        cache = PagedKVCache(
+            KVCacheConfig(
+                cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, dtype=dtype, page_size=4,
+                num_blocks=32, max_context_tokens=64, prefix_caching=False,
+            ),
+            attention_impl=(
+                CudaPagedAttention(launcher, sm_count=16, min_tokens_per_split=16) if kernel_attention
+                else TorchPagedAttention()
+            ),
+        )  # fmt: skip
+        step = StaticDecodeStep(model, cache, torch.device("cpu"), use_graphs=False, max_batch=4)
+        seqs, tokens = [], []
+        for prompt in prompts:
+            seq = cache.new_sequence()
+            positions, _ = mrope_positions(prompt, None, model.config.image_token_id, 2)
+            tokens.append(int(model.forward(prompt, positions, cache.step(seq, len(prompt))).argmax(-1)))
+            seqs.append(seq)
+        logits, launched = [], []
+        for _ in range(6):
+            for seq, token in zip(seqs, tokens, strict=True):
+                step.prepare(seq, token, 0)
+            launcher.kernels.clear()
+            out = step.run()  # (3, vocab): the bucket of 4 with one padding row
+            launched += launcher.kernels
+            logits.append(out.clone())
+            tokens = out.argmax(-1).tolist()
+        return logits, cache.kv_storage.clone(), launched
+
+    with_sink = run()
+    with monkeypatch.context() as patch:
+        patch.setattr(PagedStaticDecode, "kv_sink", lambda self, layer, dtype: None)
+        with_write = run()
+    for a, b in zip(with_sink[0], with_write[0], strict=True):
+        assert torch.equal(a, b)
+    assert torch.equal(with_sink[1], with_write[1])
+    tag = L.DTYPE_TAGS[str(dtype).removeprefix("torch.")]
+    layers = cfg.num_hidden_layers
+    assert not any(k.startswith("paged_kv_write") for k in with_sink[2])
+    assert with_write[2].count(f"paged_kv_write_{tag}") == (6 * layers if kernel_attention else 0)
+    assert with_sink[2].count(f"rms_norm_rope_{tag}") == with_write[2].count(f"rms_norm_rope_{tag}") == 6 * layers

@@ -49,9 +49,10 @@ class PagedPool:
 
 def _decode(harness: Harness, q, pool: PagedPool, nh: int, nkv: int, hd: int, splits: int, tps: int) -> torch.Tensor:
     batch = q.shape[0]
-    out = torch.empty_like(q)
+    out = torch.empty(q.shape, dtype=q.dtype)
     cfg = L.decode_launch(batch, nh, nkv, hd, q.dtype, splits)
-    args_tail = [pool.k, pool.v, pool.table, pool.seq_lens, nh, nkv, pool.page, pool.max_blocks, tps, hd**-0.5]
+    tail = [pool.table, pool.seq_lens, nh, nkv, pool.page, pool.max_blocks, tps, q.stride(0), hd**-0.5]
+    args_tail = [pool.k, pool.v, *tail]
     if splits == 1:
         harness.launch(cfg, [out, None, None, q, *args_tail])
         return out
@@ -76,7 +77,8 @@ def test_decode_matches_reference(harness, dtype, hd):
         batch = rng.randint(1, 3)
         lens = [rng.randint(1, 150) for _ in range(batch)]
         pool = PagedPool(rng, lens, page, nkv, hd, dtype)
-        q = torch.randn(batch, nh, hd).to(dtype)
+        # Odd trials read the q heads in place of wider rows (the q/k norm's output also holds the k heads).
+        q = torch.randn(batch, nh + (nkv if trial % 2 else 0), hd).to(dtype)[:, :nh]
         refs = []
         for b in range(batch):
             k, v = pool.gather(b)
@@ -215,6 +217,7 @@ def test_write_then_prefill_then_decode_steps(harness):
                 page,
                 max_blocks,
                 tps,
+                nh * hd,
                 hd**-0.5,
             ],
         )
@@ -236,4 +239,6 @@ def test_harness_catches_out_of_bounds_and_wrong_block_size(harness):
     bad = L.LaunchConfig(cfg.kernel, cfg.grid, (64, 1, 1), cfg.shared_bytes)
     out = torch.empty_like(q)
     with pytest.raises(HarnessError, match="trap"):
-        harness.launch(bad, [out, None, None, q, pool.k, pool.v, pool.table, pool.seq_lens, nh, nkv, 4, 3, 0, 0.1])
+        harness.launch(
+            bad, [out, None, None, q, pool.k, pool.v, pool.table, pool.seq_lens, nh, nkv, 4, 3, 0, nh * hd, 0.1]
+        )

@@ -101,13 +101,15 @@ class CudaPagedAttention:
         seq_lens = kv_len
         if seq_lens.dtype != torch.int32 or not seq_lens.is_contiguous():
             seq_lens = seq_lens.to(torch.int32).contiguous()
-        qc = q.to(k_pool.dtype).contiguous()
-        out = torch.empty_like(qc)
+        qc = q.to(k_pool.dtype)
+        if not L.rows_in_place(qc):
+            qc = qc.contiguous()
+        out = torch.empty((batch, nq, hd), dtype=qc.dtype, device=qc.device)
         width = table.shape[1]
         splits, tokens_per_split = self.decode_plan(min(blocks, width) * page, nq, nkv, batch)
         cfg = L.decode_launch(batch, nq, nkv, hd, k_pool.dtype, splits)
         # The row stride is the full width; a row's loop stops at its own length, so the work follows it.
-        tail = [qc, k_pool, v_pool, table, seq_lens, nq, nkv, page, width, tokens_per_split, hd**-0.5]
+        tail = [qc, k_pool, v_pool, table, seq_lens, nq, nkv, page, width, tokens_per_split, qc.stride(0), hd**-0.5]
         if splits == 1:
             self.launcher.launch(cfg, [out, None, None, *tail])
         else:

@@ -1,6 +1,6 @@
 """The text decoder's elementwise work through fused kernels: ``kernels/rms_norm.cu`` (each RMSNorm with the
-residual add before it, and the q/k norms with RoPE, one launch) and ``kernels/silu_mul.cu`` (the SwiGLU
-activation, one launch).
+residual add before it, and the q/k norms with RoPE, one launch, which in a static decode step also stores
+the step's keys and values in the paged pools) and ``kernels/silu_mul.cu`` (the SwiGLU activation, one launch).
 
 At batch 1 on a fast GPU a decode step is bound by its small kernels, not by its weights (measured on an
 H200: about 1000 of the 1150 kernels of a 2B token were 1-2 us elementwise ops, about 40 a layer, where
@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import torch
 
+from ..kvcache import KVSink
 from ..model.rope import TextRopeTables
 from . import launch as L
 
@@ -33,11 +34,18 @@ class CudaFusedOps:
         split: int,
         eps: float,
         rope: TextRopeTables | None = None,
+        sink: KVSink | None = None,
+        v: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """x (L, H, D), heads adjacent (a slice of a projection's heads is fine) -> (L, H, D) contiguous:
         heads below ``split`` normalised with ``weight_a``, the rest with ``weight_b`` (both (D,), x's dtype),
         then rotated by ``rope``'s rows (its (L, 1, D) tables) when given. A plain norm passes (L, 1, D)
-        and the same weight twice."""
+        and the same weight twice.
+
+        With ``sink`` (and ``rope``): the heads from ``split`` on are keys; the same launch stores each
+        rotated key and each row of the values ``v`` (L, H - split, D), heads adjacent, at its token's slot
+        of the sink's pools (a static decode step: no write launch, no copy of the strided heads). Without a
+        sink ``v`` is not read."""
         if x.dim() != 3 or x.shape[0] < 1:
             raise ValueError(f"rms_norm takes (L, H, D) rows, got {tuple(x.shape)}")
         tokens, heads, dim = x.shape
@@ -45,17 +53,52 @@ class CudaFusedOps:
             x = x.contiguous()
         weight_a = self._fit(weight_a, (dim,), x, "weight")
         weights = (weight_a, weight_a if weight_b is weight_a else self._fit(weight_b, (dim,), x, "weight"))
-        tables = (
-            ()
-            if rope is None
-            else tuple(self._fit(t, (tokens, 1, dim), x, "rope table") for t in (rope.cos, rope.sin_signed))
-        )
-        if tables and (dim > L.MAX_ROPE_DIM or dim % 2):
+        if rope is None:
+            if sink is not None:
+                raise ValueError("rms_norm stores keys in a KV sink only with RoPE (the q/k norms of a layer)")
+            out = torch.empty((tokens, heads, dim), dtype=x.dtype, device=x.device)
+            self.launcher.launch(
+                L.rms_norm_launch(tokens * heads, x.dtype), [out, x, *weights, heads, split, dim, x.stride(0), eps]
+            )
+            return out
+        tables = tuple(self._fit(t, (tokens, 1, dim), x, "rope table") for t in (rope.cos, rope.sin_signed))
+        if dim > L.MAX_ROPE_DIM or dim % 2:
             raise ValueError(f"rms_norm with RoPE takes even rows of at most {L.MAX_ROPE_DIM}, got {dim}")
+        kv_heads = heads - split
+        stores: list = [None, None, None, None]
+        v_stride = 0
+        if sink is not None:
+            stores, v_stride = self._sink_args(sink, v, x, kv_heads)
         out = torch.empty((tokens, heads, dim), dtype=x.dtype, device=x.device)
-        cfg = L.rms_norm_launch(tokens * heads, x.dtype, "rms_norm_rope" if tables else "rms_norm")
-        self.launcher.launch(cfg, [out, x, *weights, *tables, heads, split, dim, x.stride(0), eps])
+        rows = tokens * (heads + (kv_heads if sink is not None else 0))
+        cfg = L.rms_norm_launch(rows, x.dtype, "rms_norm_rope")
+        self.launcher.launch(cfg, [out, x, *weights, *tables, *stores, heads, split, dim, x.stride(0), v_stride, eps])
         return out
+
+    @staticmethod
+    def _sink_args(sink: KVSink, v: torch.Tensor | None, x: torch.Tensor, kv_heads: int) -> tuple[list, int]:
+        """(k_pool, v_pool, v, slots) as the kernel takes them and v's token stride; ValueError when the sink
+        or the values do not belong to the keys of ``x``."""
+        tokens, _, dim = x.shape
+        pool_shape = tuple(sink.k_pool.shape)
+        if (
+            len(pool_shape) != 4
+            or pool_shape[2:] != (kv_heads, dim)
+            or sink.v_pool.shape != sink.k_pool.shape
+            or {sink.k_pool.dtype, sink.v_pool.dtype} != {x.dtype}
+            or not (sink.k_pool.is_contiguous() and sink.v_pool.is_contiguous())
+        ):
+            raise ValueError(
+                f"KV sink pools {pool_shape} {sink.k_pool.dtype} do not take {kv_heads} heads of {dim} {x.dtype}"
+            )
+        if v is None or tuple(v.shape) != (tokens, kv_heads, dim) or v.dtype != x.dtype:
+            raise ValueError(f"a KV sink needs the values as ({tokens}, {kv_heads}, {dim}) {x.dtype} rows")
+        if v.stride(2) != 1 or v.stride(1) != dim:
+            v = v.contiguous()
+        slots = sink.slot_mapping
+        if slots.shape != (tokens,) or slots.dtype != torch.int64:
+            raise ValueError(f"KV sink slots must be ({tokens},) int64, got {tuple(slots.shape)} {slots.dtype}")
+        return [sink.k_pool, sink.v_pool, v, slots.contiguous()], v.stride(0)
 
     def add_rms_norm(
         self, x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float

@@ -74,13 +74,13 @@ KERNEL_MODULES: dict[str, tuple[str, ...]] = {
 
 # Parameter kinds of each kernel family, in order: "ptr" (device pointer), "i32", "f32".
 ARG_KINDS: dict[str, tuple[str, ...]] = {
-    "paged_decode_attention": ("ptr",) * 8 + ("i32",) * 5 + ("f32",),
+    "paged_decode_attention": ("ptr",) * 8 + ("i32",) * 6 + ("f32",),
     "paged_decode_reduce": ("ptr",) * 3 + ("i32",) * 2,
     "paged_prefill_attention": ("ptr",) * 7 + ("i32",) * 4 + ("f32",),
     "paged_kv_write": ("ptr",) * 5 + ("i32",),
     "gemv": ("ptr",) * 5 + ("i32",) * 4,
     "rms_norm": ("ptr",) * 4 + ("i32",) * 4 + ("f32",),
-    "rms_norm_rope": ("ptr",) * 6 + ("i32",) * 4 + ("f32",),
+    "rms_norm_rope": ("ptr",) * 10 + ("i32",) * 5 + ("f32",),
     "add_rms_norm": ("ptr",) * 5 + ("i32", "f32"),
     "silu_mul": ("ptr",) * 2 + ("i32",) * 2,
 }
@@ -302,6 +302,20 @@ def gemv_launch(mode: str, rows: int, out_features: int, dtype: object, swiglu: 
     grid = (math.ceil(out_features / GEMV_WARPS), 1, 1)
     kernel = f"gemv_{mode}{GEMV_EPILOGUES[swiglu]}_{tag}_r{bucket}"
     return _checked(LaunchConfig(kernel, grid, (GEMV_WARPS * WARP_SIZE, 1, 1), 0))
+
+
+def rows_in_place(t) -> bool:
+    """Whether (B, H, D) heads ``t`` can be read where they are by a kernel that takes a row stride and loads
+    16-byte vectors: heads adjacent and dense, every row starting on a 16-byte boundary (the q heads of the
+    q/k norm's output, whose rows also hold the k heads)."""
+    size = t.element_size()
+    return (
+        t.dim() == 3
+        and t.stride(2) == 1
+        and t.stride(1) == t.shape[2]
+        and t.data_ptr() % 16 == 0
+        and (t.stride(0) * size) % 16 == 0
+    )
 
 
 def check_kv_row(num_kv_heads: int, head_dim: int, dtype: object) -> int:

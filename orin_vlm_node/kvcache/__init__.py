@@ -51,7 +51,9 @@ call ``prepare_static_decode(seq, buffers, row)`` for each sequence of the step:
 one token (allocating a block when crossing a page boundary, copying on write, uploading changed
 block-table entries) and refills its row in place (why: docs/architecture.md, "Paging under CUDA
 graphs"); ``buffers.pad(n)`` turns the rows after the ``n`` staged ones into padding, which stores nothing
-and attends to nothing.
+and attends to nothing. The paged static step also offers ``kv_sink(layer, dtype)``: a :class:`KVSink`
+(the layer's pools and the slot buffer) for a producer that stores the new K/V itself (the GPU's q/k norm
+kernel), which then calls the step with ``k = v = None``.
 
 Attention backends: :class:`PagedKVCache` delegates tensor work to a :class:`PagedAttentionImpl`
 (``write_kv`` / ``attend`` / ``attend_decode``, documented in :mod:`.attention`); the torch
@@ -68,7 +70,7 @@ from .base import KVCache, StaticDecodeBuffers
 from .config import KVCacheConfig, PoolPlan, check_page_size, plan_pool
 from .contiguous import ContiguousKVCache
 from .errors import ContextLimitExceeded, KVCacheError, PoolExhausted
-from .interface import SequencesAttention, StepAttention
+from .interface import KVSink, SequencesAttention, StepAttention
 from .paged import PagedKVCache
 from .reference import causal_attention, masked_decode_attention
 
@@ -78,6 +80,7 @@ __all__ = [
     "KVCache",
     "KVCacheConfig",
     "KVCacheError",
+    "KVSink",
     "PagedAttentionImpl",
     "PagedKVCache",
     "PoolExhausted",

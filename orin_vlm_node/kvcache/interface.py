@@ -13,9 +13,23 @@ before the call; KV slot indices (cache placement and the causal mask) live only
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
+
+
+@dataclass(frozen=True)
+class KVSink:
+    """Where one layer's new K/V rows of a step go, for code that produces them and can store them itself
+    (the GPU's q/k norm + RoPE kernel writes each rotated key and copies each value straight into the pool:
+    no write launch, no copy of the strided heads). Row ``i`` of the step (token ``i``) goes to slot
+    ``slot_mapping[i]``, at ``pool[slot // page_size, slot % page_size]``; a negative slot is a padding row
+    and stores nothing. The rows are stored as they are: the pools have the producer's dtype."""
+
+    k_pool: torch.Tensor  # (num_blocks, page_size, num_kv_heads, head_dim)
+    v_pool: torch.Tensor  # same layout
+    slot_mapping: torch.Tensor  # (L,) int64
 
 
 class StepAttention(Protocol):
@@ -25,9 +39,12 @@ class StepAttention(Protocol):
     KV slots are ``start .. start+L-1`` for the sequence this step belongs to. Returns
     (L, num_heads, head_dim) in q's dtype: softmax(q k^T * head_dim^-0.5 + causal mask over slots) v
     with GQA (kv head j serves q heads j*g .. j*g+g-1), softmax in fp32.
+
+    A step may also offer ``kv_sink(layer, dtype) -> KVSink | None`` (the paged static decode step does):
+    a caller that stored the layer's k and v through the sink it returned then calls with ``k = v = None``.
     """
 
-    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor: ...
+    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None) -> torch.Tensor: ...
 
 
 class SequencesAttention:

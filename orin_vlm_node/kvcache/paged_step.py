@@ -14,6 +14,7 @@ import torch
 
 from .attention import StepBlocks
 from .base import StaticDecodeBuffers, check_step_shapes, padded_writes
+from .interface import KVSink
 
 if TYPE_CHECKING:
     from .paged import PagedKVCache
@@ -50,13 +51,23 @@ class PagedStaticDecode:
         self._cache, self._buf, self._blocks = cache, buffers, blocks
         self._rows = buffers.batch
 
-    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def kv_sink(self, layer: int, dtype: torch.dtype) -> KVSink | None:
+        """The layer's pools and the step's slots, for a producer of rows of ``dtype`` (None: the pools hold
+        another dtype, so the rows must be converted on the way in by ``__call__``)."""
+        kp, vp = self._cache.pools(layer)
+        return KVSink(kp, vp, self._buf.slot_mapping) if kp.dtype == dtype else None
+
+    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None) -> torch.Tensor:
+        """The step's attention for ``layer``; ``k = v = None``: the caller stored them through :meth:`kv_sink`."""
         cache, buf = self._cache, self._buf
-        check_step_shapes(self._rows, q, k, v, cache.config)
         kp, vp = cache.pools(layer)
         impl = cache.attention_impl
-        slots = buf.slot_mapping
-        if self._rows > 1 and not impl.skips_negative_slots:
-            slots, k, v = padded_writes(slots, k, v)
-        impl.write_kv(kp, vp, k, v, slots)
+        if (k is None) != (v is None):
+            raise ValueError("a step's k and v come together, or neither (stored through kv_sink)")
+        if k is not None:
+            check_step_shapes(self._rows, q, k, v, cache.config)
+            slots = buf.slot_mapping
+            if self._rows > 1 and not impl.skips_negative_slots:
+                slots, k, v = padded_writes(slots, k, v)
+            impl.write_kv(kp, vp, k, v, slots)
         return impl.attend_decode(q, kp, vp, buf.block_table, buf.kv_len, self._blocks)

@@ -110,12 +110,21 @@ class SelfAttention(nn.Module):
         # q_norm and k_norm normalise each head over head_dim: one pass over the q and k heads together,
         # then each head times its norm's weight (what the two RMSNorms compute, bit for bit).
         q_norm, k_norm = self.q_norm, self.k_norm
+        v = heads[:, nq + nkv :]
         if q_norm.fused is not None:  # both norms and RoPE in one launch, reading the heads in place
-            qk = q_norm.fused.rms_norm(heads[:, : nq + nkv], q_norm.weight, k_norm.weight, nq, q_norm.eps, rope)
+            # A step that lets the producer store its K/V (the GPU's static decode step) gets them from this
+            # launch too: no write launch, no copy of the strided heads; it is then called without k and v.
+            offer = getattr(attn, "kv_sink", None)
+            sink = offer(layer, heads.dtype) if offer is not None else None
+            qk = q_norm.fused.rms_norm(
+                heads[:, : nq + nkv], q_norm.weight, k_norm.weight, nq, q_norm.eps, rope, sink, v
+            )
+            k, v = (qk[:, nq:], v) if sink is None else (None, None)
         else:
             weight = torch.cat((q_norm.weight.expand(nq, -1), k_norm.weight.expand(nkv, -1)))
             qk = apply_text_rope(weight * q_norm.normalize(heads[:, : nq + nkv]), rope)  # (L, nq + nkv, hd)
-        out = attn(layer, qk[:, :nq], qk[:, nq:], heads[:, nq + nkv :])  # (L, nq, hd)
+            k = qk[:, nq:]
+        out = attn(layer, qk[:, :nq], k, v)  # (L, nq, hd)
         return project(out.reshape(n, nq * self.head_dim), self.o_proj)
 
 
