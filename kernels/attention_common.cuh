@@ -51,6 +51,25 @@ __device__ __forceinline__ float swiglu_value(float gate, float up) {
   return to_float(from_float<T>(gate / (1.0f + expf(-gate)))) * up;
 }
 
+// Whether this block is the last of `count` blocks that share `*counter` to get here (every thread calls it
+// after its stores). The last block's threads then see every store the others made before the call; they
+// read them with __ldcg (not through the read-only cache). The counter is back to 0 for the next launch (a
+// CUDA graph replays with the same buffer). One launch uses a counter at a time: launches on one stream.
+__device__ __forceinline__ bool last_to_finish(unsigned* counter, int count) {
+  __shared__ bool last;
+  __threadfence();  // this thread's stores are visible device-wide before the block is counted
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    last = atomicAdd(counter, 1u) == static_cast<unsigned>(count - 1);
+    if (last) {
+      __threadfence();  // the others' stores, counted before this, are seen by the reads that follow
+      *counter = 0u;
+    }
+  }
+  __syncthreads();
+  return last;
+}
+
 // exp2(a - b) that is 0 (not NaN) when a is -inf, including -inf - -inf.
 __device__ __forceinline__ float exp2_diff(float a, float b) { return a == -INFINITY ? 0.0f : exp2f(a - b); }
 

@@ -13,7 +13,9 @@
 //
 // Split-K (flash-decoding): with gridDim.z > 1, split s handles tokens
 // [s*tokens_per_split, (s+1)*tokens_per_split) and writes a normalized partial output plus its
-// log-sum-exp; paged_decode_reduce_* combines the splits. Splits past the sequence end write lse=-inf.
+// log-sum-exp (splits past the sequence end write lse=-inf); the block that finishes last among the splits
+// of its (sequence, kv head chunk) then combines them into `out` (a counter per such group in `counters`,
+// zero before the launch and zero again after it), so split-K costs no second launch.
 //
 // The sequence length is read from device memory (seq_lens), so a captured CUDA graph stays valid
 // while the length grows. Unallocated block-table entries (-1) are never used as addresses. The queries are
@@ -40,6 +42,46 @@ struct DecodeLayout {
   static __device__ __forceinline__ int dim(int lane_in_token, int j) { return (j * kLanes + lane_in_token) * kVec; }
 };
 
+// Splits whose partial results the combining block loads before it uses the first: each split's row is its
+// own memory round trip, and a 4k context has 64 splits (a loop unrolled by the compiler's default kept
+// about four in flight).
+constexpr int kReduceBatch = 16;
+
+// Element d of one head's output from its splits' partials (rows row0 .. row0 + num_splits - 1): weighted by
+// exp2(lse - max) and summed in split order (the loads are batched, the sums are not reordered). Read with
+// __ldcg: other blocks of this launch wrote them, so not through the read-only cache.
+template <int HEAD_DIM>
+__device__ __forceinline__ float sum_splits(const float* __restrict__ partial_out, const float* __restrict__ partial_lse,
+                                            size_t row0, int num_splits, int d) {
+  float m_all = -INFINITY;
+  for (int s0 = 0; s0 < num_splits; s0 += kReduceBatch) {
+    float lse[kReduceBatch];
+#pragma unroll
+    for (int i = 0; i < kReduceBatch; ++i) lse[i] = s0 + i < num_splits ? __ldcg(partial_lse + row0 + s0 + i) : -INFINITY;
+#pragma unroll
+    for (int i = 0; i < kReduceBatch; ++i) m_all = fmaxf(m_all, lse[i]);
+  }
+  float w_all = 0.0f;
+  float o_all = 0.0f;
+  for (int s0 = 0; s0 < num_splits; s0 += kReduceBatch) {
+    float lse[kReduceBatch];
+    float part[kReduceBatch];
+#pragma unroll
+    for (int i = 0; i < kReduceBatch; ++i) {
+      const bool in = s0 + i < num_splits;
+      lse[i] = in ? __ldcg(partial_lse + row0 + s0 + i) : -INFINITY;
+      part[i] = in ? __ldcg(partial_out + (row0 + s0 + i) * HEAD_DIM + d) : 0.0f;
+    }
+#pragma unroll
+    for (int i = 0; i < kReduceBatch; ++i) {
+      const float w = exp2_diff(lse[i], m_all);  // 0 past the last split: the sums do not move
+      w_all += w;
+      o_all += w * part[i];
+    }
+  }
+  return w_all > 0.0f ? o_all / w_all : 0.0f;
+}
+
 // Grid: (num_kv_heads * group_chunks, batch, num_splits); block: kDecodeWarps*32 threads;
 // dynamic shared memory: kDecodeWarps * MAX_GROUP * (HEAD_DIM + 2) floats.
 template <typename T, int HEAD_DIM, int MAX_GROUP>
@@ -47,6 +89,7 @@ __device__ __forceinline__ void paged_decode_attention(
     T* __restrict__ out,                   // [batch, num_heads, HEAD_DIM]            (num_splits == 1)
     float* __restrict__ partial_out,       // [batch, num_heads, num_splits, HEAD_DIM] (num_splits > 1)
     float* __restrict__ partial_lse,       // [batch, num_heads, num_splits], log2 domain
+    unsigned* __restrict__ counters,       // [batch, gridDim.x] (num_splits > 1)
     const T* __restrict__ q,               // [batch, num_heads, HEAD_DIM], batch rows q_token_stride apart
     const T* __restrict__ k_pool,          // [num_blocks, page_size, num_kv_heads, HEAD_DIM]
     const T* __restrict__ v_pool,          // same layout as k_pool
@@ -258,52 +301,13 @@ __device__ __forceinline__ void paged_decode_attention(
       if (d == 0) partial_lse[prow] = l_all > 0.0f ? m_all + log2f(l_all) : -INFINITY;
     }
   }
-}
-
-// Splits whose partial results a reduce thread loads before it uses the first: each split's row is its own
-// memory round trip, and a 4k context has 64 splits (a loop unrolled by the compiler's default kept about
-// four in flight).
-constexpr int kReduceBatch = 16;
-
-// Combine split-K partials. Grid: (num_heads, batch); block: HEAD_DIM threads. Each thread sums its output
-// element over the splits in split order (the loads are batched, the sums are not reordered).
-template <typename T, int HEAD_DIM>
-__device__ __forceinline__ void paged_decode_reduce(T* __restrict__ out,                  // [batch, num_heads, D]
-                                                    const float* __restrict__ partial_out,  // [b, h, splits, D]
-                                                    const float* __restrict__ partial_lse,  // [b, h, splits]
-                                                    int num_heads, int num_splits) {
-  if (blockDim.x != HEAD_DIM) KERNEL_TRAP();
-  const int h = blockIdx.x;
-  const int b = blockIdx.y;
-  const int d = threadIdx.x;
-  const size_t row0 = (static_cast<size_t>(b) * num_heads + h) * num_splits;
-  float m_all = -INFINITY;
-  for (int s0 = 0; s0 < num_splits; s0 += kReduceBatch) {
-    float lse[kReduceBatch];
-#pragma unroll
-    for (int i = 0; i < kReduceBatch; ++i) lse[i] = s0 + i < num_splits ? __ldg(partial_lse + row0 + s0 + i) : -INFINITY;
-#pragma unroll
-    for (int i = 0; i < kReduceBatch; ++i) m_all = fmaxf(m_all, lse[i]);
+  if (num_splits == 1 || !last_to_finish(counters + static_cast<size_t>(b) * gridDim.x + blockIdx.x, num_splits))
+    return;
+  for (int idx = threadIdx.x; idx < heads * HEAD_DIM; idx += blockDim.x) {
+    const size_t head_row = static_cast<size_t>(b) * num_heads + head0 + idx / HEAD_DIM;
+    out[head_row * HEAD_DIM + idx % HEAD_DIM] =
+        from_float<T>(sum_splits<HEAD_DIM>(partial_out, partial_lse, head_row * num_splits, num_splits, idx % HEAD_DIM));
   }
-  float w_all = 0.0f;
-  float o_all = 0.0f;
-  for (int s0 = 0; s0 < num_splits; s0 += kReduceBatch) {
-    float lse[kReduceBatch];
-    float part[kReduceBatch];
-#pragma unroll
-    for (int i = 0; i < kReduceBatch; ++i) {
-      const bool in = s0 + i < num_splits;
-      lse[i] = in ? __ldg(partial_lse + row0 + s0 + i) : -INFINITY;
-      part[i] = in ? __ldg(partial_out + (row0 + s0 + i) * HEAD_DIM + d) : 0.0f;
-    }
-#pragma unroll
-    for (int i = 0; i < kReduceBatch; ++i) {
-      const float w = exp2_diff(lse[i], m_all);  // 0 past the last split: the sums do not move
-      w_all += w;
-      o_all += w * part[i];
-    }
-  }
-  out[(static_cast<size_t>(b) * num_heads + h) * HEAD_DIM + d] = from_float<T>(w_all > 0.0f ? o_all / w_all : 0.0f);
 }
 
 }  // namespace orin_vlm
@@ -312,10 +316,12 @@ __device__ __forceinline__ void paged_decode_reduce(T* __restrict__ out,        
 #define ORIN_DECODE_KERNEL(DT, T, D, G)                                                                         \
   extern "C" __global__ void __launch_bounds__(orin_vlm::kDecodeWarps * 32)                                   \
       paged_decode_attention_##DT##_d##D##_g##G(                                                              \
-          T* out, float* partial_out, float* partial_lse, const T* q, const T* k_pool, const T* v_pool,       \
+          T* out, float* partial_out, float* partial_lse, unsigned* counters, const T* q, const T* k_pool,    \
+          const T* v_pool,                                                                                    \
           const int* block_tables, const int* seq_lens, int num_heads, int num_kv_heads, int page_size,       \
           int max_blocks_per_seq, int tokens_per_split, int q_token_stride, float scale) {                    \
-    orin_vlm::paged_decode_attention<T, D, G>(out, partial_out, partial_lse, q, k_pool, v_pool, block_tables, \
+    orin_vlm::paged_decode_attention<T, D, G>(out, partial_out, partial_lse, counters, q, k_pool, v_pool,     \
+                                              block_tables,                                                   \
                                               seq_lens, num_heads, num_kv_heads, page_size,                   \
                                               max_blocks_per_seq, tokens_per_split, q_token_stride, scale);   \
   }
@@ -326,19 +332,10 @@ __device__ __forceinline__ void paged_decode_reduce(T* __restrict__ out,        
   ORIN_DECODE_KERNEL(DT, T, D, 4)         \
   ORIN_DECODE_KERNEL(DT, T, D, 8)
 
-#define ORIN_REDUCE_KERNEL(DT, T, D)                                                                     \
-  extern "C" __global__ void __launch_bounds__(D) paged_decode_reduce_##DT##_d##D(                     \
-      T* out, const float* partial_out, const float* partial_lse, int num_heads, int num_splits) {     \
-    orin_vlm::paged_decode_reduce<T, D>(out, partial_out, partial_lse, num_heads, num_splits);         \
-  }
-
 // Every storage type for one head size (the list of head sizes is ORIN_FOR_EACH_HEAD_DIM in attention_common.cuh).
 #define ORIN_DECODE_FOR_HEAD_DIM(D)              \
   ORIN_DECODE_KERNELS_FOR(f32, float, D)         \
   ORIN_DECODE_KERNELS_FOR(f16, __half, D)        \
-  ORIN_DECODE_KERNELS_FOR(bf16, __nv_bfloat16, D) \
-  ORIN_REDUCE_KERNEL(f32, float, D)              \
-  ORIN_REDUCE_KERNEL(f16, __half, D)             \
-  ORIN_REDUCE_KERNEL(bf16, __nv_bfloat16, D)
+  ORIN_DECODE_KERNELS_FOR(bf16, __nv_bfloat16, D)
 
 ORIN_FOR_EACH_HEAD_DIM(ORIN_DECODE_FOR_HEAD_DIM)

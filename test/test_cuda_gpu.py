@@ -67,6 +67,8 @@ def test_gpu_prefill_and_decode_match_torch(backend, dtype, hd, nq, nkv, page):
         torch.testing.assert_close(ours.step(sa, chunk)(0, q, k, v), ref.step(sb, chunk)(0, q, k, v), atol=atol, rtol=0)
     ba, bb = ours.new_static_decode_buffers(), ref.new_static_decode_buffers()
     da, db = ours.static_decode_attention(ba), ref.static_decode_attention(bb)
+    # Split-K in one launch (the last split of a group combines): 40 steps on the same counters.
+    assert impl.decode_plan(2048, nq, nkv)[0] > 1
     for _ in range(40):
         ours.prepare_static_decode(sa, ba)
         ref.prepare_static_decode(sb, bb)

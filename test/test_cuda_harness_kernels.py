@@ -54,12 +54,13 @@ def _decode(harness: Harness, q, pool: PagedPool, nh: int, nkv: int, hd: int, sp
     tail = [pool.table, pool.seq_lens, nh, nkv, pool.page, pool.max_blocks, tps, q.stride(0), hd**-0.5]
     args_tail = [pool.k, pool.v, *tail]
     if splits == 1:
-        harness.launch(cfg, [out, None, None, q, *args_tail])
+        harness.launch(cfg, [out, None, None, None, q, *args_tail])
         return out
     part_out = torch.empty(batch, nh, splits, hd)
     part_lse = torch.empty(batch, nh, splits)
-    harness.launch(cfg, [None, part_out, part_lse, q, *args_tail])
-    harness.launch(L.decode_reduce_launch(batch, nh, hd, q.dtype), [out, part_out, part_lse, nh, splits])
+    counters = torch.zeros(L.decode_counters(cfg), dtype=torch.int32)
+    harness.launch(cfg, [out, part_out, part_lse, counters, q, *args_tail])
+    assert not counters.any()  # left as found, for the next launch (a graph replays with the same buffer)
     return out
 
 
@@ -195,6 +196,7 @@ def test_write_then_prefill_then_decode_steps(harness):
     splits, tps = L.choose_decode_splits(max_blocks * page, 1, nkv, 16, min_tokens_per_split=8)
     assert splits > 1
     part_out, part_lse = torch.empty(1, nh, splits, hd), torch.empty(1, nh, splits)
+    counters = torch.zeros(L.decode_counters(L.decode_launch(1, nh, nkv, hd, dtype, splits)), dtype=torch.int32)
     slot = torch.zeros(1, dtype=torch.int64)  # the static step's fixed slot buffer
     for t in range(prompt, total):  # crosses the page boundaries at 16
         seq_lens[0] = t + 1  # the host refills the fixed buffers before each step, as before a graph replay
@@ -204,9 +206,10 @@ def test_write_then_prefill_then_decode_steps(harness):
         harness.launch(
             L.decode_launch(1, nh, nkv, hd, dtype, splits),
             [
-                None,
+                step,
                 part_out,
                 part_lse,
+                counters,
                 qs[t : t + 1],
                 k_pool,
                 v_pool,
@@ -221,7 +224,6 @@ def test_write_then_prefill_then_decode_steps(harness):
                 hd**-0.5,
             ],
         )
-        harness.launch(L.decode_reduce_launch(1, nh, hd, dtype), [step, part_out, part_lse, nh, splits])
         ref = causal_attention(qs[t : t + 1].float(), ks[: t + 1].float(), vs[: t + 1].float(), t)
         torch.testing.assert_close(step.float(), ref, atol=2e-3, rtol=0, msg=lambda m, t=t: f"decode slot {t}: {m}")
 
@@ -240,5 +242,5 @@ def test_harness_catches_out_of_bounds_and_wrong_block_size(harness):
     out = torch.empty_like(q)
     with pytest.raises(HarnessError, match="trap"):
         harness.launch(
-            bad, [out, None, None, q, pool.k, pool.v, pool.table, pool.seq_lens, nh, nkv, 4, 3, 0, nh * hd, 0.1]
+            bad, [out, None, None, None, q, pool.k, pool.v, pool.table, pool.seq_lens, nh, nkv, 4, 3, 0, nh * hd, 0.1]
         )

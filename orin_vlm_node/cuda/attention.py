@@ -33,7 +33,7 @@ class CudaPagedAttention:
         self.launcher = launcher
         self.sm_count = sm_count
         self.min_tokens_per_split = min_tokens_per_split
-        self._workspaces: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._workspaces: dict[tuple, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
 
     # -- protocol ---------------------------------------------------------------------------------
     def write_kv(
@@ -111,12 +111,10 @@ class CudaPagedAttention:
         # The row stride is the full width; a row's loop stops at its own length, so the work follows it.
         tail = [qc, k_pool, v_pool, table, seq_lens, nq, nkv, page, width, tokens_per_split, qc.stride(0), hd**-0.5]
         if splits == 1:
-            self.launcher.launch(cfg, [out, None, None, *tail])
-        else:
-            part_out, part_lse = self._workspace(q.device, batch, nq, hd, splits)
-            self.launcher.launch(cfg, [None, part_out, part_lse, *tail])
-            reduce = L.decode_reduce_launch(batch, nq, hd, k_pool.dtype)
-            self.launcher.launch(reduce, [out, part_out, part_lse, nq, splits])
+            self.launcher.launch(cfg, [out, None, None, None, *tail])
+        else:  # one launch: the last split of each group combines the group's partials into out
+            part_out, part_lse, counters = self._workspace(q.device, batch, nq, hd, splits, L.decode_counters(cfg))
+            self.launcher.launch(cfg, [out, part_out, part_lse, counters, *tail])
         return out.to(q.dtype)
 
     # -- helpers ----------------------------------------------------------------------------------
@@ -135,15 +133,17 @@ class CudaPagedAttention:
         return block_table
 
     def _workspace(
-        self, device: torch.device, batch: int, nq: int, hd: int, splits: int
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Split-K partials, allocated once per shape (first use is eager warm-up, before any capture)."""
-        key = (str(device), batch, nq, hd, splits)
+        self, device: torch.device, batch: int, nq: int, hd: int, splits: int, counters: int
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Split-K partials and the groups' finish counters (zero; each launch leaves them zero), allocated
+        once per shape (first use is eager warm-up, before any capture)."""
+        key = (str(device), batch, nq, hd, splits, counters)
         ws = self._workspaces.get(key)
         if ws is None:
             ws = (
                 torch.empty(batch, nq, splits, hd, dtype=torch.float32, device=device),
                 torch.empty(batch, nq, splits, dtype=torch.float32, device=device),
+                torch.zeros(counters, dtype=torch.int32, device=device),
             )
             self._workspaces[key] = ws
         return ws

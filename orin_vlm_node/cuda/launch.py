@@ -53,8 +53,7 @@ KERNEL_MODULES: dict[str, tuple[str, ...]] = {
         for t in DTYPE_TAGS.values()
         for d in SUPPORTED_HEAD_DIMS
         for g in GROUP_BUCKETS
-    )
-    + tuple(f"paged_decode_reduce_{t}_d{d}" for t in DTYPE_TAGS.values() for d in SUPPORTED_HEAD_DIMS),
+    ),
     "paged_prefill_attention": tuple(
         f"paged_prefill_attention_{t}_d{d}" for t in DTYPE_TAGS.values() for d in SUPPORTED_HEAD_DIMS
     ),
@@ -74,8 +73,7 @@ KERNEL_MODULES: dict[str, tuple[str, ...]] = {
 
 # Parameter kinds of each kernel family, in order: "ptr" (device pointer), "i32", "f32".
 ARG_KINDS: dict[str, tuple[str, ...]] = {
-    "paged_decode_attention": ("ptr",) * 8 + ("i32",) * 6 + ("f32",),
-    "paged_decode_reduce": ("ptr",) * 3 + ("i32",) * 2,
+    "paged_decode_attention": ("ptr",) * 9 + ("i32",) * 6 + ("f32",),
     "paged_prefill_attention": ("ptr",) * 7 + ("i32",) * 4 + ("f32",),
     "paged_kv_write": ("ptr",) * 5 + ("i32",),
     "gemv": ("ptr",) * 5 + ("i32",) * 4,
@@ -230,7 +228,8 @@ def choose_decode_splits(
 def decode_launch(
     batch: int, num_heads: int, num_kv_heads: int, head_dim: int, dtype: object, num_splits: int = 1
 ) -> LaunchConfig:
-    """Grid (num_kv_heads * group chunks, batch, num_splits), DECODE_WARPS warps, merge buffer in shared memory."""
+    """Grid (num_kv_heads * group chunks, batch, num_splits), DECODE_WARPS warps, merge buffer in shared memory.
+    With splits the kernel also takes :func:`decode_counters` of them (the last split to finish combines)."""
     if batch < 1 or num_splits < 1:
         raise ValueError(f"decode launch needs batch >= 1 and num_splits >= 1, got {batch}, {num_splits}")
     kernel = decode_kernel_name(dtype, head_dim, num_heads, num_kv_heads)
@@ -245,11 +244,10 @@ def decode_launch(
     )
 
 
-def decode_reduce_launch(batch: int, num_heads: int, head_dim: int, dtype: object) -> LaunchConfig:
-    """Grid (num_heads, batch), one thread per head dimension."""
-    check_head_dim(head_dim)
-    tag = DTYPE_TAGS[dtype_name(dtype)]
-    return _checked(LaunchConfig(f"paged_decode_reduce_{tag}_d{head_dim}", (num_heads, batch, 1), (head_dim, 1, 1), 0))
+def decode_counters(cfg: LaunchConfig) -> int:
+    """Counters a split-K decode launch of ``cfg`` takes: one per (sequence, kv head chunk), each counting
+    that group's finished splits (uint32, zero before the launch; the kernel leaves them zero)."""
+    return cfg.grid[0] * cfg.grid[1]
 
 
 def prefill_block_q(head_dim: int) -> int:

@@ -250,12 +250,17 @@ int launch(const LaunchConfig& cfg, void (*body)(void*), void* ctx) {
   g.grid_dim = cfg.grid;
   g.body = body;
   g.ctx = ctx;
-  for (unsigned z = 0; z < cfg.grid.z; ++z)
-    for (unsigned y = 0; y < cfg.grid.y; ++y)
-      for (unsigned x = 0; x < cfg.grid.x; ++x) {
-        g.block_idx = uint3{x, y, z};
-        if (!run_block()) return -1;
-      }
+  // The blocks run in a scrambled order: i -> i * step mod n, a fixed permutation of the grid (step coprime
+  // with n), since a GPU runs them in no particular order; a kernel that depends on the order (e.g. that
+  // takes the last block by index for the last to finish) fails here instead of on the GPU.
+  const uint64_t nx = cfg.grid.x, nxy = nx * cfg.grid.y, n = nxy * cfg.grid.z;
+  uint64_t step = 7919;  // a prime: coprime with n unless n is a multiple of it
+  if (n % step == 0) step = 1;
+  for (uint64_t i = 0; i < n; ++i) {
+    const uint64_t b = i * step % n;
+    g.block_idx = uint3{static_cast<unsigned>(b % nx), static_cast<unsigned>(b % nxy / nx), static_cast<unsigned>(b / nxy)};
+    if (!run_block()) return -1;
+  }
   return 0;
 }
 

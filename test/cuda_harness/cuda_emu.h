@@ -1,8 +1,8 @@
 // CPU emulation of the CUDA execution model, just enough to run our kernels unchanged under g++.
 //
-// Blocks of a grid run one after another; the threads of a block run as fibers (ucontext), switched
-// cooperatively at barriers: __syncthreads() waits for every live thread of the block, warp shuffles and
-// __syncwarp() wait for every live lane of the warp. Because only one block is alive at a time,
+// Blocks of a grid run one after another, in a scrambled order (a GPU promises none); the threads of a block
+// run as fibers (ucontext), switched cooperatively at barriers: __syncthreads() waits for every live thread
+// of the block, warp shuffles and __syncwarp() wait for every live lane of the warp. Because only one block is alive at a time,
 // `__shared__` can be `static`. Dynamic shared memory is a per-launch buffer, filled with NaN bytes
 // before each block so a read of an unwritten element shows up in the results.
 // Global loads through __ldg are bounds-checked against the buffers the driver registered.
@@ -83,6 +83,20 @@ inline T __ldg(const T* p) {
   cuemu::check_read(p, sizeof(T));
   return *p;
 }
+// A load past the non-coherent cache (of data other blocks of the launch wrote): the same checked read here.
+template <typename T>
+inline T __ldcg(const T* p) {
+  cuemu::check_read(p, sizeof(T));
+  return *p;
+}
+// Blocks run one after another and the threads of a block switch only at barriers: an atomic is a plain
+// read-modify-write and a fence has nothing to order.
+inline unsigned atomicAdd(unsigned* p, unsigned v) {
+  const unsigned old = *p;
+  *p = old + v;
+  return old;
+}
+inline void __threadfence() {}
 
 // Warp shuffles with CUDA's out-of-segment rule: a source outside the caller's width-segment yields
 // the caller's own value.
