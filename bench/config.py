@@ -68,6 +68,7 @@ class BenchConfig:
     gpu_kernel_pages: tuple[int, ...] = (16, 64)
     gpu_startup_context: int = 8192  # max_context_tokens of the startup/memory probe (the 2B preset's)
     gpu_budget_s: float = 0.0  # start no further part of the GPU section after this many seconds (0 = no limit)
+    gpu_parts: tuple[str, ...] = ()  # the GPU section's parts to run, by name (empty: every part)
     # sections to run (all by default)
     sections: tuple[str, ...] = SECTIONS
 

@@ -46,7 +46,7 @@ import sys
 import tempfile
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from bench import batching
@@ -125,6 +125,7 @@ def _kernels(torch, ctx: BenchContext, res: SectionResult) -> None:
         res.skip_part("kernels", choice.status)
         return
     impl = choice.attention_impl
+    stream = torch.cuda.Stream()  # every timing graph's capture stream (cuda.graph: one per process's captures)
     res.setup["kernels"] = {"status": choice.status, "shape": dict(heads=nq, kv_heads=nkv, head_dim=hd, dtype="fp16")}
     gen = torch.Generator(device="cuda").manual_seed(0)
     for context in cfg.gpu_kernel_contexts:
@@ -134,7 +135,7 @@ def _kernels(torch, ctx: BenchContext, res: SectionResult) -> None:
         qs = q.transpose(0, 1).unsqueeze(0)  # (1, nq, 1, hd)
         kv_bytes = 2 * context * nkv * hd * 2
         sdpa = [
-            device_us(lambda k=kc, v=vc, q=qs: F.scaled_dot_product_attention(q, k, v, enable_gqa=True))
+            device_us(lambda k=kc, v=vc, q=qs: F.scaled_dot_product_attention(q, k, v, enable_gqa=True), stream=stream)
             for _ in range(cfg.gpu_repeats)
         ]
         res.add(f"kernels.ctx{context}.sdpa_us", "us", sdpa, "torch SDPA over contiguous K/V (GQA)", context=context)
@@ -148,7 +149,7 @@ def _kernels(torch, ctx: BenchContext, res: SectionResult) -> None:
             table[0, order] = torch.arange(blocks, dtype=torch.int32, device="cuda")
             k_pool, v_pool = k_pool[order].contiguous(), v_pool[order].contiguous()  # scattered, same content
             decode = functools.partial(impl.attend_decode, q, k_pool, v_pool, table, kv_len, blocks)
-            paged = [device_us(decode) for _ in range(cfg.gpu_repeats)]
+            paged = [device_us(decode, stream=stream) for _ in range(cfg.gpu_repeats)]
             key = f"kernels.ctx{context}.page{page}"
             res.add(f"{key}.paged_us", "us", paged, "paged decode kernel, shuffled block table", context=context)
             res.add(f"{key}.overhead", "fraction", [p / s - 1 for p, s in zip(paged, sdpa, strict=True)],
@@ -191,6 +192,7 @@ def _gemv(torch, ctx: BenchContext, res: SectionResult, bandwidth: float) -> Non
         res.skip_part("gemv", choice.status)
         return
     gemv, silu_mul = CudaGemv(choice.launcher), CudaFusedOps(choice.launcher).silu_mul
+    stream = torch.cuda.Stream()  # every timing graph's capture stream
     copies = 8  # distinct weights called in turn: no call finds its weight in L2 after the one before
     for name, (n, k) in shapes.items():
         x = torch.randn(1, k, device="cuda").to(torch.float16)
@@ -209,7 +211,10 @@ def _gemv(torch, ctx: BenchContext, res: SectionResult, bandwidth: float) -> Non
             sides[mode] = (lambda m, x=x: gemv(m, x), modules, modules[0].nbytes)
         for mode, (fn, items, nbytes) in sides.items():
             turn = itertools.cycle(items)
-            us = [device_us(lambda f=fn, t=turn: f(next(t)), calls=copies) for _ in range(ctx.config.gpu_repeats)]
+            us = [
+                device_us(lambda f=fn, t=turn: f(next(t)), stream=stream, calls=copies)
+                for _ in range(ctx.config.gpu_repeats)
+            ]
             res.add(f"gemv.{name}.{mode}.us", "us", us, f"{n}x{k} weight, one fp16 row, device time", mode=mode)
             res.add(f"gemv.{name}.{mode}.bandwidth_fraction", "fraction",
                     [nbytes / (u * 1e-6) / 1e9 / bandwidth for u in us],
@@ -422,17 +427,32 @@ def _startup_and_memory(torch, ctx: BenchContext, res: SectionResult, model_dir:
             "default model: engine process's GPU memory after an image request (CUDA context included)")  # fmt: skip
 
 
+# The parts besides the decode of each dtype, in the order they run after the first dtype's decode.
+OTHER_PARTS = ("step_profile", "startup_memory", "kernels", "gemv", "quant", "batching")
+
+
+def part_names(dtypes: Sequence[str]) -> list[str]:
+    """The GPU section's parts in order. Most wanted first: what a robot sees (decode, TTFT, startup, memory),
+    then the kernels and the features; the other dtypes' decodes last."""
+    first, *others = dtypes
+    return [f"decode.{first}", *OTHER_PARTS, *(f"decode.{d}" for d in others)]
+
+
 def _run_parts(
     ctx: BenchContext, res: SectionResult, started: float, parts: list[tuple[str, Callable[[], None]]]
 ) -> None:
     """Run the parts in order; one that raises is recorded (``skip_part`` with the error, traceback in the
     log) and the rest still run. Once ``gpu_budget_s`` has passed since ``started`` (the section's start,
     ``time.monotonic()``) the remaining parts are skipped with that reason, so a lease of fixed length still
-    ends with the figures measured so far written out."""
+    ends with the figures measured so far written out. With ``gpu_parts`` set, the others are skipped as
+    not selected."""
     import torch
 
     budget = ctx.config.gpu_budget_s
     for name, part in parts:
+        if ctx.config.gpu_parts and name not in ctx.config.gpu_parts:
+            res.skip_part(name, "not selected (--gpu-parts)")
+            continue
         spent = time.monotonic() - started
         if budget and spent > budget:
             res.skip_part(name, f"time budget of {budget:.0f} s spent ({spent:.0f} s)")
@@ -466,18 +486,18 @@ def run(ctx: BenchContext) -> SectionResult:
         model_dir, what = default_dir, "default model (the 2B config was not found)"
         res.notes.append(f"{cfg.big_config_path} not found: decode figures are for the default model")
     res.setup["model"] = what
-    first, *other_dtypes = cfg.gpu_dtypes
-    # Most wanted first: what a robot sees (decode, TTFT, startup, memory), then the kernel and the features.
-    _run_parts(ctx, res, started, [
-        (f"decode.{first}", functools.partial(_decode, torch, ctx, res, model_dir, first, bandwidth)),
-        ("step_profile", functools.partial(_step_profile, torch, ctx, res, model_dir)),
-        ("startup_memory", functools.partial(_startup_and_memory, torch, ctx, res, model_dir, default_dir)),
-        ("kernels", functools.partial(_kernels, torch, ctx, res)),
-        ("gemv", functools.partial(_gemv, torch, ctx, res, bandwidth)),
-        ("quant", functools.partial(_quantized_decode, torch, ctx, res, model_dir, bandwidth)),
-        ("batching", functools.partial(_batching, ctx, res, model_dir)),
-        *((f"decode.{d}", functools.partial(_decode, torch, ctx, res, model_dir, d, bandwidth)) for d in other_dtypes),
-    ])  # fmt: skip
+    first = cfg.gpu_dtypes[0]
+    steps = {
+        "step_profile": functools.partial(_step_profile, torch, ctx, res, model_dir),
+        "startup_memory": functools.partial(_startup_and_memory, torch, ctx, res, model_dir, default_dir),
+        "kernels": functools.partial(_kernels, torch, ctx, res),
+        "gemv": functools.partial(_gemv, torch, ctx, res, bandwidth),
+        "quant": functools.partial(_quantized_decode, torch, ctx, res, model_dir, bandwidth),
+        "batching": functools.partial(_batching, ctx, res, model_dir),
+    }
+    for d in cfg.gpu_dtypes:
+        steps[f"decode.{d}"] = functools.partial(_decode, torch, ctx, res, model_dir, d, bandwidth)
+    _run_parts(ctx, res, started, [(name, steps[name]) for name in part_names(cfg.gpu_dtypes)])
     summary = f"{props.name}; {what}; batch 1, greedy, {cfg.gpu_max_new_tokens}-token answers; copy bandwidth "
     summary += f"{bandwidth:.0f} GB/s"
     if f"decode.{first}.graphs.tok_s" in res.figures:

@@ -25,6 +25,7 @@ from pathlib import Path
 from bench.config import PRESETS
 from bench.context import BenchContext
 from bench.goals import evaluate_goals
+from bench.gpu import part_names
 from bench.machine import machine_info
 from bench.schema import SCHEMA_VERSION, SECTIONS, validate_result
 from bench.section import SectionResult, skipped
@@ -102,6 +103,12 @@ def main(argv: list[str] | None = None) -> int:
         help="GPU section: start no further part after this many seconds, so a fixed-length lease ends with "
         "the figures measured so far (0 = no limit)",
     )
+    ap.add_argument(
+        "--gpu-parts",
+        default="",
+        help="GPU section: comma-separated parts to run (decode.<dtype>, step_profile, startup_memory, kernels, "
+        "gemv, quant, batching; default: all), to measure again what a change touched",
+    )
     args = ap.parse_args(argv)
 
     config = PRESETS["quick" if args.quick else "medium" if args.medium else "full"]
@@ -115,6 +122,10 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("--threads must be >= 0")
     if args.gpu_budget_s < 0:
         ap.error("--gpu-budget-s must be >= 0")
+    gpu_parts = tuple(p.strip() for p in args.gpu_parts.split(",") if p.strip())
+    unknown = [p for p in gpu_parts if p not in part_names(config.gpu_dtypes)]
+    if unknown:
+        ap.error(f"unknown GPU part(s) {unknown}; choose from {part_names(config.gpu_dtypes)}")
     if args.threads:
         import torch
 
@@ -122,7 +133,11 @@ def main(argv: list[str] | None = None) -> int:
         # Child processes (the ROS node, the RSS probe) start with the same thread count.
         os.environ["OMP_NUM_THREADS"] = str(args.threads)
     config = replace(
-        config, threads=args.threads, checkpoint_cache=args.checkpoint_cache, gpu_budget_s=args.gpu_budget_s
+        config,
+        threads=args.threads,
+        checkpoint_cache=args.checkpoint_cache,
+        gpu_budget_s=args.gpu_budget_s,
+        gpu_parts=gpu_parts,
     )
     if args.big_config:
         config = replace(config, big_config_path=args.big_config)

@@ -17,13 +17,25 @@ struct Vec {
   static constexpr int kElems = 16 / static_cast<int>(sizeof(T));
 };
 
+// 16 bytes of T as stored, through the read-only path; `p` must be 16-byte aligned. Four registers whatever
+// T is: a half-precision vector held this way until it is used takes half the registers of its widening.
+template <typename T>
+__device__ __forceinline__ uint4 load_raw(const T* __restrict__ p) {
+  return __ldg(reinterpret_cast<const uint4*>(p));
+}
+
+// Element i of a vector as load_raw returned it, widened to fp32.
+template <typename T>
+__device__ __forceinline__ float raw_elem(const uint4& raw, int i) {
+  return to_float(reinterpret_cast<const T*>(&raw)[i]);
+}
+
 // Load 16 bytes (read-only path) and widen to fp32 into out[0 .. Vec<T>::kElems). `p` must be 16-byte aligned.
 template <typename T>
 __device__ __forceinline__ void load_vec(const T* __restrict__ p, float* __restrict__ out) {
-  const uint4 raw = __ldg(reinterpret_cast<const uint4*>(p));
-  const T* e = reinterpret_cast<const T*>(&raw);
+  const uint4 raw = load_raw(p);
 #pragma unroll
-  for (int i = 0; i < Vec<T>::kElems; ++i) out[i] = to_float(e[i]);
+  for (int i = 0; i < Vec<T>::kElems; ++i) out[i] = raw_elem<T>(raw, i);
 }
 
 // Copy one 16-byte vector (KV writes keep the storage type; no conversion).

@@ -4,7 +4,7 @@
 // that share the kv head (GQA) are processed together, so every K/V vector is loaded once per chunk. A
 // GQA group larger than MAX_GROUP is served by several chunks (gridDim.x = num_kv_heads * chunks), so any
 // group size that divides the head count works. Inside a warp, the lanes are split into sub-groups of
-// LANES_PER_TOKEN lanes, each sub-group owning kDecodeUnroll tokens per step (their K and V loads all issued
+// LANES_PER_TOKEN lanes, each sub-group owning 2 or 4 tokens per step (their K and V loads all issued
 // before the first is used, so a warp keeps several tokens' loads in flight) and each lane VPL 16-byte
 // vectors of a token's head (one for every head size except fp32 at 256). Every sub-group keeps its own online-softmax
 // state (running max m, sum l, unnormalized output acc); the states are merged across the warp with
@@ -26,7 +26,12 @@
 namespace orin_vlm {
 
 constexpr int kDecodeWarps = 4;
-constexpr int kDecodeUnroll = 2;  // tokens per sub-group whose K/V loads are in flight together
+
+// Blocks an SM must hold at once, the register bound given to the compiler: 4 for groups of up to 2 query
+// heads (the 2B's), whose 4-token load batches then fit 128 registers without spilling (left alone the
+// compiler took 146, 3 blocks an SM: a 4k context's 512 blocks took two waves on 132 SMs); 3 for groups of
+// 4 (135 registers, was 174); none for 8, whose queries and accumulators would spill under any bound.
+constexpr int decode_min_blocks(int max_group) { return max_group <= 2 ? 4 : max_group <= 4 ? 3 : 1; }
 
 // How one head row of HEAD_DIM elements of T is spread over the lanes of a token sub-group.
 template <typename T, int HEAD_DIM>
@@ -42,44 +47,61 @@ struct DecodeLayout {
   static __device__ __forceinline__ int dim(int lane_in_token, int j) { return (j * kLanes + lane_in_token) * kVec; }
 };
 
-// Splits whose partial results the combining block loads before it uses the first: each split's row is its
-// own memory round trip, and a 4k context has 64 splits (a loop unrolled by the compiler's default kept
-// about four in flight).
-constexpr int kReduceBatch = 16;
+// Splits whose partials a combining thread loads before it uses the first: each batch is one memory round
+// trip, and a 4k context has 64 splits.
+constexpr int kCombineBatch = 16;
 
-// Element d of one head's output from its splits' partials (rows row0 .. row0 + num_splits - 1): weighted by
-// exp2(lse - max) and summed in split order (the loads are batched, the sums are not reordered). Read with
-// __ldcg: other blocks of this launch wrote them, so not through the read-only cache.
-template <int HEAD_DIM>
-__device__ __forceinline__ float sum_splits(const float* __restrict__ partial_out, const float* __restrict__ partial_lse,
-                                            size_t row0, int num_splits, int d) {
-  float m_all = -INFINITY;
-  for (int s0 = 0; s0 < num_splits; s0 += kReduceBatch) {
-    float lse[kReduceBatch];
+// The block that finished last among the splits of its group writes `out` for the group's `heads` query
+// heads (rows head_row0 ..) from their partials: each thread 4 adjacent dims of one head (16-byte loads),
+// the splits in batches whose loads are all issued before the first is used, merged with a running maximum
+// in split order (one pass over the partials). Read with __ldcg: other blocks of this launch wrote them,
+// so not through the read-only cache.
+template <typename T, int HEAD_DIM>
+__device__ __forceinline__ void combine_splits(T* __restrict__ out, const float* __restrict__ partial_out,
+                                               const float* __restrict__ partial_lse, size_t head_row0, int heads,
+                                               int num_splits) {
+  constexpr int kQuads = HEAD_DIM / 4;
+  for (int item = threadIdx.x; item < heads * kQuads; item += blockDim.x) {
+    const size_t head_row = head_row0 + item / kQuads;
+    const int d = (item % kQuads) * 4;
+    const size_t row0 = head_row * num_splits;
+    float m = -INFINITY;
+    float w_sum = 0.0f;
+    float o[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    for (int s0 = 0; s0 < num_splits; s0 += kCombineBatch) {
+      float lse[kCombineBatch];
+      float4 part[kCombineBatch];
 #pragma unroll
-    for (int i = 0; i < kReduceBatch; ++i) lse[i] = s0 + i < num_splits ? __ldcg(partial_lse + row0 + s0 + i) : -INFINITY;
+      for (int i = 0; i < kCombineBatch; ++i) {
+        if (s0 + i < num_splits) {
+          lse[i] = __ldcg(partial_lse + row0 + s0 + i);
+          part[i] = __ldcg(reinterpret_cast<const float4*>(partial_out + (row0 + s0 + i) * HEAD_DIM + d));
+        } else {
+          lse[i] = -INFINITY;  // weighs 0: the sums do not move
+          part[i].x = part[i].y = part[i].z = part[i].w = 0.0f;
+        }
+      }
+      float m_new = m;
 #pragma unroll
-    for (int i = 0; i < kReduceBatch; ++i) m_all = fmaxf(m_all, lse[i]);
-  }
-  float w_all = 0.0f;
-  float o_all = 0.0f;
-  for (int s0 = 0; s0 < num_splits; s0 += kReduceBatch) {
-    float lse[kReduceBatch];
-    float part[kReduceBatch];
+      for (int i = 0; i < kCombineBatch; ++i) m_new = fmaxf(m_new, lse[i]);
+      const float rescale = exp2_diff(m, m_new);
+      w_sum *= rescale;
 #pragma unroll
-    for (int i = 0; i < kReduceBatch; ++i) {
-      const bool in = s0 + i < num_splits;
-      lse[i] = in ? __ldcg(partial_lse + row0 + s0 + i) : -INFINITY;
-      part[i] = in ? __ldcg(partial_out + (row0 + s0 + i) * HEAD_DIM + d) : 0.0f;
+      for (int k = 0; k < 4; ++k) o[k] *= rescale;
+#pragma unroll
+      for (int i = 0; i < kCombineBatch; ++i) {
+        const float w = exp2_diff(lse[i], m_new);
+        w_sum += w;
+        o[0] += w * part[i].x;
+        o[1] += w * part[i].y;
+        o[2] += w * part[i].z;
+        o[3] += w * part[i].w;
+      }
+      m = m_new;
     }
 #pragma unroll
-    for (int i = 0; i < kReduceBatch; ++i) {
-      const float w = exp2_diff(lse[i], m_all);  // 0 past the last split: the sums do not move
-      w_all += w;
-      o_all += w * part[i];
-    }
+    for (int k = 0; k < 4; ++k) out[head_row * HEAD_DIM + d + k] = from_float<T>(w_sum > 0.0f ? o[k] / w_sum : 0.0f);
   }
-  return w_all > 0.0f ? o_all / w_all : 0.0f;
 }
 
 // Grid: (num_kv_heads * group_chunks, batch, num_splits); block: kDecodeWarps*32 threads;
@@ -103,6 +125,9 @@ __device__ __forceinline__ void paged_decode_attention(
   constexpr int LANES_PER_TOKEN = Layout::kLanes;
   constexpr int TOKENS_PER_WARP = Layout::kTokensPerWarp;
   constexpr int REGS = VPL * VEC;  // elements of one head row this lane holds
+  // Tokens per sub-group whose K and V loads are in flight together: 4 where a lane's queries and
+  // accumulators are few (the 2B's two heads of 128 in fp16 among them), else 2 (more would spill).
+  constexpr int UNROLL = MAX_GROUP * REGS <= 16 ? 4 : 2;
   if (blockDim.x != kDecodeWarps * kWarpSize) KERNEL_TRAP();
   const int group = num_heads / num_kv_heads;
   const int chunks = (group + MAX_GROUP - 1) / MAX_GROUP;
@@ -165,15 +190,15 @@ __device__ __forceinline__ void paged_decode_attention(
   const size_t head_offset = static_cast<size_t>(kvh) * HEAD_DIM;
 
   // Warp-uniform loop: every lane of the warp runs the same iterations so the shuffles stay converged. One
-  // iteration takes kDecodeUnroll tokens per sub-group and issues all their K and V loads before the first
+  // iteration takes UNROLL tokens per sub-group and issues all their K and V loads before the first
   // is used: a memory-bound kernel needs loads in flight, and a token's V does not depend on its score.
-  constexpr int kWarpTokens = TOKENS_PER_WARP * kDecodeUnroll;  // tokens of one warp in one iteration
+  constexpr int kWarpTokens = TOKENS_PER_WARP * UNROLL;  // tokens of one warp in one iteration
   for (int base = t_begin + warp * kWarpTokens; base < t_end; base += kDecodeWarps * kWarpTokens) {
-    float kr[kDecodeUnroll][REGS];
-    float vr[kDecodeUnroll][REGS];
-    bool valid[kDecodeUnroll];
+    uint4 kr[UNROLL][VPL];  // as stored (load_raw): widened where used
+    uint4 vr[UNROLL][VPL];
+    bool valid[UNROLL];
 #pragma unroll
-    for (int u = 0; u < kDecodeUnroll; ++u) {
+    for (int u = 0; u < UNROLL; ++u) {
       const int t = base + u * TOKENS_PER_WARP + sub;
       const int blk = t < t_end ? physical_block(table_row, t, page_size, max_blocks_per_seq) : -1;
       valid[u] = blk >= 0;
@@ -182,29 +207,32 @@ __device__ __forceinline__ void paged_decode_attention(
       for (int j = 0; j < VPL; ++j) {
         if (valid[u]) {
           const size_t at = row + head_offset + Layout::dim(lane_in_token, j);
-          load_vec(k_pool + at, kr[u] + j * VEC);
-          load_vec(v_pool + at, vr[u] + j * VEC);
+          kr[u][j] = load_raw(k_pool + at);
+          vr[u][j] = load_raw(v_pool + at);
         } else {
-#pragma unroll
-          for (int i = 0; i < VEC; ++i) kr[u][j * VEC + i] = vr[u][j * VEC + i] = 0.0f;
+          kr[u][j] = vr[u][j] = make_uint4(0u, 0u, 0u, 0u);  // zero bits: 0.0 in every storage type
         }
       }
     }
-    float s[kDecodeUnroll][MAX_GROUP];
+    float s[UNROLL][MAX_GROUP];  // each K element is widened once and used for every head of the block
 #pragma unroll
-    for (int u = 0; u < kDecodeUnroll; ++u) {
+    for (int u = 0; u < UNROLL; ++u) {
 #pragma unroll
-      for (int g = 0; g < MAX_GROUP; ++g) {
-        float dot = 0.0f;
+      for (int g = 0; g < MAX_GROUP; ++g) s[u][g] = 0.0f;
 #pragma unroll
-        for (int i = 0; i < REGS; ++i) dot += qr[g][i] * kr[u][i];
-        s[u][g] = dot;
+      for (int j = 0; j < VPL; ++j) {
+#pragma unroll
+        for (int i = 0; i < VEC; ++i) {
+          const float k = raw_elem<T>(kr[u][j], i);
+#pragma unroll
+          for (int g = 0; g < MAX_GROUP; ++g) s[u][g] += qr[g][j * VEC + i] * k;
+        }
       }
     }
 #pragma unroll
     for (int off = LANES_PER_TOKEN / 2; off > 0; off >>= 1) {
 #pragma unroll
-      for (int u = 0; u < kDecodeUnroll; ++u) {
+      for (int u = 0; u < UNROLL; ++u) {
 #pragma unroll
         for (int g = 0; g < MAX_GROUP; ++g) {
           if (g < heads) s[u][g] += __shfl_xor_sync(kFullMask, s[u][g], off);
@@ -212,18 +240,25 @@ __device__ __forceinline__ void paged_decode_attention(
       }
     }
 #pragma unroll
-    for (int u = 0; u < kDecodeUnroll; ++u) {
+    for (int u = 0; u < UNROLL; ++u) {
       if (valid[u]) {
+        float alpha[MAX_GROUP];  // the online softmax's rescale of each head's state, and this token's weight
+        float p[MAX_GROUP];
 #pragma unroll
         for (int g = 0; g < MAX_GROUP; ++g) {
-          if (g < heads) {
-            const float m_new = fmaxf(m[g], s[u][g]);
-            const float alpha = exp2_diff(m[g], m_new);
-            const float p = exp2f(s[u][g] - m_new);
-            l[g] = l[g] * alpha + p;
+          const float m_new = fmaxf(m[g], s[u][g]);
+          alpha[g] = g < heads ? exp2_diff(m[g], m_new) : 1.0f;
+          p[g] = g < heads ? exp2f(s[u][g] - m_new) : 0.0f;
+          l[g] = l[g] * alpha[g] + p[g];
+          m[g] = g < heads ? m_new : m[g];
+        }
 #pragma unroll
-            for (int i = 0; i < REGS; ++i) acc[g][i] = acc[g][i] * alpha + p * vr[u][i];
-            m[g] = m_new;
+        for (int j = 0; j < VPL; ++j) {
+#pragma unroll
+          for (int i = 0; i < VEC; ++i) {
+            const float v = raw_elem<T>(vr[u][j], i);  // widened once for every head of the block
+#pragma unroll
+            for (int g = 0; g < MAX_GROUP; ++g) acc[g][j * VEC + i] = acc[g][j * VEC + i] * alpha[g] + p[g] * v;
           }
         }
       }
@@ -303,18 +338,15 @@ __device__ __forceinline__ void paged_decode_attention(
   }
   if (num_splits == 1 || !last_to_finish(counters + static_cast<size_t>(b) * gridDim.x + blockIdx.x, num_splits))
     return;
-  for (int idx = threadIdx.x; idx < heads * HEAD_DIM; idx += blockDim.x) {
-    const size_t head_row = static_cast<size_t>(b) * num_heads + head0 + idx / HEAD_DIM;
-    out[head_row * HEAD_DIM + idx % HEAD_DIM] =
-        from_float<T>(sum_splits<HEAD_DIM>(partial_out, partial_lse, head_row * num_splits, num_splits, idx % HEAD_DIM));
-  }
+  combine_splits<T, HEAD_DIM>(out, partial_out, partial_lse, static_cast<size_t>(b) * num_heads + head0, heads,
+                              num_splits);
 }
 
 }  // namespace orin_vlm
 
 // ---- extern "C" instantiations: paged_decode_attention_<dtype>_d<head_dim>_g<max_group> ----
 #define ORIN_DECODE_KERNEL(DT, T, D, G)                                                                         \
-  extern "C" __global__ void __launch_bounds__(orin_vlm::kDecodeWarps * 32)                                   \
+  extern "C" __global__ void __launch_bounds__(orin_vlm::kDecodeWarps * 32, orin_vlm::decode_min_blocks(G)) \
       paged_decode_attention_##DT##_d##D##_g##G(                                                              \
           T* out, float* partial_out, float* partial_lse, unsigned* counters, const T* q, const T* k_pool,    \
           const T* v_pool,                                                                                    \

@@ -222,6 +222,35 @@ def test_gpu_section_parts_record_a_failure_and_stop_starting_parts_once_the_bud
     assert ran == ["a", "b"] and unlimited.skipped_parts == []  # gpu_budget_s 0: no limit
 
 
+def test_gpu_section_runs_only_the_selected_parts_and_says_why_the_others_are_missing(tmp_path):
+    from dataclasses import replace
+
+    import bench.gpu
+    from bench.config import FULL
+    from bench.context import BenchContext
+
+    assert bench.gpu.part_names(("fp16", "bf16")) == ["decode.fp16", *bench.gpu.OTHER_PARTS, "decode.bf16"]
+    ran: list[str] = []
+    parts = [(name, lambda n=name: ran.append(n)) for name in bench.gpu.part_names(("fp16", "bf16"))]
+    res = SectionResult("gpu")
+    bench.gpu._run_parts(BenchContext(replace(FULL, gpu_parts=("kernels", "decode.bf16")), tmp_path), res, 0.0, parts)
+    assert ran == ["kernels", "decode.bf16"]
+    assert [p["part"] for p in res.skipped_parts] == [
+        "decode.fp16",
+        *(n for n in bench.gpu.OTHER_PARTS if n != "kernels"),
+    ]
+    assert {p["reason"] for p in res.skipped_parts} == {"not selected (--gpu-parts)"}
+
+
+def test_bench_refuses_an_unknown_gpu_part():
+    import subprocess
+    import sys
+
+    run = subprocess.run([sys.executable, "-m", "bench.run", "--sections", "gpu", "--gpu-parts", "kernels,nope"],
+                         capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert run.returncode == 2 and "unknown GPU part(s) ['nope']" in run.stderr
+
+
 def test_gpu_step_profile_sorts_kernels_into_categories():
     from bench.gpu import kernel_category
 

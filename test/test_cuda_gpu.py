@@ -5,6 +5,7 @@ Skipped without CUDA or PyCUDA (see kernels/README.md for running these on a Jet
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 
 import pytest
@@ -34,6 +35,14 @@ def backend(kernel_cache):
     choice = select_backend("cuda", True, shape, kernel_cache_dir=kernel_cache, allow_fallback=False)
     assert choice.kernels and isinstance(choice.attention_impl, CudaPagedAttention)
     return choice
+
+
+@pytest.fixture(scope="module")
+def timer():
+    """``device_us`` on one capture stream for the module, as the engine binds it."""
+    from orin_vlm_node.cuda.graph import device_us
+
+    return functools.partial(device_us, stream=torch.cuda.Stream())
 
 
 def _caches(impl, dtype, page, nkv, hd, max_ctx):
@@ -221,14 +230,14 @@ def test_gpu_quantized_gemv_matches_the_torch_reference(backend, mode, dtype, n,
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
 @pytest.mark.parametrize(("n", "k"), [(4096, 2048), (2048, 6144), (37, 75)])
-def test_gpu_float_gemv_matches_f_linear_and_is_timed_against_it(backend, dtype, n, k):
+def test_gpu_float_gemv_matches_f_linear_and_is_timed_against_it(backend, timer, dtype, n, k):
     import torch.nn.functional as F
 
     from orin_vlm_node.cuda.gemv import CudaGemv
     from orin_vlm_node.model.gemv_linear import GemvLinear
 
     linear = torch.nn.Linear(k, n, bias=False, device="cuda", dtype=dtype)
-    gemv = CudaGemv(backend.launcher)
+    gemv = CudaGemv(backend.launcher, timer)
     module = GemvLinear(linear, gemv, rows=gemv.max_rows)
     for rows in (1, 3, 8):
         x = torch.randn(rows, k, device="cuda").to(dtype)
@@ -241,7 +250,7 @@ def test_gpu_float_gemv_matches_f_linear_and_is_timed_against_it(backend, dtype,
 
 @pytest.mark.parametrize("mode", ["float", "int8", "int4"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_gpu_swiglu_epilogue_matches_the_product_then_the_activation(backend, mode, dtype):
+def test_gpu_swiglu_epilogue_matches_the_product_then_the_activation(backend, timer, mode, dtype):
     """The 2B's fused gate/up shape (2 x 6144 rows of 2048): silu(gate) * up from one kernel, against the
     product rounded to the dtype, then torch's activation; a float weight is timed with its activation."""
     import torch.nn.functional as F
@@ -251,7 +260,7 @@ def test_gpu_swiglu_epilogue_matches_the_product_then_the_activation(backend, mo
     from orin_vlm_node.model.quant import QuantizedLinear, WeightQuant
 
     weight = (torch.randn(12288, 2048, device="cuda") * 0.02).to(dtype)
-    gemv = CudaGemv(backend.launcher)
+    gemv = CudaGemv(backend.launcher, timer)
     if mode == "float":
         linear = torch.nn.Linear(2048, 12288, bias=False, device="meta")
         linear.weight = torch.nn.Parameter(weight, requires_grad=False)
@@ -292,6 +301,40 @@ def test_gpu_engine_float_gemv_says_what_it_measured_and_answers_as_without_kern
     assert a.token_ids == b.token_ids
     fast.reconfigure(use_cuda_kernels=False)
     assert not any(isinstance(m, GemvLinear) for m in fast.model.modules())
+
+
+def test_gpu_engine_holds_little_beyond_weights_and_pool_and_rebuilds_do_not_grow_it(tmp_path_factory, kernel_cache):
+    """What torch reserves for an engine beyond its weights and KV pool (decode graphs, cuBLAS's workspace
+    on the capture stream, buffers) is tens of MB: it was about half a GB for a 9 MB model when every
+    timing graph of the startup took a stream of its own, each given a cuBLAS workspace for good. Rebuilding
+    the backend at runtime (weight shapes timed again, graphs captured again) leaves it where it was."""
+    import gc
+
+    from orin_vlm_node.engine import Engine, EngineConfig, Request, SamplingParams, Turn
+
+    def reserved() -> int:
+        gc.collect()
+        torch.cuda.empty_cache()
+        return torch.cuda.memory_reserved()
+
+    path = str(_tiny(tmp_path_factory, 64))
+    before = reserved()
+    engine = Engine(EngineConfig(model_path=path, device="cuda", dtype="fp16", max_context_tokens=512,
+                                 kernel_cache_dir=kernel_cache, allow_kernel_fallback=False))  # fmt: skip
+    sampling = SamplingParams(temperature=0.0, max_new_tokens=40, ignore_eos=True)
+    turn = Turn("Tell the robot what to do next.")
+
+    def extra_mb() -> float:
+        assert list(engine.generate(Request(turn, sampling)))[-1].finish_reason == "length"
+        held = engine.weight_bytes + engine.describe()["kv_cache"]["pool_bytes"]
+        return (reserved() - before - held) / 2**20
+
+    first = extra_mb()
+    assert first < 128, f"{first:.0f} MB reserved beyond the weights and the KV pool"
+    for _ in range(3):
+        engine.reconfigure(use_cuda_graph=False)
+        engine.reconfigure(use_cuda_graph=True)
+    assert extra_mb() <= first + 8
 
 
 @pytest.mark.parametrize("mode", ["int8", "int4"])

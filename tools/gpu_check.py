@@ -74,6 +74,7 @@ class Check:
     budget_s: float
     log_file: Any
     started: float = field(default_factory=time.monotonic)
+    bench_parts: str = ""  # the bench step's GPU parts (bench.run --gpu-parts; empty: all)
     pythonpath: list[str] = field(default_factory=list)
     results: dict[str, dict[str, Any]] = field(default_factory=dict)
 
@@ -327,7 +328,8 @@ def bench(c: Check) -> dict[str, Any]:
     left = max(60.0, c.budget_s - c.elapsed())
     # The section starts no part after `left - BENCH_PART_S`, so it writes its file before the step's timeout.
     c.run([sys.executable, "-m", "bench.run", "--sections", "gpu", "--no-chart", "--out", str(out),
-           "--big-config", str(c.wheels / CONFIG_2B), "--gpu-budget-s", str(max(1.0, left - BENCH_PART_S))],
+           "--big-config", str(c.wheels / CONFIG_2B), "--gpu-budget-s", str(max(1.0, left - BENCH_PART_S)),
+           "--gpu-parts", c.bench_parts],
           left + BENCH_PART_S)  # fmt: skip
     result = json.loads(out.read_text())
     section = result["sections"]["gpu"]
@@ -390,6 +392,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--steps", default=",".join(STEPS), help=f"comma-separated subset of {','.join(STEPS)}")
     ap.add_argument("--budget-s", type=float, default=540.0, help="start no step after this many seconds")
     ap.add_argument("--keep-work", action="store_true", help="keep the temporary build folder (path is logged)")
+    ap.add_argument("--bench-parts", default="", help="the bench step's GPU parts (bench.run --gpu-parts; default all)")
     args = ap.parse_args(argv)
     steps = [s.strip() for s in args.steps.split(",") if s.strip()]
     unknown = [s for s in steps if s not in STEPS]
@@ -399,7 +402,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     work = Path(tempfile.mkdtemp(prefix="orin_vlm_gpu_check_"))
     with open(args.out / "gpu_check.log", "w", encoding="utf-8") as log_file:
         c = Check(wheels=args.wheels.resolve(), out=args.out.resolve(), work=work, budget_s=args.budget_s,
-                  log_file=log_file)  # fmt: skip
+                  log_file=log_file, bench_parts=args.bench_parts)  # fmt: skip
         c.log(f"steps {', '.join(steps)}; wheels {c.wheels}; work {work}; out {c.out}")
         ok = run_steps(c, steps)
         report = {

@@ -27,7 +27,6 @@ import torch.nn.functional as F
 
 from . import launch as L
 from .fused import CudaFusedOps
-from .graph import device_us
 
 TIMING_BYTES = 64 << 20  # weight bytes read per timed graph: enough calls of a small weight to time it
 MAX_TIMED = 16  # products in one timed graph at most (and distinct weights walked through)
@@ -36,11 +35,12 @@ MAX_TIMED = 16  # products in one timed graph at most (and distinct weights walk
 class CudaGemv:
     """Float, INT8 and INT4 weights x activation rows through the GEMV kernels (see module docstring).
 
-    ``time_us(fn, calls)``: device microseconds of one ``fn()`` (``graph.device_us``: in a CUDA graph)."""
+    ``time_us(fn, calls)``: device microseconds of one ``fn()`` (``graph.device_us`` bound to the process's
+    capture stream: in a CUDA graph), what :meth:`faster_rows` measures with; None for products only."""
 
     max_rows = L.GEMV_ROW_BUCKETS[-1]
 
-    def __init__(self, launcher, time_us: Callable[..., float] = device_us) -> None:
+    def __init__(self, launcher, time_us: Callable[..., float] | None = None) -> None:
         self.launcher = launcher
         self.time_us = time_us
         self._silu_mul = CudaFusedOps(launcher).silu_mul  # what follows F.linear where the epilogue is not used
@@ -74,6 +74,8 @@ class CudaGemv:
         product each, as a decode step does: a weight is not in the GPU's L2 cache when its product starts,
         as in the step (a product timed on one weight again and again would time the L2 cache on a GPU whose
         L2 holds it)."""
+        if self.time_us is None:
+            raise ValueError("this CudaGemv was built without a timer (time_us): it cannot time weights")
         weights = list(weights)[:MAX_TIMED]
         k = weights[0].shape[1]
         x = torch.zeros((self.max_rows, k), dtype=weights[0].dtype, device=weights[0].device)

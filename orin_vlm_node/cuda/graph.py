@@ -12,6 +12,12 @@ If capture fails (an op that is not capturable, a host sync), the runner logs wh
 Several graphs (one per batch and context bucket of the decode step) can share one memory pool
 (``torch.cuda.graph_pool_handle()``): they never replay at the same time, and each graph's output is
 consumed before the next replay.
+
+Every capture here (the decode graphs and :func:`device_us`'s timing graphs) warms up and captures on a
+side stream the caller passes in, and a process should pass the same one each time: cuBLAS keeps a
+workspace for each (handle, stream) pair that runs a product, allocated from torch's cache and held for
+the life of the process (32 MiB on Hopper). A new stream per capture cost 32 MiB each: the engine's
+startup timing of its weight shapes made about 16 of them, half a gigabyte on the GPU for a 9 MB model.
 """
 
 from __future__ import annotations
@@ -32,6 +38,8 @@ class DecodeGraph:
     them before the next ``run()``). A graph is bound to the tensors ``fn`` read when it was captured:
     whoever reallocates the model, the static buffers or the KV pools builds new ``DecodeGraph``s.
     ``pool``: a graph memory pool to share with other graphs (None: this graph gets its own).
+    ``stream``: the side stream to warm up and capture on, shared with the process's other captures (see
+    the module docstring; None: a stream of its own, which costs cuBLAS a workspace for good).
     """
 
     def __init__(
@@ -41,6 +49,7 @@ class DecodeGraph:
         enabled: bool = True,
         warmup: int = 2,
         pool: Any = None,
+        stream: torch.cuda.Stream | None = None,
     ):
         self.fn = fn
         self.device = torch.device(device)
@@ -49,6 +58,7 @@ class DecodeGraph:
         self._graph: torch.cuda.CUDAGraph | None = None
         self._output: Any = None
         self._pool = pool
+        self._stream = stream
         self.fallback_reason = ""
         if self.device.type != "cuda":
             self.fallback_reason = "cpu device"
@@ -88,7 +98,7 @@ class DecodeGraph:
         }
 
     def _capture(self) -> None:
-        side = torch.cuda.Stream(self.device)
+        side = self._stream or torch.cuda.Stream(self.device)
         current = torch.cuda.current_stream(self.device)
         try:
             side.wait_stream(current)
@@ -114,28 +124,30 @@ class DecodeGraph:
         _log.info("captured the decode step as a CUDA graph (capture #%d)", self.captures)
 
 
-def device_us(fn: Callable[[], Any], calls: int = 20, repeats: int = 5, warmup: int = 3) -> float:
+def device_us(
+    fn: Callable[[], Any], *, stream: torch.cuda.Stream, calls: int = 20, repeats: int = 5, warmup: int = 3
+) -> float:
     """Device microseconds of one ``fn()`` as a decode graph runs it: ``calls`` of them captured in one CUDA
     graph, replayed ``repeats`` times, the fastest replay over ``calls`` (no host launch cost in the figure:
     timed call by call from Python, a launch costs more than a small kernel). ``fn`` runs ``warmup`` times
-    first, on the capture's side stream, so its workspaces are allocated before the capture. The capture is
+    first, on ``stream`` (the capture's side stream, the same for every call: see the module docstring), so
+    its workspaces are allocated before the capture. The capture is
     begun and ended directly rather than through ``torch.cuda.graph``, which collects Python garbage and
     empties the allocator's cache on entry: tens of milliseconds each in a process with a model loaded, and
     the engine times tens of such graphs at startup."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
+    stream.wait_stream(torch.cuda.current_stream())
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.stream(side):
+    with torch.cuda.stream(stream):
         for _ in range(warmup):
             fn()
-        side.synchronize()
+        stream.synchronize()
         graph.capture_begin()
         try:
             for _ in range(calls):
                 fn()
         finally:
             graph.capture_end()
-    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.current_stream().wait_stream(stream)
     graph.replay()
     best = float("inf")
     for _ in range(repeats):

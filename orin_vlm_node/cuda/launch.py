@@ -208,7 +208,7 @@ def choose_decode_splits(
     longest of three: enough to keep about ``DECODE_BLOCKS_PER_SM`` blocks on every SM (fewer blocks leave
     loads out of flight; more only add partial results to reduce), about the square root of the length
     (the reduce's work grows with the number of splits, a split's with its tokens), and
-    ``min_tokens_per_split``; in whole warp steps of 16 tokens. Measured on an H200 (132 SMs, 8 kv heads,
+    ``min_tokens_per_split``; in multiples of 16 tokens. Measured on an H200 (132 SMs, 8 kv heads,
     head_dim 128, device time in CUDA graphs): splits of 32, 64 and 128 tokens were the fastest at 1k, 4k
     and 16k of context, 2-3x faster than the earlier plan of at least 256 tokens and 2 blocks per SM; on an
     Orin's 16 SMs the occupancy term gives splits of 256 tokens at 4k. For a CUDA graph pass the capacity
@@ -219,7 +219,7 @@ def choose_decode_splits(
     by_occupancy = math.ceil(max_seq_len * batch * blocks_per_seq / (DECODE_BLOCKS_PER_SM * sm_count))
     by_length = 2 ** round(math.log2(math.sqrt(max_seq_len)))
     tokens = max(min_tokens_per_split, by_occupancy, by_length)
-    tokens = math.ceil(tokens / 16) * 16  # whole warp steps (DECODE_WARPS x up to 4 tokens)
+    tokens = math.ceil(tokens / 16) * 16  # the smallest step of a decode block (4 warps x 2 tokens x 2)
     if tokens >= max_seq_len:
         return 1, max_seq_len
     return math.ceil(max_seq_len / tokens), tokens

@@ -133,6 +133,7 @@ class StaticDecodeStep:
     With ``use_graphs`` on a CUDA device each bucket's forward is captured once and replayed; otherwise
     (CPU, graphs disabled, a failed capture) it runs eagerly over the same buffers. ``overlap`` (default:
     on CUDA) lets the scheduler stage device tokens and read them while the next step runs.
+    ``capture_stream``: the side stream the graphs are captured on, the process's one (``cuda.graph``).
     """
 
     def __init__(
@@ -144,6 +145,7 @@ class StaticDecodeStep:
         max_batch: int = 1,
         buckets: tuple[int, ...] | None = None,
         overlap: bool | None = None,
+        capture_stream: torch.cuda.Stream | None = None,
     ):
         self.model = model
         self.overlap = device.type == "cuda" if overlap is None else overlap
@@ -164,7 +166,9 @@ class StaticDecodeStep:
         graphs = use_graphs and device.type == "cuda"
         pool = torch.cuda.graph_pool_handle() if graphs else None
         self._runners = {
-            key: DecodeGraph(functools.partial(self.forward, *key), device, enabled=graphs, pool=pool)
+            key: DecodeGraph(
+                functools.partial(self.forward, *key), device, enabled=graphs, pool=pool, stream=capture_stream
+            )
             for key in self._attention
         }
         self.staged = 0  # rows prepared since the last run()
@@ -224,12 +228,17 @@ class StaticDecodeStep:
 
 
 def build_decode_step(
-    model: torch.nn.Module, cache: KVCache, device: torch.device, use_graphs: bool, max_batch: int
+    model: torch.nn.Module,
+    cache: KVCache,
+    device: torch.device,
+    use_graphs: bool,
+    max_batch: int,
+    capture_stream: torch.cuda.Stream | None = None,
 ) -> DecodeStep:
     """The one place that decides how decode runs, for batches of up to ``max_batch`` sequences.
 
-    On CUDA the static step (CUDA graphs when ``use_graphs``, one per batch and context bucket); on CPU,
-    where a graph gains nothing, the dynamic step."""
+    On CUDA the static step (CUDA graphs when ``use_graphs``, one per batch and context bucket, captured on
+    ``capture_stream``); on CPU, where a graph gains nothing, the dynamic step."""
     if device.type == "cuda":
-        return StaticDecodeStep(model, cache, device, use_graphs, max_batch)
+        return StaticDecodeStep(model, cache, device, use_graphs, max_batch, capture_stream=capture_stream)
     return DynamicDecodeStep(model, cache)

@@ -29,6 +29,7 @@ caller that serves several requests at full speed therefore consumes all their s
 from __future__ import annotations
 
 import dataclasses
+import functools
 import gc
 import logging
 import threading
@@ -42,6 +43,7 @@ from ..cpu import cpu_gemm_for
 from ..cuda import KernelsUnavailable
 from ..cuda.fused import CudaFusedOps
 from ..cuda.gemv import CudaGemv
+from ..cuda.graph import device_us
 from ..kvcache import KVCache, build_kv_cache, check_page_size
 from ..model import load_model
 from ..model.config import ModelConfig
@@ -87,6 +89,7 @@ class Engine:
         self._last_metrics: dict[str, float] = {}
         self._requests_served = 0
         self.cache: KVCache | None = None
+        self._capture_streams: dict[torch.device, torch.cuda.Stream] = {}  # see _capture_stream
         try:
             check_fields(dataclasses.asdict(self._config) | {"sampling": self._config.sampling})
             check_kernel_dir(self._config.kernel_dir)
@@ -111,7 +114,7 @@ class Engine:
             self.attention = select_attention(self._config, self.model_config, self.dtype, self.device)
             launcher = self.attention.launcher if self.attention.kernels else None
             # The CUDA GEMV kernels for decode rows (the CPU kernels are routed with the model's load).
-            gemv = CudaGemv(launcher) if launcher else None
+            gemv = CudaGemv(launcher, functools.partial(device_us, stream=self._capture_stream())) if launcher else None
             self._gemv_path = attach_gemv(self.model, gemv, floats=self._config.use_cuda_graph)
             attach_fused_ops(self.model, CudaFusedOps(launcher) if launcher else None)
         if parts & {"model", "kv_cache"}:
@@ -120,10 +123,20 @@ class Engine:
             self.cache.set_attention_impl(self.attention.attention_impl)  # the cache and sessions stay
         if parts & {"model", "kv_cache", "backend"}:
             self.decode_step = build_decode_step(
-                self.model, self.cache, self.device, self._config.use_cuda_graph, MAX_BATCH
+                self.model, self.cache, self.device, self._config.use_cuda_graph, MAX_BATCH, self._capture_stream()
             )
             log.log(logging.WARNING if self.attention.degraded else logging.INFO, "%s", self.attention.status)
             log.info("decode path: %s", decode_path(self.attention, self.decode_step))
+
+    def _capture_stream(self) -> torch.cuda.Stream | None:
+        """The side stream of every CUDA-graph capture on this device (decode graphs, the GEMV timing), one
+        for the engine's life: cuBLAS keeps a workspace per stream it ran on, for good (``cuda.graph``), so
+        a stream per capture or per rebuild would grow GPU memory with every ``ros2 param set``."""
+        if self.device.type != "cuda":
+            return None
+        if self.device not in self._capture_streams:
+            self._capture_streams[self.device] = torch.cuda.Stream(self.device)
+        return self._capture_streams[self.device]
 
     def _load_model(self) -> None:
         cfg = self._config
