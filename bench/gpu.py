@@ -431,11 +431,13 @@ def _startup_and_memory(torch, ctx: BenchContext, res: SectionResult, model_dir:
 OTHER_PARTS = ("step_profile", "startup_memory", "kernels", "gemv", "quant", "batching")
 
 
-def part_names(dtypes: Sequence[str]) -> list[str]:
-    """The GPU section's parts in order. Most wanted first: what a robot sees (decode, TTFT, startup, memory),
-    then the kernels and the features; the other dtypes' decodes last."""
+def part_names(dtypes: Sequence[str], chosen: Sequence[str] = ()) -> list[str]:
+    """The GPU section's parts in the order they run. Most wanted first: what a robot sees (decode, TTFT,
+    startup, memory), then the kernels and the features; the other dtypes' decodes last. Parts ``chosen``
+    (``--gpu-parts``) go first, in the order given (the others are then skipped as not selected)."""
     first, *others = dtypes
-    return [f"decode.{first}", *OTHER_PARTS, *(f"decode.{d}" for d in others)]
+    names = [f"decode.{first}", *OTHER_PARTS, *(f"decode.{d}" for d in others)]
+    return [*chosen, *(n for n in names if n not in chosen)]
 
 
 def _run_parts(
@@ -497,7 +499,7 @@ def run(ctx: BenchContext) -> SectionResult:
     }
     for d in cfg.gpu_dtypes:
         steps[f"decode.{d}"] = functools.partial(_decode, torch, ctx, res, model_dir, d, bandwidth)
-    _run_parts(ctx, res, started, [(name, steps[name]) for name in part_names(cfg.gpu_dtypes)])
+    _run_parts(ctx, res, started, [(name, steps[name]) for name in part_names(cfg.gpu_dtypes, cfg.gpu_parts)])
     summary = f"{props.name}; {what}; batch 1, greedy, {cfg.gpu_max_new_tokens}-token answers; copy bandwidth "
     summary += f"{bandwidth:.0f} GB/s"
     if f"decode.{first}.graphs.tok_s" in res.figures:

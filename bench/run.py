@@ -106,8 +106,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--gpu-parts",
         default="",
-        help="GPU section: comma-separated parts to run (decode.<dtype>, step_profile, startup_memory, kernels, "
-        "gemv, quant, batching; default: all), to measure again what a change touched",
+        help="GPU section: comma-separated parts to run, in this order (decode.<dtype>, step_profile, "
+        "startup_memory, kernels, gemv, quant, batching; default: all), to measure again what a change touched",
     )
     args = ap.parse_args(argv)
 

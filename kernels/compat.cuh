@@ -5,6 +5,7 @@
 // __half, __nv_bfloat16, ...) plus the two macros defined here:
 //   DYNAMIC_SHARED(type, name)  declares `type* name` pointing at the block's dynamic shared memory.
 //   KERNEL_TRAP()               aborts the launch (a launch-configuration bug), like __trap().
+//   KERNEL_PROLOGUE()           the first statement of every kernel (programmatic dependent launch, below).
 #pragma once
 
 #ifdef __CUDACC__
@@ -19,6 +20,22 @@
 
 #else  // CPU harness build (g++)
 #include "cuda_emu.h"
+#endif
+
+// Programmatic dependent launch (sm_90 and later). The runtime launches kernels with the attribute that lets
+// a kernel start while the one before it on the stream is still running, so its blocks are resident and past
+// their launch when that one ends (about a microsecond a kernel, 8 a decode layer). Every kernel therefore
+// begins with KERNEL_PROLOGUE: it lets the next kernel be launched (griddepcontrol.launch_dependents), then
+// waits until the kernel before it has finished and its stores are visible (griddepcontrol.wait), before
+// it reads or writes global memory. Since that kernel waited for its own predecessor the same way, every
+// earlier kernel has finished too. Launched without the attribute the wait returns at once; before sm_90
+// (an Orin is sm_87) and in the CPU harness the prologue is empty.
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+#define KERNEL_PROLOGUE() asm volatile("griddepcontrol.launch_dependents;\n\tgriddepcontrol.wait;" ::: "memory")
+#else
+#define KERNEL_PROLOGUE() \
+  do {                    \
+  } while (0)
 #endif
 
 // Conversions used by every kernel: storage type <-> fp32 compute type.

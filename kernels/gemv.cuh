@@ -236,16 +236,19 @@ __device__ __forceinline__ void gemv_int4(T* __restrict__ y, const T* __restrict
 #define ORIN_GEMV_KERNELS_E(DT, T, R, E, SWIGLU)                                                                     \
   extern "C" __global__ void gemv_float##E##_##DT##_r##R(T* y, const T* x, const T* weight, const __half* scales,      \
                                                         const __half* offsets, int rows, int n, int k, int group) {    \
+    KERNEL_PROLOGUE();                                                                                                 \
     orin_vlm::gemv_dense<T, T, R, SWIGLU>(y, x, weight, nullptr, rows, n, k);                                          \
   }                                                                                                                    \
   extern "C" __global__ void gemv_int8##E##_##DT##_r##R(T* y, const T* x, const int8_t* qweight,                       \
                                                        const __half* scales, const __half* offsets, int rows, int n,   \
                                                        int k, int group) {                                             \
+    KERNEL_PROLOGUE();                                                                                                 \
     orin_vlm::gemv_dense<T, int8_t, R, SWIGLU>(y, x, qweight, scales, rows, n, k);                                     \
   }                                                                                                                    \
   extern "C" __global__ void gemv_int4##E##_##DT##_r##R(T* y, const T* x, const uint8_t* qweight,                      \
                                                        const __half* scales, const __half* offsets, int rows, int n,   \
                                                        int k, int group) {                                             \
+    KERNEL_PROLOGUE();                                                                                                 \
     orin_vlm::gemv_int4<T, R, SWIGLU>(y, x, qweight, scales, offsets, rows, n, k, group);                              \
   }
 

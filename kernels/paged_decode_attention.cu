@@ -352,6 +352,7 @@ __device__ __forceinline__ void paged_decode_attention(
           const T* v_pool,                                                                                    \
           const int* block_tables, const int* seq_lens, int num_heads, int num_kv_heads, int page_size,       \
           int max_blocks_per_seq, int tokens_per_split, int q_token_stride, float scale) {                    \
+    KERNEL_PROLOGUE();                                                                                        \
     orin_vlm::paged_decode_attention<T, D, G>(out, partial_out, partial_lse, counters, q, k_pool, v_pool,     \
                                               block_tables,                                                   \
                                               seq_lens, num_heads, num_kv_heads, page_size,                   \

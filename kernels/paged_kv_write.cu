@@ -42,6 +42,7 @@ __device__ __forceinline__ void paged_kv_write(T* __restrict__ k_pool, T* __rest
 #define ORIN_KV_WRITE_KERNELS(DT, T)                                                                           \
   extern "C" __global__ void paged_kv_write_##DT(T* k_pool, T* v_pool, const T* k, const T* v,                 \
                                                  const long long* slot_mapping, int row_elems) {               \
+    KERNEL_PROLOGUE();                                                                                         \
     orin_vlm::paged_kv_write<T>(k_pool, v_pool, k, v, slot_mapping, row_elems);                                \
   }
 

@@ -206,6 +206,7 @@ __device__ __forceinline__ void paged_prefill_attention(
       T* out, const T* q, const T* k_pool, const T* v_pool, const int* block_tables, const int* seq_lens,     \
       const int* cu_q_lens, int num_heads, int num_kv_heads, int page_size, int max_blocks_per_seq,            \
       float scale) {                                                                                           \
+    KERNEL_PROLOGUE();                                                                                         \
     orin_vlm::paged_prefill_attention<T, D>(out, q, k_pool, v_pool, block_tables, seq_lens, cu_q_lens,         \
                                             num_heads, num_kv_heads, page_size, max_blocks_per_seq, scale);    \
   }

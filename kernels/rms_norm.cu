@@ -239,6 +239,7 @@ __device__ __forceinline__ void add_rms_norm(T* __restrict__ sum_out, T* __restr
   extern "C" __global__ void __launch_bounds__(orin_vlm::kNormThreads)                                         \
       rms_norm_##DT(T* out, const T* x, const T* weight_a, const T* weight_b, int heads, int split, int dim,    \
                     int x_token_stride, float eps) {                                                           \
+    KERNEL_PROLOGUE();                                                                                         \
     orin_vlm::rms_norm<T, false>(out, x, weight_a, weight_b, nullptr, nullptr, {nullptr, nullptr, nullptr,     \
                                  nullptr, 0}, heads, split, dim, x_token_stride, eps);                         \
   }                                                                                                            \
@@ -246,12 +247,14 @@ __device__ __forceinline__ void add_rms_norm(T* __restrict__ sum_out, T* __restr
       rms_norm_rope_##DT(T* out, const T* x, const T* weight_a, const T* weight_b, const T* cos,               \
                          const T* sin_signed, T* k_pool, T* v_pool, const T* v, const long long* slots,        \
                          int heads, int split, int dim, int x_token_stride, int v_token_stride, float eps) {   \
+    KERNEL_PROLOGUE();                                                                                         \
     orin_vlm::rms_norm<T, true>(out, x, weight_a, weight_b, cos, sin_signed,                                   \
                                 {k_pool, v_pool, v, slots, v_token_stride}, heads, split, dim, x_token_stride, \
                                 eps);                                                                          \
   }                                                                                                            \
   extern "C" __global__ void __launch_bounds__(orin_vlm::kNormThreads)                                         \
       add_rms_norm_##DT(T* sum_out, T* out, const T* x, const T* delta, const T* weight, int dim, float eps) {  \
+    KERNEL_PROLOGUE();                                                                                         \
     orin_vlm::add_rms_norm<T>(sum_out, out, x, delta, weight, dim, eps);                                       \
   }
 

@@ -28,6 +28,7 @@ __device__ __forceinline__ void silu_mul(T* __restrict__ out, const T* __restric
 #define ORIN_SILU_MUL_KERNEL(DT, T)                                                                    \
   extern "C" __global__ void __launch_bounds__(orin_vlm::kSiluThreads)                                \
       silu_mul_##DT(T* out, const T* gate_up, int rows, int inter) {                                   \
+    KERNEL_PROLOGUE();                                                                                 \
     orin_vlm::silu_mul<T>(out, gate_up, rows, inter);                                                  \
   }
 

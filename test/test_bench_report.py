@@ -230,6 +230,10 @@ def test_gpu_section_runs_only_the_selected_parts_and_says_why_the_others_are_mi
     from bench.context import BenchContext
 
     assert bench.gpu.part_names(("fp16", "bf16")) == ["decode.fp16", *bench.gpu.OTHER_PARTS, "decode.bf16"]
+    chosen = bench.gpu.part_names(("fp16", "bf16"), ("kernels", "decode.fp16"))
+    assert chosen[:3] == ["kernels", "decode.fp16", "step_profile"] and sorted(chosen) == sorted(
+        bench.gpu.part_names(("fp16", "bf16"))
+    )
     ran: list[str] = []
     parts = [(name, lambda n=name: ran.append(n)) for name in bench.gpu.part_names(("fp16", "bf16"))]
     res = SectionResult("gpu")

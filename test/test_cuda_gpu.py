@@ -45,6 +45,18 @@ def timer():
     return functools.partial(device_us, stream=torch.cuda.Stream())
 
 
+def test_gpu_launches_are_programmatic_dependent_from_hopper_on(backend):
+    """On sm_90 and later every kernel is launched so it may start while the one before it finishes (each
+    waits for that one's stores first): the load-time check of dependent launches, eager and captured,
+    passed. Before sm_90 launches stay plain and the status says why."""
+    runtime = backend.launcher
+    if torch.cuda.get_device_capability() >= (9, 0):
+        assert runtime.programmatic and runtime.programmatic_status == "on", runtime.programmatic_status
+    else:
+        assert not runtime.programmatic and runtime.programmatic_status.startswith("off (sm_")
+    assert f"programmatic dependent launch {runtime.programmatic_status}" in backend.status
+
+
 def _caches(impl, dtype, page, nkv, hd, max_ctx):
     cfg = KVCacheConfig(
         num_layers=1,

@@ -8,7 +8,9 @@ cubins to a temporary directory, and checks that each cubin defines exactly the 
 from __future__ import annotations
 
 import os
+import re
 import shutil
+import subprocess
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -44,3 +46,38 @@ def test_all_kernels_compile_for_all_archs_without_warnings(tmp_path):
         assert cubin[:4] == b"\x7fELF", f"{module} for {arch} is not a cubin"
         for kernel in KERNEL_MODULES[module]:
             assert kernel.encode() + b"\0" in cubin, f"{kernel} missing from {module}.cu ({arch})"
+
+
+# A PTX instruction that reads or writes global memory: ld/st not of parameters, shared, local or constant
+# space, or an atomic/reduction.
+MEMORY_OP = re.compile(r"\b(?:(?:ld|st)(?!\.param|\.shared|\.local|\.const)\.[a-z0-9.]+|atom\.|red\.)")
+
+
+def _ptx_entries(module: str, arch: str, tmp_path) -> dict[str, str]:
+    """Each kernel of ``module`` compiled to PTX for ``arch``: entry name -> its PTX body."""
+
+    out = tmp_path / f"{module}-{arch}.ptx"
+    kernels = find_kernel_sources().directory
+    subprocess.run([NVCC, f"-arch={arch}", "-ptx", "-O3", "-o", str(out), str(kernels / f"{module}.cu")],
+                   check=True, timeout=600)  # fmt: skip
+    bodies = re.split(r"\.visible \.entry ", out.read_text())[1:]
+    return {body.split("(")[0]: body for body in bodies}
+
+
+def test_every_kernel_waits_for_the_one_before_it_on_hopper_and_not_on_orin(tmp_path):
+    """Dependent launches are safe only if every kernel waits for its predecessor's stores before it touches
+    memory (KERNEL_PROLOGUE): each entry's PTX for sm_90 lets the next kernel launch and waits, first thing;
+    for sm_87 (no such instructions) the prologue is empty."""
+    with ThreadPoolExecutor(max_workers=max(2, os.cpu_count() or 2)) as pool:
+        modules = sorted(KERNEL_MODULES)
+        hopper = dict(zip(modules, pool.map(lambda m: _ptx_entries(m, "sm_90", tmp_path), modules), strict=True))
+    for module, entries in hopper.items():
+        assert set(entries) == set(KERNEL_MODULES[module])
+        for name, body in entries.items():
+            code = body[body.index("{") :]
+            memory = MEMORY_OP.search(code)  # the first global (or generic) load, store or atomic
+            wait = code.find("griddepcontrol.wait")
+            assert "griddepcontrol.launch_dependents" in code, name
+            assert 0 <= wait < (memory.start() if memory else len(code)), f"{name} touches memory before the wait"
+    orin = _ptx_entries("silu_mul", "sm_87", tmp_path)
+    assert orin and not any("griddepcontrol" in body for body in orin.values())

@@ -95,8 +95,9 @@ def _build_one(module: str, cfg: B.BuildConfig) -> tuple[dict[str, Any], B.Compi
     return report, compiled
 
 
-def _build_and_load(kernel_dir: Path, arch: str, cache_dir: str) -> tuple[dict[str, Any], bool]:
-    """Build every module (in parallel, as the node does), load them all in torch's context; (report, all ok)."""
+def _build_and_load(kernel_dir: Path, arch: str, cache_dir: str) -> tuple[dict[str, Any], bool, str]:
+    """Build every module (in parallel, as the node does), load them all in torch's context; (report, all ok,
+    whether launches are programmatic-dependent: "on" or "off (why)")."""
     cfg = B.BuildConfig(arch=arch, kernel_dir=kernel_dir, cache_dir=cache_dir)
     modules = sorted(KERNEL_MODULES)
     with ThreadPoolExecutor(max_workers=len(modules)) as pool:
@@ -105,7 +106,7 @@ def _build_and_load(kernel_dir: Path, arch: str, cache_dir: str) -> tuple[dict[s
     built = {m: c for m, (_, c) in results.items() if c is not None}
     ok = len(built) == len(modules)
     if not built:
-        return report, False
+        return report, False, "off (no module built)"
     try:
         from .runtime import KernelRuntime
 
@@ -113,14 +114,14 @@ def _build_and_load(kernel_dir: Path, arch: str, cache_dir: str) -> tuple[dict[s
     except (ImportError, OSError, RuntimeError) as exc:
         for module in built:
             report[module].update(loaded=0, error=f"loading failed: {type(exc).__name__}: {exc}")
-        return report, False
+        return report, False, "off (the kernels did not load)"
     loaded = set(runtime.kernels())
     for module in built:
         names = KERNEL_MODULES[module]
         report[module]["loaded"] = sum(name in loaded for name in names)
         report[module]["expected"] = len(names)
         ok = ok and report[module]["loaded"] == len(names)
-    return report, ok
+    return report, ok, runtime.programmatic_status
 
 
 def collect(kernel_dir: str = "", cache_dir: str = "", build: bool = True) -> tuple[dict[str, Any], int]:
@@ -149,7 +150,7 @@ def collect(kernel_dir: str = "", cache_dir: str = "", build: bool = True) -> tu
     elif not build:
         info["kernels"] = "not built: --no-build"
     else:
-        report, ok = _build_and_load(sources.directory, info["gpu"]["arch"], cache_dir)
+        report, ok, info["programmatic_launch"] = _build_and_load(sources.directory, info["gpu"]["arch"], cache_dir)
         info["kernels"] = report
         if not ok:
             status = EXIT_BUILD_FAILED
@@ -193,6 +194,7 @@ def render(info: dict[str, Any]) -> str:
             how = "from cache" if r["cached"] else f"compiled in {r['seconds']} s"
             loaded = f"{r.get('loaded', 0)}/{r.get('expected', len(KERNEL_MODULES[module]))} kernels loaded"
             lines.append(f"{module:24s}: {how}, {loaded}" + (f" ({r['error']})" if "error" in r else ""))
+        lines.append(f"programmatic dependent launch: {info['programmatic_launch']}")
     return "\n".join(lines) + "\n"
 
 

@@ -11,6 +11,14 @@ PyCUDA ``Stream`` objects, so modules are loaded and launched through the driver
 (``cuModuleLoadData`` / ``cuLaunchKernel``, via ctypes on libcuda) inside the PyCUDA-managed context.
 Nothing here allocates or synchronizes: a launch is capture-safe.
 
+Programmatic dependent launch (sm_90 and later): there a launch recorded into a CUDA graph (the decode
+step's) goes through ``cuLaunchKernelEx`` with the programmatic-stream-serialization attribute, so in the
+graph a kernel may start while the kernel before it finishes (``KERNEL_PROLOGUE`` in ``kernels/compat.cuh``
+makes each kernel wait for that one's stores before it touches memory); eager launches stay plain. Whether
+the driver takes such launches is checked once when the kernels load: two dependent launches captured and
+replayed must give what the same two launched plainly give; if not, every launch is plain and
+``programmatic_status`` says why.
+
 All CUDA imports happen inside functions; importing this module works on a machine without a GPU.
 """
 
@@ -38,6 +46,28 @@ class CudaRuntimeError(RuntimeError):
     """Loading or launching a kernel failed in the CUDA driver; the message names the call and the error."""
 
 
+_CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION = 6
+
+
+class _LaunchAttribute(ctypes.Structure):
+    """``CUlaunchAttribute``: an id, padding to 8 bytes, a 64-byte value union (its first int used here)."""
+
+    _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_char * 4), ("value", ctypes.c_int), ("rest", ctypes.c_char * 60)]
+
+
+class _LaunchConfig(ctypes.Structure):
+    """``CUlaunchConfig`` (cuda.h): the grid, block, shared memory and stream of ``cuLaunchKernelEx``."""
+
+    _fields_ = [
+        ("grid", ctypes.c_uint * 3),
+        ("block", ctypes.c_uint * 3),
+        ("shared_bytes", ctypes.c_uint),
+        ("stream", ctypes.c_void_p),
+        ("attrs", ctypes.POINTER(_LaunchAttribute)),
+        ("num_attrs", ctypes.c_uint),
+    ]
+
+
 class _Driver:
     """The few driver-API entry points we need, bound with ctypes."""
 
@@ -59,6 +89,10 @@ class _Driver:
         self._sig("cuLaunchKernel", [vp, u, u, u, u, u, u, u, vp, ctypes.POINTER(vp), ctypes.POINTER(vp)])
         self._sig("cuCtxGetCurrent", [ctypes.POINTER(vp)])
         self._sig("cuGetErrorName", [i, ctypes.POINTER(ctypes.c_char_p)])
+        # cuLaunchKernelEx came with CUDA 12.0; an older driver has none, and then launches stay plain.
+        self.has_launch_ex = hasattr(lib, "cuLaunchKernelEx")
+        if self.has_launch_ex:
+            self._sig("cuLaunchKernelEx", [ctypes.POINTER(_LaunchConfig), vp, ctypes.POINTER(vp), ctypes.POINTER(vp)])
 
     def _sig(self, name: str, argtypes: list) -> None:
         fn = getattr(self.lib, name)
@@ -118,7 +152,12 @@ class KernelRuntime:
         finally:
             self._pyctx.pop()
         self.sm_count = torch.cuda.get_device_properties(device).multi_processor_count
-        _log.info("loaded %d CUDA kernels (%s, %d SMs)", len(self._functions), self.arch, self.sm_count)
+        self.programmatic = False  # dependent launches in captured graphs (module docstring): the check below
+        attr = _LaunchAttribute(id=_CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION, value=1)
+        self._programmatic_attr = ctypes.pointer(attr)
+        self.programmatic_status = self._check_programmatic()
+        _log.info("loaded %d CUDA kernels (%s, %d SMs; programmatic dependent launch: %s)", len(self._functions),
+                  self.arch, self.sm_count, self.programmatic_status)  # fmt: skip
 
     @property
     def num_kernels(self) -> int:
@@ -149,11 +188,53 @@ class KernelRuntime:
                 values.append(ctypes.c_float(float(value)))
         params = (ctypes.c_void_p * len(values))(*[ctypes.addressof(v) for v in values])
         self._ensure_context()
-        stream = torch.cuda.current_stream(self.device).cuda_stream
-        rc = self._driver.lib.cuLaunchKernel(
-            fn, *cfg.grid, *cfg.block, cfg.shared_bytes, ctypes.c_void_p(stream), params, None
-        )
+        stream = ctypes.c_void_p(torch.cuda.current_stream(self.device).cuda_stream)
+        if self.programmatic and torch.cuda.is_current_stream_capturing():
+            launch = _LaunchConfig((ctypes.c_uint * 3)(*cfg.grid), (ctypes.c_uint * 3)(*cfg.block), cfg.shared_bytes,
+                                   stream, self._programmatic_attr, 1)  # fmt: skip
+            rc = self._driver.lib.cuLaunchKernelEx(ctypes.byref(launch), fn, params, None)
+        else:
+            rc = self._driver.lib.cuLaunchKernel(fn, *cfg.grid, *cfg.block, cfg.shared_bytes, stream, params, None)
         self._driver.check(rc, f"launching {cfg.kernel} grid={cfg.grid} block={cfg.block}")
+
+    def _check_programmatic(self) -> str:
+        """Turn dependent launches on where this GPU and driver run them right; "on", or "off (why)".
+
+        The check: silu_mul twice, the second launch reading the first's output, captured in a CUDA graph
+        with dependent launches and replayed, must give what the same two plain launches give, bit for bit
+        (the kernels are the same; only the launch differs)."""
+        from .launch import silu_mul_launch
+
+        if torch.cuda.get_device_capability(self.device) < (9, 0):
+            return f"off ({self.arch}: it needs sm_90 or later)"
+        if not self._driver.has_launch_ex:
+            return "off (the driver has no cuLaunchKernelEx)"
+        if "silu_mul_f32" not in self._functions:
+            return "off (silu_mul_f32, which the check launches, is not loaded)"
+        gate_up = torch.linspace(-6.0, 6.0, 4 * 512, device=self.device).reshape(4, 512)  # (4, 2 x 256)
+
+        def two_launches() -> torch.Tensor:
+            first = torch.empty(4, 256, device=self.device)
+            self.launch(silu_mul_launch(4, 256, torch.float32), [first, gate_up, 4, 256])
+            second = torch.empty(4, 128, device=self.device)
+            self.launch(silu_mul_launch(4, 128, torch.float32), [second, first, 4, 128])
+            return second
+
+        expected = two_launches()
+        self.programmatic = True
+        try:
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                captured = two_launches()
+            graph.replay()
+            torch.cuda.synchronize(self.device)
+            if not torch.equal(captured, expected):
+                raise CudaRuntimeError("dependent launches gave other values than plain ones")
+        except Exception as exc:  # noqa: BLE001 - any failure leaves launches plain, and says why
+            self.programmatic = False
+            torch.cuda.synchronize(self.device)
+            return f"off ({type(exc).__name__}: {exc})"
+        return "on"
 
 
 def detect_arch(device: torch.device) -> str:
@@ -200,5 +281,6 @@ class LoadedKernels:
         r = self.runtime
         return (
             f"{r.arch}, {r.num_kernels} kernels from {self.sources.directory} ({self.sources.found_by}), "
-            f"{self.compiled} compiled + {self.cached} cached in {self.seconds:.1f} s"
+            f"{self.compiled} compiled + {self.cached} cached in {self.seconds:.1f} s, "
+            f"programmatic dependent launch {r.programmatic_status}"
         )
