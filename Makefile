@@ -82,8 +82,9 @@ gpu-wheels: venv
 	install -m 0644 $(GPU_BIG_CONFIG) $(GPU_WHEELS_DIR)/Qwen3-VL-2B-Instruct.config.json
 	@ls -l $(GPU_WHEELS_DIR)
 
+# GPU_CHECK_ARGS: more options, e.g. GPU_CHECK_ARGS="--bench-parts kernels,decode.fp16 --budget-s 300".
 gpu-check:
-	$(GPU_PYTHON) -m tools.gpu_check --wheels $(GPU_WHEELS_DIR)
+	$(GPU_PYTHON) -m tools.gpu_check --wheels $(GPU_WHEELS_DIR) $(GPU_CHECK_ARGS)
 
 clean:
 	rm -rf $(VENV) build *.egg-info gpu-check-out

@@ -109,7 +109,7 @@ __device__ __forceinline__ void combine_splits(T* __restrict__ out, const float*
 template <typename T, int HEAD_DIM, int MAX_GROUP>
 __device__ __forceinline__ void paged_decode_attention(
     T* __restrict__ out,                   // [batch, num_heads, HEAD_DIM]            (num_splits == 1)
-    float* __restrict__ partial_out,       // [batch, num_heads, num_splits, HEAD_DIM] (num_splits > 1)
+    float* __restrict__ partial_out,       // [batch, num_heads, num_splits, HEAD_DIM] (num_splits > 1), 16-B aligned
     float* __restrict__ partial_lse,       // [batch, num_heads, num_splits], log2 domain
     unsigned* __restrict__ counters,       // [batch, gridDim.x] (num_splits > 1)
     const T* __restrict__ q,               // [batch, num_heads, HEAD_DIM], batch rows q_token_stride apart

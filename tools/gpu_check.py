@@ -20,7 +20,8 @@ benchmark checkpoint takes. The steps, each timed and recorded:
 Writes ``gpu_check.json`` (every step's status, timing and figures) and ``gpu_check.log`` (everything the
 steps printed) to ``--out`` (default ``$OUT`` when set, else ``gpu-check-out/``). A step whose
 prerequisite failed is skipped with the reason; the exit status is 0 only when every step that ran
-passed. Steps can be chosen with ``--steps``; on a machine without a GPU the steps before ``device`` run
+passed. Steps can be chosen with ``--steps`` and the benchmark's parts with ``--bench-parts`` (run first, in
+the order given: what a change touched); on a machine without a GPU the steps before ``device`` run
 and ``device`` fails with "no CUDA device".
 """
 
