@@ -5,7 +5,8 @@
 // __half, __nv_bfloat16, ...) plus the two macros defined here:
 //   DYNAMIC_SHARED(type, name)  declares `type* name` pointing at the block's dynamic shared memory.
 //   KERNEL_TRAP()               aborts the launch (a launch-configuration bug), like __trap().
-//   KERNEL_PROLOGUE()           the first statement of every kernel (programmatic dependent launch, below).
+//   KERNEL_PROLOGUE()           the first statement of every kernel (programmatic dependent launch, below;
+//                               its two halves, and prefetch_l2 between them, for the GEMV).
 #pragma once
 
 #ifdef __CUDACC__
@@ -25,18 +26,29 @@
 // Programmatic dependent launch (sm_90 and later). The runtime launches kernels with the attribute that lets
 // a kernel start while the one before it on the stream is still running, so its blocks are resident and past
 // their launch when that one ends (about a microsecond a kernel, 8 a decode layer). Every kernel therefore
-// begins with KERNEL_PROLOGUE: it lets the next kernel be launched (griddepcontrol.launch_dependents), then
-// waits until the kernel before it has finished and its stores are visible (griddepcontrol.wait), before
-// it reads or writes global memory. Since that kernel waited for its own predecessor the same way, every
-// earlier kernel has finished too. Launched without the attribute the wait returns at once; before sm_90
-// (an Orin is sm_87) and in the CPU harness the prologue is empty.
+// begins with KERNEL_PROLOGUE: it lets the next kernel be launched (KERNEL_ALLOW_DEPENDENTS:
+// griddepcontrol.launch_dependents), then waits until the kernel before it has finished and its stores are
+// visible (KERNEL_WAIT_PREDECESSOR: griddepcontrol.wait), before it reads or writes global memory. Since
+// that kernel waited for its own predecessor the same way, every earlier kernel has finished too. Between
+// the two a kernel may only ask for L2 prefetches of data no kernel writes (prefetch_l2: the GEMV's weights,
+// so they stream in while the previous kernel finishes). Launched without the attribute the wait returns at
+// once; before sm_90 (an Orin is sm_87) and in the CPU harness all of it is empty.
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-#define KERNEL_PROLOGUE() asm volatile("griddepcontrol.launch_dependents;\n\tgriddepcontrol.wait;" ::: "memory")
+#define KERNEL_ALLOW_DEPENDENTS() asm volatile("griddepcontrol.launch_dependents;" ::: "memory")
+#define KERNEL_WAIT_PREDECESSOR() asm volatile("griddepcontrol.wait;" ::: "memory")
+__device__ __forceinline__ void prefetch_l2(const void* p) { asm volatile("prefetch.global.L2 [%0];" ::"l"(p)); }
 #else
-#define KERNEL_PROLOGUE() \
-  do {                    \
+#define KERNEL_ALLOW_DEPENDENTS() \
+  do {                            \
   } while (0)
+#define KERNEL_WAIT_PREDECESSOR() \
+  do {                            \
+  } while (0)
+__device__ __forceinline__ void prefetch_l2(const void*) {}
 #endif
+#define KERNEL_PROLOGUE()    \
+  KERNEL_ALLOW_DEPENDENTS(); \
+  KERNEL_WAIT_PREDECESSOR()
 
 // Conversions used by every kernel: storage type <-> fp32 compute type.
 __device__ __forceinline__ float to_float(float x) { return x; }

@@ -139,6 +139,21 @@ __device__ __forceinline__ void dense_dot(const T* __restrict__ x, const W* __re
   for (int m = 0; m < R; ++m) acc[m] *= scale;
 }
 
+// L2 prefetch of this warp's weight row (and row n + N for SwiGLU), `row_bytes` each, a 128-byte line a lane
+// a step. The kernels issue it between KERNEL_ALLOW_DEPENDENTS and KERNEL_WAIT_PREDECESSOR (compat.cuh): the
+// weights, which no kernel writes, stream into L2 while the kernel before this one finishes, and the loads
+// after the wait find them there. Empty before sm_90 and in the harness.
+template <bool SWIGLU>
+__device__ __forceinline__ void prefetch_weight_rows(const void* w, size_t row_bytes, int N) {
+  const int n = blockIdx.x * kGemvWarps + threadIdx.x / kWarpSize;
+  if (n >= N) return;
+  const char* rows = static_cast<const char*>(w);
+  for (size_t at = static_cast<size_t>(threadIdx.x % kWarpSize) * 128; at < row_bytes; at += kWarpSize * 128) {
+    prefetch_l2(rows + static_cast<size_t>(n) * row_bytes + at);
+    if constexpr (SWIGLU) prefetch_l2(rows + static_cast<size_t>(n + N) * row_bytes + at);
+  }
+}
+
 // y = x w^T for dense weights (`scales` null for float weights), or its SwiGLU (weight rows n and n + N).
 template <typename T, typename W, int R, bool SWIGLU>
 __device__ __forceinline__ void gemv_dense(T* __restrict__ y, const T* __restrict__ x, const W* __restrict__ w,
@@ -236,19 +251,25 @@ __device__ __forceinline__ void gemv_int4(T* __restrict__ y, const T* __restrict
 #define ORIN_GEMV_KERNELS_E(DT, T, R, E, SWIGLU)                                                                     \
   extern "C" __global__ void gemv_float##E##_##DT##_r##R(T* y, const T* x, const T* weight, const __half* scales,      \
                                                         const __half* offsets, int rows, int n, int k, int group) {    \
-    KERNEL_PROLOGUE();                                                                                                 \
+    KERNEL_ALLOW_DEPENDENTS();                                                                                         \
+    orin_vlm::prefetch_weight_rows<SWIGLU>(weight, static_cast<size_t>(k) * sizeof(T), n);                             \
+    KERNEL_WAIT_PREDECESSOR();                                                                                         \
     orin_vlm::gemv_dense<T, T, R, SWIGLU>(y, x, weight, nullptr, rows, n, k);                                          \
   }                                                                                                                    \
   extern "C" __global__ void gemv_int8##E##_##DT##_r##R(T* y, const T* x, const int8_t* qweight,                       \
                                                        const __half* scales, const __half* offsets, int rows, int n,   \
                                                        int k, int group) {                                             \
-    KERNEL_PROLOGUE();                                                                                                 \
+    KERNEL_ALLOW_DEPENDENTS();                                                                                         \
+    orin_vlm::prefetch_weight_rows<SWIGLU>(qweight, static_cast<size_t>(k), n);                                        \
+    KERNEL_WAIT_PREDECESSOR();                                                                                         \
     orin_vlm::gemv_dense<T, int8_t, R, SWIGLU>(y, x, qweight, scales, rows, n, k);                                     \
   }                                                                                                                    \
   extern "C" __global__ void gemv_int4##E##_##DT##_r##R(T* y, const T* x, const uint8_t* qweight,                      \
                                                        const __half* scales, const __half* offsets, int rows, int n,   \
                                                        int k, int group) {                                             \
-    KERNEL_PROLOGUE();                                                                                                 \
+    KERNEL_ALLOW_DEPENDENTS();                                                                                         \
+    orin_vlm::prefetch_weight_rows<SWIGLU>(qweight, static_cast<size_t>(k + 1) / 2, n);                                \
+    KERNEL_WAIT_PREDECESSOR();                                                                                         \
     orin_vlm::gemv_int4<T, R, SWIGLU>(y, x, qweight, scales, offsets, rows, n, k, group);                              \
   }
 
