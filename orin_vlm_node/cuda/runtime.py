@@ -200,9 +200,10 @@ class KernelRuntime:
     def _check_programmatic(self) -> str:
         """Turn dependent launches on where this GPU and driver run them right; "on", or "off (why)".
 
-        The check: silu_mul twice, the second launch reading the first's output, captured in a CUDA graph
-        with dependent launches and replayed, must give what the same two plain launches give, bit for bit
-        (the kernels are the same; only the launch differs)."""
+        The check: a copy by torch (a memcpy node, as a decode graph has between kernels), then silu_mul
+        twice, the second launch reading the first's output, captured in a CUDA graph with dependent
+        launches and replayed, must give what the same steps give with plain launches, bit for bit (the
+        kernels are the same; only the launch differs)."""
         from .launch import silu_mul_launch
 
         if torch.cuda.get_device_capability(self.device) < (9, 0):
@@ -214,8 +215,9 @@ class KernelRuntime:
         gate_up = torch.linspace(-6.0, 6.0, 4 * 512, device=self.device).reshape(4, 512)  # (4, 2 x 256)
 
         def two_launches() -> torch.Tensor:
+            copied = gate_up.clone()
             first = torch.empty(4, 256, device=self.device)
-            self.launch(silu_mul_launch(4, 256, torch.float32), [first, gate_up, 4, 256])
+            self.launch(silu_mul_launch(4, 256, torch.float32), [first, copied, 4, 256])
             second = torch.empty(4, 128, device=self.device)
             self.launch(silu_mul_launch(4, 128, torch.float32), [second, first, 4, 128])
             return second
