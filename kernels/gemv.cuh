@@ -248,28 +248,29 @@ __device__ __forceinline__ void gemv_int4(T* __restrict__ y, const T* __restrict
 
 }  // namespace orin_vlm
 
+// A GEMV kernel's KERNEL_PROLOGUE, with its weight rows (`row_bytes` each, `columns` outputs, and their up
+// rows for SwiGLU) prefetched into L2 between the two halves (prefetch_weight_rows).
+#define ORIN_GEMV_PROLOGUE(SWIGLU, weights, row_bytes, columns)                \
+  KERNEL_ALLOW_DEPENDENTS();                                                   \
+  orin_vlm::prefetch_weight_rows<SWIGLU>((weights), (row_bytes), (columns));   \
+  KERNEL_WAIT_PREDECESSOR()
+
 #define ORIN_GEMV_KERNELS_E(DT, T, R, E, SWIGLU)                                                                     \
   extern "C" __global__ void gemv_float##E##_##DT##_r##R(T* y, const T* x, const T* weight, const __half* scales,      \
                                                         const __half* offsets, int rows, int n, int k, int group) {    \
-    KERNEL_ALLOW_DEPENDENTS();                                                                                         \
-    orin_vlm::prefetch_weight_rows<SWIGLU>(weight, static_cast<size_t>(k) * sizeof(T), n);                             \
-    KERNEL_WAIT_PREDECESSOR();                                                                                         \
+    ORIN_GEMV_PROLOGUE(SWIGLU, weight, static_cast<size_t>(k) * sizeof(T), n);                                         \
     orin_vlm::gemv_dense<T, T, R, SWIGLU>(y, x, weight, nullptr, rows, n, k);                                          \
   }                                                                                                                    \
   extern "C" __global__ void gemv_int8##E##_##DT##_r##R(T* y, const T* x, const int8_t* qweight,                       \
                                                        const __half* scales, const __half* offsets, int rows, int n,   \
                                                        int k, int group) {                                             \
-    KERNEL_ALLOW_DEPENDENTS();                                                                                         \
-    orin_vlm::prefetch_weight_rows<SWIGLU>(qweight, static_cast<size_t>(k), n);                                        \
-    KERNEL_WAIT_PREDECESSOR();                                                                                         \
+    ORIN_GEMV_PROLOGUE(SWIGLU, qweight, static_cast<size_t>(k), n);                                                    \
     orin_vlm::gemv_dense<T, int8_t, R, SWIGLU>(y, x, qweight, scales, rows, n, k);                                     \
   }                                                                                                                    \
   extern "C" __global__ void gemv_int4##E##_##DT##_r##R(T* y, const T* x, const uint8_t* qweight,                      \
                                                        const __half* scales, const __half* offsets, int rows, int n,   \
                                                        int k, int group) {                                             \
-    KERNEL_ALLOW_DEPENDENTS();                                                                                         \
-    orin_vlm::prefetch_weight_rows<SWIGLU>(qweight, static_cast<size_t>(k + 1) / 2, n);                                \
-    KERNEL_WAIT_PREDECESSOR();                                                                                         \
+    ORIN_GEMV_PROLOGUE(SWIGLU, qweight, static_cast<size_t>(k + 1) / 2, n);                                            \
     orin_vlm::gemv_int4<T, R, SWIGLU>(y, x, qweight, scales, offsets, rows, n, k, group);                              \
   }
 
