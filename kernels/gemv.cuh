@@ -11,25 +11,28 @@
 //   int4: qweight [N, ceil(K/2)] uint8 (even k in the low nibble), scales and offsets [N, ceil(K/G)] fp16:
 //         w[n, k] = q[n, k] * s[n, k/G] + o[n, k/G]
 //
-// One warp computes one output column n for every row m: the lanes walk row n of the weights in 16-byte
-// vectors (float: 4 or 8 weights, int8: 16, int4: 32 per vector; a warp reads 512 contiguous bytes per
-// vector, and each lane issues kGemvUnroll<W> vectors before it uses the first, so a row is requested at
-// once), read the matching x elements (x is small and stays in cache), accumulate in fp32 and reduce across
-// the warp. For int4 a vector lies inside one group when G is a multiple of 32, so its scale and offset
-// factor out: sum_k x q s + x o = s * (x . q) + o * sum(x). The vector path needs K a multiple of 32 (every
+// One warp computes kGemvColumns<W> output columns for every row m (1 for float weights, 2 for int8 and
+// int4), and with the SwiGLU epilogue the up column of each too: those J weight rows are read in one pass.
+// The lanes walk the rows in 16-byte vectors (float: 4 or 8 weights, int8: 16, int4: 32 per vector; a warp
+// reads 512 contiguous bytes of a row per vector, and each lane issues kGemvInFlight vectors before it uses
+// the first, so a row is requested at once), accumulate in fp32 and reduce across the warp. Each piece of
+// x is read and widened once for the J rows, and each weight widened once for the R rows of x: on a
+// quantized weight the arithmetic per weight, not the bytes, bounded the product (see widen_int4x8). For
+// int4 a vector lies inside one group when G is a multiple of 32, so its scale and offset factor out:
+// sum_k x q s + x o = s * (x . q) + o * sum(x). The vector path needs K a multiple of 32 (every
 // projection of the models we serve); any other shape takes the scalar path (same formulas, element by
 // element).
 //
 // SwiGLU epilogue (the _swiglu kernels): the weight is the MLP's fused gate/up projection, 2N rows (the N
 // gate rows, then the N up rows), and y[m, n] = silu(gate[m, n]) * up[m, n] with the rounding of the
 // separate kernels (each sum rounded to the activation type as the product's output, then silu_mul.cu's
-// arithmetic): one warp computes the gate column n and the up column n, so the activation costs no launch
-// and the 2N-wide product never goes to memory.
+// arithmetic): one warp computes gate column n and up column n, so the activation costs no launch and the
+// 2N-wide product never goes to memory.
 //
 // gemv_<float|int8|int4>[_swiglu]_<f32|f16|bf16>_r<R>: x, y (and float weights) in the activation type, R =
-// the rows bucket (1, 2, 4, 8; rows <= R). Grid: (ceil(N / kGemvWarps)), N the output columns; block:
-// kGemvWarps warps (launch.py: GEMV_WARPS). Every kernel takes the same arguments (y, x, weight, scales,
-// offsets, rows, N, K, group); those a format has no use for are null / 0.
+// the rows bucket (1, 2, 4, 8; rows <= R). Grid: (ceil(N / (kGemvWarps * kGemvColumns))), N the output
+// columns; block: kGemvWarps warps (launch.py: GEMV_WARPS, GEMV_COLUMNS). Every kernel takes the same
+// arguments (y, x, weight, scales, offsets, rows, N, K, group); those a format has no use for are null / 0.
 //
 // This header holds the kernels; gemv.cu instantiates the plain products and gemv_swiglu.cu the SwiGLU
 // ones: two modules, which nvcc compiles in parallel at a cold start (in one module sm_87 took 30 s, split
@@ -41,25 +44,118 @@
 namespace orin_vlm {
 
 constexpr int kGemvWarps = 4;
-// 16-byte weight vectors each lane loads before it uses the first: one load in flight per lane leaves a
-// GPU with HBM idle most of the time (a warp's row of a 2048-wide projection is 2..8 such loads, each
-// waiting out the memory latency in turn). Enough to request the whole row of a 2048-wide projection at
-// once: 4 for INT8 (2 KB) and INT4 (1 KB), 8 for 16-bit weights (4 KB; a fast GPU spends most of such a
-// small product waiting, so a second round trip costs what the bytes do).
+// Output columns one warp computes. A quantized weight costs more arithmetic per byte than a float one (the
+// widening), so there a warp takes two columns and reads and widens each piece of x once for both; float
+// weights keep one column a warp (more warps in flight for the same bytes).
 template <typename W>
-constexpr int kGemvUnroll = sizeof(W) >= 2 ? 8 : 4;
+constexpr int kGemvColumns = sizeof(W) >= 2 ? 1 : 2;
+// 16-byte weight vectors each lane loads before it uses the first, over the J rows it reads: one load in
+// flight per lane leaves a GPU with HBM idle most of the time (a warp's row of a 2048-wide projection is
+// 2..8 such loads, each waiting out the memory latency in turn). 8 requests a whole 4 KB row of a
+// 2048-wide fp16 projection, or two 2 KB int8 rows, at once.
+constexpr int kGemvInFlight = 8;
+// Weights widened at a time (from one or two 32-bit words, or one 16-byte vector of 16-bit weights) and
+// matched with the same piece of each row of x; fp32 weights: their vector of 4.
+template <typename W>
+constexpr int kGemvPiece = sizeof(W) == 4 ? 4 : 8;
 
-// Vectors at byte offsets off, off + stride, ... (U of them) of a weight row, those below `end`; all loads
-// are issued before any is used.
-template <int U, typename W>
-__device__ __forceinline__ void load_row_vectors(const W* __restrict__ row, int off, int stride, int end,
-                                                 uint4* __restrict__ raw) {
-#pragma unroll
-  for (int u = 0; u < U; ++u) {
-    const int at = off + u * stride;
-    raw[u] = at < end ? __ldg(reinterpret_cast<const uint4*>(row + at)) : make_uint4(0, 0, 0, 0);
-  }
+// Small integers widened to fp32 exactly without a conversion instruction: on sm_80 and sm_90 an integer ->
+// float conversion (I2F) issues at 16 a clock per SM, an eighth of the rate of an add, and one per weight
+// bounded the int8 / int4 products far below the memory's rate. Instead a byte permute places a byte
+// b (0..255) under the exponent of 2^23, which makes the float 2^23 + b exactly, and an add takes the 2^23
+// away: two full-rate instructions, the same value to the last bit.
+constexpr uint32_t kExponent2p23 = 0x4B000000u;  // the bits of 2^23 as a float
+constexpr float k2p23 = 8388608.0f;
+
+// Byte B of `word` (an unsigned value 0..255) plus 2^23, as a float.
+template <int B>
+__device__ __forceinline__ float byte_over_2p23(uint32_t word) {
+  return __uint_as_float(__byte_perm(word, kExponent2p23, 0x7440 | B));
 }
+
+// The four int8 weights of `word` (element i in byte i), exactly, into w[0..3]: flipping each sign bit
+// makes byte i q + 128 (two's complement), so the float is 2^23 + 128 + q.
+__device__ __forceinline__ void widen_int8x4(uint32_t word, float* __restrict__ w) {
+  const uint32_t biased = word ^ 0x80808080u;
+  w[0] = byte_over_2p23<0>(biased) - (k2p23 + 128.0f);
+  w[1] = byte_over_2p23<1>(biased) - (k2p23 + 128.0f);
+  w[2] = byte_over_2p23<2>(biased) - (k2p23 + 128.0f);
+  w[3] = byte_over_2p23<3>(biased) - (k2p23 + 128.0f);
+}
+
+// The eight int4 weights of `word` (element 2i in the low nibble of byte i, 2i + 1 in the high one),
+// exactly, into w[0..7].
+__device__ __forceinline__ void widen_int4x8(uint32_t word, float* __restrict__ w) {
+  const uint32_t even = word & 0x0F0F0F0Fu, odd = (word >> 4) & 0x0F0F0F0Fu;
+  w[0] = byte_over_2p23<0>(even) - k2p23;
+  w[1] = byte_over_2p23<0>(odd) - k2p23;
+  w[2] = byte_over_2p23<1>(even) - k2p23;
+  w[3] = byte_over_2p23<1>(odd) - k2p23;
+  w[4] = byte_over_2p23<2>(even) - k2p23;
+  w[5] = byte_over_2p23<2>(odd) - k2p23;
+  w[6] = byte_over_2p23<3>(even) - k2p23;
+  w[7] = byte_over_2p23<3>(odd) - k2p23;
+}
+
+// How weight rows are stored. Every format offers: Elem (the stored element: the activation type, int8_t, or
+// uint8_t for two packed int4 weights), kChunk (weights per 16-byte vector), kGrouped (a scale and an
+// offset per group of each row), row(n) (the row's first element), at(k) (the element offset of weight k's
+// vector), vector_path(K) (whether the 16-byte vectors cover the rows), widen<P>(raw, piece, w) (weights
+// piece * P .. piece * P + P - 1 of a vector, exactly), and scalar(n, k) (one weight, for the scalar path).
+template <typename W>
+struct DenseRows {
+  using Elem = W;
+  static constexpr int kChunk = 16 / static_cast<int>(sizeof(W));
+  static constexpr bool kGrouped = false;
+  const W* w;
+  int K;
+  __device__ __forceinline__ bool vector_path() const { return K % 32 == 0; }
+  __device__ __forceinline__ const W* row(int n) const { return w + static_cast<size_t>(n) * K; }
+  __device__ __forceinline__ static int at(int k) { return k; }
+  template <int P>
+  __device__ __forceinline__ static void widen(const uint4& raw, int piece, float* __restrict__ out) {
+    if constexpr (sizeof(W) == 1) {
+      const uint32_t* words = reinterpret_cast<const uint32_t*>(&raw);
+      widen_int8x4(words[2 * piece], out);
+      widen_int8x4(words[2 * piece + 1], out + 4);
+    } else {
+#pragma unroll
+      for (int i = 0; i < P; ++i) out[i] = raw_elem<W>(raw, piece * P + i);
+    }
+  }
+  __device__ __forceinline__ float scalar(int n, int k) const {
+    if constexpr (sizeof(W) == 1) return static_cast<float>(__ldg(row(n) + k));
+    else return to_float(__ldg(row(n) + k));
+  }
+};
+
+struct Int4Rows {
+  using Elem = uint8_t;
+  static constexpr int kChunk = 32;
+  static constexpr bool kGrouped = true;
+  const uint8_t* q;
+  const __half* scales;
+  const __half* offsets;
+  int K, groups, group_shift;  // group_shift: log2 of the group size (a power of two)
+  __device__ __forceinline__ const uint8_t* row(int n) const { return q + static_cast<size_t>(n) * ((K + 1) / 2); }
+  __device__ __forceinline__ static int at(int k) { return k / 2; }
+  // A vector lies inside one group when the group holds whole vectors.
+  __device__ __forceinline__ bool vector_path() const { return K % 32 == 0 && group_shift >= 5; }
+  template <int P>
+  __device__ __forceinline__ static void widen(const uint4& raw, int piece, float* __restrict__ out) {
+    widen_int4x8(reinterpret_cast<const uint32_t*>(&raw)[piece], out);
+  }
+  __device__ __forceinline__ float scale(int n, int k) const {
+    return __half2float(__ldg(scales + static_cast<size_t>(n) * groups + (k >> group_shift)));
+  }
+  __device__ __forceinline__ float offset(int n, int k) const {
+    return __half2float(__ldg(offsets + static_cast<size_t>(n) * groups + (k >> group_shift)));
+  }
+  __device__ __forceinline__ float scalar(int n, int k) const {
+    const uint8_t byte = __ldg(row(n) + k / 2);
+    return static_cast<float>(k % 2 ? byte >> 4 : byte & 0xF) * scale(n, k) + offset(n, k);
+  }
+};
 
 // Elements k0 .. k0+n-1 of row m of x, widened to fp32 (16-byte loads when `vec`, else one by one).
 template <typename T, int N>
@@ -73,205 +169,202 @@ __device__ __forceinline__ void load_x(const T* __restrict__ x, size_t offset, b
   }
 }
 
-// Column n of y for each row m: the warp's partial sums of weight row n reduced (and, with SWIGLU, those of
-// up row n + N: silu(gate) * up, each sum first rounded to T as the product's output).
-template <typename T, int R, bool SWIGLU>
-__device__ __forceinline__ void store_rows(T* __restrict__ y, const float* __restrict__ acc,
-                                           const float* __restrict__ up, int rows, int n, int N) {
-#pragma unroll
-  for (int m = 0; m < R; ++m) {
-    const float total = warp_sum(acc[m]);
-    float value = total;
-    if constexpr (SWIGLU) value = swiglu_value<T>(to_float(from_float<T>(total)), to_float(from_float<T>(warp_sum(up[m]))));
-    if (m < rows && threadIdx.x % kWarpSize == 0) y[static_cast<size_t>(m) * N + n] = from_float<T>(value);
-  }
-}
-
-__device__ __forceinline__ float widen(int8_t v) { return static_cast<float>(v); }
-template <typename T>
-__device__ __forceinline__ float widen(T v) {
-  return to_float(v);
-}
-
-// Weights stored one element each (W: the activations' float type T, or int8 with a scale per output column,
-// applied to the sum: `scale` 1 for float weights): the lane's part of row `row`'s products with each row of
-// x, into acc[m]. Every 16-byte vector of the row is widened to fp32 once, then multiplied with each row of x.
-template <typename T, typename W, int R>
-__device__ __forceinline__ void dense_dot(const T* __restrict__ x, const W* __restrict__ row, float scale, int rows,
-                                          int K, int lane, float* __restrict__ acc) {
-#pragma unroll
-  for (int m = 0; m < R; ++m) acc[m] = 0.0f;
-  constexpr int kChunk = 16 / static_cast<int>(sizeof(W));  // weights per 16-byte vector
-  const bool vec = K % 32 == 0;
-  const int vec_end = vec ? K : 0;
+// The lane's part of the products of weight rows n[0..J) with each row of x, into acc[j][m]: one pass over
+// K for all J rows. Int4 rows sum each vector's products apart (dot), then scale them and add the offset
+// times the vector's sum of x; dense rows sum into acc directly (an int8 row's scale is applied by the
+// caller, to the total).
+template <typename T, typename Rows, int R, int J>
+__device__ __forceinline__ void rows_dot(const T* __restrict__ x, const Rows& w, const int* n, int rows, int K,
+                                         int lane, float (&acc)[J][R]) {
+  using W = typename Rows::Elem;
+  constexpr bool kGrouped = Rows::kGrouped;
+  constexpr int kChunk = Rows::kChunk;
+  constexpr int kPiece = kGemvPiece<W>;
   constexpr int kStride = kWarpSize * kChunk;  // weights a warp covers per vector load
-  constexpr int kUnroll = kGemvUnroll<W>;
+  constexpr int kUnroll = kGemvInFlight / J > 0 ? kGemvInFlight / J : 1;
+#pragma unroll
+  for (int j = 0; j < J; ++j)
+#pragma unroll
+    for (int m = 0; m < R; ++m) acc[j][m] = 0.0f;
+  const W* row[J];
+#pragma unroll
+  for (int j = 0; j < J; ++j) row[j] = w.row(n[j]);
+  const int vec_end = w.vector_path() ? K : 0;
   for (int k0 = lane * kChunk; k0 < vec_end; k0 += kStride * kUnroll) {
-    uint4 raw[kUnroll];
-    load_row_vectors<kUnroll>(row, k0, kStride, vec_end, raw);
+    uint4 raw[J][kUnroll];
+#pragma unroll
+    for (int j = 0; j < J; ++j)
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        const int k = k0 + u * kStride;
+        raw[j][u] = k < vec_end ? __ldg(reinterpret_cast<const uint4*>(row[j] + Rows::at(k))) : make_uint4(0, 0, 0, 0);
+      }
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
       const int k = k0 + u * kStride;
       if (k >= vec_end) break;
-      const W* e = reinterpret_cast<const W*>(&raw[u]);
-      float wf[kChunk];
-#pragma unroll
-      for (int i = 0; i < kChunk; ++i) wf[i] = widen(e[i]);
+      float dot[J][R], xsum[R];
 #pragma unroll
       for (int m = 0; m < R; ++m) {
-        if (m >= rows) break;
-        float xs[kChunk];
-        load_x<T, kChunk>(x, static_cast<size_t>(m) * K + k, true, xs);
-        float dot = 0.0f;
+        xsum[m] = 0.0f;
 #pragma unroll
-        for (int i = 0; i < kChunk; ++i) dot += xs[i] * wf[i];
-        acc[m] += dot;
+        for (int j = 0; j < J; ++j) dot[j][m] = 0.0f;
       }
-    }
-  }
-  for (int k = vec_end + lane; k < K; k += kWarpSize) {  // the scalar path (K not a multiple of 32)
-    const float wk = widen(__ldg(row + k));
 #pragma unroll
-    for (int m = 0; m < R; ++m)
-      if (m < rows) acc[m] += to_float(__ldg(x + static_cast<size_t>(m) * K + k)) * wk;
-  }
+      for (int p = 0; p < kChunk / kPiece; ++p) {
+        float wf[J][kPiece];
 #pragma unroll
-  for (int m = 0; m < R; ++m) acc[m] *= scale;
-}
-
-// L2 prefetch of this warp's weight row (and row n + N for SwiGLU), `row_bytes` each, a 128-byte line a lane
-// a step. The kernels issue it between KERNEL_ALLOW_DEPENDENTS and KERNEL_WAIT_PREDECESSOR (compat.cuh): the
-// weights, which no kernel writes, stream into L2 while the kernel before this one finishes, and the loads
-// after the wait find them there. Empty before sm_90 and in the harness.
-template <bool SWIGLU>
-__device__ __forceinline__ void prefetch_weight_rows(const void* w, size_t row_bytes, int N) {
-  const int n = blockIdx.x * kGemvWarps + threadIdx.x / kWarpSize;
-  if (n >= N) return;
-  const char* rows = static_cast<const char*>(w);
-  for (size_t at = static_cast<size_t>(threadIdx.x % kWarpSize) * 128; at < row_bytes; at += kWarpSize * 128) {
-    prefetch_l2(rows + static_cast<size_t>(n) * row_bytes + at);
-    if constexpr (SWIGLU) prefetch_l2(rows + static_cast<size_t>(n + N) * row_bytes + at);
-  }
-}
-
-// y = x w^T for dense weights (`scales` null for float weights), or its SwiGLU (weight rows n and n + N).
-template <typename T, typename W, int R, bool SWIGLU>
-__device__ __forceinline__ void gemv_dense(T* __restrict__ y, const T* __restrict__ x, const W* __restrict__ w,
-                                           const __half* __restrict__ scales, int rows, int N, int K) {
-  if (rows < 1 || rows > R || blockDim.x != kGemvWarps * kWarpSize) KERNEL_TRAP();
-  const int lane = threadIdx.x % kWarpSize;
-  const int n = blockIdx.x * kGemvWarps + threadIdx.x / kWarpSize;
-  if (n >= N) return;  // a whole warp leaves together: the reductions below stay full-warp
-  float acc[R], up[R];
-  dense_dot<T, W, R>(x, w + static_cast<size_t>(n) * K, scales ? __half2float(__ldg(scales + n)) : 1.0f, rows, K,
-                     lane, acc);
-  if constexpr (SWIGLU) {
-    const int u = n + N;
-    dense_dot<T, W, R>(x, w + static_cast<size_t>(u) * K, scales ? __half2float(__ldg(scales + u)) : 1.0f, rows, K,
-                       lane, up);
-  }
-  store_rows<T, R, SWIGLU>(y, acc, up, rows, n, N);
-}
-
-// Packed int4 weights: the lane's part of row n's products with each row of x, into acc[m].
-template <typename T, int R>
-__device__ __forceinline__ void int4_dot(const T* __restrict__ x, const uint8_t* __restrict__ q,
-                                         const __half* __restrict__ scales, const __half* __restrict__ offsets,
-                                         int n, int rows, int K, int group, int lane, float* __restrict__ acc) {
+        for (int j = 0; j < J; ++j) Rows::template widen<kPiece>(raw[j][u], p, wf[j]);
 #pragma unroll
-  for (int m = 0; m < R; ++m) acc[m] = 0.0f;
-  const int row_bytes = (K + 1) / 2;
-  const int groups = (K + group - 1) / group;
-  const uint8_t* row = q + static_cast<size_t>(n) * row_bytes;
-  const __half* s_row = scales + static_cast<size_t>(n) * groups;
-  const __half* o_row = offsets + static_cast<size_t>(n) * groups;
-  constexpr int kChunk = 32;  // int4 weights per 16-byte vector
-  const bool vec = K % kChunk == 0 && group % kChunk == 0;
-  const int vec_end = vec ? K : 0;
-  constexpr int kStride = kWarpSize * kChunk;  // weights a warp covers per vector load
-  constexpr int kUnroll = kGemvUnroll<uint8_t>;
-  for (int k0 = lane * kChunk; k0 < vec_end; k0 += kStride * kUnroll) {
-    uint4 raw[kUnroll];
-    load_row_vectors<kUnroll>(row, k0 / 2, kStride / 2, vec_end / 2, raw);
+        for (int m = 0; m < R; ++m) {
+          if (m >= rows) break;
+          float xs[kPiece];
+          load_x<T, kPiece>(x, static_cast<size_t>(m) * K + k + p * kPiece, true, xs);
 #pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
-      const int k = k0 + u * kStride;
-      if (k >= vec_end) break;
-      const uint8_t* bytes = reinterpret_cast<const uint8_t*>(&raw[u]);
-      float w[kChunk];
+          for (int i = 0; i < kPiece; ++i) {
+            if constexpr (kGrouped) xsum[m] += xs[i];
 #pragma unroll
-      for (int i = 0; i < kChunk / 2; ++i) {
-        w[2 * i] = static_cast<float>(bytes[i] & 0xF);
-        w[2 * i + 1] = static_cast<float>(bytes[i] >> 4);
-      }
-      const float s = __half2float(__ldg(s_row + k / group));
-      const float o = __half2float(__ldg(o_row + k / group));
-#pragma unroll
-      for (int m = 0; m < R; ++m) {
-        if (m >= rows) break;
-        float xs[kChunk];
-        load_x<T, kChunk>(x, static_cast<size_t>(m) * K + k, true, xs);
-        float dot = 0.0f, sum = 0.0f;
-#pragma unroll
-        for (int i = 0; i < kChunk; ++i) {
-          dot += xs[i] * w[i];
-          sum += xs[i];
+            for (int j = 0; j < J; ++j) {
+              if constexpr (kGrouped) dot[j][m] += xs[i] * wf[j][i];
+              else acc[j][m] += xs[i] * wf[j][i];
+            }
+          }
         }
-        acc[m] += s * dot + o * sum;
+      }
+      if constexpr (kGrouped) {
+#pragma unroll
+        for (int j = 0; j < J; ++j) {
+          const float s = w.scale(n[j], k), o = w.offset(n[j], k);
+#pragma unroll
+          for (int m = 0; m < R; ++m) acc[j][m] += s * dot[j][m] + o * xsum[m];
+        }
       }
     }
   }
   for (int k = vec_end + lane; k < K; k += kWarpSize) {  // the scalar path
-    const uint8_t byte = __ldg(row + k / 2);
-    const float qk = static_cast<float>(k % 2 ? byte >> 4 : byte & 0xF);
-    const float w = qk * __half2float(__ldg(s_row + k / group)) + __half2float(__ldg(o_row + k / group));
 #pragma unroll
-    for (int m = 0; m < R; ++m)
-      if (m < rows) acc[m] += to_float(__ldg(x + static_cast<size_t>(m) * K + k)) * w;
+    for (int j = 0; j < J; ++j) {
+      const float wk = w.scalar(n[j], k);
+#pragma unroll
+      for (int m = 0; m < R; ++m)
+        if (m < rows) acc[j][m] += to_float(__ldg(x + static_cast<size_t>(m) * K + k)) * wk;
+    }
   }
 }
 
-// y = x w^T for packed int4 weights, or its SwiGLU (weight rows n and n + N).
-template <typename T, int R, bool SWIGLU>
-__device__ __forceinline__ void gemv_int4(T* __restrict__ y, const T* __restrict__ x, const uint8_t* __restrict__ q,
-                                          const __half* __restrict__ scales, const __half* __restrict__ offsets,
-                                          int rows, int N, int K, int group) {
-  if (rows < 1 || rows > R || group < 1 || blockDim.x != kGemvWarps * kWarpSize) KERNEL_TRAP();
-  const int lane = threadIdx.x % kWarpSize;
-  const int n = blockIdx.x * kGemvWarps + threadIdx.x / kWarpSize;
-  if (n >= N) return;
-  float acc[R], up[R];
-  int4_dot<T, R>(x, q, scales, offsets, n, rows, K, group, lane, acc);
-  if constexpr (SWIGLU) int4_dot<T, R>(x, q, scales, offsets, n + N, rows, K, group, lane, up);
-  store_rows<T, R, SWIGLU>(y, acc, up, rows, n, N);
+// The weight rows a warp reads: its columns c (rows n0 + c, the last valid column standing in for those past
+// N, whose results are not stored) and, with SwiGLU, their up rows (+ N).
+template <int C, bool SWIGLU>
+__device__ __forceinline__ void warp_rows(int n0, int N, int* n) {
+#pragma unroll
+  for (int c = 0; c < C; ++c) {
+    n[c] = min(n0 + c, N - 1);
+    if constexpr (SWIGLU) n[C + c] = n[c] + N;
+  }
+}
+
+// The first output column of this warp.
+template <int C>
+__device__ __forceinline__ int warp_first_column() {
+  return (blockIdx.x * kGemvWarps + threadIdx.x / kWarpSize) * C;
+}
+
+// Columns n0 .. n0 + C - 1 of y (those below N) for each row m: the warp's partial sums reduced (and, with
+// SWIGLU, those of the up rows: silu(gate) * up, each sum first rounded to T as the product's output).
+template <typename T, int R, int C, bool SWIGLU>
+__device__ __forceinline__ void store_columns(T* __restrict__ y, const float (&acc)[C * (SWIGLU ? 2 : 1)][R],
+                                              int rows, int n0, int N) {
+#pragma unroll
+  for (int c = 0; c < C; ++c)
+#pragma unroll
+    for (int m = 0; m < R; ++m) {
+      const float total = warp_sum(acc[c][m]);
+      float value = total;
+      if constexpr (SWIGLU)
+        value = swiglu_value<T>(to_float(from_float<T>(total)), to_float(from_float<T>(warp_sum(acc[C + c][m]))));
+      if (m < rows && n0 + c < N && threadIdx.x % kWarpSize == 0)
+        y[static_cast<size_t>(m) * N + n0 + c] = from_float<T>(value);
+    }
+}
+
+// L2 prefetch of this warp's weight rows (its columns' rows, and their up rows for SwiGLU), `row_bytes`
+// each, a 128-byte line a lane a step. The kernels issue it between KERNEL_ALLOW_DEPENDENTS and
+// KERNEL_WAIT_PREDECESSOR (compat.cuh): the weights, which no kernel writes, stream into L2 while the kernel
+// before this one finishes, and the loads after the wait find them there. Empty before sm_90 and in the
+// harness.
+template <int C, bool SWIGLU>
+__device__ __forceinline__ void prefetch_weight_rows(const void* w, size_t row_bytes, int N) {
+  const int n0 = warp_first_column<C>();
+  if (n0 >= N) return;
+  constexpr int J = C * (SWIGLU ? 2 : 1);
+  int n[J];
+  warp_rows<C, SWIGLU>(n0, N, n);
+  const char* rows = static_cast<const char*>(w);
+  for (size_t at = static_cast<size_t>(threadIdx.x % kWarpSize) * 128; at < row_bytes; at += kWarpSize * 128)
+#pragma unroll
+    for (int j = 0; j < J; ++j) prefetch_l2(rows + static_cast<size_t>(n[j]) * row_bytes + at);
+}
+
+// y = x w^T for weight rows stored as `w` says (dense: `scales` null for float weights, one per row for
+// int8), or its SwiGLU (weight rows n and n + N).
+template <typename T, int R, bool SWIGLU, typename Rows>
+__device__ __forceinline__ void gemv(T* __restrict__ y, const T* __restrict__ x, const Rows& w,
+                                     const __half* __restrict__ row_scales, int rows, int N, int K) {
+  constexpr int C = kGemvColumns<typename Rows::Elem>;
+  constexpr int J = C * (SWIGLU ? 2 : 1);
+  if (rows < 1 || rows > R || blockDim.x != kGemvWarps * kWarpSize) KERNEL_TRAP();
+  const int n0 = warp_first_column<C>();
+  if (n0 >= N) return;  // a whole warp leaves together: the reductions below stay full-warp
+  int n[J];
+  warp_rows<C, SWIGLU>(n0, N, n);
+  float acc[J][R];
+  rows_dot<T, Rows, R, J>(x, w, n, rows, K, threadIdx.x % kWarpSize, acc);
+  if (row_scales) {
+#pragma unroll
+    for (int j = 0; j < J; ++j) {
+      const float s = __half2float(__ldg(row_scales + n[j]));
+#pragma unroll
+      for (int m = 0; m < R; ++m) acc[j][m] *= s;
+    }
+  }
+  store_columns<T, R, C, SWIGLU>(y, acc, rows, n0, N);
+}
+
+// log2 of the int4 group size, which must be a power of two (quant.py refuses others).
+__device__ __forceinline__ int group_shift(int group) {
+  const int shift = __ffs(group) - 1;
+  if (group < 1 || group != (1 << shift)) KERNEL_TRAP();
+  return shift;
 }
 
 }  // namespace orin_vlm
 
 // A GEMV kernel's KERNEL_PROLOGUE, with its weight rows (`row_bytes` each, `columns` outputs, and their up
-// rows for SwiGLU) prefetched into L2 between the two halves (prefetch_weight_rows).
-#define ORIN_GEMV_PROLOGUE(SWIGLU, weights, row_bytes, columns)                \
-  KERNEL_ALLOW_DEPENDENTS();                                                   \
-  orin_vlm::prefetch_weight_rows<SWIGLU>((weights), (row_bytes), (columns));   \
+// rows for SwiGLU; C columns a warp) prefetched into L2 between the two halves (prefetch_weight_rows).
+#define ORIN_GEMV_PROLOGUE(C, SWIGLU, weights, row_bytes, columns)                \
+  KERNEL_ALLOW_DEPENDENTS();                                                      \
+  orin_vlm::prefetch_weight_rows<C, SWIGLU>((weights), (row_bytes), (columns));   \
   KERNEL_WAIT_PREDECESSOR()
 
 #define ORIN_GEMV_KERNELS_E(DT, T, R, E, SWIGLU)                                                                     \
   extern "C" __global__ void gemv_float##E##_##DT##_r##R(T* y, const T* x, const T* weight, const __half* scales,      \
                                                         const __half* offsets, int rows, int n, int k, int group) {    \
-    ORIN_GEMV_PROLOGUE(SWIGLU, weight, static_cast<size_t>(k) * sizeof(T), n);                                         \
-    orin_vlm::gemv_dense<T, T, R, SWIGLU>(y, x, weight, nullptr, rows, n, k);                                          \
+    ORIN_GEMV_PROLOGUE(orin_vlm::kGemvColumns<T>, SWIGLU, weight, static_cast<size_t>(k) * sizeof(T), n);              \
+    orin_vlm::gemv<T, R, SWIGLU>(y, x, orin_vlm::DenseRows<T>{weight, k}, nullptr, rows, n, k);                  \
   }                                                                                                                    \
   extern "C" __global__ void gemv_int8##E##_##DT##_r##R(T* y, const T* x, const int8_t* qweight,                       \
                                                        const __half* scales, const __half* offsets, int rows, int n,   \
                                                        int k, int group) {                                             \
-    ORIN_GEMV_PROLOGUE(SWIGLU, qweight, static_cast<size_t>(k), n);                                                    \
-    orin_vlm::gemv_dense<T, int8_t, R, SWIGLU>(y, x, qweight, scales, rows, n, k);                                     \
+    ORIN_GEMV_PROLOGUE(orin_vlm::kGemvColumns<int8_t>, SWIGLU, qweight, static_cast<size_t>(k), n);                    \
+    orin_vlm::gemv<T, R, SWIGLU>(y, x, orin_vlm::DenseRows<int8_t>{qweight, k}, scales, rows, n, k);        \
   }                                                                                                                    \
   extern "C" __global__ void gemv_int4##E##_##DT##_r##R(T* y, const T* x, const uint8_t* qweight,                      \
                                                        const __half* scales, const __half* offsets, int rows, int n,   \
                                                        int k, int group) {                                             \
-    ORIN_GEMV_PROLOGUE(SWIGLU, qweight, static_cast<size_t>(k + 1) / 2, n);                                            \
-    orin_vlm::gemv_int4<T, R, SWIGLU>(y, x, qweight, scales, offsets, rows, n, k, group);                              \
+    ORIN_GEMV_PROLOGUE(orin_vlm::kGemvColumns<uint8_t>, SWIGLU, qweight, static_cast<size_t>(k + 1) / 2, n);           \
+    const orin_vlm::Int4Rows rows_ = {qweight, scales, offsets, k, (k + group - 1) / group,                       \
+                                         orin_vlm::group_shift(group)};                                               \
+    orin_vlm::gemv<T, R, SWIGLU>(y, x, rows_, nullptr, rows, n, k);                                           \
   }
 
 // The kernels of one epilogue (E: empty or _swiglu) for every rows bucket and activation type.

@@ -257,7 +257,8 @@ def test_a_quantized_projection_routes_decode_rows_to_the_kernels_and_prefill_to
 def test_gemv_launch_picks_the_rows_bucket_and_refuses_what_no_kernel_takes():
     assert L.gemv_launch("int8", 3, 37, torch.float16).kernel == "gemv_int8_f16_r4"
     assert L.gemv_launch("float", 5, 37, torch.float16).kernel == "gemv_float_f16_r8"
-    assert L.gemv_launch("int4", 1, 37, torch.bfloat16).grid == (10, 1, 1)
+    assert L.gemv_launch("int4", 1, 37, torch.bfloat16).grid == (5, 1, 1)  # 8 columns a block: 2 a warp
+    assert L.gemv_launch("float", 1, 37, torch.bfloat16).grid == (10, 1, 1)  # 4 columns a block: 1 a warp
     assert L.gemv_launch("int4", 2, 37, torch.bfloat16, swiglu=True).kernel == "gemv_int4_swiglu_bf16_r2"
     with pytest.raises(L.UnsupportedShape, match="1..8 rows"):
         L.gemv_launch("int8", 9, 37, torch.float16)

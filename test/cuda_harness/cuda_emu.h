@@ -141,6 +141,27 @@ inline float rsqrtf(float x) { return 1.0f / sqrtf(x); }
 inline float __fmul_rn(float a, float b) { return a * b; }
 inline float __fadd_rn(float a, float b) { return a + b; }
 
+// Bit reinterpretation and the byte permute (PTX prmt, default mode): byte n of the result is byte s[4n+2:4n]
+// of the eight bytes y:x (x bytes 0..3, y bytes 4..7).
+inline float __uint_as_float(unsigned u) {
+  float f;
+  memcpy(&f, &u, 4);
+  return f;
+}
+inline unsigned __float_as_uint(float f) {
+  unsigned u;
+  memcpy(&u, &f, 4);
+  return u;
+}
+// Position of the least significant set bit, from 1 (0 when none).
+inline int __ffs(int x) { return __builtin_ffs(x); }
+inline unsigned __byte_perm(unsigned x, unsigned y, unsigned s) {
+  const uint64_t bytes = (static_cast<uint64_t>(y) << 32) | x;
+  unsigned r = 0;
+  for (int n = 0; n < 4; ++n) r |= static_cast<unsigned>((bytes >> (8 * ((s >> (4 * n)) & 7u))) & 0xFFu) << (8 * n);
+  return r;
+}
+
 // ---- half precision: 16-bit storage, conversions through _Float16 (IEEE binary16, round to nearest) ----
 struct __half {
   unsigned short __x;
