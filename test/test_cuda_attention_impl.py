@@ -153,7 +153,7 @@ def test_select_backend_cuda_without_gpu_reports_off_or_raises():
 
 def test_decode_graph_is_eager_on_cpu():
     calls = []
-    runner = DecodeGraph(lambda: calls.append(1) or torch.ones(2), "cpu")
+    runner = DecodeGraph(lambda: calls.append(1) or torch.ones(2), "cpu", stream=None)
     assert torch.equal(runner.run(), torch.ones(2)) and torch.equal(runner(), torch.ones(2))
     assert len(calls) == 2 and not runner.captured and runner.describe()["eager_reason"] == "cpu device"
     assert runner.eager

@@ -116,7 +116,7 @@ def test_gpu_graph_decode_replays_across_page_boundaries(backend):
     q_in = torch.zeros(1, nq, hd, device="cuda", dtype=dtype)
     k_in = torch.zeros(1, nkv, hd, device="cuda", dtype=dtype)
     v_in = torch.zeros(1, nkv, hd, device="cuda", dtype=dtype)
-    runner = DecodeGraph(lambda: da(0, q_in, k_in, v_in), "cuda")
+    runner = DecodeGraph(lambda: da(0, q_in, k_in, v_in), "cuda", stream=torch.cuda.Stream())
     for _ in range(30):  # slots 40..69 cross the page boundaries at 48 and 64
         ours.prepare_static_decode(sa, ba)
         ref.prepare_static_decode(sb, bb)

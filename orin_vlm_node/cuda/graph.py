@@ -39,7 +39,7 @@ class DecodeGraph:
     whoever reallocates the model, the static buffers or the KV pools builds new ``DecodeGraph``s.
     ``pool``: a graph memory pool to share with other graphs (None: this graph gets its own).
     ``stream``: the side stream to warm up and capture on, shared with the process's other captures (see
-    the module docstring; None: a stream of its own, which costs cuBLAS a workspace for good).
+    the module docstring); None only where nothing is captured (a CPU device, graphs disabled).
     """
 
     def __init__(
@@ -49,7 +49,8 @@ class DecodeGraph:
         enabled: bool = True,
         warmup: int = 2,
         pool: Any = None,
-        stream: torch.cuda.Stream | None = None,
+        *,
+        stream: torch.cuda.Stream | None,
     ):
         self.fn = fn
         self.device = torch.device(device)
@@ -64,6 +65,8 @@ class DecodeGraph:
             self.fallback_reason = "cpu device"
         elif not enabled:
             self.fallback_reason = "disabled by use_cuda_graph"
+        elif stream is None:
+            raise ValueError("a CUDA graph is captured on the process's capture stream: pass it as stream")
         self.replays = 0
         self.captures = 0
 
@@ -98,7 +101,7 @@ class DecodeGraph:
         }
 
     def _capture(self) -> None:
-        side = self._stream or torch.cuda.Stream(self.device)
+        side = self._stream
         current = torch.cuda.current_stream(self.device)
         try:
             side.wait_stream(current)
