@@ -89,11 +89,12 @@ def _cuda_ms(torch, fn, iters: int = 200, warmup: int = 20) -> float:
 def decode_weight_bytes(model) -> int:
     """Bytes one decode step reads from weights: every text-decoder parameter except the embedding table
     (one row is read), plus the LM head (the embedding matrix itself when tied), and the quantized
-    projections as stored (``weight_quant``)."""
+    projections and LM head as stored (``weight_quant``)."""
     from orin_vlm_node.model.quant import QuantizedLinear
 
-    total = sum(m.nbytes for m in model.language_model.modules() if isinstance(m, QuantizedLinear))
-    embed = head = None
+    quantized = {name: m for name, m in model.named_modules() if isinstance(m, QuantizedLinear)}
+    total = sum(m.nbytes for name, m in quantized.items() if not name.startswith("visual."))
+    embed, head = None, quantized.get("lm_head")
     for name, p in model.named_parameters():
         if name.startswith("visual."):
             continue

@@ -114,7 +114,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     described = engine.describe()
     backend = {
         k: described[k]
-        for k in ("device", "dtype", "weight_quant", "weight_mb", "weight_path", "kernels", "decode_path", "kv_pool")
+        for k in (
+            "device",
+            "dtype",
+            "weight_quant",
+            "lm_head",
+            "weight_mb",
+            "weight_path",
+            "kernels",
+            "decode_path",
+            "kv_pool",
+        )
     }
     if described["kernels_degraded"]:
         print(f"warning: {described['kernels']}", file=sys.stderr)

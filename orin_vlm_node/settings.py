@@ -115,6 +115,9 @@ SETTINGS: tuple[Setting, ...] = (
        choices=("none", "int8", "int4")),
     _s("weight_quant_group_size", int, 128, "int4: weights per scale and offset along the input; a power of two "
        "no larger than any projection's input", E, RO, min=2, max=8192),
+    _s("weight_quant_lm_head", bool, True, "with weight_quant int8 or int4, store the LM head in int8 too (per "
+       "output channel, whatever the mode: every logit goes through it); a head tied to the embedding table is "
+       "a copy beside it, half its bytes", E, RO),
     # -- KV cache
     _s("use_paged_attention", bool, True, "paged KV cache (block pool); false = contiguous baseline", E, BETWEEN),
     _s("page_size", int, 16, "tokens per KV block; a power of two", E, BETWEEN, unit="tokens", min=1, max=256),

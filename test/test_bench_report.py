@@ -171,8 +171,9 @@ def test_decode_weight_bytes_counts_the_text_decoder_and_one_lm_head():
     import torch
 
     from bench.gpu import decode_weight_bytes
+    from orin_vlm_node.model.quant import LM_HEAD_QUANT, QuantizedLinear
 
-    def model(tied: bool) -> torch.nn.Module:
+    def model(tied: bool, quantized_head: bool = False) -> torch.nn.Module:
         m = torch.nn.Module()
         m.visual = torch.nn.Linear(8, 8)  # never read in decode
         m.language_model = torch.nn.Module()
@@ -180,11 +181,15 @@ def test_decode_weight_bytes_counts_the_text_decoder_and_one_lm_head():
         m.language_model.layer = torch.nn.Linear(16, 16, bias=False)
         if not tied:
             m.lm_head = torch.nn.Linear(16, 100, bias=False)
+        if quantized_head:  # int8 (100, 16) + fp16 scales (100,); a tied table stays for the lookups
+            m.lm_head = QuantizedLinear.from_weight(m.language_model.embed_tokens.weight, LM_HEAD_QUANT)
         return m
 
     layer = 16 * 16 * 4
     assert decode_weight_bytes(model(tied=True)) == layer + 100 * 16 * 4
     assert decode_weight_bytes(model(tied=False)) == layer + 100 * 16 * 4  # lm_head instead of the embedding
+    for tied in (True, False):
+        assert decode_weight_bytes(model(tied, quantized_head=True)) == layer + 100 * 16 + 100 * 2
 
 
 def test_gpu_section_parts_record_a_failure_and_stop_starting_parts_once_the_budget_is_spent(tmp_path, monkeypatch):

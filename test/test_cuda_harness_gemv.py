@@ -44,7 +44,7 @@ def test_gemv_kernels_match_the_torch_reference(harness, mode, dtype, n, k, grou
     module = _quantized(n, k, mode, group, seed=n * k)
     gemv = CudaGemv(harness)
     weight = module.dequantize(torch.float32)
-    for rows in (1, 3, 8):
+    for rows in (1, 3, 8, 13):  # 13: a batch beyond one launch's 8 rows, in two launches
         x = torch.randn(rows, k).to(dtype)
         assert gemv.fits(module, x)
         got = gemv(module, x)
@@ -72,6 +72,7 @@ def test_the_float_gemv_kernel_matches_f_linear(harness, dtype, n, k):
         expected = F.linear(x.float(), linear.weight.float())
         scale = expected.abs().amax().item()
         torch.testing.assert_close(got.float(), expected, rtol=RTOL[dtype], atol=RTOL[dtype] * scale)
+    assert not module.kernels.fits(module, torch.zeros(9, k, dtype=dtype))  # float weights: one launch's rows
 
 
 @pytest.mark.parametrize("mode", ["float", "int8", "int4"])
@@ -90,7 +91,7 @@ def test_the_swiglu_epilogue_matches_the_product_then_the_activation(harness, mo
         module = _quantized(2 * n, k, mode, group, seed=n * k)
         module.kernels = CudaGemv(harness)
         weight = module.dequantize(torch.float32)
-    for rows in (1, 3, 8):
+    for rows in (1, 3, 8) if mode == "float" else (1, 3, 8, 13):  # quantized: 13 rows in two launches
         x = (torch.randn(rows, k, generator=torch.Generator().manual_seed(rows)) * 2).to(dtype)
         assert module.kernel_takes(x)
         got = module.kernels(module, x, swiglu=True)
@@ -187,7 +188,8 @@ def test_a_model_routed_to_the_kernels_computes_what_it_computed_and_detaching_r
 
     path = cached_tiny_checkpoint()
     cache = Engine(EngineConfig(model_path=str(path), device="cpu", max_sessions=0)).cache
-    model = load_model(path, quant=WeightQuant(mode, 32) if mode != "none" else None)
+    # The LM head stays float: a model with both quantized and float weights to route.
+    model = load_model(path, quant=WeightQuant(mode, 32, lm_head=False) if mode != "none" else None)
     sites = [*model.language_model.projection_sites(), (model, "lm_head")]
     loaded = [getattr(parent, attr) for parent, attr in sites]
 
@@ -243,6 +245,29 @@ def test_a_model_routed_to_the_kernels_computes_what_it_computed_and_detaching_r
     assert all(getattr(parent, attr) is m for (parent, attr), m in zip(sites, loaded, strict=True))
 
 
+def test_a_quantized_lm_head_takes_the_kernels_and_the_model_computes_what_it_computed(harness):
+    path = cached_tiny_checkpoint()
+    model = load_model(path, quant=WeightQuant("int8"))  # the LM head quantized too (tied: a copy)
+    from orin_vlm_node.engine import Engine, EngineConfig
+
+    cache = Engine(EngineConfig(model_path=str(path), device="cpu", max_sessions=0)).cache
+    ids = torch.arange(5, 25)  # 20 tokens: more rows than the kernels take
+
+    def logits() -> torch.Tensor:
+        seq = cache.new_sequence()
+        out = model.forward(ids, torch.arange(len(ids)).expand(3, -1), cache.step(seq, len(ids)))
+        cache.release(seq)
+        return out
+
+    want = logits()
+    launcher = RecordingLauncher(harness)
+    what = attach_gemv(model, CudaGemv(launcher))
+    projections = 4 * model.config.text.num_hidden_layers
+    assert what == f"GEMV kernels for decode rows: {projections} quantized projections + int8 LM head"
+    torch.testing.assert_close(logits(), want, rtol=1e-4, atol=1e-5)
+    assert launcher.kernels == ["gemv_int8_f32_r1"]  # a prefill: torch's products, but the head's last row
+
+
 def test_a_quantized_projection_routes_decode_rows_to_the_kernels_and_prefill_to_torch(harness):
     module = _quantized(48, 128, "int4", 32, seed=1)
     launcher = RecordingLauncher(harness)
@@ -265,7 +290,8 @@ def test_gemv_launch_picks_the_rows_bucket_and_refuses_what_no_kernel_takes():
     with pytest.raises(L.UnsupportedShape, match="int3"):
         L.gemv_launch("int3", 1, 37, torch.float16)
     gemv = CudaGemv(None)
-    assert not gemv.fits(_quantized(8, 32, "int8", 32, seed=0), torch.randn(9, 32))
+    assert gemv.fits(_quantized(8, 32, "int8", 32, seed=0), torch.randn(16, 32))  # a batch of 16: two launches
+    assert not gemv.fits(_quantized(8, 32, "int8", 32, seed=0), torch.randn(17, 32))
     half = GemvLinear(torch.nn.Linear(32, 8, bias=False).half(), gemv, rows=8)
     assert not gemv.fits(half, torch.randn(2, 32))  # fp32 rows, fp16 weight
     assert gemv.fits(half, torch.randn(2, 32).half())

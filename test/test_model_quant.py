@@ -6,6 +6,7 @@ or per-group grid), and the float model whose projection weights are replaced by
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 from unittest import mock
@@ -19,7 +20,7 @@ from orin_vlm_node.cpu.gemm import BoundWeight
 from orin_vlm_node.engine import Engine, EngineConfig, EngineError, Request, SamplingParams, Turn
 from orin_vlm_node.model import CheckpointError, load_model
 from orin_vlm_node.model.cpu_linear import KERNEL_ROWS, CpuQuantLinear, use_cpu_gemm
-from orin_vlm_node.model.quant import QuantizedLinear, WeightQuant, weight_bytes
+from orin_vlm_node.model.quant import LM_HEAD_QUANT, QuantizedLinear, WeightQuant, weight_bytes
 from orin_vlm_node.model.text import DecoderLayer
 from support.checkpoints import cached_tiny_checkpoint
 
@@ -86,20 +87,29 @@ def checkpoint():
     return cached_tiny_checkpoint()
 
 
+def _assert_quantized_as(got: torch.nn.Module, weight: torch.Tensor, quant: WeightQuant) -> None:
+    assert isinstance(got, QuantizedLinear) and got.mode == quant.mode
+    for name, buffer in QuantizedLinear.from_weight(weight, quant).named_buffers():
+        assert torch.equal(getattr(got, name), buffer), name
+
+
+@pytest.mark.parametrize("tie", [True, False], ids=["tied", "untied"])
 @pytest.mark.parametrize("quant", [WeightQuant("int8"), WeightQuant("int4", 32)])
-def test_the_loader_quantizes_every_decoder_projection_as_quantizing_the_float_weights_does(checkpoint, quant):
+def test_the_loader_quantizes_every_decoder_projection_as_quantizing_the_float_weights_does(quant, tie):
+    checkpoint = cached_tiny_checkpoint(tie=tie)
     plain = load_model(checkpoint)
     model = load_model(checkpoint, quant=quant)
     for layer, ref in zip(model.language_model.layers, plain.language_model.layers, strict=True):
         for sub, attr in DecoderLayer.PROJECTIONS:
-            got, float_module = getattr(getattr(layer, sub), attr), getattr(getattr(ref, sub), attr)
-            assert isinstance(got, QuantizedLinear) and got.mode == quant.mode
-            expected = QuantizedLinear.from_weight(float_module.weight, quant)
-            for name, buffer in expected.named_buffers():
-                assert torch.equal(getattr(got, name), buffer), (sub, attr, name)
+            _assert_quantized_as(getattr(getattr(layer, sub), attr), getattr(getattr(ref, sub), attr).weight, quant)
+    # The LM head in int8 whatever the mode (tied: quantized from the embedding table, which stays).
+    _assert_quantized_as(model.lm_head, plain.lm_head.weight, LM_HEAD_QUANT)
     # Everything else is the checkpoint's, untouched.
-    assert torch.equal(model.lm_head.weight, plain.lm_head.weight)
+    assert torch.equal(model.language_model.embed_tokens.weight, plain.language_model.embed_tokens.weight)
     assert torch.equal(model.visual.patch_embed.proj.weight, plain.visual.patch_embed.proj.weight)
+    kept = load_model(checkpoint, quant=dataclasses.replace(quant, lm_head=False))
+    assert torch.equal(kept.lm_head.weight, plain.lm_head.weight)
+    assert (kept.lm_head.weight is kept.language_model.embed_tokens.weight) == tie
 
 
 @pytest.mark.parametrize("quant", [WeightQuant("int8"), WeightQuant("int4", 32)])
@@ -109,6 +119,9 @@ def test_a_quantized_model_computes_what_the_float_model_with_the_dequantized_we
     for layer, ref in zip(model.language_model.layers, reference.language_model.layers, strict=True):
         for sub, attr in DecoderLayer.PROJECTIONS:
             getattr(getattr(ref, sub), attr).weight.copy_(getattr(getattr(layer, sub), attr).dequantize(torch.float32))
+    head = model.lm_head.dequantize(torch.float32)  # (vocab, hidden); a new module: the embedding stays
+    reference.lm_head = torch.nn.Linear(head.shape[1], head.shape[0], bias=False)
+    reference.lm_head.weight.data = head
     engine = Engine(EngineConfig(model_path=str(checkpoint), device="cpu"))
     ids = engine.tokenizer.encode("What is on the table? Count the boxes.")
     positions = torch.arange(len(ids)).expand(3, -1)
@@ -129,7 +142,7 @@ def test_weight_bytes_of_the_projections_fall_to_the_quantized_share(checkpoint)
         for sub, attr in DecoderLayer.PROJECTIONS
     )
     fp16_bytes = 2 * projections
-    for quant, share in ((WeightQuant("int8"), 0.55), (WeightQuant("int4", 32), 0.32)):
+    for quant, share in ((WeightQuant("int8", lm_head=False), 0.55), (WeightQuant("int4", 32, lm_head=False), 0.32)):
         model = load_model(checkpoint, quant=quant)
         saved = weight_bytes(plain) - weight_bytes(model)  # fp32 projections -> quantized ones
         quantized = 4 * projections - saved
@@ -146,9 +159,9 @@ def test_the_cpu_kernels_compute_what_the_torch_path_computes(checkpoint, gemm, 
     with_kernels, torch_path = load_model(checkpoint, quant=quant), load_model(checkpoint, quant=quant)
     layers = with_kernels.language_model.layers
     projections = 4 * len(layers)
-    assert f"({projections} quantized projections + LM head;" in use_cpu_gemm(with_kernels, gemm)
+    assert f"({projections} quantized projections + int8 LM head;" in use_cpu_gemm(with_kernels, gemm)
     routed = [getattr(getattr(layer, s), a) for layer in layers for s, a in layer.PROJECTIONS]
-    assert all(isinstance(m, CpuQuantLinear) for m in routed)
+    assert all(isinstance(m, CpuQuantLinear) for m in [*routed, with_kernels.lm_head])
     assert weight_bytes(with_kernels) == weight_bytes(torch_path)  # the stored bytes, not a copy
     engine = Engine(EngineConfig(model_path=str(checkpoint), device="cpu"))
     text = "Where is the charging station? Count the boxes on the shelf."
@@ -178,6 +191,7 @@ def test_an_engine_with_quantized_weights_uses_the_cpu_kernels_and_answers_as_th
     engine = Engine(cfg)
     described = engine.describe()
     assert described["weight_quant"] == mode and described["weight_mb"] < plain.describe()["weight_mb"]
+    assert described["lm_head"] == "int8" and plain.describe()["lm_head"] == "float32"
     assert (
         described["weight_path"]
         == f"{mode}: CPU GEMM kernels on the stored weights, few rows for 1..16, many rows above"

@@ -38,7 +38,12 @@ class CudaGemv:
     ``time_us(fn, calls)``: device microseconds of one ``fn()`` (``graph.device_us`` bound to the process's
     capture stream: in a CUDA graph), what :meth:`faster_rows` measures with; None for products only."""
 
-    max_rows = L.GEMV_ROW_BUCKETS[-1]
+    max_rows = L.GEMV_ROW_BUCKETS[-1]  # rows one launch takes
+    # Rows a quantized weight takes, in launches of up to max_rows: every decode batch (max_batch is at most
+    # 16). Reading the stored weight once a launch costs less than widening all of it for torch's product,
+    # which in a CUDA graph would also keep the widened copy in the graph's memory pool (622 MB for the 2B's
+    # LM head).
+    max_quantized_rows = 2 * max_rows
 
     def __init__(self, launcher, time_us: Callable[..., float] | None = None) -> None:
         self.launcher = launcher
@@ -46,11 +51,12 @@ class CudaGemv:
         self._silu_mul = CudaFusedOps(launcher).silu_mul  # what follows F.linear where the epilogue is not used
 
     def fits(self, module, x: torch.Tensor) -> bool:
-        """Whether the kernels take ``module``'s product of ``x`` (L, K): 1..max_rows rows of a supported dtype,
-        16-byte aligned, and for a float weight one in x's dtype (every quantized format and shape is taken)."""
+        """Whether the kernels take ``module``'s product of ``x`` (L, K): 1..max_rows rows (max_quantized_rows for
+        a quantized weight) of a supported dtype, 16-byte aligned, and for a float weight one in x's dtype
+        (every quantized format and shape is taken)."""
         return (
             x.dim() == 2
-            and 1 <= x.shape[0] <= self.max_rows
+            and 1 <= x.shape[0] <= (self.max_rows if module.mode == "float" else self.max_quantized_rows)
             and str(x.dtype).removeprefix("torch.") in L.DTYPE_TAGS
             and x.data_ptr() % 16 == 0
             and (module.mode != "float" or _takes_weight(module.matrix, x))
@@ -103,7 +109,8 @@ class CudaGemv:
         return rows, f"{chosen} (kernel vs F.linear: {', '.join(timings)})"
 
     def _product(self, x: torch.Tensor, mode: str, stored: tuple, group: int, swiglu: bool) -> torch.Tensor:
-        """Launch ``gemv_<mode>[_swiglu]`` on x (L, K) and the stored weight (weight or qweight, scales, offsets)."""
+        """Launch ``gemv_<mode>[_swiglu]`` on x (L, K) and the stored weight (weight or qweight, scales, offsets),
+        once for every max_rows rows."""
         x = x.contiguous()
         rows, k = x.shape
         n = stored[0].shape[0]
@@ -114,7 +121,10 @@ class CudaGemv:
             raise ValueError(f"a SwiGLU product needs gate and up rows alike, the weight has {n} rows")
         n //= 1 + swiglu
         y = torch.empty((rows, n), dtype=x.dtype, device=x.device)
-        self.launcher.launch(L.gemv_launch(mode, rows, n, x.dtype, swiglu), [y, x, *stored, rows, n, k, group])
+        for first in range(0, rows, self.max_rows):
+            piece = min(self.max_rows, rows - first)
+            cfg = L.gemv_launch(mode, piece, n, x.dtype, swiglu)
+            self.launcher.launch(cfg, [y[first:], x[first:], *stored, piece, n, k, group])
         return y
 
     def _torch_product(self, x: torch.Tensor, weight: torch.Tensor, swiglu: bool) -> torch.Tensor:

@@ -39,6 +39,7 @@ class EngineConfig:
     dtype: str = _default("dtype")
     weight_quant: str = _default("weight_quant")
     weight_quant_group_size: int = _default("weight_quant_group_size")
+    weight_quant_lm_head: bool = _default("weight_quant_lm_head")
     use_paged_attention: bool = _default("use_paged_attention")
     page_size: int = _default("page_size")
     kv_pool_mb: int = _default("kv_pool_mb")
@@ -67,7 +68,7 @@ class EngineConfig:
 
     @property
     def quant(self) -> WeightQuant:
-        return WeightQuant(self.weight_quant, self.weight_quant_group_size)
+        return WeightQuant(self.weight_quant, self.weight_quant_group_size, self.weight_quant_lm_head)
 
 
 FIELDS = frozenset(f.name for f in dataclasses.fields(EngineConfig))
@@ -75,7 +76,9 @@ SCHEMA_FIELDS = frozenset(s.name for s in settings.settings_for("engine"))
 
 # Which part of the engine a change rebuilds (anything else: nothing, it is read per request).
 REBUILDS: dict[str, frozenset[str]] = {
-    "model": frozenset({"model_path", "device", "dtype", "weight_quant", "weight_quant_group_size"}),
+    "model": frozenset(
+        {"model_path", "device", "dtype", "weight_quant", "weight_quant_group_size", "weight_quant_lm_head"}
+    ),
     "kv_cache": frozenset(
         {
             "use_paged_attention",

@@ -150,8 +150,8 @@ class Engine:
         self._cpu_gemm, why = cpu_gemm_for(self.device, self.dtype, cfg.kernel_dir, cfg.kernel_cache_dir)
         self._float_path = use_cpu_gemm(self.model, self._cpu_gemm) if self._cpu_gemm else f"F.linear ({why})"
         self.weight_bytes = weight_bytes(self.model)
-        log.info("model %s loaded on %s as %s (weights: %s, %.1f MB)", cfg.model_dir, self.device, self.dtype,
-                 cfg.weight_quant, self.weight_bytes / 1e6)  # fmt: skip
+        log.info("model %s loaded on %s as %s (weights: %s, LM head %s, %.1f MB)", cfg.model_dir, self.device,
+                 self.dtype, cfg.weight_quant, self.lm_head_storage, self.weight_bytes / 1e6)  # fmt: skip
 
     def _load_processing(self) -> None:
         cfg = self._config
@@ -274,6 +274,12 @@ class Engine:
             log.info("engine reconfigured: %s", ", ".join(f"{k}={fields[k]!r}" for k in sorted(changed)))
 
     @property
+    def lm_head_storage(self) -> str:
+        """How the LM head is stored: its quantized format (``weight_quant_lm_head``) or the model's dtype."""
+        head = self._config.quant.head
+        return head.mode if head else str(self.dtype).replace("torch.", "")
+
+    @property
     def weight_path(self) -> str:
         """How the projections multiply: on CUDA with the kernels, which take the GEMV kernels for decode rows
         (quantized ones all, float ones where they measured faster); else float weights through the CPU GEMM
@@ -308,6 +314,7 @@ class Engine:
             "device": str(self.device),
             "dtype": str(self.dtype).replace("torch.", ""),
             "weight_quant": cfg.weight_quant,
+            "lm_head": self.lm_head_storage,
             "weight_mb": round(self.weight_bytes / 1e6, 3),
             "weight_path": self.weight_path,
             "paged_attention": cfg.use_paged_attention,

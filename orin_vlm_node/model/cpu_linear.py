@@ -162,24 +162,25 @@ def use_cpu_gemm(model: nn.Module, gemm: RowsGemm) -> str:
     ``gemm``; what was done, for the log and diagnostics. The caller (the engine, through
     ``cpu.cpu_gemm_for``) checked device and dtype."""
     routed = quantized = 0
-    dtype = model.lm_head.weight.dtype  # the model's float dtype: its activations'
-    for parent, attr in model.language_model.projection_sites():
+    dtype = model.language_model.embed_tokens.weight.dtype  # the model's float dtype: its activations'
+    head = "LM head"
+    for parent, attr in [*model.language_model.projection_sites(), (model, "lm_head")]:
         module = getattr(parent, attr)
         if isinstance(module, QuantizedLinear):
             if not quant_refusal(module.mode, module.group_size, gemm):
                 setattr(parent, attr, CpuQuantLinear(module, gemm, dtype))
-                quantized += 1
+                quantized += attr != "lm_head"
+                head = f"{module.mode} LM head" if attr == "lm_head" else head
             continue
         setattr(parent, attr, CpuLinear(module.weight, gemm))
-        routed += 1
-    model.lm_head = CpuLinear(model.lm_head.weight, gemm)
+        routed += attr != "lm_head"
     above = "many rows above"
-    if _bf16_on_torch(model.lm_head.matrix, gemm):
+    if _bf16_on_torch(model.language_model.embed_tokens.weight, gemm):
         above = "torch's GEMM above (this CPU has bf16 arithmetic)"
     counts = [f"{routed} projections"] if routed else []
     counts += [f"{quantized} quantized projections"] if quantized else []
     what = (
-        f"CPU GEMM kernels, few rows for 1..{KERNEL_ROWS}, {above} ({' + '.join([*counts, 'LM head'])}; "
+        f"CPU GEMM kernels, few rows for 1..{KERNEL_ROWS}, {above} ({' + '.join([*counts, head])}; "
         f"library {gemm.origin})"
     )
     log.info("CPU projections: %s", what)

@@ -130,7 +130,13 @@ def attach_gemv(model: nn.Module, kernels: GemvKernels | None, floats: bool = Tr
         if rows:
             setattr(parent, attr, GemvLinear(module, kernels, rows))
             routed += 1
-    parts = [f"{len(quantized)} quantized projections"] if quantized else []
+    counts = []
+    projections = sum(m is not model.lm_head for m in quantized)
+    if projections:
+        counts.append(f"{projections} quantized projections")
+    if isinstance(model.lm_head, QuantizedLinear):
+        counts.append(f"{model.lm_head.mode} LM head")
+    parts = [" + ".join(counts)] if counts else []
     if floating and not floats:
         parts.append(f"float ones: F.linear ({len(floating)}; decode not in CUDA graphs)")
     elif floating:

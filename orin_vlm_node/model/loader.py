@@ -64,7 +64,9 @@ def load_model(
         total / 1e6,
         str(target).replace("torch.", ""),
         device,
-        f", decoder projections as {quant.mode}" if quantizer else "",
+        f", decoder projections as {quant.mode}{', LM head as ' + quant.head.mode if quant.head else ''}"
+        if quantizer
+        else "",
     )
     done_bytes = 0
     next_report = 0.1
@@ -87,6 +89,8 @@ def load_model(
                 if done_bytes >= min(next_report, 1.0) * total:
                     logger.info("  %3.0f%% (%s)", 100 * done_bytes / total, file.name)
                     next_report = done_bytes / total + 0.1
+    if quantizer:
+        quantizer.finish()
     model.init_buffers()
     model.eval()
     logger.info(
@@ -117,18 +121,21 @@ def refuse_quantized_checkpoint(root: Path) -> None:
 
 
 class _QuantizeOnLoad:
-    """The decoder projections quantized while the checkpoint streams in.
+    """The decoder projections (and the LM head, ``WeightQuant.head``) quantized while the checkpoint streams in.
 
     Each projection's float weight is allocated when its first checkpoint matrix arrives (not up front),
     filled, quantized once all of its matrices are in, and dropped; so the float copy of only a few
-    projections exists at any time.
+    projections exists at any time. A head tied to the embedding table is quantized from the table once
+    the checkpoint is in (:meth:`finish`); the table stays.
     """
 
     def __init__(self, model: Qwen3VLModel, quant: WeightQuant, dtype: torch.dtype, device: torch.device) -> None:
-        self.quant, self.dtype, self.device = quant, dtype, device
-        self.modules: dict[str, tuple[nn.Module, str, nn.Module]] = {}  # module name -> (parent, attr, module)
+        self.model, self.dtype, self.device = model, dtype, device
+        # module name -> (parent, attr, module, how it is stored)
+        self.modules: dict[str, tuple[nn.Module, str, nn.Module, WeightQuant]] = {}
         self.owner: dict[str, str] = {}  # checkpoint view name -> module name
         self.remaining: dict[str, set[str]] = {}
+        self.tied_head = quant.head if model.config.tie_word_embeddings else None
         inputs = []
         for i, layer in enumerate(model.language_model.layers):
             for sub, attr in layer.PROJECTIONS:
@@ -137,16 +144,20 @@ class _QuantizeOnLoad:
                 name = f"language_model.layers.{i}.{sub}.{attr}"
                 parts = module.parts if isinstance(module, FusedLinear) else {attr: module.weight.shape[0]}
                 views = {f"language_model.layers.{i}.{sub}.{part}.weight" for part in parts}
-                self.modules[name] = (parent, attr, module)
+                self.modules[name] = (parent, attr, module, quant)
                 self.remaining[name] = set(views)
                 self.owner.update(dict.fromkeys(views, name))
                 inputs.append(module.weight.shape[1])
         quant.check(tuple(inputs))
-        self.deferred = frozenset(id(m.weight) for _, _, m in self.modules.values())
+        if quant.head and not self.tied_head:
+            self.modules["lm_head"] = (model, "lm_head", model.lm_head, quant.head)
+            self.remaining["lm_head"] = {"lm_head.weight"}
+            self.owner["lm_head.weight"] = "lm_head"
+        self.deferred = frozenset(id(m.weight) for _, _, m, _ in self.modules.values())
 
     def target(self, view: str) -> torch.Tensor:
         """The tensor the checkpoint matrix ``view`` is copied into (its projection allocated if need be)."""
-        _, _, module = self.modules[self.owner[view]]
+        _, _, module, _ = self.modules[self.owner[view]]
         if module.weight.is_meta:
             module.weight = nn.Parameter(
                 torch.empty(module.weight.shape, dtype=self.dtype, device=self.device), requires_grad=False
@@ -160,8 +171,13 @@ class _QuantizeOnLoad:
         name = self.owner[view]
         self.remaining[name].discard(view)
         if not self.remaining[name]:
-            parent, attr, module = self.modules.pop(name)
-            setattr(parent, attr, QuantizedLinear.from_weight(module.weight, self.quant))
+            parent, attr, module, quant = self.modules.pop(name)
+            setattr(parent, attr, QuantizedLinear.from_weight(module.weight, quant))
+
+    def finish(self) -> None:
+        """After the last tensor: a tied head quantized from the embedding table (which stays as it is)."""
+        if self.tied_head:
+            self.model.lm_head = QuantizedLinear.from_weight(self.model.lm_head.weight, self.tied_head)
 
 
 def weight_files(root: Path) -> list[Path]:

@@ -3,7 +3,13 @@
 Why: a decode step at batch 1 reads every weight once per token, so on a Jetson its speed is weight
 bytes / memory bandwidth, and the weights are most of what the model takes of the robot's memory. The
 activations stay in the model's dtype; only the stored weights shrink (and are widened again in the
-product). Embeddings, norms, ``lm_head`` and the vision tower keep the checkpoint dtype.
+product). Embeddings, norms and the vision tower keep the checkpoint dtype.
+
+The LM head is stored in INT8 whatever the mode (``WeightQuant.lm_head``, on by default): it is the largest
+single product of a step (the 2B's 151936 x 2048 is 18% of its fp16 weight bytes, and in fp16 it was 46%
+of what an INT4 step reads), and every logit goes through it, so it gets the finer of the two formats. A
+head tied to the embedding table becomes a quantized copy beside the table, which stays in the checkpoint
+dtype for the token lookups (half the table's bytes more than sharing it).
 
 Formats (the layout the CUDA GEMV kernels and the CPU GEMM kernels read, and what
 :meth:`QuantizedLinear.forward` computes):
@@ -38,6 +44,12 @@ class WeightQuant:
 
     mode: str = "none"  # one of WEIGHT_QUANT_MODES
     group_size: int = 128  # int4: weights per (scale, offset) along the input dimension
+    lm_head: bool = True  # with a mode other than none: the LM head stored as LM_HEAD_QUANT
+
+    @property
+    def head(self) -> WeightQuant | None:
+        """How the LM head is stored when quantized, or None (it keeps the checkpoint dtype)."""
+        return LM_HEAD_QUANT if self.mode != "none" and self.lm_head else None
 
     def check(self, in_features: tuple[int, ...] = ()) -> None:
         """ValueError for an unknown mode or a group size that is not a power of two or is larger than one
@@ -54,6 +66,9 @@ class WeightQuant:
                 f"weight_quant_group_size {g} is larger than the smallest projection input ({min(in_features)}): "
                 "use a group size that fits every projection"
             )
+
+
+LM_HEAD_QUANT = WeightQuant("int8")
 
 
 class QuantizedLinear(nn.Module):
