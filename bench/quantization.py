@@ -57,9 +57,11 @@ def _projection_bytes(model) -> tuple[int, int]:
     stored = count = 0
     for parent, attr in model.language_model.projection_sites():
         module = getattr(parent, attr)
-        if isinstance(module, QuantizedLinear):
-            stored += module.nbytes
-            count += module.in_features * module.out_features
+        # A quantized projection, or one the CPU kernels wrap (CpuQuantLinear holds it as a child).
+        quantized = [m for m in module.modules() if isinstance(m, QuantizedLinear)]
+        if quantized:
+            stored += sum(m.nbytes for m in quantized)
+            count += sum(m.in_features * m.out_features for m in quantized)
         else:  # a float projection (nn.Linear, or CpuLinear on the CPU kernels): its one weight parameter
             stored += sum(p.numel() * p.element_size() for p in module.parameters())
             count += sum(p.numel() for p in module.parameters())
