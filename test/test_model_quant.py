@@ -63,6 +63,18 @@ def test_int4_is_the_nearest_step_of_each_groups_grid_for_any_shape(n, k, group)
     torch.testing.assert_close(q(x), F.linear(x, q.dequantize(torch.float32)))
 
 
+@pytest.mark.parametrize("quant", [WeightQuant("int8"), WeightQuant("int4", 32)])
+def test_a_weight_quantized_a_few_rows_at_a_time_is_stored_as_all_at_once(quant, monkeypatch):
+    """from_weight works through a large weight (an LM head) in pieces of rows, so its fp32 working copies
+    stay small; the pieces (here 3 rows of 100 weights, the last one short) store what one pass stores."""
+    w = torch.randn(10, 100, generator=torch.Generator().manual_seed(3))
+    whole = QuantizedLinear.from_weight(w, quant)
+    monkeypatch.setattr("orin_vlm_node.model.quant.QUANTIZE_ELEMENTS", 300)
+    pieces = QuantizedLinear.from_weight(w, quant)
+    for name, buffer in whole.named_buffers():
+        assert torch.equal(getattr(pieces, name), buffer), name
+
+
 def test_int4_packs_two_weights_a_byte_low_nibble_first():
     # Group 0 is 0..15 (step 1, offset 0: q = w), group 1 the single weight 7 (offset 7, q = 0).
     w = torch.tensor([[*range(16), 7]], dtype=torch.float32)

@@ -69,6 +69,7 @@ class WeightQuant:
 
 
 LM_HEAD_QUANT = WeightQuant("int8")
+QUANTIZE_ELEMENTS = 1 << 24  # weights quantized at a time (64 MB of fp32 working copy each)
 
 
 class QuantizedLinear(nn.Module):
@@ -98,21 +99,31 @@ class QuantizedLinear(nn.Module):
 
     @classmethod
     def from_weight(cls, weight: torch.Tensor, quant: WeightQuant) -> QuantizedLinear:
-        """Quantize a float (N, K) weight (on its device)."""
+        """Quantize a float (N, K) weight (on its device), QUANTIZE_ELEMENTS weights at a time: the fp32
+        working copies of a whole LM head (the 2B's: 1.2 GB each) would be a burst of memory the robot's
+        other processes share."""
         n, k = weight.shape
         module = cls(n, k, quant.mode, quant.group_size, device=weight.device)
+        step = max(1, QUANTIZE_ELEMENTS // k)
+        for first in range(0, n, step):
+            module._quantize_rows(weight[first : first + step], slice(first, first + step), quant)
+        return module
+
+    def _quantize_rows(self, weight: torch.Tensor, rows: slice, quant: WeightQuant) -> None:
+        """Rows ``rows`` of the stored weight from their float values ``weight`` (rows, K)."""
+        n, k = weight.shape
         w = weight.detach().to(torch.float32)
         if quant.mode == "int8":
-            scale = (w.abs().amax(dim=1) / 127.0).to(torch.float16)  # (N,)
+            scale = (w.abs().amax(dim=1) / 127.0).to(torch.float16)  # (n,)
             safe = torch.where(scale > 0, scale.float(), torch.ones_like(scale, dtype=torch.float32))
-            module.qweight.copy_(torch.round(w / safe[:, None]).clamp_(-127, 127).to(torch.int8))
-            module.scales.copy_(scale)
-            return module
+            self.qweight[rows].copy_(torch.round(w / safe[:, None]).clamp_(-127, 127).to(torch.int8))
+            self.scales[rows].copy_(scale)
+            return
         g, groups = quant.group_size, -(-k // quant.group_size)
-        padded = F.pad(w, (0, groups * g - k))  # (N, groups * G); the padding never reaches a real weight
+        padded = F.pad(w, (0, groups * g - k))  # (n, groups * G); the padding never reaches a real weight
         grouped = padded.view(n, groups, g)
         real = (torch.arange(groups * g, device=w.device) < k).view(groups, g)
-        lo = torch.where(real, grouped, torch.full_like(grouped, math.inf)).amin(dim=2)  # (N, groups)
+        lo = torch.where(real, grouped, torch.full_like(grouped, math.inf)).amin(dim=2)  # (n, groups)
         hi = torch.where(real, grouped, torch.full_like(grouped, -math.inf)).amax(dim=2)
         offset = lo.to(torch.float16)
         scale = ((hi - offset.float()).clamp_min(0) / 15.0).to(torch.float16)  # fp16 may round lo above hi
@@ -121,10 +132,9 @@ class QuantizedLinear(nn.Module):
         q = q.view(n, groups * g)[:, :k].to(torch.uint8)
         if k % 2:
             q = F.pad(q, (0, 1))
-        module.qweight.copy_(q[:, 0::2] | (q[:, 1::2] << 4))
-        module.scales.copy_(scale)
-        module.offsets.copy_(offset)
-        return module
+        self.qweight[rows].copy_(q[:, 0::2] | (q[:, 1::2] << 4))
+        self.scales[rows].copy_(scale)
+        self.offsets[rows].copy_(offset)
 
     def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
         """The (N, K) weight the stored values stand for, in ``dtype``."""
