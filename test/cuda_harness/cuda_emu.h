@@ -141,8 +141,7 @@ inline float rsqrtf(float x) { return 1.0f / sqrtf(x); }
 inline float __fmul_rn(float a, float b) { return a * b; }
 inline float __fadd_rn(float a, float b) { return a + b; }
 
-// Bit reinterpretation and the byte permute (PTX prmt, default mode): byte n of the result is byte s[4n+2:4n]
-// of the eight bytes y:x (x bytes 0..3, y bytes 4..7).
+// Bit reinterpretation.
 inline float __uint_as_float(unsigned u) {
   float f;
   memcpy(&f, &u, 4);
@@ -155,6 +154,8 @@ inline unsigned __float_as_uint(float f) {
 }
 // Position of the least significant set bit, from 1 (0 when none).
 inline int __ffs(int x) { return __builtin_ffs(x); }
+// The byte permute (PTX prmt, default mode): byte n of the result is byte s[4n+2:4n] of the eight bytes y:x
+// (x bytes 0..3, y bytes 4..7).
 inline unsigned __byte_perm(unsigned x, unsigned y, unsigned s) {
   const uint64_t bytes = (static_cast<uint64_t>(y) << 32) | x;
   unsigned r = 0;
@@ -191,15 +192,9 @@ struct __nv_bfloat16 {
 struct alignas(4) __nv_bfloat162 {
   __nv_bfloat16 x, y;
 };
-inline float __bfloat162float(__nv_bfloat16 h) {
-  const uint32_t u = static_cast<uint32_t>(h.__x) << 16;
-  float f;
-  memcpy(&f, &u, 4);
-  return f;
-}
+inline float __bfloat162float(__nv_bfloat16 h) { return __uint_as_float(static_cast<uint32_t>(h.__x) << 16); }
 inline __nv_bfloat16 __float2bfloat16_rn(float x) {
-  uint32_t u;
-  memcpy(&u, &x, 4);
+  uint32_t u = __float_as_uint(x);
   __nv_bfloat16 h;
   if ((u & 0x7fffffffu) > 0x7f800000u) {
     h.__x = static_cast<unsigned short>((u >> 16) | 0x40u);  // quiet NaN
