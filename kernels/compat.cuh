@@ -46,26 +46,6 @@ __device__ __forceinline__ void prefetch_l2(const void* p) { asm volatile("prefe
   } while (0)
 __device__ __forceinline__ void prefetch_l2(const void*) {}
 #endif
-// Asynchronous 16-byte copies from global to shared memory (sm_80 and later: cp.async, through L2 only):
-// a thread issues all the copies it needs, then waits for them once. Unlike loads into registers, which
-// ptxas may schedule after arithmetic that does not need them (keeping fewer requests in flight than the
-// source asks for), the copies cannot be moved past the wait, so every one of them is in flight at once.
-// Before sm_80 and in the CPU harness a copy is a plain load and store and the wait does nothing.
-__device__ __forceinline__ void copy_async_16(void* shared, const void* global) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(static_cast<unsigned>(__cvta_generic_to_shared(shared))),
-               "l"(global)
-               : "memory");
-#else
-  *static_cast<uint4*>(shared) = __ldg(static_cast<const uint4*>(global));
-#endif
-}
-__device__ __forceinline__ void copy_async_wait_all() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-  asm volatile("cp.async.wait_all;" ::: "memory");
-#endif
-}
-
 #define KERNEL_PROLOGUE()    \
   KERNEL_ALLOW_DEPENDENTS(); \
   KERNEL_WAIT_PREDECESSOR()

@@ -145,16 +145,15 @@ struct Int4Rows {
   __device__ __forceinline__ static void widen(const uint4& raw, int piece, float* __restrict__ out) {
     widen_int4x8(reinterpret_cast<const uint32_t*>(&raw)[piece], out);
   }
-  __device__ __forceinline__ __half scale(int n, int k) const {
-    return __ldg(scales + static_cast<size_t>(n) * groups + (k >> group_shift));
+  __device__ __forceinline__ float scale(int n, int k) const {
+    return __half2float(__ldg(scales + static_cast<size_t>(n) * groups + (k >> group_shift)));
   }
-  __device__ __forceinline__ __half offset(int n, int k) const {
-    return __ldg(offsets + static_cast<size_t>(n) * groups + (k >> group_shift));
+  __device__ __forceinline__ float offset(int n, int k) const {
+    return __half2float(__ldg(offsets + static_cast<size_t>(n) * groups + (k >> group_shift)));
   }
   __device__ __forceinline__ float scalar(int n, int k) const {
     const uint8_t byte = __ldg(row(n) + k / 2);
-    return static_cast<float>(k % 2 ? byte >> 4 : byte & 0xF) * __half2float(scale(n, k)) +
-           __half2float(offset(n, k));
+    return static_cast<float>(k % 2 ? byte >> 4 : byte & 0xF) * scale(n, k) + offset(n, k);
   }
 };
 
@@ -170,103 +169,17 @@ __device__ __forceinline__ void load_x(const T* __restrict__ x, size_t offset, b
   }
 }
 
-// One pass of U vector steps over the J weight rows from the lane's element k0 (k0, k0 + kStride, ...),
-// added into acc[j][m]. Every weight vector of the pass is requested first, into the lane's slots of the
-// warp's staging area in shared memory (`stage`: kGemvInFlight vectors a lane), then waited for once, so all
-// of them are in flight together: loaded into registers instead, ptxas scheduled each step's loads after
-// the previous step's arithmetic to keep fewer registers live (the SASS of the sm_90 build), so a lane had
-// 1 or 2 of its 8 requests in flight and a row took one memory round trip per step. A step past the row's
-// end for this lane copies the row's last vector instead and adds nothing (the copies take no branch).
-// Each step's products are summed apart (dot) and added to acc: an int4 step's scaled (s * dot + o *
-// sum(x), its vector inside one group), a dense step's as they are (an int8 row's scale is applied by the
-// caller, to the total).
-template <typename T, typename Rows, int R, int J, int U>
-__device__ __forceinline__ void rows_pass(const T* __restrict__ x, const Rows& w, const int* n,
-                                          const typename Rows::Elem* const* row, int rows, int K, int k0,
-                                          uint4* __restrict__ stage, float (&acc)[J][R]) {
-  using W = typename Rows::Elem;
-  constexpr bool kGrouped = Rows::kGrouped;
-  constexpr int kChunk = Rows::kChunk;
-  constexpr int kPiece = kGemvPiece<W>;
-  constexpr int kStride = kWarpSize * kChunk;
-  static_assert(J * U <= kGemvInFlight, "a pass requests at most kGemvInFlight vectors a lane");
-  __half scale[kGrouped ? J : 1][U], offset[kGrouped ? J : 1][U];
-#pragma unroll
-  for (int j = 0; j < J; ++j)
-#pragma unroll
-    for (int u = 0; u < U; ++u) {
-      const int k = min(k0 + u * kStride, K - kChunk);
-      copy_async_16(stage + (j * U + u) * kWarpSize, row[j] + Rows::at(k));
-      if constexpr (kGrouped) {
-        scale[j][u] = w.scale(n[j], k);
-        offset[j][u] = w.offset(n[j], k);
-      }
-    }
-  copy_async_wait_all();
-#pragma unroll
-  for (int u = 0; u < U; ++u) {
-    const bool valid = k0 + u * kStride < K;
-    const int k = min(k0 + u * kStride, K - kChunk);
-    uint4 raw[J];
-#pragma unroll
-    for (int j = 0; j < J; ++j) raw[j] = stage[(j * U + u) * kWarpSize];
-    float dot[J][R], xsum[R];
-#pragma unroll
-    for (int m = 0; m < R; ++m) {
-      xsum[m] = 0.0f;
-#pragma unroll
-      for (int j = 0; j < J; ++j) dot[j][m] = 0.0f;
-    }
-#pragma unroll
-    for (int p = 0; p < kChunk / kPiece; ++p) {
-      float wf[J][kPiece];
-#pragma unroll
-      for (int j = 0; j < J; ++j) Rows::template widen<kPiece>(raw[j], p, wf[j]);
-#pragma unroll
-      for (int m = 0; m < R; ++m) {
-        if (m >= rows) break;
-        float xs[kPiece];
-        load_x<T, kPiece>(x, static_cast<size_t>(m) * K + k + p * kPiece, true, xs);
-#pragma unroll
-        for (int i = 0; i < kPiece; ++i) {
-          if constexpr (kGrouped) xsum[m] += xs[i];
-#pragma unroll
-          for (int j = 0; j < J; ++j) dot[j][m] += xs[i] * wf[j][i];
-        }
-      }
-    }
-#pragma unroll
-    for (int j = 0; j < J; ++j) {
-      float s = 1.0f, o = 0.0f;
-      if constexpr (kGrouped) s = __half2float(scale[j][u]), o = __half2float(offset[j][u]);
-#pragma unroll
-      for (int m = 0; m < R; ++m) acc[j][m] += valid ? s * dot[j][m] + o * xsum[m] : 0.0f;
-    }
-  }
-}
-
-// The passes after the full ones: `steps` (< 2U) left, in passes of U, U/2, ..., 1 steps, so a row's last
-// steps are requested together too and no pass computes more than one step past the row's end.
-template <typename T, typename Rows, int R, int J, int U>
-__device__ __forceinline__ void rows_tail(const T* __restrict__ x, const Rows& w, const int* n,
-                                          const typename Rows::Elem* const* row, int rows, int K, int k0,
-                                          int steps, uint4* __restrict__ stage, float (&acc)[J][R]) {
-  constexpr int kStride = kWarpSize * Rows::kChunk;
-  if (steps >= U) {
-    rows_pass<T, Rows, R, J, U>(x, w, n, row, rows, K, k0, stage, acc);
-    k0 += U * kStride;
-    steps -= U;
-  }
-  if constexpr (U > 1) rows_tail<T, Rows, R, J, U / 2>(x, w, n, row, rows, K, k0, steps, stage, acc);
-}
-
 // The lane's part of the products of weight rows n[0..J) with each row of x, into acc[j][m]: one pass over
-// K for all J rows, kGemvInFlight vectors a lane requested at once (over the J rows), then the rest.
+// K for all J rows. Int4 rows sum each vector's products apart (dot), then scale them and add the offset
+// times the vector's sum of x; dense rows sum into acc directly (an int8 row's scale is applied by the
+// caller, to the total).
 template <typename T, typename Rows, int R, int J>
 __device__ __forceinline__ void rows_dot(const T* __restrict__ x, const Rows& w, const int* n, int rows, int K,
                                          int lane, float (&acc)[J][R]) {
   using W = typename Rows::Elem;
+  constexpr bool kGrouped = Rows::kGrouped;
   constexpr int kChunk = Rows::kChunk;
+  constexpr int kPiece = kGemvPiece<W>;
   constexpr int kStride = kWarpSize * kChunk;  // weights a warp covers per vector load
   constexpr int kUnroll = kGemvInFlight / J > 0 ? kGemvInFlight / J : 1;
 #pragma unroll
@@ -276,15 +189,58 @@ __device__ __forceinline__ void rows_dot(const T* __restrict__ x, const Rows& w,
   const W* row[J];
 #pragma unroll
   for (int j = 0; j < J; ++j) row[j] = w.row(n[j]);
-  // The warp's staging area: slot i of this lane at stage[i * kWarpSize] (16-byte vectors, lanes adjacent).
-  __shared__ uint4 staging[kGemvWarps][kGemvInFlight][kWarpSize];
-  uint4* stage = &staging[threadIdx.x / kWarpSize][0][lane];
   const int vec_end = w.vector_path() ? K : 0;
-  int steps = (vec_end + kStride - 1) / kStride;  // vector steps of the warp (its lane 0) over the row
-  int k0 = lane * kChunk;
-  for (; steps >= kUnroll; steps -= kUnroll, k0 += kUnroll * kStride)
-    rows_pass<T, Rows, R, J, kUnroll>(x, w, n, row, rows, K, k0, stage, acc);
-  if constexpr (kUnroll > 1) rows_tail<T, Rows, R, J, kUnroll / 2>(x, w, n, row, rows, K, k0, steps, stage, acc);
+  for (int k0 = lane * kChunk; k0 < vec_end; k0 += kStride * kUnroll) {
+    uint4 raw[J][kUnroll];
+#pragma unroll
+    for (int j = 0; j < J; ++j)
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        const int k = k0 + u * kStride;
+        raw[j][u] = k < vec_end ? __ldg(reinterpret_cast<const uint4*>(row[j] + Rows::at(k))) : make_uint4(0, 0, 0, 0);
+      }
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const int k = k0 + u * kStride;
+      if (k >= vec_end) break;
+      float dot[J][R], xsum[R];
+#pragma unroll
+      for (int m = 0; m < R; ++m) {
+        xsum[m] = 0.0f;
+#pragma unroll
+        for (int j = 0; j < J; ++j) dot[j][m] = 0.0f;
+      }
+#pragma unroll
+      for (int p = 0; p < kChunk / kPiece; ++p) {
+        float wf[J][kPiece];
+#pragma unroll
+        for (int j = 0; j < J; ++j) Rows::template widen<kPiece>(raw[j][u], p, wf[j]);
+#pragma unroll
+        for (int m = 0; m < R; ++m) {
+          if (m >= rows) break;
+          float xs[kPiece];
+          load_x<T, kPiece>(x, static_cast<size_t>(m) * K + k + p * kPiece, true, xs);
+#pragma unroll
+          for (int i = 0; i < kPiece; ++i) {
+            if constexpr (kGrouped) xsum[m] += xs[i];
+#pragma unroll
+            for (int j = 0; j < J; ++j) {
+              if constexpr (kGrouped) dot[j][m] += xs[i] * wf[j][i];
+              else acc[j][m] += xs[i] * wf[j][i];
+            }
+          }
+        }
+      }
+      if constexpr (kGrouped) {
+#pragma unroll
+        for (int j = 0; j < J; ++j) {
+          const float s = w.scale(n[j], k), o = w.offset(n[j], k);
+#pragma unroll
+          for (int m = 0; m < R; ++m) acc[j][m] += s * dot[j][m] + o * xsum[m];
+        }
+      }
+    }
+  }
   for (int k = vec_end + lane; k < K; k += kWarpSize) {  // the scalar path
 #pragma unroll
     for (int j = 0; j < J; ++j) {
@@ -334,9 +290,8 @@ __device__ __forceinline__ void store_columns(T* __restrict__ y, const float (&a
 // L2 prefetch of this warp's weight rows (its columns' rows, and their up rows for SwiGLU), `row_bytes`
 // each, a 128-byte line a lane a step. The kernels issue it between KERNEL_ALLOW_DEPENDENTS and
 // KERNEL_WAIT_PREDECESSOR (compat.cuh): the weights, which no kernel writes, stream into L2 while the kernel
-// before this one finishes, and the loads after the wait find them there. The int4 kernels prefetch their
-// rows of group scales and offsets the same way: ptxas issues those loads after the wait for the weights
-// (rows_pass), so from memory each would add a round trip. Empty before sm_90 and in the harness.
+// before this one finishes, and the loads after the wait find them there. Empty before sm_90 and in the
+// harness.
 template <int C, bool SWIGLU>
 __device__ __forceinline__ void prefetch_weight_rows(const void* w, size_t row_bytes, int N) {
   const int n0 = warp_first_column<C>();
@@ -391,18 +346,6 @@ __device__ __forceinline__ int group_shift(int group) {
   orin_vlm::prefetch_weight_rows<C, SWIGLU>((weights), (row_bytes), (columns));   \
   KERNEL_WAIT_PREDECESSOR()
 
-// The int4 kernels' prologue: their packed weight rows, and their rows of group scales and offsets (none
-// for a group size below 1, which the kernel then refuses).
-#define ORIN_GEMV_INT4_PROLOGUE(C, SWIGLU, qweight, scales, offsets, k, group, columns)                     \
-  KERNEL_ALLOW_DEPENDENTS();                                                                                \
-  {                                                                                                         \
-    const size_t group_row_bytes = (group) > 0 ? static_cast<size_t>(((k) + (group) - 1) / (group)) * 2 : 0; \
-    orin_vlm::prefetch_weight_rows<C, SWIGLU>((qweight), static_cast<size_t>((k) + 1) / 2, (columns));      \
-    orin_vlm::prefetch_weight_rows<C, SWIGLU>((scales), group_row_bytes, (columns));                        \
-    orin_vlm::prefetch_weight_rows<C, SWIGLU>((offsets), group_row_bytes, (columns));                       \
-  }                                                                                                         \
-  KERNEL_WAIT_PREDECESSOR()
-
 #define ORIN_GEMV_KERNELS_E(DT, T, R, E, SWIGLU)                                                                     \
   extern "C" __global__ void gemv_float##E##_##DT##_r##R(T* y, const T* x, const T* weight, const __half* scales,      \
                                                         const __half* offsets, int rows, int n, int k, int group) {    \
@@ -418,7 +361,7 @@ __device__ __forceinline__ int group_shift(int group) {
   extern "C" __global__ void gemv_int4##E##_##DT##_r##R(T* y, const T* x, const uint8_t* qweight,                      \
                                                        const __half* scales, const __half* offsets, int rows, int n,   \
                                                        int k, int group) {                                             \
-    ORIN_GEMV_INT4_PROLOGUE(orin_vlm::kGemvColumns<uint8_t>, SWIGLU, qweight, scales, offsets, k, group, n);           \
+    ORIN_GEMV_PROLOGUE(orin_vlm::kGemvColumns<uint8_t>, SWIGLU, qweight, static_cast<size_t>(k + 1) / 2, n);           \
     const orin_vlm::Int4Rows rows_ = {qweight, scales, offsets, k, (k + group - 1) / group,                       \
                                          orin_vlm::group_shift(group)};                                               \
     orin_vlm::gemv<T, R, SWIGLU>(y, x, rows_, nullptr, rows, n, k);                                           \
