@@ -386,6 +386,41 @@ def _quantized_decode(torch, ctx: BenchContext, res: SectionResult, model_dir: P
                     mode=mode)  # fmt: skip
 
 
+def _dependent_launch(torch, ctx: BenchContext, res: SectionResult, model_dir: Path) -> None:
+    """Batch-1 decode (kernels + graphs, fp16 activations) with programmatic dependent launch on and off, for
+    fp16 and INT4 weights, alternating: what overlapping each kernel's start with its predecessor's end
+    gains a token (INT4: every product is one of our kernels). An engine's kernels are its own; turning the
+    launches off before its first request captures its decode graphs with plain launches."""
+    from orin_vlm_node.engine import Request, SamplingParams, Turn
+
+    cfg = ctx.config
+    cache_dir = str(ctx.scratch / "kernel_cache")
+    engines = {}
+    for mode in ("none", "int4"):
+        for launch in ("on", "off"):
+            engine = _engine(model_dir, "fp16", cache_dir, weight_quant=mode, **PATHS["graphs"])
+            runtime = engine.attention.launcher
+            if not runtime.programmatic:
+                res.skip_part("pdl", f"programmatic dependent launch {runtime.programmatic_status}")
+                return
+            runtime.programmatic = launch == "on"
+            engines[f"{mode}.{launch}"] = engine
+    ids = iter(range(10**6))
+    sampling = SamplingParams(temperature=0.0, max_new_tokens=cfg.gpu_max_new_tokens, ignore_eos=True)
+
+    def eng(name):
+        return lambda: run_engine(engines[name], Request(Turn(PROMPT), sampling, request_id=f"gpu-pdl-{next(ids)}"))
+
+    ctx.log(f"gpu dependent launch: {cfg.gpu_repeats} alternating repeats over {list(engines)}")
+    runs = alternate({name: eng(name) for name in engines}, repeats=cfg.gpu_repeats, warmup=1)
+    for mode in ("none", "int4"):
+        on, off = ([t.decode_tok_s for t in runs[f"{mode}.{launch}"]] for launch in ("on", "off"))
+        res.add(f"pdl.{mode}.on.tok_s", "tok/s", on, f"batch-1 decode, weights {mode}, dependent launches", mode=mode)
+        res.add(f"pdl.{mode}.off.tok_s", "tok/s", off, f"batch-1 decode, weights {mode}, plain launches", mode=mode)
+        res.add(f"pdl.{mode}.gain", "x", paired_ratio(on, off), "tok/s with dependent launches / without (per pair)",
+                mode=mode)  # fmt: skip
+
+
 def _batching(ctx: BenchContext, res: SectionResult, model_dir: Path) -> None:
     """Continuous batching on the GPU path (kernels + graphs, fp16): the ``batching`` section's figures."""
     cfg = ctx.config
@@ -429,7 +464,7 @@ def _startup_and_memory(torch, ctx: BenchContext, res: SectionResult, model_dir:
 
 
 # The parts besides the decode of each dtype, in the order they run after the first dtype's decode.
-OTHER_PARTS = ("step_profile", "startup_memory", "kernels", "gemv", "quant", "batching")
+OTHER_PARTS = ("step_profile", "startup_memory", "kernels", "gemv", "quant", "pdl", "batching")
 
 
 def part_names(dtypes: Sequence[str], chosen: Sequence[str] = ()) -> list[str]:
@@ -496,6 +531,7 @@ def run(ctx: BenchContext) -> SectionResult:
         "kernels": functools.partial(_kernels, torch, ctx, res),
         "gemv": functools.partial(_gemv, torch, ctx, res, bandwidth),
         "quant": functools.partial(_quantized_decode, torch, ctx, res, model_dir, bandwidth),
+        "pdl": functools.partial(_dependent_launch, torch, ctx, res, model_dir),
         "batching": functools.partial(_batching, ctx, res, model_dir),
     }
     for d in cfg.gpu_dtypes:
