@@ -48,7 +48,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .quant import QuantizedLinear
+from .quant import QuantizedLinear, quantized_summary
 
 log = logging.getLogger("orin_vlm_node.model")
 
@@ -161,27 +161,29 @@ def use_cpu_gemm(model: nn.Module, gemm: RowsGemm) -> str:
     """Route the decoder's projections (float, and quantized ones the kernels take) and the LM head through
     ``gemm``; what was done, for the log and diagnostics. The caller (the engine, through
     ``cpu.cpu_gemm_for``) checked device and dtype."""
-    routed = quantized = 0
     dtype = model.language_model.embed_tokens.weight.dtype  # the model's float dtype: its activations'
-    head = "LM head"
-    for parent, attr in [*model.language_model.projection_sites(), (model, "lm_head")]:
-        module = getattr(parent, attr)
-        if isinstance(module, QuantizedLinear):
-            if not quant_refusal(module.mode, module.group_size, gemm):
-                setattr(parent, attr, CpuQuantLinear(module, gemm, dtype))
-                quantized += attr != "lm_head"
-                head = f"{module.mode} LM head" if attr == "lm_head" else head
-            continue
-        setattr(parent, attr, CpuLinear(module.weight, gemm))
-        routed += attr != "lm_head"
+    kinds = [_route(parent, attr, gemm, dtype) for parent, attr in model.language_model.projection_sites()]
+    head_mode = model.lm_head.mode if isinstance(model.lm_head, QuantizedLinear) else None
+    head_quantized = _route(model, "lm_head", gemm, dtype) == "quantized"
+    counts = [f"{kinds.count('float')} projections"] if "float" in kinds else []
+    counts += quantized_summary(kinds.count("quantized"), head_mode if head_quantized else None)
+    counts += [] if head_quantized else ["LM head"]
     above = "many rows above"
     if _bf16_on_torch(model.language_model.embed_tokens.weight, gemm):
         above = "torch's GEMM above (this CPU has bf16 arithmetic)"
-    counts = [f"{routed} projections"] if routed else []
-    counts += [f"{quantized} quantized projections"] if quantized else []
-    what = (
-        f"CPU GEMM kernels, few rows for 1..{KERNEL_ROWS}, {above} ({' + '.join([*counts, head])}; "
-        f"library {gemm.origin})"
-    )
+    what = f"CPU GEMM kernels, few rows for 1..{KERNEL_ROWS}, {above} ({' + '.join(counts)}; library {gemm.origin})"
     log.info("CPU projections: %s", what)
     return what
+
+
+def _route(parent: nn.Module, attr: str, gemm: RowsGemm, dtype: torch.dtype) -> str | None:
+    """Put ``gemm`` behind ``parent.attr``: "float", "quantized", or None for a quantized weight the kernels
+    do not take (``quant_refusal``; it stays on the torch path)."""
+    module = getattr(parent, attr)
+    if isinstance(module, QuantizedLinear):
+        if quant_refusal(module.mode, module.group_size, gemm):
+            return None
+        setattr(parent, attr, CpuQuantLinear(module, gemm, dtype))
+        return "quantized"
+    setattr(parent, attr, CpuLinear(module.weight, gemm))
+    return "float"

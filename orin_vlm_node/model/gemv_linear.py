@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .quant import QuantizedLinear
+from .quant import QuantizedLinear, quantized_summary
 from .text import feeds_swiglu
 
 log = logging.getLogger("orin_vlm_node.model")
@@ -130,12 +130,8 @@ def attach_gemv(model: nn.Module, kernels: GemvKernels | None, floats: bool = Tr
         if rows:
             setattr(parent, attr, GemvLinear(module, kernels, rows))
             routed += 1
-    counts = []
-    projections = sum(m is not model.lm_head for m in quantized)
-    if projections:
-        counts.append(f"{projections} quantized projections")
-    if isinstance(model.lm_head, QuantizedLinear):
-        counts.append(f"{model.lm_head.mode} LM head")
+    head_mode = model.lm_head.mode if isinstance(model.lm_head, QuantizedLinear) else None
+    counts = quantized_summary(sum(m is not model.lm_head for m in quantized), head_mode)
     parts = [" + ".join(counts)] if counts else []
     if floating and not floats:
         parts.append(f"float ones: F.linear ({len(floating)}; decode not in CUDA graphs)")

@@ -175,3 +175,10 @@ def weight_bytes(model: nn.Module) -> int:
     params = {id(p): p.numel() * p.element_size() for p in model.parameters()}
     stored = sum(m.nbytes for m in model.modules() if getattr(m, "weight", 0) is None and hasattr(m, "nbytes"))
     return sum(params.values()) + stored
+
+
+def quantized_summary(projections: int, head_mode: str | None) -> list[str]:
+    """The quantized part of a weight path's description, as the log and diagnostics show it for the CPU
+    and the CUDA paths alike: "N quantized projections" and "<mode> LM head", each when there is one."""
+    parts = [f"{projections} quantized projections"] if projections else []
+    return parts + ([f"{head_mode} LM head"] if head_mode else [])
