@@ -304,6 +304,19 @@ def kernel_category(name: str) -> str:
     return next((cat for cat, keys in KERNEL_CATEGORIES if any(k in lowered for k in keys)), "other_elementwise")
 
 
+def busy_us(intervals: Sequence[tuple[float, float]]) -> float:
+    """The length of the union of (start, end) intervals: how long a device was running kernels when they
+    overlap. Under programmatic dependent launch a kernel's blocks start, and wait, before the kernel ahead
+    of them ends, so its profiled duration includes that wait and the durations add up to more than the
+    time they took."""
+    total, reach = 0.0, float("-inf")
+    for start, end in sorted(intervals):
+        if end > reach:
+            total += end - max(start, reach)
+            reach = end
+    return total
+
+
 def _step_profile(torch, ctx: BenchContext, res: SectionResult, model_dir: Path) -> None:
     """Where a decode token's time goes (fp16, kernels + graphs): the wall time of a token, overlapped and
     step by step (what overlapping the host with the device gains), and torch.profiler's kernels over 16
@@ -342,7 +355,10 @@ def _step_profile(torch, ctx: BenchContext, res: SectionResult, model_dir: Path)
         by_cat.setdefault(kernel_category(e.name), []).append(e.device_time)
     res.add("step.fp16.kernels_per_token", "count", [len(kernels) / tokens], "CUDA kernels a token (prefill included)")
     res.add("step.fp16.kernel_ms", "ms", [sum(e.device_time for e in kernels) / tokens / 1e3],
-            "device time a token inside kernels (the rest of token_ms: gaps between kernels, host)")  # fmt: skip
+            "kernel durations a token, summed (dependent launches overlap: each includes its wait)")  # fmt: skip
+    busy = busy_us([(e.time_range.start, e.time_range.end) for e in kernels])
+    res.add("step.fp16.busy_ms", "ms", [busy / tokens / 1e3],
+            "device time a token with a kernel running (the rest of token_ms: gaps between kernels, host)")  # fmt: skip
     for cat, times in sorted(by_cat.items()):
         res.add(f"step.fp16.{cat}_ms", "ms", [sum(times) / tokens / 1e3], f"device time a token in {cat} kernels")
         res.add(f"step.fp16.{cat}_kernels", "count", [len(times) / tokens], f"{cat} kernels a token")

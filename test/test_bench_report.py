@@ -273,3 +273,11 @@ def test_gpu_step_profile_sorts_kernels_into_categories():
     assert kernel_category("void at::native::vectorized_elementwise_kernel<8, at::native::CUDAFunctor_add>") == (
         "other_elementwise"
     )
+
+
+def test_gpu_step_profile_counts_overlapping_kernels_once():
+    from bench.gpu import busy_us
+
+    assert busy_us([]) == 0.0
+    assert busy_us([(0.0, 2.0), (5.0, 6.0)]) == 3.0  # apart: a gap between them
+    assert busy_us([(4.0, 9.0), (0.0, 5.0), (1.0, 2.0)]) == 9.0  # overlapping and nested, in any order
