@@ -26,10 +26,13 @@ that config is absent), batch 1, greedy, answers of a fixed length (``ignore_eos
 * ``batching.fp16.batch<N>``: 1, 2, 4 and 8 requests decoding together with kernels + graphs (one graph
   per batch bucket), the figures of the ``batching`` section: aggregate tokens/s over one request's, and
   each member's per-token latency over one request's alone.
-* ``step.fp16.*``: where a decode token's time goes: its wall time (overlapped, and step by step with
-  overlap off: what queuing step N+1 before reading token N gains), and torch.profiler's kernels over
-  16 tokens by category (GEMMs, attention, fused elementwise, other
-  elementwise) with their count per token; the 15 costliest kernels in ``setup``.
+* ``step.fp16.*`` (part ``step_profile``) and ``step.int4.*`` (``step_profile_int4``: INT4 weights): where a
+  decode token's time goes: its wall time (overlapped, and step by step with overlap off: what queuing step
+  N+1 before reading token N gains), and torch.profiler's kernels over 16 tokens by category (GEMMs,
+  attention, fused elementwise, other elementwise) with their count per token, and the time with any
+  kernel running (``busy_ms``); the 15 costliest kernels in ``setup``.
+* ``pdl.<none|int4>.<on|off>``: batch-1 decode with programmatic dependent launch on and off (sm_90 and
+  later), fp16 and INT4 weights, alternating; ``gain`` = on / off per pair.
 * ``ttft_448.<dtype>``: an image of 448x448 and a short question: vision tower + prefill + first token.
 * ``startup.cold_s`` / ``warm_s``: a fresh process from start to a ready engine (fp16), with an empty
   kernel cache and again with the cache it filled; its GPU memory at 8192 context (``memory.*``) and the
@@ -317,16 +320,18 @@ def busy_us(intervals: Sequence[tuple[float, float]]) -> float:
     return total
 
 
-def _step_profile(torch, ctx: BenchContext, res: SectionResult, model_dir: Path) -> None:
-    """Where a decode token's time goes (fp16, kernels + graphs): the wall time of a token, overlapped and
-    step by step (what overlapping the host with the device gains), and torch.profiler's kernels over 16
-    tokens by category, with their count per token (what the kernels do not cover of a token is gaps
-    between kernels and host time)."""
+def _step_profile(torch, ctx: BenchContext, res: SectionResult, model_dir: Path, weights: str = "none") -> None:
+    """Where a decode token's time goes (fp16 activations, kernels + graphs; weights as ``weights`` says, the
+    figures under ``step.fp16`` for fp16 weights and ``step.<weights>`` for quantized ones): the wall time
+    of a token, overlapped and step by step (what overlapping the host with the device gains), and
+    torch.profiler's kernels over 16 tokens by category, with their count per token (what the kernels do
+    not cover of a token is gaps between kernels and host time)."""
     from torch.profiler import ProfilerActivity, profile
 
     from orin_vlm_node.engine import Request, SamplingParams, Turn
 
-    engine = _engine(model_dir, "fp16", str(ctx.scratch / "kernel_cache"), **PATHS["graphs"])
+    engine = _engine(model_dir, "fp16", str(ctx.scratch / "kernel_cache"), weight_quant=weights, **PATHS["graphs"])
+    key = "fp16" if weights == "none" else weights
     ids = iter(range(10**6))
 
     def answer(n: int):
@@ -341,10 +346,10 @@ def _step_profile(torch, ctx: BenchContext, res: SectionResult, model_dir: Path)
 
     pairs = [(token_ms(True), token_ms(False)) for _ in range(ctx.config.gpu_repeats)]
     engine.decode_step.overlap = True
-    res.add("step.fp16.token_ms", "ms", [a for a, _ in pairs], "wall time a decode token (no profiler)")
-    res.add("step.fp16.token_ms_step_by_step", "ms", [b for _, b in pairs],
+    res.add(f"step.{key}.token_ms", "ms", [a for a, _ in pairs], "wall time a decode token (no profiler)")
+    res.add(f"step.{key}.token_ms_step_by_step", "ms", [b for _, b in pairs],
             "the same with overlap off: the host reads each token before it stages the next step")  # fmt: skip
-    res.add("step.fp16.overlap_gain", "x", paired_ratio([b for _, b in pairs], [a for a, _ in pairs]),
+    res.add(f"step.{key}.overlap_gain", "x", paired_ratio([b for _, b in pairs], [a for a, _ in pairs]),
             "token time step by step / overlapped (per pair)")  # fmt: skip
     tokens = 16
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
@@ -353,17 +358,19 @@ def _step_profile(torch, ctx: BenchContext, res: SectionResult, model_dir: Path)
     by_cat: dict[str, list[float]] = {}
     for e in kernels:
         by_cat.setdefault(kernel_category(e.name), []).append(e.device_time)
-    res.add("step.fp16.kernels_per_token", "count", [len(kernels) / tokens], "CUDA kernels a token (prefill included)")
-    res.add("step.fp16.kernel_ms", "ms", [sum(e.device_time for e in kernels) / tokens / 1e3],
+    res.add(
+        f"step.{key}.kernels_per_token", "count", [len(kernels) / tokens], "CUDA kernels a token (prefill included)"
+    )
+    res.add(f"step.{key}.kernel_ms", "ms", [sum(e.device_time for e in kernels) / tokens / 1e3],
             "kernel durations a token, summed (dependent launches overlap: each includes its wait)")  # fmt: skip
     busy = busy_us([(e.time_range.start, e.time_range.end) for e in kernels])
-    res.add("step.fp16.busy_ms", "ms", [busy / tokens / 1e3],
+    res.add(f"step.{key}.busy_ms", "ms", [busy / tokens / 1e3],
             "device time a token with a kernel running (the rest of token_ms: gaps between kernels, host)")  # fmt: skip
     for cat, times in sorted(by_cat.items()):
-        res.add(f"step.fp16.{cat}_ms", "ms", [sum(times) / tokens / 1e3], f"device time a token in {cat} kernels")
-        res.add(f"step.fp16.{cat}_kernels", "count", [len(times) / tokens], f"{cat} kernels a token")
+        res.add(f"step.{key}.{cat}_ms", "ms", [sum(times) / tokens / 1e3], f"device time a token in {cat} kernels")
+        res.add(f"step.{key}.{cat}_kernels", "count", [len(times) / tokens], f"{cat} kernels a token")
     top = sorted(prof.key_averages(), key=lambda a: a.self_device_time_total, reverse=True)[:15]
-    res.setup["step_profile_top"] = [
+    res.setup["step_profile_top" + ("" if weights == "none" else f"_{weights}")] = [
         {"kernel": a.key[:120], "calls_per_token": a.count / tokens, "us": a.self_device_time_total / a.count}
         for a in top
         if a.count
@@ -480,7 +487,7 @@ def _startup_and_memory(torch, ctx: BenchContext, res: SectionResult, model_dir:
 
 
 # The parts besides the decode of each dtype, in the order they run after the first dtype's decode.
-OTHER_PARTS = ("step_profile", "startup_memory", "kernels", "gemv", "quant", "pdl", "batching")
+OTHER_PARTS = ("step_profile", "startup_memory", "kernels", "gemv", "quant", "pdl", "step_profile_int4", "batching")
 
 
 def part_names(dtypes: Sequence[str], chosen: Sequence[str] = ()) -> list[str]:
@@ -543,6 +550,7 @@ def run(ctx: BenchContext) -> SectionResult:
     first = cfg.gpu_dtypes[0]
     steps = {
         "step_profile": functools.partial(_step_profile, torch, ctx, res, model_dir),
+        "step_profile_int4": functools.partial(_step_profile, torch, ctx, res, model_dir, "int4"),
         "startup_memory": functools.partial(_startup_and_memory, torch, ctx, res, model_dir, default_dir),
         "kernels": functools.partial(_kernels, torch, ctx, res),
         "gemv": functools.partial(_gemv, torch, ctx, res, bandwidth),
