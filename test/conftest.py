@@ -39,3 +39,11 @@ def harness(tmp_path_factory):
     lib, seconds = build(tmp_path_factory.getbasetemp() / "cuda_harness")
     print(f"\ncuda harness built in {seconds:.1f} s")
     return Harness(lib)
+
+
+@pytest.fixture(scope="session")
+def cpu_kernel_cache(tmp_path_factory) -> str:
+    """One CPU GEMM kernel cache for the session: the library compiled once (about 5 s on a 2-core machine)
+    and loaded from there by the tests that use the kernels (compiling and caching themselves are
+    test_cpu_gemm's tests, with caches of their own)."""
+    return str(tmp_path_factory.mktemp("cpu_kernel_cache"))

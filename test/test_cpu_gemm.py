@@ -23,8 +23,8 @@ KERNELS = find_kernel_sources().directory
 
 
 @pytest.fixture(scope="module")
-def gemm(tmp_path_factory):
-    return load_cpu_gemm(cache_dir=str(tmp_path_factory.mktemp("cpu_cache")))
+def gemm(cpu_kernel_cache):
+    return load_cpu_gemm(cache_dir=cpu_kernel_cache)
 
 
 @pytest.fixture

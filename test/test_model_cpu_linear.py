@@ -22,20 +22,13 @@ torch.set_num_threads(1)
 CPU = torch.device("cpu")
 
 
-@pytest.fixture(scope="module")
-def cpu_cache(tmp_path_factory) -> str:
-    """One kernel cache for the module: the library compiled once (about 5 s on a 2-core machine), each test
-    loading its own kernels from it (tests change their settings). Compiling and caching are test_cpu_gemm's."""
-    return str(tmp_path_factory.mktemp("cpu_cache"))
-
-
 @pytest.mark.parametrize("tie", [True, False])
-def test_every_decoder_projection_and_the_head_take_the_kernel_without_a_copy(tie, cpu_cache):
+def test_every_decoder_projection_and_the_head_take_the_kernel_without_a_copy(tie, cpu_kernel_cache):
     model = load_model(cached_tiny_checkpoint(tie=tie))
     before = weight_bytes(model)
     layers = model.language_model.layers
     weights = [getattr(getattr(layer, s), a).weight for layer in layers for s, a in layer.PROJECTIONS]
-    what = use_cpu_gemm(model, load_cpu_gemm(cache_dir=cpu_cache))
+    what = use_cpu_gemm(model, load_cpu_gemm(cache_dir=cpu_kernel_cache))
     assert what.startswith(f"CPU GEMM kernels, few rows for 1..16, many rows above ({4 * len(layers)} projections")
     assert weight_bytes(model) == before
     routed = [getattr(getattr(layer, s), a) for layer in layers for s, a in layer.PROJECTIONS]
@@ -52,11 +45,11 @@ def test_only_fp32_and_bf16_on_the_cpu_take_the_kernel():
 
 @pytest.mark.parametrize("rows", [1, 3, 8, 9, 16, 17, 40])  # decode batches (few rows), then prefills (many)
 @pytest.mark.parametrize("name,dtype", [("fp32", torch.float32), ("bf16", torch.bfloat16)])
-def test_a_model_with_the_kernel_computes_what_the_float_model_computes(rows, name, dtype, cpu_cache):
+def test_a_model_with_the_kernel_computes_what_the_float_model_computes(rows, name, dtype, cpu_kernel_cache):
     path = cached_tiny_checkpoint()
     engine = Engine(EngineConfig(model_path=str(path), device="cpu", dtype=name))
     routed, reference = load_model(path, dtype=dtype), load_model(path, dtype=dtype)
-    use_cpu_gemm(routed, load_cpu_gemm(cache_dir=cpu_cache))
+    use_cpu_gemm(routed, load_cpu_gemm(cache_dir=cpu_kernel_cache))
     ids = (engine.tokenizer.encode("Where is the charging station? Count the boxes on the shelf.") * 4)[:rows]
     positions = torch.arange(len(ids)).expand(3, -1)
     logits = []
@@ -89,8 +82,8 @@ def test_every_decode_batch_the_engine_can_form_takes_the_kernel():
 
 
 @pytest.mark.parametrize("name,dtype", [("fp32", torch.float32), ("bf16", torch.bfloat16)])
-def test_rows_of_a_kernel_call_in_pieces_are_bit_identical_to_each_row_alone(name, dtype, cpu_cache):
-    gemm = load_cpu_gemm(cache_dir=cpu_cache)
+def test_rows_of_a_kernel_call_in_pieces_are_bit_identical_to_each_row_alone(name, dtype, cpu_kernel_cache):
+    gemm = load_cpu_gemm(cache_dir=cpu_kernel_cache)
     generator = torch.Generator().manual_seed(3)
     linear = CpuLinear(torch.nn.Parameter(torch.randn(300, 96, generator=generator).to(dtype)), gemm)
     x = torch.randn(KERNEL_ROWS, 96, generator=generator).to(dtype)
@@ -115,10 +108,12 @@ def _kernel_calls(linear: CpuLinear, x: torch.Tensor) -> tuple[torch.Tensor, lis
 
 @pytest.mark.parametrize("rows", [17, 64, 200])  # one group tail, whole groups, past a block of 192 rows
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_a_prefill_through_a_large_weight_is_the_many_rows_kernel_computing_the_fp32_product(rows, dtype, cpu_cache):
+def test_a_prefill_through_a_large_weight_is_the_many_rows_kernel_computing_the_fp32_product(
+    rows, dtype, cpu_kernel_cache
+):
     generator = torch.Generator().manual_seed(5)
     n, k = 300, ONE_CALL_ELEMENTS // 300 + 8  # more than ONE_CALL_ELEMENTS: the kernel for fp32 too
-    gemm = load_cpu_gemm(cache_dir=cpu_cache)
+    gemm = load_cpu_gemm(cache_dir=cpu_kernel_cache)
     gemm.torch_bf16_prefill = False  # a CPU without bf16 arithmetic
     linear = CpuLinear(torch.nn.Parameter(torch.randn(n, k, generator=generator).to(dtype)), gemm)
     x = torch.randn(rows, k, generator=generator).to(dtype)
@@ -140,10 +135,10 @@ def test_a_prefill_through_a_large_weight_is_the_many_rows_kernel_computing_the_
         (torch.float32, False, 16, ["few_rows", "few_rows"]),  # a decode batch: pieces of the few-rows kernel
     ],
 )
-def test_which_path_a_small_weight_takes(dtype, native_bf16, rows, calls, cpu_cache):
+def test_which_path_a_small_weight_takes(dtype, native_bf16, rows, calls, cpu_kernel_cache):
     generator = torch.Generator().manual_seed(7)
     w = torch.randn(768, 128, generator=generator).to(dtype)
-    gemm = load_cpu_gemm(cache_dir=cpu_cache)
+    gemm = load_cpu_gemm(cache_dir=cpu_kernel_cache)
     gemm.torch_bf16_prefill = native_bf16
     linear = CpuLinear(torch.nn.Parameter(w), gemm)
     x = torch.randn(rows, 128, generator=generator).to(dtype)
@@ -168,8 +163,8 @@ def test_native_bf16_is_read_from_the_cpus_flags(name):
     assert native_bf16(text) is expected
 
 
-def test_a_bf16_model_on_a_cpu_with_bf16_arithmetic_prefills_through_torch_and_says_so(cpu_cache):
-    gemm = load_cpu_gemm(cache_dir=cpu_cache)
+def test_a_bf16_model_on_a_cpu_with_bf16_arithmetic_prefills_through_torch_and_says_so(cpu_kernel_cache):
+    gemm = load_cpu_gemm(cache_dir=cpu_kernel_cache)
     gemm.torch_bf16_prefill = True
     model = load_model(cached_tiny_checkpoint(), dtype=torch.bfloat16)
     assert "torch's GEMM above (this CPU has bf16 arithmetic)" in use_cpu_gemm(model, gemm)

@@ -162,8 +162,8 @@ def test_weight_bytes_of_the_projections_fall_to_the_quantized_share(checkpoint)
 
 
 @pytest.fixture(scope="module")
-def gemm(tmp_path_factory):
-    return load_cpu_gemm(cache_dir=str(tmp_path_factory.mktemp("cpu_cache")))
+def gemm(cpu_kernel_cache):
+    return load_cpu_gemm(cache_dir=cpu_kernel_cache)
 
 
 @pytest.mark.parametrize("quant", [WeightQuant("int8"), WeightQuant("int4", 32), WeightQuant("int4", 8)])
