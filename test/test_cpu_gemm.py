@@ -7,6 +7,7 @@ from __future__ import annotations
 import re
 import shutil
 import subprocess
+import sys
 import threading
 from pathlib import Path
 
@@ -270,16 +271,22 @@ def test_row_counts_outside_the_kernel_are_refused(gemm, kernel, rows, accepted)
 
 
 def test_the_library_is_compiled_once_and_then_taken_from_the_cache(tmp_path):
+    """The next process finds the entry too (the key must not name the compiler driver's temporary files,
+    which differ in every process: a node that recompiled at every start)."""
     assert load_cpu_gemm(cache_dir=str(tmp_path)).origin.startswith("compiled in")
     assert load_cpu_gemm(cache_dir=str(tmp_path)).origin == "from the cache"
+    code = f"from orin_vlm_node.cpu import load_cpu_gemm; print(load_cpu_gemm(cache_dir={str(tmp_path)!r}).origin)"
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert proc.stdout.strip() == "from the cache", proc.stdout + proc.stderr
     [entry] = tmp_path.glob("cpu_gemm-*.so.cache")
     entry.write_bytes(entry.read_bytes()[:-100])  # a write cut short
     assert load_cpu_gemm(cache_dir=str(tmp_path)).origin.startswith("compiled in")
 
 
-def test_an_edited_source_is_rebuilt(tmp_path):
+def test_an_edited_source_is_rebuilt(tmp_path, gemm, cpu_kernel_cache):
     kernels = shutil.copytree(KERNELS, tmp_path / "kernels")
-    load_cpu_gemm(str(kernels), str(tmp_path / "cache"))
+    shutil.copytree(cpu_kernel_cache, tmp_path / "cache")  # the session's entry for the unedited source
+    assert load_cpu_gemm(str(kernels), str(tmp_path / "cache")).origin == "from the cache"
     source = kernels / "cpu_gemm.cpp"
     source.write_text(source.read_text() + "\n// edited\n")
     assert load_cpu_gemm(str(kernels), str(tmp_path / "cache")).origin.startswith("compiled in")

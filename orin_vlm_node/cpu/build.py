@@ -21,6 +21,7 @@ import hashlib
 import logging
 import os
 import platform
+import re
 import shutil
 import subprocess
 import tempfile
@@ -57,7 +58,9 @@ def find_compiler() -> str:
 
 @functools.lru_cache(maxsize=4)
 def compiler_identity(cxx: str) -> str:
-    """What the compiler would run for ``-march=native`` here (``-###``: version, target CPU and features)."""
+    """What the compiler would run for ``-march=native`` here (``-###``: version, target CPU and features),
+    with the names of its temporary files (new in every process: ``/tmp/ccAb12Cd.s``) taken out, so the key
+    is the same in the next process and the cache is hit."""
     cmd = [cxx, *FLAGS, "-###", "-x", "c++", "-c", os.devnull, "-o", os.devnull]
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=60, check=False)
@@ -65,7 +68,7 @@ def compiler_identity(cxx: str) -> str:
         raise CpuKernelUnavailable(f"cannot run {cxx}: {exc}") from exc
     if proc.returncode:
         raise CpuKernelUnavailable(f"{cxx} refuses {' '.join(FLAGS)}: {(proc.stderr or proc.stdout).strip()}")
-    return proc.stderr + proc.stdout
+    return re.sub(re.escape(tempfile.gettempdir()) + r'/[^\s"\']+', "<temporary file>", proc.stderr + proc.stdout)
 
 
 def library_key(source: Path, cxx: str) -> str:
