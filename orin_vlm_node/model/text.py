@@ -18,6 +18,7 @@ from torch import nn
 
 from ..kvcache import StepAttention
 from .config import TextConfig
+from .embedding import checkpoint_embedding
 from .rope import TextRopeTables, apply_text_rope, mrope_cos_sin, mrope_streams, text_inv_freq
 
 
@@ -200,7 +201,7 @@ class TextDecoder(nn.Module):
     def __init__(self, cfg: TextConfig):
         super().__init__()
         self.cfg = cfg
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens = checkpoint_embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.register_buffer("inv_freq", torch.empty(cfg.head_dim // 2), persistent=False)

@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import VisionConfig
+from .embedding import checkpoint_embedding
 from .rope import apply_vision_rope, vision_cos_sin, vision_inv_freq
 
 
@@ -158,7 +159,7 @@ class VisionTower(nn.Module):
         self.cfg = cfg
         self.grid_side = int(cfg.num_position_embeddings**0.5)
         self.patch_embed = PatchEmbed(cfg)
-        self.pos_embed = nn.Embedding(cfg.num_position_embeddings, cfg.hidden_size)
+        self.pos_embed = checkpoint_embedding(cfg.num_position_embeddings, cfg.hidden_size)
         self.blocks = nn.ModuleList(VisionBlock(cfg) for _ in range(cfg.depth))
         self.merger = PatchMerger(cfg, postshuffle_norm=False)
         self.deepstack_merger_list = nn.ModuleList(
