@@ -11,13 +11,14 @@
 //   int4: qweight [N, ceil(K/2)] uint8 (even k in the low nibble), scales and offsets [N, ceil(K/G)] fp16:
 //         w[n, k] = q[n, k] * s[n, k/G] + o[n, k/G]
 //
-// One warp computes kGemvColumns<W> output columns for every row m (1 for float weights, 2 for int8 and
-// int4), and with the SwiGLU epilogue the up column of each too: those J weight rows are read in one pass.
+// One warp computes kGemvColumns output columns for every row m (1 for float weights, 2 for int8, 4 for int4
+// or 2 with SwiGLU), and with the SwiGLU epilogue the up column of each too: those J weight rows are read in
+// one pass.
 // The lanes walk the rows in 16-byte vectors (float: 4 or 8 weights, int8: 16, int4: 32 per vector; a warp
 // reads 512 contiguous bytes of a row per vector, and each lane issues kGemvInFlight vectors before it uses
 // the first, so a row is requested at once), accumulate in fp32 and reduce across the warp. Each piece of
 // x is read and widened once for the J rows, and each weight widened once for the R rows of x: on a
-// quantized weight the arithmetic per weight, not the bytes, bounded the product (see widen_int4x8). For
+// quantized weight the arithmetic per weight, not the bytes, bounds the product (see int4_subnormal). For
 // int4 a vector lies inside one group when G is a multiple of 32, so its scale and offset factor out:
 // sum_k x q s + x o = s * (x . q) + o * sum(x). The vector path needs K a multiple of 32 (every
 // projection of the models we serve); any other shape takes the scalar path (same formulas, element by
@@ -45,10 +46,14 @@ namespace orin_vlm {
 
 constexpr int kGemvWarps = 4;
 // Output columns one warp computes. A quantized weight costs more arithmetic per byte than a float one (the
-// widening), so there a warp takes two columns and reads and widens each piece of x once for both; float
-// weights keep one column a warp (more warps in flight for the same bytes).
-template <typename W>
+// widening), so there a warp reads several weight rows and widens (and for int4 scales and sums) each piece
+// of x once for all of them: int8 two columns; int4, whose bytes hold twice the weights, four rows (four
+// columns, or two with their up rows for SwiGLU). Float weights keep one column a warp (more warps in
+// flight for the same bytes). launch.py: GEMV_COLUMNS.
+template <typename W, bool SWIGLU>
 constexpr int kGemvColumns = sizeof(W) >= 2 ? 1 : 2;
+template <bool SWIGLU>
+constexpr int kGemvColumns<uint8_t, SWIGLU> = SWIGLU ? 2 : 4;  // int4
 // 16-byte weight vectors each lane loads before it uses the first, over the J rows it reads: one load in
 // flight per lane leaves a GPU with HBM idle most of the time (a warp's row of a 2048-wide projection is
 // 2..8 such loads, each waiting out the memory latency in turn). 8 requests a whole 4 KB row of a
@@ -83,18 +88,21 @@ __device__ __forceinline__ void widen_int8x4(uint32_t word, float* __restrict__ 
   w[3] = byte_over_2p23<3>(biased) - (k2p23 + 128.0f);
 }
 
-// The eight int4 weights of `word` (element 2i in the low nibble of byte i, 2i + 1 in the high one),
-// exactly, into w[0..7].
-__device__ __forceinline__ void widen_int4x8(uint32_t word, float* __restrict__ w) {
-  const uint32_t even = word & 0x0F0F0F0Fu, odd = (word >> 4) & 0x0F0F0F0Fu;
-  w[0] = byte_over_2p23<0>(even) - k2p23;
-  w[1] = byte_over_2p23<0>(odd) - k2p23;
-  w[2] = byte_over_2p23<1>(even) - k2p23;
-  w[3] = byte_over_2p23<1>(odd) - k2p23;
-  w[4] = byte_over_2p23<2>(even) - k2p23;
-  w[5] = byte_over_2p23<2>(odd) - k2p23;
-  w[6] = byte_over_2p23<3>(even) - k2p23;
-  w[7] = byte_over_2p23<3>(odd) - k2p23;
+// Int4 weights take one instruction each: the float whose bits are a small integer b (a subnormal) is
+// exactly b * 2^-149, so byte i of `word & 0x0F0F0F0F` alone in a register is weight 2i times 2^-149 and
+// byte i of `word & 0xF0F0F0F0` is weight 2i + 1 times 2^-145 (the nibble sits 4 bits up). The x they
+// multiply is scaled to match (Int4Rows::prepare_x: even elements by 2^64, odd ones by 2^60), so every
+// product is x * q * 2^-85 exactly and a vector's dot product is 2^-85 times the unscaled one, each fused
+// multiply-add rounding as it would unscaled; the scale, times 2^85 (Int4Rows::scale), takes the factor
+// away. Exact while |x| lies in [2^-41, 2^64): fp16 activations always do (|x| <= 65504); smaller ones
+// make subnormal products (an error below 2^-65 each), larger ones overflow.
+constexpr float kInt4EvenX = 0x1p64f, kInt4OddX = 0x1p60f, kInt4DotScale = 0x1p85f;
+
+// Weight 2i (EVEN) or 2i + 1 of the int4 `word` (element 2i in the low nibble of byte i, 2i + 1 in the
+// high one), as the subnormal float above: `masked` is the word & 0x0F0F0F0F or & 0xF0F0F0F0.
+template <int I>
+__device__ __forceinline__ float int4_subnormal(uint32_t masked) {
+  return __uint_as_float(__byte_perm(masked, 0u, 0x4440 | I));
 }
 
 // How weight rows are stored. Every format offers: Elem (the stored element: the activation type, int8_t, or
@@ -112,6 +120,8 @@ struct DenseRows {
   __device__ __forceinline__ bool vector_path() const { return K % 32 == 0; }
   __device__ __forceinline__ const W* row(int n) const { return w + static_cast<size_t>(n) * K; }
   __device__ __forceinline__ static int at(int k) { return k; }
+  template <int P>
+  __device__ __forceinline__ static void prepare_x(float* __restrict__) {}
   template <int P>
   __device__ __forceinline__ static void widen(const uint4& raw, int piece, float* __restrict__ out) {
     if constexpr (sizeof(W) == 1) {
@@ -141,13 +151,32 @@ struct Int4Rows {
   __device__ __forceinline__ static int at(int k) { return k / 2; }
   // A vector lies inside one group when the group holds whole vectors.
   __device__ __forceinline__ bool vector_path() const { return K % 32 == 0 && group_shift >= 5; }
+  // Weights piece * 8 .. piece * 8 + 7 of a vector, as the subnormals of int4_subnormal.
   template <int P>
   __device__ __forceinline__ static void widen(const uint4& raw, int piece, float* __restrict__ out) {
-    widen_int4x8(reinterpret_cast<const uint32_t*>(&raw)[piece], out);
+    const uint32_t word = reinterpret_cast<const uint32_t*>(&raw)[piece];
+    const uint32_t even = word & 0x0F0F0F0Fu, odd = word & 0xF0F0F0F0u;
+    out[0] = int4_subnormal<0>(even);
+    out[1] = int4_subnormal<0>(odd);
+    out[2] = int4_subnormal<1>(even);
+    out[3] = int4_subnormal<1>(odd);
+    out[4] = int4_subnormal<2>(even);
+    out[5] = int4_subnormal<2>(odd);
+    out[6] = int4_subnormal<3>(even);
+    out[7] = int4_subnormal<3>(odd);
+  }
+  // x elements k .. k + P - 1 (k even) scaled as the widened weights they multiply need.
+  template <int P>
+  __device__ __forceinline__ static void prepare_x(float* __restrict__ xs) {
+#pragma unroll
+    for (int i = 0; i < P; ++i) xs[i] *= i % 2 ? kInt4OddX : kInt4EvenX;
   }
   __device__ __forceinline__ float scale(int n, int k) const {
     return __half2float(__ldg(scales + static_cast<size_t>(n) * groups + (k >> group_shift)));
   }
+  // The scale of weight k's group for a vector's dot product of prepared x with widened weights (2^85 times
+  // the scale: see int4_subnormal).
+  __device__ __forceinline__ float vector_scale(int n, int k) const { return scale(n, k) * kInt4DotScale; }
   __device__ __forceinline__ float offset(int n, int k) const {
     return __half2float(__ldg(offsets + static_cast<size_t>(n) * groups + (k >> group_shift)));
   }
@@ -220,9 +249,12 @@ __device__ __forceinline__ void rows_dot(const T* __restrict__ x, const Rows& w,
           if (m >= rows) break;
           float xs[kPiece];
           load_x<T, kPiece>(x, static_cast<size_t>(m) * K + k + p * kPiece, true, xs);
+          if constexpr (kGrouped)
+#pragma unroll
+            for (int i = 0; i < kPiece; ++i) xsum[m] += xs[i];
+          Rows::template prepare_x<kPiece>(xs);
 #pragma unroll
           for (int i = 0; i < kPiece; ++i) {
-            if constexpr (kGrouped) xsum[m] += xs[i];
 #pragma unroll
             for (int j = 0; j < J; ++j) {
               if constexpr (kGrouped) dot[j][m] += xs[i] * wf[j][i];
@@ -234,7 +266,7 @@ __device__ __forceinline__ void rows_dot(const T* __restrict__ x, const Rows& w,
       if constexpr (kGrouped) {
 #pragma unroll
         for (int j = 0; j < J; ++j) {
-          const float s = w.scale(n[j], k), o = w.offset(n[j], k);
+          const float s = w.vector_scale(n[j], k), o = w.offset(n[j], k);
 #pragma unroll
           for (int m = 0; m < R; ++m) acc[j][m] += s * dot[j][m] + o * xsum[m];
         }
@@ -310,7 +342,7 @@ __device__ __forceinline__ void prefetch_weight_rows(const void* w, size_t row_b
 template <typename T, int R, bool SWIGLU, typename Rows>
 __device__ __forceinline__ void gemv(T* __restrict__ y, const T* __restrict__ x, const Rows& w,
                                      const __half* __restrict__ row_scales, int rows, int N, int K) {
-  constexpr int C = kGemvColumns<typename Rows::Elem>;
+  constexpr int C = kGemvColumns<typename Rows::Elem, SWIGLU>;
   constexpr int J = C * (SWIGLU ? 2 : 1);
   if (rows < 1 || rows > R || blockDim.x != kGemvWarps * kWarpSize) KERNEL_TRAP();
   const int n0 = warp_first_column<C>();
@@ -349,19 +381,19 @@ __device__ __forceinline__ int group_shift(int group) {
 #define ORIN_GEMV_KERNELS_E(DT, T, R, E, SWIGLU)                                                                     \
   extern "C" __global__ void gemv_float##E##_##DT##_r##R(T* y, const T* x, const T* weight, const __half* scales,      \
                                                         const __half* offsets, int rows, int n, int k, int group) {    \
-    ORIN_GEMV_PROLOGUE(orin_vlm::kGemvColumns<T>, SWIGLU, weight, static_cast<size_t>(k) * sizeof(T), n);              \
+    ORIN_GEMV_PROLOGUE((orin_vlm::kGemvColumns<T, SWIGLU>), SWIGLU, weight, static_cast<size_t>(k) * sizeof(T), n);              \
     orin_vlm::gemv<T, R, SWIGLU>(y, x, orin_vlm::DenseRows<T>{weight, k}, nullptr, rows, n, k);                  \
   }                                                                                                                    \
   extern "C" __global__ void gemv_int8##E##_##DT##_r##R(T* y, const T* x, const int8_t* qweight,                       \
                                                        const __half* scales, const __half* offsets, int rows, int n,   \
                                                        int k, int group) {                                             \
-    ORIN_GEMV_PROLOGUE(orin_vlm::kGemvColumns<int8_t>, SWIGLU, qweight, static_cast<size_t>(k), n);                    \
+    ORIN_GEMV_PROLOGUE((orin_vlm::kGemvColumns<int8_t, SWIGLU>), SWIGLU, qweight, static_cast<size_t>(k), n);                    \
     orin_vlm::gemv<T, R, SWIGLU>(y, x, orin_vlm::DenseRows<int8_t>{qweight, k}, scales, rows, n, k);        \
   }                                                                                                                    \
   extern "C" __global__ void gemv_int4##E##_##DT##_r##R(T* y, const T* x, const uint8_t* qweight,                      \
                                                        const __half* scales, const __half* offsets, int rows, int n,   \
                                                        int k, int group) {                                             \
-    ORIN_GEMV_PROLOGUE(orin_vlm::kGemvColumns<uint8_t>, SWIGLU, qweight, static_cast<size_t>(k + 1) / 2, n);           \
+    ORIN_GEMV_PROLOGUE((orin_vlm::kGemvColumns<uint8_t, SWIGLU>), SWIGLU, qweight, static_cast<size_t>(k + 1) / 2, n);           \
     const orin_vlm::Int4Rows rows_ = {qweight, scales, offsets, k, (k + group - 1) / group,                       \
                                          orin_vlm::group_shift(group)};                                               \
     orin_vlm::gemv<T, R, SWIGLU>(y, x, rows_, nullptr, rows, n, k);                                           \

@@ -25,8 +25,8 @@ from support.checkpoints import cached_tiny_checkpoint
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 RTOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
 
-# (N, K, group): the vector path (K and the group multiples of 32), N not a multiple of the 4 columns a
-# block computes, K not a multiple of the group, odd K, groups smaller than a vector (the scalar path), and
+# (N, K, group): the vector path (K and the group multiples of 32), N not a multiple of the 4, 8 or 16 columns
+# a block computes, K not a multiple of the group, odd K, groups smaller than a vector (the scalar path), and
 # rows long enough that a lane loads more than one batch of vectors, the last one partly (4608: int8 9
 # vectors a lane, int4 4 or 5).
 SHAPES = [(64, 128, 32), (37, 256, 128), (21, 96, 64), (19, 75, 32), (8, 33, 2), (5, 64, 16), (6, 4608, 128)]
@@ -52,6 +52,35 @@ def test_gemv_kernels_match_the_torch_reference(harness, mode, dtype, n, k, grou
         expected = F.linear(x.float(), weight)
         scale = expected.abs().amax().item()
         torch.testing.assert_close(got.float(), expected, rtol=RTOL[dtype], atol=RTOL[dtype] * scale)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("swiglu", [False, True])
+def test_int4_products_hold_over_the_activations_whole_range(harness, dtype, swiglu):
+    """The int4 vector path multiplies x, scaled by 2^64 or 2^60, with weights widened to subnormal floats:
+    exact for |x| in [2^-41, 2^64). Activations spanning that range (fp32 and bf16 from 1e-12 to 1e18, fp16
+    from its subnormals up to where the outputs stay finite), exact zeros among them, against the reference
+    in float64."""
+    n, k = 24, 256
+    module = _quantized(2 * n if swiglu else n, k, "int4", 32, seed=7)
+    module.kernels = CudaGemv(harness)
+    gen = torch.Generator().manual_seed(11)
+    # log10 |x|; fp16 outputs stay finite (silu(gate) * up squares the magnitudes)
+    low, high = (-7.0, 1.5 if swiglu else 3.5) if dtype == torch.float16 else (-12.0, 18.0)
+    for rows in (1, 3):
+        magnitude = 10 ** (low + (high - low) * torch.rand(rows, k, generator=gen, dtype=torch.float64))
+        x = (torch.randn(rows, k, generator=gen, dtype=torch.float64).sign() * magnitude).to(dtype)
+        x[:, ::17] = 0
+        assert module.kernel_takes(x)
+        got = module.kernels(module, x, swiglu=swiglu).double()
+        product = F.linear(x.double(), module.dequantize(torch.float64))
+        if swiglu:
+            gate, up = product.to(dtype).double().chunk(2, dim=-1)
+            product = F.silu(gate).to(dtype).double() * up
+        expected = product.to(dtype).double()  # what rounding the exact result to the output dtype gives
+        assert torch.isfinite(got).all()
+        scale = expected.abs().amax(dim=-1, keepdim=True)  # each row's own magnitude
+        assert ((got - expected).abs() <= RTOL[dtype] * scale).all()
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -282,7 +311,9 @@ def test_a_quantized_projection_routes_decode_rows_to_the_kernels_and_prefill_to
 def test_gemv_launch_picks_the_rows_bucket_and_refuses_what_no_kernel_takes():
     assert L.gemv_launch("int8", 3, 37, torch.float16).kernel == "gemv_int8_f16_r4"
     assert L.gemv_launch("float", 5, 37, torch.float16).kernel == "gemv_float_f16_r8"
-    assert L.gemv_launch("int4", 1, 37, torch.bfloat16).grid == (5, 1, 1)  # 8 columns a block: 2 a warp
+    assert L.gemv_launch("int4", 1, 37, torch.bfloat16).grid == (3, 1, 1)  # 16 columns a block: 4 a warp
+    assert L.gemv_launch("int4", 1, 37, torch.bfloat16, swiglu=True).grid == (5, 1, 1)  # 2 a warp, + up rows
+    assert L.gemv_launch("int8", 1, 37, torch.bfloat16).grid == (5, 1, 1)  # 8 columns a block: 2 a warp
     assert L.gemv_launch("float", 1, 37, torch.bfloat16).grid == (10, 1, 1)  # 4 columns a block: 1 a warp
     assert L.gemv_launch("int4", 2, 37, torch.bfloat16, swiglu=True).kernel == "gemv_int4_swiglu_bf16_r2"
     with pytest.raises(L.UnsupportedShape, match="1..8 rows"):

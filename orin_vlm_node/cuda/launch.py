@@ -41,9 +41,11 @@ SILU_THREADS = 256  # kSiluThreads in kernels/silu_mul.cu
 GEMV_ROW_BUCKETS = (1, 2, 4, 8)
 GEMV_MODES = ("float", "int8", "int4")  # how the weight is stored: the activations' dtype, or quantized
 GEMV_EPILOGUES = ("", "_swiglu")  # the product itself, or silu(gate) * up of a fused gate/up weight
-# Output columns one GEMV warp computes, by weight storage (kGemvColumns in kernels/gemv.cuh): quantized
-# weights share each widened piece of x between two columns.
-GEMV_COLUMNS = {"float": 1, "int8": 2, "int4": 2}
+# Output columns one GEMV warp computes, by weight storage and whether the epilogue is SwiGLU (kGemvColumns
+# in kernels/gemv.cuh): quantized weights share each widened piece of x between the weight rows a warp reads
+# (int8 two, int4 four: four columns, or two with their up rows).
+GEMV_COLUMNS = {("float", False): 1, ("float", True): 1, ("int8", False): 2, ("int8", True): 2,
+                ("int4", False): 4, ("int4", True): 2}  # fmt: skip
 
 # torch dtype name -> kernel name suffix and element size.
 DTYPE_TAGS = {"float32": "f32", "float16": "f16", "bfloat16": "bf16"}
@@ -291,7 +293,7 @@ def kv_write_launch(num_tokens: int, dtype: object) -> LaunchConfig:
 
 
 def gemv_launch(mode: str, rows: int, out_features: int, dtype: object, swiglu: bool = False) -> LaunchConfig:
-    """Grid (ceil(N / (GEMV_WARPS * GEMV_COLUMNS[mode]))), GEMV_WARPS warps; the kernel of the smallest rows
+    """Grid (ceil(N / (GEMV_WARPS * GEMV_COLUMNS[mode, swiglu]))), GEMV_WARPS warps; the kernel of the smallest rows
     bucket that holds ``rows``.
     ``out_features`` N counts the output columns: with ``swiglu`` the weight has 2N rows (gate, then up) and
     the kernel writes silu(gate) * up."""
@@ -301,7 +303,7 @@ def gemv_launch(mode: str, rows: int, out_features: int, dtype: object, swiglu: 
     if rows < 1 or bucket is None:
         raise UnsupportedShape(f"GEMV kernels take 1..{GEMV_ROW_BUCKETS[-1]} rows, got {rows}")
     tag = DTYPE_TAGS[dtype_name(dtype)]
-    grid = (math.ceil(out_features / (GEMV_WARPS * GEMV_COLUMNS[mode])), 1, 1)
+    grid = (math.ceil(out_features / (GEMV_WARPS * GEMV_COLUMNS[mode, swiglu])), 1, 1)
     kernel = f"gemv_{mode}{GEMV_EPILOGUES[swiglu]}_{tag}_r{bucket}"
     return _checked(LaunchConfig(kernel, grid, (GEMV_WARPS * WARP_SIZE, 1, 1), 0))
 
