@@ -5,7 +5,9 @@ Compiling costs seconds to minutes on a Jetson, so every build is cached under a
 from everything that changes the binary. A cache file carries a header (magic, payload length, SHA-256 of
 the payload) and is written atomically (temporary file + rename), so a write interrupted by a power cut or
 Ctrl-C, or a corrupted file, is detected and rebuilt instead of crashing a loader; a read-only cache only
-costs a rebuild at every start.
+costs a rebuild at every start. The cache stays bounded on a robot that is updated for years: each
+artifact (a module for one architecture) keeps its ``KEEP_PER_ARTIFACT`` most recently used builds, so
+switching between a few installed versions still hits and older builds are deleted.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ _log = logging.getLogger(__name__)
 
 # Named after the first artifacts cached (cubins); kept so that existing caches stay valid.
 _MAGIC = b"ORINVLM-CUBIN-1\n"
+KEEP_PER_ARTIFACT = 4  # builds (keys) of one artifact kept in the cache, most recently used first
 
 
 def default_cache_dir() -> Path:
@@ -79,16 +82,36 @@ def read_cached(path: Path) -> bytes | None:
             path.unlink(missing_ok=True)
         except OSError:
             pass  # a read-only cache: the rebuilt artifact is simply not written back
+        return None
+    try:
+        os.utime(path)  # used now: the builds of an artifact are pruned least recently used first
+    except OSError:
+        pass  # a read-only cache keeps its entries as they are
     return payload
 
 
-def write_cached(path: Path, payload: bytes) -> None:
-    """Store ``payload`` at ``path`` (atomically, with its header); a cache that cannot be written is logged
+def write_cached(path: Path, payload: bytes, siblings: str) -> None:
+    """Store ``payload`` at ``path`` (atomically, with its header), then delete all but the
+    ``KEEP_PER_ARTIFACT`` most recently used files of ``path``'s directory that match the glob ``siblings``
+    (the other builds of the same artifact: ``gemv-sm_87-*.cubin``). A cache that cannot be written is logged
     and otherwise ignored: the caller has the payload and carries on."""
     try:
         atomic_write(path, pack(payload))
     except OSError as exc:
         _log.warning("could not write kernel cache %s (%s); continuing without caching", path, exc)
+        return
+    builds = []
+    for entry in path.parent.glob(siblings):
+        try:
+            builds.append((entry.stat().st_mtime, entry))
+        except OSError:
+            continue  # deleted meanwhile by another process
+    for _, stale in sorted(builds, reverse=True)[KEEP_PER_ARTIFACT:]:
+        try:
+            stale.unlink()
+            _log.info("kernel cache: removed %s (older than the %d kept builds)", stale, KEEP_PER_ARTIFACT)
+        except OSError:
+            pass
 
 
 def run_compiler(

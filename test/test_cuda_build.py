@@ -154,3 +154,27 @@ def test_default_cache_dir_follows_xdg_cache_home(monkeypatch, tmp_path):
     assert artifact_cache.default_cache_dir() == tmp_path / "orin_vlm_node" / "kernels"
     monkeypatch.delenv("XDG_CACHE_HOME")
     assert artifact_cache.default_cache_dir() == Path("~/.cache/orin_vlm_node/kernels").expanduser()
+
+
+def test_the_cache_keeps_the_most_recently_used_builds_of_each_artifact(tmp_path):
+    """A robot updated for years must not fill its disk with cubins: each artifact (module and arch) keeps
+    KEEP_PER_ARTIFACT builds, the least recently used deleted first (a cache hit counts as a use); other
+    artifacts' builds are left alone."""
+    keep = artifact_cache.KEEP_PER_ARTIFACT
+
+    def write(name: str, mtime: int) -> Path:
+        path = tmp_path / name
+        artifact_cache.write_cached(path, name.encode(), "gemv-sm_87-*.cubin" if "gemv-" in name else "x-*.cubin")
+        os.utime(path, (mtime, mtime))
+        return path
+
+    other = [write("gemv_swiglu-sm_87-0.cubin", 1), write("x-0.cubin", 1)]  # other artifacts
+    for i in range(keep + 2):
+        write(f"gemv-sm_87-{i}.cubin", 1000 + i)
+    kept = sorted(p.name for p in tmp_path.glob("gemv-sm_87-*.cubin"))
+    assert kept == [f"gemv-sm_87-{i}.cubin" for i in range(2, keep + 2)]
+    assert artifact_cache.read_cached(tmp_path / "gemv-sm_87-2.cubin") == b"gemv-sm_87-2.cubin"  # now the newest
+    write(f"gemv-sm_87-{keep + 2}.cubin", 2000)
+    assert (tmp_path / "gemv-sm_87-2.cubin").is_file() and not (tmp_path / "gemv-sm_87-3.cubin").exists()
+    assert len(list(tmp_path.glob("gemv-sm_87-*.cubin"))) == keep
+    assert all(p.is_file() for p in other)

@@ -95,14 +95,15 @@ def build_library(source: Path, cache_dir: Path) -> tuple[bytes, bool]:
     written back."""
     cxx = find_compiler()
     key = library_key(source, cxx)
-    path = cache_dir / f"{source.stem}-{platform.machine()}-{key[:24]}.so.cache"
+    family = f"{source.stem}-{platform.machine()}-"
+    path = cache_dir / f"{family}{key[:24]}.so.cache"
     payload = read_cached(path)
     if payload is not None:
         _log.info("kernel cache hit: %s from %s", source.name, path)
         return payload, True
     t0 = time.perf_counter()
     payload = compile_library(source, cxx)
-    write_cached(path, payload)
+    write_cached(path, payload, f"{family}*.so.cache")
     _log.info("compiled %s with %s in %.2f s -> %s", source.name, cxx, time.perf_counter() - t0, path)
     return payload, False
 

@@ -172,7 +172,8 @@ def build_module(module: str, cfg: BuildConfig) -> CompiledModule:
     """Cached cubin of one module: a verified cache entry, or a fresh compile written back atomically."""
     nvcc = find_nvcc(cfg.nvcc)
     key = cache_key(module, cfg, nvcc)
-    path = cfg.cache_path / f"{module}-{cfg.arch}-{key[:24]}.cubin"
+    family = f"{module}-{cfg.arch}-"
+    path = cfg.cache_path / f"{family}{key[:24]}.cubin"
     payload = read_cached(path)
     if payload is not None:
         _log.info("kernel cache hit: %s (%s) from %s", module, cfg.arch, path)
@@ -180,7 +181,7 @@ def build_module(module: str, cfg: BuildConfig) -> CompiledModule:
     t0 = time.perf_counter()
     cubin = compile_cubin(module, cfg, nvcc)
     seconds = time.perf_counter() - t0
-    write_cached(path, cubin)
+    write_cached(path, cubin, f"{family}*.cubin")
     _log.info("compiled %s for %s in %.2f s (%d bytes) -> %s", module, cfg.arch, seconds, len(cubin), path)
     return CompiledModule(module, cfg.arch, cubin, path, cache_hit=False, seconds=seconds)
 
