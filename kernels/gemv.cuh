@@ -93,9 +93,10 @@ __device__ __forceinline__ void widen_int8x4(uint32_t word, float* __restrict__ 
 // byte i of `word & 0xF0F0F0F0` is weight 2i + 1 times 2^-145 (the nibble sits 4 bits up). The x they
 // multiply is scaled to match (Int4Rows::prepare_x: even elements by 2^64, odd ones by 2^60), so every
 // product is x * q * 2^-85 exactly and a vector's dot product is 2^-85 times the unscaled one, each fused
-// multiply-add rounding as it would unscaled; the scale, times 2^85 (Int4Rows::scale), takes the factor
-// away. Exact while |x| lies in [2^-41, 2^64): fp16 activations always do (|x| <= 65504); smaller ones
-// make subnormal products (an error below 2^-65 each), larger ones overflow.
+// multiply-add rounding as it would unscaled; the scale times 2^85 (Int4Rows::vector_scale) takes the factor
+// away. Exact while each nonzero |x| lies in [2^-41, 2^64), as every fp16 activation does (2^-24 ..
+// 65504); a smaller bf16 or fp32 one makes a subnormal product (an error below 2^-65), a larger one
+// overflows.
 constexpr float kInt4EvenX = 0x1p64f, kInt4OddX = 0x1p60f, kInt4DotScale = 0x1p85f;
 
 // Weight 2i (EVEN) or 2i + 1 of the int4 `word` (element 2i in the low nibble of byte i, 2i + 1 in the
@@ -109,7 +110,10 @@ __device__ __forceinline__ float int4_subnormal(uint32_t masked) {
 // uint8_t for two packed int4 weights), kChunk (weights per 16-byte vector), kGrouped (a scale and an
 // offset per group of each row), row(n) (the row's first element), at(k) (the element offset of weight k's
 // vector), vector_path(K) (whether the 16-byte vectors cover the rows), widen<P>(raw, piece, w) (weights
-// piece * P .. piece * P + P - 1 of a vector, exactly), and scalar(n, k) (one weight, for the scalar path).
+// piece * P .. piece * P + P - 1 of a vector, exactly, or for int4 exactly up to a power of two),
+// prepare_x<P>(xs) (the x those weights multiply, scaled to match: int4 only), and scalar(n, k) (one
+// weight, for the scalar path). Int4 rows also offer vector_scale(n, k) (the group's scale for a vector's
+// dot product of prepared x with widened weights) and offset(n, k).
 template <typename W>
 struct DenseRows {
   using Elem = W;
