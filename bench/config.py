@@ -44,6 +44,8 @@ class BenchConfig:
     # prefix cache / sessions
     prefix_image_size: tuple[int, int] = (448, 448)
     prefix_max_new_tokens: int = 8
+    # weight quantization: held-out samples of the default model's task per weight_quant mode (the accuracy goals)
+    quant_held_out: int = 200
     # ROS
     ros: bool = True
     ros_max_new_tokens: int = 400  # long answers: the per-token cost of publishing is what is measured
@@ -112,6 +114,7 @@ QUICK = replace(
     prefix_image_size=(64, 64),
     prefix_max_new_tokens=2,
     batch_tokens=12,  # more steps than the largest batch has members: all of them decode together
+    quant_held_out=40,
     ros_max_new_tokens=32,  # several tokens messages at the default 20 ms period
     ros_rounds=2,  # the round loop runs in CI too
     ros_repeats=1,

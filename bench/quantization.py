@@ -28,21 +28,20 @@ from bench.timing import run_engine
 from bench.vs_transformers import greedy, make_engine
 
 MODES = ("none", "int8", "int4")
-HELD_OUT = 200
 BIG_TOKENS = 64
 BIG_PROMPT = "Describe what the robot sees in front of it and what it should do next."
 SPEED_TOKENS = 16  # per timed answer on the 2B-shape checkpoint (about a third of a second each on one core)
 SPEED_REPEATS = 3  # timed answers per mode, after one warm-up
 
 
-def _exact_match(model_dir: Path, mode: str) -> tuple[float, float]:
-    """(share of held-out answers exactly right, weight MB) with ``weight_quant=mode``."""
+def _exact_match(model_dir: Path, mode: str, held_out: int) -> tuple[float, float]:
+    """(share of the first ``held_out`` held-out answers exactly right, weight MB) with ``weight_quant=mode``."""
     from orin_vlm_node.engine.events import Request, Turn
     from tools import synthetic_scenes as scenes
 
     engine = make_engine(model_dir, "fp32", weight_quant=mode, kv_pool_blocks=64, max_context_tokens=1024)
     hits = 0
-    samples = scenes.held_out_samples(HELD_OUT)
+    samples = scenes.held_out_samples(held_out)
     for s in samples:
         images = (s.image,) if s.image is not None else ()
         final = list(engine.generate(Request(Turn(s.question, images), greedy(24))))[-1]
@@ -143,9 +142,10 @@ def run(ctx: BenchContext) -> SectionResult:
     res = SectionResult("quantization")
     model_dir, what = ctx.default_model()
     scores = {}
+    held_out = ctx.config.quant_held_out
     for mode in MODES:
-        ctx.log(f"quantization: default model, weight_quant={mode}, {HELD_OUT} held-out samples")
-        scores[mode], mb = _exact_match(model_dir, mode)
+        ctx.log(f"quantization: default model, weight_quant={mode}, {held_out} held-out samples")
+        scores[mode], mb = _exact_match(model_dir, mode, held_out)
         res.add(f"default.{mode}.exact_match", "fraction", [scores[mode]], "held-out greedy exact match", mode=mode)
         res.add(f"default.{mode}.weight_mb", "MB", [mb], "weights as stored (fp32 run)", mode=mode)
     for mode in MODES[1:]:
@@ -159,7 +159,7 @@ def run(ctx: BenchContext) -> SectionResult:
         _big(ctx, res)
     res.setup.update(
         model=what,
-        held_out=HELD_OUT,
+        held_out=held_out,
         big_tokens=BIG_TOKENS,
         summary=(
             f"{what}: held-out exact match per weight_quant (int4 group 128); 2B-shape random checkpoint: "

@@ -9,6 +9,7 @@ import shutil
 import subprocess
 import sys
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -16,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from orin_vlm_node.cpu import CpuKernelUnavailable, load_cpu_gemm
-from orin_vlm_node.cpu.build import FLAGS, find_compiler
+from orin_vlm_node.cpu.build import FLAGS, build_library, find_compiler
 from orin_vlm_node.cuda.sources import find_kernel_sources
 from orin_vlm_node.model.quant import QuantizedLinear, WeightQuant
 
@@ -302,17 +303,32 @@ WRONG = [
 ]
 
 
-@pytest.mark.parametrize("kernel,weights,line,wrong", WRONG)
-def test_a_kernel_that_computes_wrong_is_refused_by_the_probe(tmp_path, kernel, weights, line, wrong):
-    kernels = shutil.copytree(KERNELS, tmp_path / "kernels")
-    source = kernels / "cpu_gemm.cpp"
-    text = source.read_text()
-    assert text.count(line) == 1
-    source.write_text(text.replace(line, wrong))
+@pytest.fixture(scope="module")
+def wrong_kernels(tmp_path_factory) -> list[Path]:
+    """A kernel directory per WRONG edit, each with its library already in the directory's own cache (the
+    compiles run side by side: one compiler process each)."""
+    root = tmp_path_factory.mktemp("wrong_kernels")
+    folders = []
+    for i, (_, _, line, wrong) in enumerate(WRONG):
+        kernels = shutil.copytree(KERNELS, root / str(i) / "kernels")
+        source = kernels / "cpu_gemm.cpp"
+        text = source.read_text()
+        assert text.count(line) == 1
+        source.write_text(text.replace(line, wrong))
+        folders.append(kernels)
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        list(pool.map(lambda kernels: build_library(kernels / "cpu_gemm.cpp", kernels.parent / "cache"), folders))
+    return folders
+
+
+@pytest.mark.parametrize("case", range(len(WRONG)), ids=[f"{i}-{k}-{w}" for i, (k, w, _, _) in enumerate(WRONG)])
+def test_a_kernel_that_computes_wrong_is_refused_by_the_probe(wrong_kernels, case):
+    kernel, weights, _, _ = WRONG[case]
+    kernels = wrong_kernels[case]
     with pytest.raises(
         CpuKernelUnavailable, match=f"{kernel} disagrees with F.linear for 1 rows of {re.escape(weights)}"
     ):
-        load_cpu_gemm(str(kernels), str(tmp_path / "cache"))
+        load_cpu_gemm(str(kernels), str(kernels.parent / "cache"))
 
 
 def test_no_compiler_or_a_compile_error_says_why(tmp_path, monkeypatch):
