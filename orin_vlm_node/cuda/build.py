@@ -28,6 +28,8 @@ from ..artifact_cache import default_cache_dir, read_cached, run_compiler, write
 
 _log = logging.getLogger(__name__)
 
+# Never -ftz=true or --use_fast_math: the int4 GEMV widens its weights into subnormal floats (gemv.cuh),
+# which flushing to zero would turn into zeros, and the attention kernels keep torch's rounding.
 BASE_FLAGS: tuple[str, ...] = ("-O3", "-std=c++17")
 # Used by the tests on every architecture we support: any warning fails the build.
 STRICT_FLAGS: tuple[str, ...] = ("--Werror", "all-warnings", "-Xptxas", "-Werror")
