@@ -13,7 +13,6 @@ from __future__ import annotations
 import os
 import re
 import shutil
-import subprocess
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -34,10 +33,16 @@ pytestmark = pytest.mark.skipif(NVCC is None, reason="nvcc not found on PATH or 
 @dataclass(frozen=True)
 class Compiled:
     """Every module's strict build for every arch: (arch, module) -> (cubin, seconds); and the PTX that
-    nvcc wrote on the way to each sm_90 cubin (``--keep``), which the dependent-launch check reads."""
+    nvcc wrote on the way to each cubin (``--keep``), in ``ptx_dir / arch``, which the dependent-launch
+    check reads."""
 
     cubins: dict[tuple[str, str], tuple[bytes, float]]
-    hopper_ptx: Path
+    ptx_dir: Path
+
+    def ptx_entries(self, module: str, arch: str) -> dict[str, str]:
+        """Each kernel of ``module``'s PTX for ``arch``: entry name -> its PTX body."""
+        bodies = re.split(r"\.visible \.entry ", (self.ptx_dir / arch / f"{module}.ptx").read_text())[1:]
+        return {body.split("(")[0]: body for body in bodies}
 
 
 @pytest.fixture(scope="module")
@@ -49,8 +54,8 @@ def compiled(tmp_path_factory) -> Compiled:
 
     def compile_one(job):
         arch, module = job
-        keep = ("--keep", "--keep-dir", str(out)) if arch == "sm_90" else ()
-        flags = (*B.STRICT_FLAGS, *keep)
+        (out / arch).mkdir(exist_ok=True)
+        flags = (*B.STRICT_FLAGS, "--keep", "--keep-dir", str(out / arch))
         cfg = B.BuildConfig(arch=arch, kernel_dir=kernels, cache_dir=out, nvcc=NVCC, extra_flags=flags)
         t0 = time.perf_counter()
         cubin = B.compile_cubin(module, cfg, NVCC)
@@ -75,27 +80,12 @@ def test_all_kernels_compile_for_all_archs_without_warnings(compiled):
 MEMORY_OP = re.compile(r"\b(?:(?:ld|st)(?!\.param|\.shared|\.local|\.const)\.[a-z0-9.]+|atom\.|red\.)")
 
 
-def _entries(ptx: str) -> dict[str, str]:
-    """Each kernel of a module's PTX: entry name -> its PTX body."""
-    bodies = re.split(r"\.visible \.entry ", ptx)[1:]
-    return {body.split("(")[0]: body for body in bodies}
-
-
-def _ptx_entries(module: str, arch: str, tmp_path) -> dict[str, str]:
-    """Each kernel of ``module`` compiled to PTX for ``arch``."""
-    out = tmp_path / f"{module}-{arch}.ptx"
-    kernels = find_kernel_sources().directory
-    subprocess.run([NVCC, f"-arch={arch}", "-ptx", "-O3", "-o", str(out), str(kernels / f"{module}.cu")],
-                   check=True, timeout=600)  # fmt: skip
-    return _entries(out.read_text())
-
-
-def test_every_kernel_waits_for_the_one_before_it_on_hopper_and_not_on_orin(compiled, tmp_path):
+def test_every_kernel_waits_for_the_one_before_it_on_hopper_and_not_on_orin(compiled):
     """Dependent launches are safe only if every kernel waits for its predecessor's stores before it touches
     memory (KERNEL_PROLOGUE): each entry's PTX for sm_90 lets the next kernel launch and waits before its
     first load or store (the GEMVs prefetch their weights into L2 in between); for sm_87 (no such
     instructions) the prologue is empty."""
-    hopper = {module: _entries((compiled.hopper_ptx / f"{module}.ptx").read_text()) for module in KERNEL_MODULES}
+    hopper = {module: compiled.ptx_entries(module, "sm_90") for module in KERNEL_MODULES}
     for module, entries in hopper.items():
         assert set(entries) == set(KERNEL_MODULES[module])
         for name, body in entries.items():
@@ -106,5 +96,5 @@ def test_every_kernel_waits_for_the_one_before_it_on_hopper_and_not_on_orin(comp
             assert 0 <= wait < (memory.start() if memory else len(code)), f"{name} touches memory before the wait"
             if name.startswith("gemv_"):  # the weights, which no kernel writes, prefetched into L2 before the wait
                 assert 0 <= code.find("prefetch.global.L2") < wait, name
-    orin = _ptx_entries("silu_mul", "sm_87", tmp_path)
+    orin = compiled.ptx_entries("silu_mul", "sm_87")
     assert orin and not any("griddepcontrol" in body for body in orin.values())
