@@ -33,6 +33,8 @@ that config is absent), batch 1, greedy, answers of a fixed length (``ignore_eos
   kernel running (``busy_ms``); the 15 costliest kernels in ``setup``.
 * ``pdl.<none|int4>.<on|off>``: batch-1 decode with programmatic dependent launch on and off (sm_90 and
   later), fp16 and INT4 weights, alternating; ``gain`` = on / off per pair.
+* ``norm_epilogue.<none|int4>.<on|off>``: the same with the GEMV's norm epilogue on and off (each residual
+  add + RMSNorm in the launch of the o or down product before it, or a launch of its own).
 * ``ttft_448.<dtype>``: an image of 448x448 and a short question: vision tower + prefill + first token.
 * ``startup.cold_s`` / ``warm_s``: a fresh process from start to a ready engine (fp16), with an empty
   kernel cache and again with the cache it filled; its GPU memory at 8192 context (``memory.*``) and the
@@ -409,39 +411,69 @@ def _quantized_decode(torch, ctx: BenchContext, res: SectionResult, model_dir: P
                     mode=mode)  # fmt: skip
 
 
-def _dependent_launch(torch, ctx: BenchContext, res: SectionResult, model_dir: Path) -> None:
-    """Batch-1 decode (kernels + graphs, fp16 activations) with programmatic dependent launch on and off, for
-    fp16 and INT4 weights, alternating: what overlapping each kernel's start with its predecessor's end
-    gains a token (INT4: every product is one of our kernels). An engine's kernels are its own; turning the
-    launches off before its first request captures its decode graphs with plain launches."""
+def _on_and_off(ctx: BenchContext, res: SectionResult, model_dir: Path, part: str, what: str, toggle) -> None:
+    """Batch-1 decode (kernels + graphs, fp16 activations) with one feature of the GPU path on and off, for fp16
+    and INT4 weights (every product one of our kernels), alternating: ``<part>.<none|int4>.<on|off>.tok_s``
+    and ``gain`` = on / off per pair. ``toggle(engine, on)`` sets the feature of a fresh engine before its
+    first request, so its decode graphs are captured with it, or returns why it cannot (the part is skipped)."""
     from orin_vlm_node.engine import Request, SamplingParams, Turn
 
     cfg = ctx.config
     cache_dir = str(ctx.scratch / "kernel_cache")
     engines = {}
     for mode in ("none", "int4"):
-        for launch in ("on", "off"):
+        for state in ("on", "off"):
             engine = _engine(model_dir, "fp16", cache_dir, weight_quant=mode, **PATHS["graphs"])
-            runtime = engine.attention.launcher
-            if not runtime.programmatic:
-                res.skip_part("pdl", f"programmatic dependent launch {runtime.programmatic_status}")
+            refused = toggle(engine, state == "on")
+            if refused:
+                res.skip_part(part, refused)
                 return
-            runtime.programmatic = launch == "on"
-            engines[f"{mode}.{launch}"] = engine
+            engines[f"{mode}.{state}"] = engine
     ids = iter(range(10**6))
     sampling = SamplingParams(temperature=0.0, max_new_tokens=cfg.gpu_max_new_tokens, ignore_eos=True)
 
     def eng(name):
-        return lambda: run_engine(engines[name], Request(Turn(PROMPT), sampling, request_id=f"gpu-pdl-{next(ids)}"))
+        return lambda: run_engine(engines[name], Request(Turn(PROMPT), sampling, request_id=f"gpu-{part}-{next(ids)}"))
 
-    ctx.log(f"gpu dependent launch: {cfg.gpu_repeats} alternating repeats over {list(engines)}")
+    ctx.log(f"gpu {what}: {cfg.gpu_repeats} alternating repeats over {list(engines)}")
     runs = alternate({name: eng(name) for name in engines}, repeats=cfg.gpu_repeats, warmup=1)
     for mode in ("none", "int4"):
-        on, off = ([t.decode_tok_s for t in runs[f"{mode}.{launch}"]] for launch in ("on", "off"))
-        res.add(f"pdl.{mode}.on.tok_s", "tok/s", on, f"batch-1 decode, weights {mode}, dependent launches", mode=mode)
-        res.add(f"pdl.{mode}.off.tok_s", "tok/s", off, f"batch-1 decode, weights {mode}, plain launches", mode=mode)
-        res.add(f"pdl.{mode}.gain", "x", paired_ratio(on, off), "tok/s with dependent launches / without (per pair)",
+        on, off = ([t.decode_tok_s for t in runs[f"{mode}.{state}"]] for state in ("on", "off"))
+        res.add(f"{part}.{mode}.on.tok_s", "tok/s", on, f"batch-1 decode, weights {mode}, {what} on", mode=mode)
+        res.add(f"{part}.{mode}.off.tok_s", "tok/s", off, f"batch-1 decode, weights {mode}, {what} off", mode=mode)
+        res.add(f"{part}.{mode}.gain", "x", paired_ratio(on, off), f"tok/s with {what} / without (per pair)",
                 mode=mode)  # fmt: skip
+
+
+def _dependent_launch(ctx: BenchContext, res: SectionResult, model_dir: Path) -> None:
+    """What overlapping each kernel's start with its predecessor's end gains a token: launches plain or
+    programmatic dependent (an engine's kernels are its own)."""
+
+    def toggle(engine, on: bool) -> str | None:
+        runtime = engine.attention.launcher
+        if not runtime.programmatic:
+            return f"programmatic dependent launch {runtime.programmatic_status}"
+        runtime.programmatic = on
+        return None
+
+    _on_and_off(ctx, res, model_dir, "pdl", "dependent launches", toggle)
+
+
+def _norm_epilogue(ctx: BenchContext, res: SectionResult, model_dir: Path) -> None:
+    """What running each residual add + RMSNorm in the launch of the GEMV product before it gains a token
+    (fp16 weights: where the product is the kernel's, not cuBLAS's; INT4: every o and down projection)."""
+    from orin_vlm_node.cuda.gemv import CudaGemv
+
+    def toggle(engine, on: bool) -> str | None:
+        kernels = [getattr(m, "kernels", None) for m in engine.model.modules()]
+        kernels = [k for k in kernels if isinstance(k, CudaGemv)]  # one per engine, attached to its projections
+        if not kernels:
+            return "the engine has no GEMV kernels attached"
+        for k in kernels:
+            k.norm_epilogue = on
+        return None
+
+    _on_and_off(ctx, res, model_dir, "norm_epilogue", "the norm epilogue", toggle)
 
 
 def _batching(ctx: BenchContext, res: SectionResult, model_dir: Path) -> None:
@@ -487,7 +519,8 @@ def _startup_and_memory(torch, ctx: BenchContext, res: SectionResult, model_dir:
 
 
 # The parts besides the decode of each dtype, in the order they run after the first dtype's decode.
-OTHER_PARTS = ("step_profile", "startup_memory", "kernels", "gemv", "quant", "pdl", "step_profile_int4", "batching")
+OTHER_PARTS = ("step_profile", "startup_memory", "kernels", "gemv", "quant", "norm_epilogue", "pdl",
+               "step_profile_int4", "batching")  # fmt: skip
 
 
 def part_names(dtypes: Sequence[str], chosen: Sequence[str] = ()) -> list[str]:
@@ -555,7 +588,8 @@ def run(ctx: BenchContext) -> SectionResult:
         "kernels": functools.partial(_kernels, torch, ctx, res),
         "gemv": functools.partial(_gemv, torch, ctx, res, bandwidth),
         "quant": functools.partial(_quantized_decode, torch, ctx, res, model_dir, bandwidth),
-        "pdl": functools.partial(_dependent_launch, torch, ctx, res, model_dir),
+        "pdl": functools.partial(_dependent_launch, ctx, res, model_dir),
+        "norm_epilogue": functools.partial(_norm_epilogue, ctx, res, model_dir),
         "batching": functools.partial(_batching, ctx, res, model_dir),
     }
     for d in cfg.gpu_dtypes:

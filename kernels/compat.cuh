@@ -5,6 +5,7 @@
 // __half, __nv_bfloat16, ...) plus the two macros defined here:
 //   DYNAMIC_SHARED(type, name)  declares `type* name` pointing at the block's dynamic shared memory.
 //   KERNEL_TRAP()               aborts the launch (a launch-configuration bug), like __trap().
+//   KERNEL_NOINLINE             a device function compiled once and called, not inlined (__noinline__).
 //   KERNEL_PROLOGUE()           the first statement of every kernel (programmatic dependent launch, below;
 //                               its two halves, and prefetch_l2 between them, for the GEMV).
 #pragma once
@@ -18,9 +19,11 @@
   extern __shared__ __align__(16) unsigned char name##_raw_[]; \
   type* name = reinterpret_cast<type*>(name##_raw_)
 #define KERNEL_TRAP() __trap()
+#define KERNEL_NOINLINE __noinline__
 
 #else  // CPU harness build (g++)
 #include "cuda_emu.h"
+#define KERNEL_NOINLINE
 #endif
 
 // Programmatic dependent launch (sm_90 and later). The runtime launches kernels with the attribute that lets

@@ -33,18 +33,28 @@
 // gemv_<float|int8|int4>[_swiglu]_<f32|f16|bf16>_r<R>: x, y (and float weights) in the activation type, R =
 // the rows bucket (1, 2, 4, 8; rows <= R). Grid: (ceil(N / (kGemvWarps * kGemvColumns))), N the output
 // columns; block: kGemvWarps warps (launch.py: GEMV_WARPS, GEMV_COLUMNS). Every kernel takes the same
-// arguments (y, x, weight, scales, offsets, rows, N, K, group); those a format has no use for are null / 0.
+// arguments (y, x, weight, scales, offsets, residual, norm_weight, sum_out, normed, counter, rows, N, K, group,
+// eps); those a format or a launch has no use for are null / 0 (a SwiGLU kernel has no norm epilogue).
+//
+// Norm epilogue (the plain products; `counter` not null): the product of a layer's o or down projection is the
+// delta its residual add takes, and the RMSNorm after that add needs the whole row of it, which no block has.
+// So each block counts itself done (last_to_finish), and the block that finishes last adds the product's rows
+// to `residual` and normalises them (add_rms_norm.cuh, the add_rms_norm kernel's arithmetic): sum_out = residual
+// + y, out = norm_weight * cast(sum / rms(sum)). The add and the norm cost no launch of their own, and no
+// kernel start or first memory round trip: a block's tail instead, one block's read of the rows from L2.
+// y is still written (the sum reads it back). `counter` is zero before the launch and after it.
 //
 // This header holds the kernels; gemv.cu instantiates the plain products and gemv_swiglu.cu the SwiGLU
 // ones: two modules, which nvcc compiles in parallel at a cold start (in one module sm_87 took 30 s, split
 // 9.5 and 19.6 s; since the SwiGLU kernels read gate and up in one pass, about 11 s each).
 #pragma once
 
-#include "attention_common.cuh"
+#include "add_rms_norm.cuh"
 
 namespace orin_vlm {
 
 constexpr int kGemvWarps = 4;
+static_assert(kGemvWarps * kWarpSize == kNormThreads, "the norm epilogue runs add_rms_norm_row on a GEMV block");
 // Output columns one warp computes. A quantized weight costs more arithmetic per byte than a float one (the
 // widening), so there a warp reads several weight rows and widens (and for int4 scales and sums) each piece
 // of x once for all of them: int8 two columns; int4, whose bytes hold twice the weights, four rows (four
@@ -341,29 +351,61 @@ __device__ __forceinline__ void prefetch_weight_rows(const void* w, size_t row_b
     for (int j = 0; j < J; ++j) prefetch_l2(rows + static_cast<size_t>(n[j]) * row_bytes + at);
 }
 
+// The residual add and RMSNorm a plain product's launch finishes with (the norm epilogue, at the top of the
+// file); `counter` null: none.
+template <typename T>
+struct NormEpilogue {
+  const T* residual;     // [rows, N], the residual stream the product's rows are added to
+  const T* weight;       // [N], the norm's weight
+  T* sum_out;            // [rows, N]: residual + y
+  T* out;                // [rows, N]: the norm of the sum
+  unsigned* counter;     // the launch's finish counter (zero before and after), or null
+  float eps;
+};
+
+// The norm epilogue's work, by the block that finished last: `rows` rows of the product y ([rows, N]) added to
+// the residual and normalised. Called, not inlined: inlined, ptxas allocated the product's registers around
+// it (gemv_int4_f16_r1 took 109 registers, 72 called; 78 before the epilogue existed) and the main loop's
+// instructions changed; called, they are the product's alone (tools/sass_loop). nvcc still emits a copy in
+// each kernel (gemv.cu compiles in about 18 s for sm_87 instead of 13-15 s).
+template <typename T>
+__device__ KERNEL_NOINLINE void add_rms_norm_rows(NormEpilogue<T> norm, const T* y, int rows, int N) {
+  for (int m = 0; m < rows; ++m) {
+    const size_t row = static_cast<size_t>(m) * N;
+    add_rms_norm_row<T>(norm.sum_out + row, norm.out + row, norm.residual + row, y + row, norm.weight, N, norm.eps);
+  }
+}
+
 // y = x w^T for weight rows stored as `w` says (dense: `scales` null for float weights, one per row for
-// int8), or its SwiGLU (weight rows n and n + N).
+// int8), or its SwiGLU (weight rows n and n + N); then the norm epilogue when `norm` has a counter.
 template <typename T, int R, bool SWIGLU, typename Rows>
 __device__ __forceinline__ void gemv(T* __restrict__ y, const T* __restrict__ x, const Rows& w,
-                                     const __half* __restrict__ row_scales, int rows, int N, int K) {
+                                     const __half* __restrict__ row_scales, int rows, int N, int K,
+                                     const NormEpilogue<T>& norm) {
   constexpr int C = kGemvColumns<typename Rows::Elem, SWIGLU>;
   constexpr int J = C * (SWIGLU ? 2 : 1);
-  if (rows < 1 || rows > R || blockDim.x != kGemvWarps * kWarpSize) KERNEL_TRAP();
+  if (rows < 1 || rows > R || blockDim.x != kGemvWarps * kWarpSize || (SWIGLU && norm.counter != nullptr))
+    KERNEL_TRAP();
   const int n0 = warp_first_column<C>();
-  if (n0 >= N) return;  // a whole warp leaves together: the reductions below stay full-warp
-  int n[J];
-  warp_rows<C, SWIGLU>(n0, N, n);
-  float acc[J][R];
-  rows_dot<T, Rows, R, J>(x, w, n, rows, K, threadIdx.x % kWarpSize, acc);
-  if (row_scales) {
+  if (n0 < N) {  // a warp past N skips the product as a whole: the reductions stay full-warp
+    int n[J];
+    warp_rows<C, SWIGLU>(n0, N, n);
+    float acc[J][R];
+    rows_dot<T, Rows, R, J>(x, w, n, rows, K, threadIdx.x % kWarpSize, acc);
+    if (row_scales) {
 #pragma unroll
-    for (int j = 0; j < J; ++j) {
-      const float s = __half2float(__ldg(row_scales + n[j]));
+      for (int j = 0; j < J; ++j) {
+        const float s = __half2float(__ldg(row_scales + n[j]));
 #pragma unroll
-      for (int m = 0; m < R; ++m) acc[j][m] *= s;
+        for (int m = 0; m < R; ++m) acc[j][m] *= s;
+      }
     }
+    store_columns<T, R, C, SWIGLU>(y, acc, rows, n0, N);
   }
-  store_columns<T, R, C, SWIGLU>(y, acc, rows, n0, N);
+  if constexpr (!SWIGLU) {
+    if (norm.counter != nullptr && last_to_finish(norm.counter, static_cast<int>(gridDim.x)))
+      add_rms_norm_rows<T>(norm, y, rows, N);
+  }
 }
 
 // log2 of the int4 group size, which must be a power of two (quant.py refuses others).
@@ -382,25 +424,33 @@ __device__ __forceinline__ int group_shift(int group) {
   orin_vlm::prefetch_weight_rows<C, SWIGLU>((weights), (row_bytes), (columns));   \
   KERNEL_WAIT_PREDECESSOR()
 
+// The norm epilogue's parameters (between the weight's and the sizes), and the NormEpilogue they make.
+#define ORIN_GEMV_NORM_PARAMS(T) \
+  const T *residual, const T *norm_weight, T *sum_out, T *normed, unsigned *counter
+#define ORIN_GEMV_NORM {residual, norm_weight, sum_out, normed, counter, eps}
+
 #define ORIN_GEMV_KERNELS_E(DT, T, R, E, SWIGLU)                                                                     \
   extern "C" __global__ void gemv_float##E##_##DT##_r##R(T* y, const T* x, const T* weight, const __half* scales,      \
-                                                        const __half* offsets, int rows, int n, int k, int group) {    \
+                                                        const __half* offsets, ORIN_GEMV_NORM_PARAMS(T), int rows,     \
+                                                        int n, int k, int group, float eps) {                          \
     ORIN_GEMV_PROLOGUE((orin_vlm::kGemvColumns<T, SWIGLU>), SWIGLU, weight, static_cast<size_t>(k) * sizeof(T), n);              \
-    orin_vlm::gemv<T, R, SWIGLU>(y, x, orin_vlm::DenseRows<T>{weight, k}, nullptr, rows, n, k);                  \
+    orin_vlm::gemv<T, R, SWIGLU>(y, x, orin_vlm::DenseRows<T>{weight, k}, nullptr, rows, n, k, ORIN_GEMV_NORM);  \
   }                                                                                                                    \
   extern "C" __global__ void gemv_int8##E##_##DT##_r##R(T* y, const T* x, const int8_t* qweight,                       \
-                                                       const __half* scales, const __half* offsets, int rows, int n,   \
-                                                       int k, int group) {                                             \
+                                                       const __half* scales, const __half* offsets,                    \
+                                                       ORIN_GEMV_NORM_PARAMS(T), int rows, int n, int k, int group,    \
+                                                       float eps) {                                                    \
     ORIN_GEMV_PROLOGUE((orin_vlm::kGemvColumns<int8_t, SWIGLU>), SWIGLU, qweight, static_cast<size_t>(k), n);                    \
-    orin_vlm::gemv<T, R, SWIGLU>(y, x, orin_vlm::DenseRows<int8_t>{qweight, k}, scales, rows, n, k);        \
+    orin_vlm::gemv<T, R, SWIGLU>(y, x, orin_vlm::DenseRows<int8_t>{qweight, k}, scales, rows, n, k, ORIN_GEMV_NORM); \
   }                                                                                                                    \
   extern "C" __global__ void gemv_int4##E##_##DT##_r##R(T* y, const T* x, const uint8_t* qweight,                      \
-                                                       const __half* scales, const __half* offsets, int rows, int n,   \
-                                                       int k, int group) {                                             \
+                                                       const __half* scales, const __half* offsets,                    \
+                                                       ORIN_GEMV_NORM_PARAMS(T), int rows, int n, int k, int group,    \
+                                                       float eps) {                                                    \
     ORIN_GEMV_PROLOGUE((orin_vlm::kGemvColumns<uint8_t, SWIGLU>), SWIGLU, qweight, static_cast<size_t>(k + 1) / 2, n);           \
     const orin_vlm::Int4Rows rows_ = {qweight, scales, offsets, k, (k + group - 1) / group,                       \
                                          orin_vlm::group_shift(group)};                                               \
-    orin_vlm::gemv<T, R, SWIGLU>(y, x, rows_, nullptr, rows, n, k);                                           \
+    orin_vlm::gemv<T, R, SWIGLU>(y, x, rows_, nullptr, rows, n, k, ORIN_GEMV_NORM);                              \
   }
 
 // The kernels of one epilogue (E: empty or _swiglu) for every rows bucket and activation type.

@@ -4,8 +4,8 @@
 //
 // add_rms_norm_<dtype>: the residual add before a norm too: sum = x + delta (rounded to the storage type, as
 // torch's add) is written to sum_out and normalised into out, one row per token ([rows, dim], contiguous).
-// A row of up to 4096 (fp16/bf16) or 2048 (fp32) elements, 16-byte aligned, is held in registers and read
-// with all its loads in flight at once (add_rms_norm_vec); others take a loop over the row.
+// The row's arithmetic is add_rms_norm.cuh's, which the GEMV's norm epilogue shares (the product and the add
+// + norm after it in one launch, where the product is one of our kernels).
 //
 // rms_norm_<dtype> / rms_norm_rope_<dtype>: row r of `rows = tokens * heads` is head h = r % heads of token
 // t = r / heads, read at x + t * x_token_stride + h * dim (the q and k heads of a fused q/k/v projection are
@@ -26,24 +26,11 @@
 // the grid has tokens * kv_heads more blocks, which copy the v heads (v + t * v_token_stride + h * dim) to the
 // slot of v_pool. Pool layout [blocks, page_size, kv_heads, dim]: a token's row at slot * kv_heads * dim. A
 // negative slot (a padding row of a batch) stores nothing. k_pool null: grid (rows) and no stores.
-#include "attention_common.cuh"
+#include "add_rms_norm.cuh"
 
 namespace orin_vlm {
 
-constexpr int kNormThreads = 128;
 constexpr int kMaxRopeDim = 256;
-
-// 1 / sqrt(mean of squares + eps) of a row whose squares each thread of the block summed in part.
-__device__ __forceinline__ float rms_scale(float squares, int dim, float eps) {
-  __shared__ float warp_sums[kNormThreads / kWarpSize];
-  squares = warp_sum(squares);
-  if (threadIdx.x % kWarpSize == 0) warp_sums[threadIdx.x / kWarpSize] = squares;
-  __syncthreads();
-  float total = 0.0f;
-#pragma unroll
-  for (int i = 0; i < kNormThreads / kWarpSize; ++i) total += warp_sums[i];
-  return rsqrtf(total * (1.0f / static_cast<float>(dim)) + eps);
-}
 
 // Grid: (rows); block: kNormThreads threads. The rotated rows (head rows of at most kMaxRopeDim, so at most
 // kRopeSlots elements a thread) load x, the weight and both tables at once before the first use: at batch 1
@@ -148,89 +135,14 @@ __device__ __forceinline__ void rms_norm(T* __restrict__ out, const T* __restric
   }
 }
 
-// 16-byte vectors of a row each thread of add_rms_norm's vector path holds: the whole row stays in registers,
-// rows of up to kNormThreads * kNormVecs * Vec<T>::kElems elements (4096 in fp16/bf16, 2048 in fp32).
-constexpr int kNormVecs = 4;
-
-__device__ __forceinline__ bool aligned16(const void* p) { return reinterpret_cast<size_t>(p) % 16 == 0; }
-
-// add_rms_norm of one row (pointers at the row) that fits the registers: every load of x, delta and the
-// weight is issued before the first is used, so a row costs one memory round trip, not one per loop step (at
-// batch 1 the kernel is a single block, and its latency is the whole cost).
-template <typename T>
-__device__ __forceinline__ void add_rms_norm_vec(T* __restrict__ sum_out, T* __restrict__ out, const T* __restrict__ x,
-                                                 const T* __restrict__ delta, const T* __restrict__ weight, int dim,
-                                                 float eps) {
-  constexpr int kElems = Vec<T>::kElems;
-  uint4 xr[kNormVecs], dr[kNormVecs], wr[kNormVecs];
-#pragma unroll
-  for (int v = 0; v < kNormVecs; ++v) {
-    const int d = (v * kNormThreads + static_cast<int>(threadIdx.x)) * kElems;
-    const bool in = d < dim;
-    xr[v] = in ? __ldg(reinterpret_cast<const uint4*>(x + d)) : make_uint4(0, 0, 0, 0);
-    dr[v] = in ? __ldg(reinterpret_cast<const uint4*>(delta + d)) : make_uint4(0, 0, 0, 0);
-    wr[v] = in ? __ldg(reinterpret_cast<const uint4*>(weight + d)) : make_uint4(0, 0, 0, 0);
-  }
-  float sums[kNormVecs][kElems];
-  float squares = 0.0f;
-#pragma unroll
-  for (int v = 0; v < kNormVecs; ++v) {
-    const int d = (v * kNormThreads + static_cast<int>(threadIdx.x)) * kElems;
-    const T* xe = reinterpret_cast<const T*>(&xr[v]);
-    const T* de = reinterpret_cast<const T*>(&dr[v]);
-    uint4 packed;
-    T* pe = reinterpret_cast<T*>(&packed);
-#pragma unroll
-    for (int i = 0; i < kElems; ++i) {
-      pe[i] = from_float<T>(__fadd_rn(to_float(xe[i]), to_float(de[i])));
-      sums[v][i] = to_float(pe[i]);
-      squares += sums[v][i] * sums[v][i];  // 0 past the row's end
-    }
-    if (d < dim) *reinterpret_cast<uint4*>(sum_out + d) = packed;
-  }
-  const float inv = rms_scale(squares, dim, eps);
-#pragma unroll
-  for (int v = 0; v < kNormVecs; ++v) {
-    const int d = (v * kNormThreads + static_cast<int>(threadIdx.x)) * kElems;
-    const T* we = reinterpret_cast<const T*>(&wr[v]);
-    uint4 packed;
-    T* pe = reinterpret_cast<T*>(&packed);
-#pragma unroll
-    for (int i = 0; i < kElems; ++i) {
-      const float normed = to_float(from_float<T>(sums[v][i] * inv));
-      pe[i] = from_float<T>(to_float(we[i]) * normed);
-    }
-    if (d < dim) *reinterpret_cast<uint4*>(out + d) = packed;
-  }
-}
-
-// Grid: (rows); block: kNormThreads threads. A row that fits the registers in 16-byte vectors takes
-// add_rms_norm_vec; any other (longer, or not 16-byte aligned) the loop below, where each thread reads back
-// only the sums it wrote itself.
+// Grid: (rows); block: kNormThreads threads; row blockIdx.x of [rows, dim] (add_rms_norm.cuh).
 template <typename T>
 __device__ __forceinline__ void add_rms_norm(T* __restrict__ sum_out, T* __restrict__ out, const T* __restrict__ x,
                                              const T* __restrict__ delta, const T* __restrict__ weight, int dim,
                                              float eps) {
   if (blockDim.x != kNormThreads) KERNEL_TRAP();
   const size_t row = static_cast<size_t>(blockIdx.x) * dim;
-  constexpr int kElems = Vec<T>::kElems;
-  if (dim % kElems == 0 && dim <= kNormThreads * kNormVecs * kElems && aligned16(x + row) &&
-      aligned16(delta + row) && aligned16(weight) && aligned16(sum_out + row) && aligned16(out + row)) {
-    add_rms_norm_vec<T>(sum_out + row, out + row, x + row, delta + row, weight, dim, eps);
-    return;
-  }
-  float squares = 0.0f;
-  for (int d = threadIdx.x; d < dim; d += kNormThreads) {
-    const T sum = from_float<T>(__fadd_rn(to_float(__ldg(x + row + d)), to_float(__ldg(delta + row + d))));
-    sum_out[row + d] = sum;
-    const float v = to_float(sum);
-    squares += v * v;
-  }
-  const float inv = rms_scale(squares, dim, eps);
-  for (int d = threadIdx.x; d < dim; d += kNormThreads) {
-    const float normed = to_float(from_float<T>(to_float(sum_out[row + d]) * inv));
-    out[row + d] = from_float<T>(to_float(__ldg(weight + d)) * normed);
-  }
+  add_rms_norm_row<T>(sum_out + row, out + row, x + row, delta + row, weight, dim, eps);
 }
 
 }  // namespace orin_vlm

@@ -240,6 +240,47 @@ def test_gpu_quantized_gemv_matches_the_torch_reference(backend, mode, dtype, n,
         torch.testing.assert_close(gemv(module, x).float(), expected, rtol=0, atol=tol)
 
 
+@pytest.mark.parametrize("mode", ["float", "int8", "int4"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_gpu_norm_epilogue_gives_the_separate_launches_to_the_bit_eager_and_in_a_graph(backend, mode, dtype):
+    """The o (2048 x 2048) and down (2048 x 6144) products of the 2B with the residual add + RMSNorm in their
+    launch (the block that finishes last): the sum and the norm of the product then the add_rms_norm kernel,
+    to the bit, launch after launch (the blocks finish in another order each time) and in a CUDA graph
+    replayed (the finish counter is zero again after each launch; dependent launches on sm_90)."""
+    from orin_vlm_node.cuda.fused import CudaFusedOps
+    from orin_vlm_node.cuda.gemv import CudaGemv
+    from orin_vlm_node.model.gemv_linear import GemvLinear
+    from orin_vlm_node.model.quant import QuantizedLinear, WeightQuant
+
+    gemv, ops = CudaGemv(backend.launcher), CudaFusedOps(backend.launcher)
+    for n, k in ((2048, 2048), (2048, 6144)):
+        weight = torch.randn(n, k, device="cuda") * 0.02
+        if mode == "float":
+            linear = torch.nn.Linear(k, n, bias=False, device="cuda", dtype=dtype)
+            with torch.no_grad():
+                linear.weight.copy_(weight)
+            module = GemvLinear(linear, gemv, rows=gemv.max_rows)
+        else:
+            module = QuantizedLinear.from_weight(weight, WeightQuant(mode, 128))
+        norm_weight = (1 + 0.3 * torch.randn(n, device="cuda")).to(dtype)
+        for rows in (1, 4, 8):
+            x = torch.randn(rows, k, device="cuda").to(dtype)
+            residual = (3 * torch.randn(rows, n, device="cuda")).to(dtype)
+            want = ops.add_rms_norm(residual, gemv(module, x), norm_weight, 1e-6)
+            for _ in range(3):
+                got = gemv.add_rms_norm(module, x, residual, norm_weight, 1e-6)
+                assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, stream=stream):
+                captured = gemv.add_rms_norm(module, x, residual, norm_weight, 1e-6)
+            for _ in range(4):
+                graph.replay()
+                torch.cuda.synchronize()
+                assert torch.equal(captured[0], want[0]) and torch.equal(captured[1], want[1])
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
 @pytest.mark.parametrize(("n", "k"), [(4096, 2048), (2048, 6144), (37, 75)])
 def test_gpu_float_gemv_matches_f_linear_and_is_timed_against_it(backend, timer, dtype, n, k):
@@ -287,7 +328,7 @@ def test_gpu_swiglu_epilogue_matches_the_product_then_the_activation(backend, ti
         tol = {torch.float16: 2e-3, torch.bfloat16: 1.6e-2}[dtype] * expected.abs().amax().item()
         torch.testing.assert_close(gemv(module, x, swiglu=True).float(), expected, rtol=0, atol=tol)
     if mode == "float":
-        rows, why = gemv.faster_rows([weight], swiglu=True)
+        rows, why = gemv.faster_rows([weight], epilogue="swiglu")
         assert rows in (0, 1, 2, 4, 8) and "kernel vs F.linear: 1 row " in why, why
 
 

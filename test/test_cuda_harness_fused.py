@@ -15,7 +15,7 @@ from orin_vlm_node.cuda import launch as L
 from orin_vlm_node.cuda.fused import CudaFusedOps
 from orin_vlm_node.kvcache import KVSink
 from orin_vlm_node.model.rope import TextRopeTables, apply_text_rope
-from orin_vlm_node.model.text import MLP, RMSNorm, add_rms_norm, attach_fused_ops, rms_norm
+from orin_vlm_node.model.text import MLP, Product, RMSNorm, add_rms_norm, attach_fused_ops, rms_norm
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 # The kernel sums the squares in another order than torch's mean and its rsqrt may round otherwise: the
@@ -59,7 +59,9 @@ def test_residual_add_and_norm_in_one_kernel_match_the_torch_add_then_norm(harne
     norm = _norm(dim, dtype, seed=dim + 1)
     gen = torch.Generator().manual_seed(2)
     skip = 0 if aligned else 1
-    x, delta = (torch.randn(4 * dim + skip, generator=gen).to(dtype)[skip:].view(4, dim) for _ in range(2))
+    x = torch.randn(4 * dim + skip, generator=gen).to(dtype)[skip:].view(4, dim)
+    proj = torch.nn.Linear(24, dim, bias=False).to(dtype)  # what the delta is: a projection's output
+    delta = Product(torch.randn(4, 24, generator=gen).to(dtype), proj)
     want_sum, want = add_rms_norm(norm, x, delta)  # torch ops: no kernel attached
     norm.fused = CudaFusedOps(harness)
     got_sum, got = add_rms_norm(norm, x, delta)
@@ -116,7 +118,7 @@ def test_launch_arguments_follow_the_one_rule_the_gpu_runtime_applies(harness):
     L.check_launch_args(cfg, args(torch.ones(8, 16)[:, :8]), cpu)
     L.check_launch_args(
         L.gemv_launch("float", 1, 8, torch.float32),
-        [torch.empty(1, 8), torch.ones(1, 8), w.view(1, 8), None, None, 1, 8, 8, 0],
+        [torch.empty(1, 8), torch.ones(1, 8), w.view(1, 8), *[None] * 7, 1, 8, 8, 0, 0.0],
         cpu,
     )
     refused = {

@@ -12,14 +12,15 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from cuda_harness.harness import RecordingLauncher
+from cuda_harness.harness import HarnessError, RecordingLauncher
 
 from orin_vlm_node.cuda import launch as L
+from orin_vlm_node.cuda.fused import CudaFusedOps
 from orin_vlm_node.cuda.gemv import CudaGemv
 from orin_vlm_node.model import load_model
 from orin_vlm_node.model.gemv_linear import GemvLinear, attach_gemv
 from orin_vlm_node.model.quant import QuantizedLinear, WeightQuant
-from orin_vlm_node.model.text import feeds_swiglu
+from orin_vlm_node.model.text import product_epilogue
 from support.checkpoints import cached_tiny_checkpoint
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -133,6 +134,61 @@ def test_the_swiglu_epilogue_matches_the_product_then_the_activation(harness, mo
         CudaGemv(harness)(_quantized(7, 32, "int8", 32, seed=0), torch.randn(1, 32), swiglu=True)
 
 
+def _module(mode: str, n: int, k: int, group: int, dtype: torch.dtype, kernels: CudaGemv):
+    """A projection of n x k of ``mode`` whose products the kernels compute."""
+    if mode == "float":
+        linear = torch.nn.Linear(k, n, bias=False).to(dtype)
+        with torch.no_grad():
+            linear.weight.copy_(torch.randn(n, k, generator=torch.Generator().manual_seed(n + k)) * 0.05)
+        return GemvLinear(linear, kernels, rows=8)
+    module = _quantized(n, k, mode, group, seed=n + k)
+    module.kernels = kernels
+    return module
+
+
+@pytest.mark.parametrize("mode", ["float", "int8", "int4"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("n,k,group", [(37, 96, 32), (64, 128, 32), (2056, 64, 32)])
+def test_the_norm_epilogue_gives_what_the_product_then_the_add_rms_norm_kernel_give(harness, mode, dtype, n, k, group):
+    """The product's launch adds its rows to the residual and normalises them (the block that finishes last,
+    in the harness's scrambled block order): the sum and the norm are the separate add_rms_norm kernel's to
+    the bit, rows held in registers (n 64; 2056 in half precision) or looped over (37; 2056 in fp32), one
+    launch a batch of up to 8 rows (13 quantized rows: two), and the finish counter is zero again after."""
+    launcher = RecordingLauncher(harness)
+    gemv = CudaGemv(launcher)
+    module = _module(mode, n, k, group, dtype, gemv)
+    gen = torch.Generator().manual_seed(n)
+    weight = (1 + 0.3 * torch.randn(n, generator=gen)).to(dtype)
+    batches = (1, 3, 8) if mode == "float" else (1, 3, 8, 13)
+    for rows in batches if n < 2048 else (3,):  # a long row (many blocks): one batch
+        x = torch.randn(rows, k, generator=gen).to(dtype)
+        residual = (3 * torch.randn(rows, n, generator=gen)).to(dtype)
+        want_sum, want = CudaFusedOps(harness).add_rms_norm(residual, gemv(module, x), weight, 1e-6)
+        launcher.kernels.clear()
+        got_sum, got = gemv.add_rms_norm(module, x, residual, weight, 1e-6)
+        assert torch.equal(got_sum, want_sum) and torch.equal(got, want)
+        buckets = {1: [1], 3: [4], 8: [8], 13: [8, 8]}[rows]  # 13 rows: 8, then 5 in the 8-row kernel
+        assert launcher.kernels == [f"gemv_{mode}_{L.DTYPE_TAGS[str(dtype)[6:]]}_r{r}" for r in buckets]
+        assert gemv._counters["cpu"].item() == 0
+
+
+def test_the_norm_epilogue_refuses_rows_that_do_not_belong_to_the_product(harness):
+    """A residual or norm weight of another shape or dtype is refused before any launch; a SwiGLU kernel
+    given a finish counter traps (it has no norm epilogue)."""
+    gemv = CudaGemv(harness)
+    module = _module("int8", 16, 32, 32, torch.float32, gemv)
+    x, weight = torch.randn(2, 32), torch.ones(16)
+    for residual, w in ((torch.zeros(2, 15), weight), (torch.zeros(3, 16), weight), (torch.zeros(2, 16), weight[:8]),
+                        (torch.zeros(2, 16).half(), weight)):  # fmt: skip
+        with pytest.raises(ValueError, match="a norm epilogue adds"):
+            gemv.add_rms_norm(module, x, residual, w, 1e-6)
+    cfg = L.gemv_launch("int8", 2, 8, torch.float32, swiglu=True)
+    args = [torch.empty(2, 8), x, module.qweight, module.scales, None, torch.zeros(2, 8), torch.ones(8),
+            torch.empty(2, 8), torch.empty(2, 8), torch.zeros(1, dtype=torch.int32), 2, 8, 32, 32, 1e-6]  # fmt: skip
+    with pytest.raises(HarnessError, match="trap"):
+        harness.launch(cfg, args)
+
+
 def _timer(launcher: RecordingLauncher, kernel_wins_up_to: int):
     """A stand-in for the device timing: runs the product once and says the GEMV kernel took 1 us for up to
     ``kernel_wins_up_to`` rows and 3 us above, torch 2 us."""
@@ -178,9 +234,23 @@ def test_a_float_weight_takes_the_kernel_for_the_row_buckets_it_won_and_says_so(
 def test_a_swiglu_weight_is_timed_with_its_activation_on_both_sides(harness):
     """The epilogue kernel against what the MLP runs without it: F.linear, then the silu_mul kernel."""
     launcher = RecordingLauncher(harness)
-    rows, why = CudaGemv(launcher, _timer(launcher, 1)).faster_rows([torch.randn(40, 64)], swiglu=True)
+    rows, why = CudaGemv(launcher, _timer(launcher, 1)).faster_rows([torch.randn(40, 64)], epilogue="swiglu")
     assert rows == 1 and why.startswith("kernel for 1..1 rows (kernel vs F.linear: 1 row 1.0 vs 2.0 us")
     assert launcher.kernels == ["gemv_float_swiglu_f32_r1", "silu_mul_f32", "gemv_float_swiglu_f32_r2", "silu_mul_f32"]
+
+
+def test_an_o_or_down_weight_is_timed_with_the_add_and_norm_after_it_on_both_sides(harness):
+    """The kernel with its norm epilogue (one launch) against F.linear followed by the add_rms_norm kernel;
+    with the epilogue off, the kernel followed by add_rms_norm too."""
+    launcher = RecordingLauncher(harness)
+    gemv = CudaGemv(launcher, _timer(launcher, 1))
+    rows, why = gemv.faster_rows([torch.randn(40, 64)], epilogue="norm")
+    assert rows == 1 and why.startswith("kernel for 1..1 rows (kernel vs F.linear: 1 row 1.0 vs 2.0 us")
+    assert launcher.kernels == ["gemv_float_f32_r1", "add_rms_norm_f32", "gemv_float_f32_r2", "add_rms_norm_f32"]
+    launcher.kernels.clear()
+    gemv.norm_epilogue = False
+    assert gemv.faster_rows([torch.randn(40, 64)], epilogue="norm")[0] == 1
+    assert launcher.kernels[:3] == ["gemv_float_f32_r1", "add_rms_norm_f32", "add_rms_norm_f32"]
 
 
 def test_a_timed_graph_walks_through_the_weights_of_the_shape_as_a_decode_step_does(harness):
@@ -240,10 +310,10 @@ def test_a_model_routed_to_the_kernels_computes_what_it_computed_and_detaching_r
 
     what = attach_gemv(model, CudaGemv(launcher, time_us))
     floats = 1 if mode == "int4" else len(sites)
-    swiglu = [feeds_swiglu(parent, attr) for parent, attr in sites]
+    epilogue = [product_epilogue(parent, attr) for parent, attr in sites]
     keys = {
-        (tuple(m.weight.shape), s)
-        for m, s in zip(loaded, swiglu, strict=True)
+        (tuple(m.weight.shape), e)
+        for m, e in zip(loaded, epilogue, strict=True)
         if isinstance(getattr(m, "weight", None), torch.Tensor)
     }
     assert len(timed) == 2 * len(L.GEMV_ROW_BUCKETS) * len(keys)  # every bucket won: each key timed once
@@ -259,12 +329,13 @@ def test_a_model_routed_to_the_kernels_computes_what_it_computed_and_detaching_r
     launcher.kernels.clear()
     torch.testing.assert_close(logits(1), want[1], rtol=1e-4, atol=1e-5)
     stored = "int4" if mode == "int4" else "float"  # the gate/up products with the activation in the kernel
-    epilogues = ["_swiglu" if s else "" for s in swiglu[:-1]]
+    epilogues = ["_swiglu" if e == "swiglu" else "" for e in epilogue[:-1]]
     assert launcher.kernels == [f"gemv_{stored}{e}_f32_r1" for e in epilogues] + ["gemv_float_f32_r1"]
     assert epilogues.count("_swiglu") == model.config.text.num_hidden_layers
     launcher.kernels.clear()
-    torch.testing.assert_close(logits(20), want[20], rtol=1e-4, atol=1e-5)  # a prefill: torch's products,
-    assert launcher.kernels == ["gemv_float_f32_r1"]  # but for the head (the last token's logits only)
+    torch.testing.assert_close(logits(20), want[20], rtol=1e-4, atol=1e-5)  # a prefill: torch's products, but
+    # for the last layer's down projection and the head: the last token's rows only, the rows of a decode step
+    assert launcher.kernels == [f"gemv_{stored}_f32_r1", "gemv_float_f32_r1"]
     assert attach_gemv(model, None) == ""
     assert all(getattr(parent, attr) is m for (parent, attr), m in zip(sites, loaded, strict=True))
     assert all(m.kernels is None for m in model.modules() if isinstance(m, QuantizedLinear))
@@ -272,6 +343,43 @@ def test_a_model_routed_to_the_kernels_computes_what_it_computed_and_detaching_r
     what = attach_gemv(model, CudaGemv(launcher, time_us), floats=False)
     assert what.endswith(f"float ones: F.linear ({floats}; decode not in CUDA graphs)") and not timed
     assert all(getattr(parent, attr) is m for (parent, attr), m in zip(sites, loaded, strict=True))
+
+
+@pytest.mark.parametrize("mode", ["none", "int4"])
+def test_a_decode_step_adds_and_normalises_in_the_launches_of_the_o_and_down_products(harness, mode):
+    """With the GEMV and the fused kernels attached, a one-token forward runs every residual add + norm in the
+    launch of the product before it (each layer's o and down projections; the first layer's input norm has
+    no add): no add_rms_norm launch, and the logits of the separate launches to the bit. A prefill's rows
+    (more than a launch takes) keep the separate add_rms_norm launch, but for the final norm (its last row)."""
+    from orin_vlm_node.engine import Engine, EngineConfig
+    from orin_vlm_node.model.text import attach_fused_ops
+
+    path = cached_tiny_checkpoint()
+    cache = Engine(EngineConfig(model_path=str(path), device="cpu", max_sessions=0)).cache
+    model = load_model(path, quant=WeightQuant(mode, 32) if mode != "none" else None)
+    launcher = RecordingLauncher(harness)
+    gemv = CudaGemv(launcher, _timer(launcher, 8))  # float weights: the kernel won every rows bucket
+    attach_gemv(model, gemv)
+    attach_fused_ops(model, CudaFusedOps(launcher))
+    layers = model.config.text.num_hidden_layers
+
+    def logits(tokens: int, epilogue: bool) -> torch.Tensor:
+        gemv.norm_epilogue = epilogue
+        launcher.kernels.clear()
+        seq = cache.new_sequence()
+        out = model.forward(torch.arange(5, 5 + tokens), torch.arange(tokens).expand(3, -1), cache.step(seq, tokens))
+        cache.release(seq)
+        return out
+
+    separate = logits(1, epilogue=False)
+    assert launcher.kernels.count("add_rms_norm_f32") == 2 * layers
+    assert torch.equal(logits(1, epilogue=True), separate)
+    assert "add_rms_norm_f32" not in launcher.kernels
+    assert launcher.kernels.count("rms_norm_f32") == 1  # the first layer's input norm: no residual add before it
+    torch.testing.assert_close(logits(20, epilogue=True), logits(20, epilogue=False), rtol=0, atol=0)
+    assert launcher.kernels.count("add_rms_norm_f32") == 2 * layers  # the last one: the final norm's
+    logits(20, epilogue=True)
+    assert launcher.kernels.count("add_rms_norm_f32") == 2 * layers - 1
 
 
 def test_a_quantized_lm_head_takes_the_kernels_and_the_model_computes_what_it_computed(harness):
@@ -294,7 +402,8 @@ def test_a_quantized_lm_head_takes_the_kernels_and_the_model_computes_what_it_co
     projections = 4 * model.config.text.num_hidden_layers
     assert what == f"GEMV kernels for decode rows: {projections} quantized projections + int8 LM head"
     torch.testing.assert_close(logits(), want, rtol=1e-4, atol=1e-5)
-    assert launcher.kernels == ["gemv_int8_f32_r1"]  # a prefill: torch's products, but the head's last row
+    assert launcher.kernels == ["gemv_int8_f32_r1"] * 2  # a prefill: torch's products, but the last down's and the
+    # head's last row
 
 
 def test_a_quantized_projection_routes_decode_rows_to_the_kernels_and_prefill_to_torch(harness):

@@ -15,12 +15,20 @@ the engine routes a shape to the kernel only for the rows it won.
 The MLP's fused gate/up projection takes the kernels' SwiGLU epilogue (``swiglu=True``): one launch writes
 silu(gate) * up, where the unfused path writes the 2I-wide product and launches ``silu_mul`` on it; its
 timing is against that pair (``F.linear`` then the ``silu_mul`` kernel).
+
+A layer's o and down projections take the norm epilogue (:meth:`CudaGemv.add_rms_norm`): the launch also adds
+the product to the residual stream and applies the RMSNorm after it (the block that finishes last does, see
+``kernels/gemv.cuh``), where the decoder would launch ``add_rms_norm`` on the product. At batch 1 on a fast
+GPU each kernel of a decode step costs microseconds beyond its bytes (the launch, the blocks' start, the
+first memory round trip), two of them a layer here. ``norm_epilogue`` False keeps the separate launch (the
+benchmark measures both).
 """
 
 from __future__ import annotations
 
 import itertools
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -30,13 +38,32 @@ from .fused import CudaFusedOps
 
 TIMING_BYTES = 64 << 20  # weight bytes read per timed graph: enough calls of a small weight to time it
 MAX_TIMED = 16  # products in one timed graph at most (and distinct weights walked through)
+NORM_EPS = 1e-6  # the RMSNorm epsilon a timed norm epilogue uses (Qwen3's; the time does not depend on it)
+
+
+@dataclass(frozen=True)
+class _NormEpilogue:
+    """What a product's launch adds its rows to and normalises them with: ``sum_out = residual + y`` and
+    ``out = norm(sum_out)`` (all (L, N), contiguous; ``weight`` (N,))."""
+
+    residual: torch.Tensor
+    weight: torch.Tensor
+    sum_out: torch.Tensor
+    out: torch.Tensor
+    eps: float
+
+    def pointers(self, first: int, counter: torch.Tensor) -> list:
+        """The kernel's norm pointers for the launch of rows ``first`` on."""
+        return [self.residual[first:], self.weight, self.sum_out[first:], self.out[first:], counter]
 
 
 class CudaGemv:
     """Float, INT8 and INT4 weights x activation rows through the GEMV kernels (see module docstring).
 
     ``time_us(fn, calls)``: device microseconds of one ``fn()`` (``graph.device_us`` bound to the process's
-    capture stream: in a CUDA graph), what :meth:`faster_rows` measures with; None for products only."""
+    capture stream: in a CUDA graph), what :meth:`faster_rows` measures with; None for products only.
+    ``norm_epilogue``: whether the decoder's residual add + norm after a product runs in the product's launch
+    (:meth:`add_rms_norm`; module docstring)."""
 
     max_rows = L.GEMV_ROW_BUCKETS[-1]  # rows one launch takes
     # Rows a quantized weight takes, in launches of up to max_rows: every decode batch (max_batch is at most
@@ -48,7 +75,12 @@ class CudaGemv:
     def __init__(self, launcher, time_us: Callable[..., float] | None = None) -> None:
         self.launcher = launcher
         self.time_us = time_us
-        self._silu_mul = CudaFusedOps(launcher).silu_mul  # what follows F.linear where the epilogue is not used
+        self.norm_epilogue = True
+        fused = CudaFusedOps(launcher)  # what follows F.linear where the epilogues are not used
+        self._silu_mul, self._add_rms_norm = fused.silu_mul, fused.add_rms_norm
+        # The norm epilogue's finish counter per device (zero between launches, which run in stream order),
+        # allocated at the first, eager, launch: before any capture.
+        self._counters: dict[str, torch.Tensor] = {}
 
     def fits(self, module, x: torch.Tensor) -> bool:
         """Whether the kernels take ``module``'s product of ``x`` (L, K): 1..max_rows rows (max_quantized_rows for
@@ -65,16 +97,46 @@ class CudaGemv:
     def __call__(self, module, x: torch.Tensor, swiglu: bool = False) -> torch.Tensor:
         """(L, K) -> (L, N) in x's dtype, for a QuantizedLinear or GemvLinear ``module`` (on x's device); with
         ``swiglu`` (a fused gate/up weight, N even) -> (L, N / 2): silu(gate) * up."""
-        if module.mode == "float":
-            return self._product(x, "float", (module.matrix, None, None), 0, swiglu)
-        offsets = module.offsets if module.mode == "int4" else None
-        return self._product(x, module.mode, (module.qweight, module.scales, offsets), module.group_size, swiglu)
+        return self._product(x, *_stored(module), swiglu)
 
-    def faster_rows(self, weights: Sequence[torch.Tensor], swiglu: bool = False) -> tuple[int, str]:
+    def add_rms_norm(
+        self, module, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``module``'s product of ``x`` (L, K) added to ``residual`` (L, N) and normalised with ``weight`` (N,)
+        in the product's launch (the norm epilogue): (sum, normed), both (L, N), what ``CudaFusedOps.add_rms_norm(
+        residual, module(x), weight, eps)`` returns, to the bit."""
+        return self._product_add_norm(x, *_stored(module), residual, weight, eps)
+
+    def _product_add_norm(
+        self,
+        x: torch.Tensor,
+        mode: str,
+        stored: tuple,
+        group: int,
+        residual: torch.Tensor,
+        weight: torch.Tensor,
+        eps: float,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`add_rms_norm` of a weight as stored."""
+        n = stored[0].shape[0]
+        if residual.shape != (x.shape[0], n) or weight.shape != (n,) or {residual.dtype, weight.dtype} != {x.dtype}:
+            raise ValueError(
+                f"a norm epilogue adds ({x.shape[0]}, {n}) rows with a ({n},) weight in {x.dtype}, got "
+                f"{tuple(residual.shape)} {residual.dtype} and {tuple(weight.shape)} {weight.dtype}"
+            )
+        residual = residual.contiguous()
+        norm = _NormEpilogue(residual, weight.contiguous(), torch.empty_like(residual), torch.empty_like(residual), eps)
+        self._product(x, mode, stored, group, False, norm)
+        return norm.sum_out, norm.out
+
+    def faster_rows(self, weights: Sequence[torch.Tensor], epilogue: str = "") -> tuple[int, str]:
         """The largest rows bucket up to which the kernel multiplied float weights of one shape (N, K) faster
         than ``F.linear`` (0: not even one row, or the weights are not ones the kernel reads), each bucket timed
-        on both until the kernel loses one; and those timings, for the log. With ``swiglu`` (fused gate/up
-        weights) the kernel's SwiGLU epilogue is timed against ``F.linear`` followed by the ``silu_mul`` kernel.
+        on both until the kernel loses one; and those timings, for the log. Each side with what follows the
+        product in the decoder (``epilogue``, ``text.product_epilogue``): for ``"swiglu"`` (fused gate/up
+        weights) the kernel's SwiGLU epilogue against ``F.linear`` followed by the ``silu_mul`` kernel, for
+        ``"norm"`` (o and down) the norm epilogue (while ``norm_epilogue``) against ``F.linear`` followed by the
+        ``add_rms_norm`` kernel.
 
         Each timed graph walks through ``weights`` (the model's layers of that shape, up to MAX_TIMED), one
         product each, as a decode step does: a weight is not in the GPU's L2 cache when its product starts,
@@ -90,14 +152,19 @@ class CudaGemv:
         nbytes = weights[0].numel() * weights[0].element_size()
         calls = max(len(weights), min(MAX_TIMED, TIMING_BYTES // nbytes))
         rows, timings = 0, []
+        n = weights[0].shape[0]
         for bucket in L.GEMV_ROW_BUCKETS:
             rows_x = x[:bucket]
             turn = itertools.cycle(weights)
+            # The residual stream and norm weight a "norm" epilogue adds to and normalises with.
+            norm = (x.new_zeros((bucket, n)), x.new_ones((n,))) if epilogue == "norm" else None
             try:
                 kernel = self.time_us(
-                    lambda r=rows_x, t=turn: self._product(r, "float", (next(t), None, None), 0, swiglu), calls=calls
+                    lambda r=rows_x, t=turn, e=norm: self._kernel_product(r, next(t), epilogue, e), calls=calls
                 )
-                torch_us = self.time_us(lambda r=rows_x, t=turn: self._torch_product(r, next(t), swiglu), calls=calls)
+                torch_us = self.time_us(
+                    lambda r=rows_x, t=turn, e=norm: self._torch_product(r, next(t), epilogue, e), calls=calls
+                )
             except Exception as exc:  # noqa: BLE001 - a product that cannot be timed keeps what was measured
                 timings.append(f"{bucket} rows not timed: {type(exc).__name__}: {exc}")
                 break
@@ -108,9 +175,11 @@ class CudaGemv:
         chosen = f"kernel for 1..{rows} rows" if rows else "F.linear"
         return rows, f"{chosen} (kernel vs F.linear: {', '.join(timings)})"
 
-    def _product(self, x: torch.Tensor, mode: str, stored: tuple, group: int, swiglu: bool) -> torch.Tensor:
+    def _product(
+        self, x: torch.Tensor, mode: str, stored: tuple, group: int, swiglu: bool, norm: _NormEpilogue | None = None
+    ) -> torch.Tensor:
         """Launch ``gemv_<mode>[_swiglu]`` on x (L, K) and the stored weight (weight or qweight, scales, offsets),
-        once for every max_rows rows."""
+        once for every max_rows rows; each launch with ``norm``'s epilogue over its rows when given."""
         x = x.contiguous()
         rows, k = x.shape
         n = stored[0].shape[0]
@@ -124,13 +193,44 @@ class CudaGemv:
         for first in range(0, rows, self.max_rows):
             piece = min(self.max_rows, rows - first)
             cfg = L.gemv_launch(mode, piece, n, x.dtype, swiglu)
-            self.launcher.launch(cfg, [y[first:], x[first:], *stored, piece, n, k, group])
+            epilogue = [None] * 5 if norm is None else norm.pointers(first, self._counter(x.device))
+            eps = 0.0 if norm is None else norm.eps
+            self.launcher.launch(cfg, [y[first:], x[first:], *stored, *epilogue, piece, n, k, group, eps])
         return y
 
-    def _torch_product(self, x: torch.Tensor, weight: torch.Tensor, swiglu: bool) -> torch.Tensor:
-        """What a product takes without the kernel: ``F.linear``, then ``silu_mul`` for a SwiGLU one."""
+    def _counter(self, device: torch.device) -> torch.Tensor:
+        """The norm epilogue's finish counter on ``device`` (one uint32; kernels/gemv.cuh)."""
+        counter = self._counters.get(str(device))
+        if counter is None:
+            counter = self._counters[str(device)] = torch.zeros(1, dtype=torch.int32, device=device)
+        return counter
+
+    def _kernel_product(self, x: torch.Tensor, weight: torch.Tensor, epilogue: str, norm: tuple | None) -> torch.Tensor:
+        """A float product through the kernel with what follows it in the decoder (``faster_rows``): its
+        epilogue, or with ``norm_epilogue`` off the product then the ``add_rms_norm`` kernel."""
+        stored = ("float", (weight, None, None), 0)
+        if epilogue != "norm":
+            return self._product(x, *stored, epilogue == "swiglu")
+        if self.norm_epilogue:
+            return self._product_add_norm(x, *stored, *norm, NORM_EPS)[1]
+        return self._add_rms_norm(norm[0], self._product(x, *stored, False), norm[1], NORM_EPS)[1]
+
+    def _torch_product(self, x: torch.Tensor, weight: torch.Tensor, epilogue: str, norm: tuple | None) -> torch.Tensor:
+        """What a product takes without the kernel: ``F.linear``, then ``silu_mul`` or ``add_rms_norm`` as the
+        epilogue would run them."""
         y = F.linear(x, weight)
-        return self._silu_mul(y) if swiglu else y
+        if epilogue == "swiglu":
+            return self._silu_mul(y)
+        return self._add_rms_norm(norm[0], y, norm[1], NORM_EPS)[1] if epilogue == "norm" else y
+
+
+def _stored(module) -> tuple[str, tuple, int]:
+    """How a QuantizedLinear or GemvLinear ``module`` stores its weight, as the kernels take it: (mode, (weight or
+    qweight, scales, offsets), group size)."""
+    if module.mode == "float":
+        return "float", (module.matrix, None, None), 0
+    offsets = module.offsets if module.mode == "int4" else None
+    return module.mode, (module.qweight, module.scales, offsets), module.group_size
 
 
 def _takes_weight(weight: torch.Tensor, x: torch.Tensor) -> bool:

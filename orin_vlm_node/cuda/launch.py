@@ -81,7 +81,7 @@ ARG_KINDS: dict[str, tuple[str, ...]] = {
     "paged_decode_attention": ("ptr",) * 9 + ("i32",) * 6 + ("f32",),
     "paged_prefill_attention": ("ptr",) * 7 + ("i32",) * 4 + ("f32",),
     "paged_kv_write": ("ptr",) * 5 + ("i32",),
-    "gemv": ("ptr",) * 5 + ("i32",) * 4,
+    "gemv": ("ptr",) * 10 + ("i32",) * 4 + ("f32",),  # the norm epilogue's 5 pointers after the weight's
     "rms_norm": ("ptr",) * 4 + ("i32",) * 4 + ("f32",),
     "rms_norm_rope": ("ptr",) * 10 + ("i32",) * 5 + ("f32",),
     "add_rms_norm": ("ptr",) * 5 + ("i32", "f32"),

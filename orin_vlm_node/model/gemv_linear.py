@@ -27,9 +27,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from .quant import QuantizedLinear, quantized_summary
-from .text import feeds_swiglu
+from .text import product_epilogue
 
 log = logging.getLogger("orin_vlm_node.model")
+EPILOGUE_NAMES = {"": "", "swiglu": " + SwiGLU", "norm": " + add + norm"}  # text.product_epilogue, for the log
 
 
 class GemvKernels(Protocol):
@@ -41,9 +42,19 @@ class GemvKernels(Protocol):
         """The product (L, N); with ``swiglu`` (a fused gate/up weight) silu(gate) * up, (L, N / 2)."""
         ...
 
-    def faster_rows(self, weights: Sequence[torch.Tensor], swiglu: bool = False) -> tuple[int, str]:
-        """The largest rows bucket up to which the kernel beat torch on ``weights`` (of one shape; 0: never;
-        ``swiglu``: the products followed by the activation), and the timings that decided it, for the log."""
+    norm_epilogue: bool  # whether ``text.add_rms_norm`` asks for :meth:`add_rms_norm`
+
+    def add_rms_norm(
+        self, module: nn.Module, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The product added to ``residual`` and RMS-normalised with ``weight`` in the product's launch: (sum,
+        normed), both (L, N)."""
+        ...
+
+    def faster_rows(self, weights: Sequence[torch.Tensor], epilogue: str = "") -> tuple[int, str]:
+        """The largest rows bucket up to which the kernel beat torch on ``weights`` (of one shape; 0: never),
+        each side with what follows the product in the decoder (``epilogue``: ``text.product_epilogue``),
+        and the timings that decided it, for the log."""
         ...
 
 
@@ -88,9 +99,9 @@ class GemvLinear(nn.Module):
 
 
 def _timing_key(parent: nn.Module, attr: str) -> tuple:
-    """Projections timed together: one weight shape and dtype, and whether the SwiGLU activation follows."""
+    """Projections timed together: one weight shape and dtype, and what follows the product in the decoder."""
     weight = getattr(parent, attr).weight
-    return tuple(weight.shape), weight.dtype, feeds_swiglu(parent, attr)
+    return tuple(weight.shape), weight.dtype, product_epilogue(parent, attr)
 
 
 def _sites(model: nn.Module) -> list[tuple[nn.Module, str]]:
@@ -137,7 +148,7 @@ def attach_gemv(model: nn.Module, kernels: GemvKernels | None, floats: bool = Tr
         parts.append(f"float ones: F.linear ({len(floating)}; decode not in CUDA graphs)")
     elif floating:
         parts.append(f"{routed} of {len(floating)} float ones")
-        parts += [f"{n}x{k}{' + SwiGLU' * swiglu}: {timings}" for ((n, k), _, swiglu), (_, timings) in decided.items()]
+        parts += [f"{n}x{k}{EPILOGUE_NAMES[e]}: {timings}" for ((n, k), _, e), (_, timings) in decided.items()]
     what = "GEMV kernels for decode rows: " + "; ".join(parts)
     log.info("CUDA projections: %s", what)
     return what

@@ -84,20 +84,20 @@ class Qwen3VLModel(nn.Module):
                 )
             x = x.index_copy(0, visual_rows, vision.embeds.to(x.device, x.dtype))
         rope = decoder.rope_tables(rope_positions, x.dtype)
-        delta = None  # the last layer's MLP output, added by the next norm (DecoderLayer.forward)
+        delta = None  # the last layer's MLP output (a Product), added by the next norm (DecoderLayer.forward)
         for index, layer in enumerate(decoder.layers):
             x, delta = layer(x, delta, rope, attn, index)
             if visual_rows is not None and index < len(vision.deepstack):
                 # DeepStack: add level `index` to this layer's OUTPUT at the image positions
                 # (docs/architecture.md, pitfall 7).
-                x, delta = x + delta, None
+                x, delta = x + delta.value(), None
                 x = x.index_add(0, visual_rows, vision.deepstack[index].to(x.device, x.dtype))
-        # Only the rows whose logits are wanted go through the final add and norm (no host tensor here: a
-        # decode step is captured in a CUDA graph).
+        # Only the rows whose logits are wanted go through the last down projection, the final add and norm (no
+        # host tensor here: a decode step is captured in a CUDA graph).
         rows = logits_index.to(x.device) if logits_index is not None else None
         x = x[-1:] if rows is None else x.index_select(0, rows)
         if delta is not None:
-            delta = delta[-1:] if rows is None else delta.index_select(0, rows)
+            delta = delta.rows(rows)
         return self.lm_head(add_rms_norm(decoder.norm, x, delta)[1])
 
     def init_buffers(self) -> None:

@@ -3,14 +3,18 @@
 Per layer: RMSNorm -> q/k/v projections (one fused GEMM) -> per-head RMSNorm on q and k *before* RoPE ->
 interleaved M-RoPE in the activation dtype -> attention through the step's :class:`StepAttention`
 (the KV backend owns slots, masks and GQA) -> o_proj -> residual -> RMSNorm -> SwiGLU (gate and up fused)
--> residual. That last residual add is left to the next norm (the next layer's, or the final one): a layer
-takes and returns the stream as (x, pending delta), so on CUDA one kernel adds and normalises.
+-> residual. Each residual add is left to the norm after it (the o_proj's to the post-attention norm, the
+MLP's to the next layer's input norm or the final one): the delta is passed on as a :class:`Product` not yet
+computed, so on CUDA one kernel adds and normalises, and where the projection is one of the GEMV kernels that
+kernel's launch does (its norm epilogue).
 No biases anywhere. RMSNorm multiplies by its weight *after* casting back to the input dtype
 (docs/architecture.md, pitfall 8); that order is what makes bf16 results match transformers.
 With the GPU's GEMV kernels a decode step's SwiGLU is the gate/up kernel's epilogue (:func:`swiglu`).
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -48,14 +52,35 @@ def rms_norm(norm: RMSNorm, x: torch.Tensor) -> torch.Tensor:
     return norm.weight * norm.normalize(x)
 
 
-def add_rms_norm(norm: RMSNorm, x: torch.Tensor, delta: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """The residual add ``x + delta`` (none when ``delta`` is None) and ``norm`` of the sum: (sum, normed),
-    both (L, D); one kernel for both when the fused kernels are attached."""
-    if delta is not None and norm.fused is not None:
-        return norm.fused.add_rms_norm(x, delta, norm.weight, norm.eps)
-    if delta is not None:
-        x = x + delta
-    return x, rms_norm(norm, x)
+class Product(NamedTuple):
+    """A projection's output not computed yet: ``proj`` applied to rows ``x`` (L, K). The residual add it feeds
+    computes it (:func:`add_rms_norm`), in the projection kernel's launch where it can."""
+
+    x: torch.Tensor
+    proj: nn.Module
+
+    def value(self) -> torch.Tensor:
+        """(L, N)."""
+        return project(self.x, self.proj)
+
+    def rows(self, index: torch.Tensor | None) -> Product:
+        """The product of rows ``index`` of x (None: the last row)."""
+        return Product(self.x[-1:] if index is None else self.x.index_select(0, index), self.proj)
+
+
+def add_rms_norm(norm: RMSNorm, x: torch.Tensor, delta: Product | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The residual add ``x + delta.value()`` (none when ``delta`` is None) and ``norm`` of the sum: (sum,
+    normed), both (L, D). With the fused kernels attached one kernel adds and normalises, and where the
+    projection's GEMV kernels take the rows and run the norm epilogue, the product's own launch does."""
+    if delta is None:
+        return x, rms_norm(norm, x)
+    if norm.fused is None:
+        x = x + delta.value()
+        return x, rms_norm(norm, x)
+    kernel_takes = getattr(type(delta.proj), "kernel_takes", None)  # looked up as swiglu() does
+    if kernel_takes is not None and kernel_takes(delta.proj, delta.x) and delta.proj.kernels.norm_epilogue:
+        return delta.proj.kernels.add_rms_norm(delta.proj, delta.x, x, norm.weight, norm.eps)
+    return norm.fused.add_rms_norm(x, delta.value(), norm.weight, norm.eps)
 
 
 class FusedLinear(nn.Module):
@@ -105,7 +130,8 @@ class SelfAttention(nn.Module):
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
 
-    def forward(self, x: torch.Tensor, rope: TextRopeTables, attn: StepAttention, layer: int) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: TextRopeTables, attn: StepAttention, layer: int) -> Product:
+        """The attention output of rows ``x`` (L, hidden) and the o_proj it goes through, not yet applied."""
         n, nq, nkv = x.shape[0], self.num_heads, self.num_kv_heads
         heads = project(x, self.qkv_proj).view(n, nq + 2 * nkv, self.head_dim)  # q heads, k heads, v heads
         # q_norm and k_norm normalise each head over head_dim: one pass over the q and k heads together,
@@ -126,7 +152,7 @@ class SelfAttention(nn.Module):
             qk = apply_text_rope(weight * q_norm.normalize(heads[:, : nq + nkv]), rope)  # (L, nq + nkv, hd)
             k = qk[:, nq:]
         out = attn(layer, qk[:, :nq], k, v)  # (L, nq, hd)
-        return project(out.reshape(n, nq * self.head_dim), self.o_proj)
+        return Product(out.reshape(n, nq * self.head_dim), self.o_proj)
 
 
 def swiglu(x: torch.Tensor, gate_up_proj: nn.Module, fused) -> torch.Tensor:
@@ -154,14 +180,21 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
         self.fused = None  # as RMSNorm's: the fused kernels when loaded
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return project(swiglu(x, self.gate_up_proj, self.fused), self.down_proj)
+    def forward(self, x: torch.Tensor) -> Product:
+        """The activation of rows ``x`` (L, hidden) and the down projection it goes through, not yet applied."""
+        return Product(swiglu(x, self.gate_up_proj, self.fused), self.down_proj)
 
 
-def feeds_swiglu(parent: nn.Module, attr: str) -> bool:
-    """Whether the projection ``getattr(parent, attr)`` is an MLP's gate/up one, whose product the SwiGLU
-    activation consumes (:func:`swiglu`): its kernel is timed with the activation."""
-    return isinstance(parent, MLP) and attr == "gate_up_proj"
+def product_epilogue(parent: nn.Module, attr: str) -> str:
+    """What the GEMV kernels run after the product of the projection ``getattr(parent, attr)`` in its launch,
+    and what its kernel is timed with: ``"swiglu"`` for an MLP's gate/up projection (the activation,
+    :func:`swiglu`), ``"norm"`` for an o or down projection (the residual add and the norm after it,
+    :func:`add_rms_norm`), else ``""``."""
+    if isinstance(parent, MLP) and attr == "gate_up_proj":
+        return "swiglu"
+    if (isinstance(parent, SelfAttention) and attr == "o_proj") or (isinstance(parent, MLP) and attr == "down_proj"):
+        return "norm"
+    return ""
 
 
 def attach_fused_ops(model: nn.Module, ops) -> int:
@@ -185,11 +218,11 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(cfg)
 
     def forward(
-        self, x: torch.Tensor, delta: torch.Tensor | None, rope: TextRopeTables, attn: StepAttention, layer: int
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+        self, x: torch.Tensor, delta: Product | None, rope: TextRopeTables, attn: StepAttention, layer: int
+    ) -> tuple[torch.Tensor, Product]:
         """The layer on the residual stream ``x + delta`` (``delta``: the previous layer's MLP output, not yet
-        added, or None), returned the same way: (stream, this layer's MLP output). Leaving the last add to the
-        next norm lets one kernel do both (``add_rms_norm``); the sums are the same."""
+        computed and added, or None), returned the same way: (stream, this layer's MLP output). Leaving the
+        last add to the next norm lets one kernel do both (``add_rms_norm``); the sums are the same."""
         x, h = add_rms_norm(self.input_layernorm, x, delta)
         x, h = add_rms_norm(self.post_attention_layernorm, x, self.self_attn(h, rope, attn, layer))
         return x, self.mlp(h)
