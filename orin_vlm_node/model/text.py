@@ -77,8 +77,7 @@ def add_rms_norm(norm: RMSNorm, x: torch.Tensor, delta: Product | None) -> tuple
     if norm.fused is None:
         x = x + delta.value()
         return x, rms_norm(norm, x)
-    kernel_takes = getattr(type(delta.proj), "kernel_takes", None)  # looked up as swiglu() does
-    if kernel_takes is not None and kernel_takes(delta.proj, delta.x) and delta.proj.kernels.norm_epilogue:
+    if gemv_takes(delta.proj, delta.x) and delta.proj.kernels.norm_epilogue:
         return delta.proj.kernels.add_rms_norm(delta.proj, delta.x, x, norm.weight, norm.eps)
     return norm.fused.add_rms_norm(x, delta.value(), norm.weight, norm.eps)
 
@@ -107,6 +106,15 @@ class FusedLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """(L, in) -> (L, sum of the parts' rows): the parts side by side, in ``parts`` order."""
         return F.linear(x, self.weight)
+
+
+def gemv_takes(proj: nn.Module, x: torch.Tensor) -> bool:
+    """Whether ``proj``'s GEMV kernels multiply rows ``x`` (:class:`.gemv_linear.GemvLinear`, or a
+    :class:`.quant.QuantizedLinear` with kernels attached; ``kernel_takes``), so an epilogue can run in that
+    launch. Looked up on the class: a plain module (the CPU's, torch's) has no such method, and a missing
+    attribute asked of the module itself goes through nn.Module.__getattr__'s exception, on every decode step."""
+    kernel_takes = getattr(type(proj), "kernel_takes", None)
+    return kernel_takes is not None and kernel_takes(proj, x)
 
 
 def project(x: torch.Tensor, linear: nn.Module) -> torch.Tensor:
@@ -160,10 +168,7 @@ def swiglu(x: torch.Tensor, gate_up_proj: nn.Module, fused) -> torch.Tensor:
     GEMV kernels take ``x`` (a decode step's rows; :class:`.gemv_linear.GemvLinear` and a quantized
     :class:`.quant.QuantizedLinear` with kernels attached), one kernel with the activation in its epilogue;
     else the product, then the activation (the ``fused`` kernel, or torch)."""
-    # Looked up on the class: a plain module (the CPU's, torch's) has no such method, and a missing attribute
-    # asked of the module itself goes through nn.Module.__getattr__'s exception, on every decode step.
-    kernel_takes = getattr(type(gate_up_proj), "kernel_takes", None)
-    if kernel_takes is not None and kernel_takes(gate_up_proj, x):
+    if gemv_takes(gate_up_proj, x):
         return gate_up_proj.kernels(gate_up_proj, x, swiglu=True)
     gate_up = project(x, gate_up_proj)
     if fused is not None:
