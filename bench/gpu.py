@@ -33,8 +33,9 @@ that config is absent), batch 1, greedy, answers of a fixed length (``ignore_eos
   kernel running (``busy_ms``); the 15 costliest kernels in ``setup``.
 * ``pdl.<none|int4>.<on|off>``: batch-1 decode with programmatic dependent launch on and off (sm_90 and
   later), fp16 and INT4 weights, alternating; ``gain`` = on / off per pair.
-* ``norm_epilogue.<none|int4>.<on|off>``: the same with the GEMV's norm epilogue on and off (each residual
-  add + RMSNorm in the launch of the o or down product before it, or a launch of its own).
+* ``norm_epilogue.<none|int4>.<on|off>``: the same with the GEMV's norm epilogues on and off (each residual
+  add + RMSNorm in the launch of the o or down product before it, and the q/k norms + RoPE + KV sink in the
+  q/k/v product's launch: 5 launches a layer; or each a launch of its own: 8).
 * ``ttft_448.<dtype>``: an image of 448x448 and a short question: vision tower + prefill + first token.
 * ``startup.cold_s`` / ``warm_s``: a fresh process from start to a ready engine (fp16), with an empty
   kernel cache and again with the cache it filled; its GPU memory at 8192 context (``memory.*``) and the
@@ -460,8 +461,9 @@ def _dependent_launch(ctx: BenchContext, res: SectionResult, model_dir: Path) ->
 
 
 def _norm_epilogue(ctx: BenchContext, res: SectionResult, model_dir: Path) -> None:
-    """What running each residual add + RMSNorm in the launch of the GEMV product before it gains a token
-    (fp16 weights: where the product is the kernel's, not cuBLAS's; INT4: every o and down projection)."""
+    """What running each norm in the launch of the GEMV product before it gains a token: the residual adds +
+    RMSNorms after the o and down products, the q/k norms + RoPE + KV sink after the q/k/v product (fp16
+    weights: where the product is the kernel's, not cuBLAS's; INT4: every projection)."""
     from orin_vlm_node.cuda.gemv import CudaGemv
 
     def toggle(engine, on: bool) -> str | None:
@@ -473,7 +475,7 @@ def _norm_epilogue(ctx: BenchContext, res: SectionResult, model_dir: Path) -> No
             k.norm_epilogue = on
         return None
 
-    _on_and_off(ctx, res, model_dir, "norm_epilogue", "the norm epilogue", toggle)
+    _on_and_off(ctx, res, model_dir, "norm_epilogue", "the norm epilogues", toggle)
 
 
 def _batching(ctx: BenchContext, res: SectionResult, model_dir: Path) -> None:

@@ -33,8 +33,10 @@
 // gemv_<float|int8|int4>[_swiglu]_<f32|f16|bf16>_r<R>: x, y (and float weights) in the activation type, R =
 // the rows bucket (1, 2, 4, 8; rows <= R). Grid: (ceil(N / (kGemvWarps * kGemvColumns))), N the output
 // columns; block: kGemvWarps warps (launch.py: GEMV_WARPS, GEMV_COLUMNS). Every kernel takes the same
-// arguments (y, x, weight, scales, offsets, residual, norm_weight, sum_out, normed, counter, rows, N, K, group,
-// eps); those a format or a launch has no use for are null / 0 (a SwiGLU kernel has no norm epilogue).
+// arguments (y, x, weight, scales, offsets, residual, norm_weight, sum_out, normed, counter, heads_out,
+// q_norm_weight, k_norm_weight, cos, sin_signed, k_pool, v_pool, slots, rows, N, K, group, heads, split,
+// head_dim, eps); those a format or a launch has no use for are null / 0 (a SwiGLU kernel has no epilogue of
+// these two).
 //
 // Norm epilogue (the plain products; `counter` not null): the product of a layer's o or down projection is the
 // delta its residual add takes, and the RMSNorm after that add needs the whole row of it, which no block has.
@@ -44,12 +46,22 @@
 // kernel start or first memory round trip: a block's tail instead, one block's read of the rows from L2.
 // y is still written (the sum reads it back). `counter` is zero before the launch and after it.
 //
+// Heads epilogue (the plain products; `counter` not null and heads > 0: a layer's fused q/k/v projection in a
+// decode step): y's rows are heads of head_dim, the q heads (below `split`), the k heads (up to `heads`), then
+// the v heads (as many as the k heads). The q and k norms and RoPE need a head's whole row, which several
+// blocks compute, so each head has a finish counter (counter[h]) and the block that finishes a head last
+// normalises and rotates it (norm_rope.cuh, the rms_norm_rope kernel's arithmetic) into heads_out ([rows,
+// heads, head_dim]); with a KV sink (k_pool not null: a static decode step) it also stores a rotated k head,
+// or copies a v head, at its token's slot of the pools. The q/k norms cost no launch, and their blocks run
+// as the product's tail, head by head, rather than after all of it. counter[0 .. heads with work) are zero
+// before the launch and after it.
+//
 // This header holds the kernels; gemv.cu instantiates the plain products and gemv_swiglu.cu the SwiGLU
 // ones: two modules, which nvcc compiles in parallel at a cold start (in one module sm_87 took 30 s, split
 // 9.5 and 19.6 s; since the SwiGLU kernels read gate and up in one pass, about 11 s each).
 #pragma once
 
-#include "add_rms_norm.cuh"
+#include "norm_rope.cuh"
 
 namespace orin_vlm {
 
@@ -363,6 +375,59 @@ struct NormEpilogue {
   float eps;
 };
 
+// The q/k norms, RoPE and KV sink a fused q/k/v product's launch finishes with (the heads epilogue, at the top
+// of the file); heads 0: none.
+template <typename T>
+struct HeadsEpilogue {
+  T* out;                // [rows, heads, dim]: the q and k heads normalised and rotated
+  const T* q_weight;     // [dim]: q_norm's weight (heads below split)
+  const T* k_weight;     // [dim]: k_norm's weight
+  const T* cos;          // [rows, dim]: the tokens' RoPE tables
+  const T* sin_signed;
+  T* k_pool;             // the KV sink's pools and the tokens' slots; k_pool null: no sink
+  T* v_pool;
+  const long long* slots;
+  int heads, split, dim;
+};
+
+// Head h of the product's rows (y [rows, N]) by the block that finished it last: a q or k head normalised
+// and rotated into e.out (a k head also stored at its slot with a sink), or a v head copied to its slot.
+template <typename T>
+__device__ __forceinline__ void head_rows(const HeadsEpilogue<T>& e, const T* y, int h, int rows, int N, float eps) {
+  const int kv_heads = e.heads - e.split;
+  for (int m = 0; m < rows; ++m) {
+    const T* row = y + static_cast<size_t>(m) * N + static_cast<size_t>(h) * e.dim;
+    const long long slot = e.k_pool != nullptr ? __ldg(e.slots + m) : -1;
+    if (h >= e.heads) {  // a v head (only a sink launch counts them)
+      if (slot >= 0) copy_head(pool_row(e.v_pool, slot, kv_heads, h - e.heads, e.dim), row, e.dim);
+      continue;
+    }
+    T* k_row = h >= e.split && slot >= 0 ? pool_row(e.k_pool, slot, kv_heads, h - e.split, e.dim) : nullptr;
+    norm_rope_row<T>(e.out + (static_cast<size_t>(m) * e.heads + h) * e.dim, row, h < e.split ? e.q_weight : e.k_weight,
+                     e.cos + static_cast<size_t>(m) * e.dim, e.sin_signed + static_cast<size_t>(m) * e.dim, k_row, e.dim,
+                     eps);
+  }
+}
+
+// This block's part of the heads epilogue: each head its columns (kBlock of them) fall in is counted done,
+// and the heads it finished last it normalises (head_rows). The heads with work are the q and k heads, and
+// the v heads too with a sink. Called, not inlined, as add_rms_norm_rows, and called once (a call a head put
+// gemv_int4_f16_r1 at 108 registers on sm_90; this way the sm_90 counts are those of the norm epilogue alone,
+// while on sm_87 the int8 and int4 r1 kernels take 88 and 96 where they took 72: still more 16-byte loads in
+// flight than an Orin's bandwidth needs).
+template <typename T, int kBlock>
+__device__ KERNEL_NOINLINE void heads_epilogue(HeadsEpilogue<T> e, unsigned* counters, const T* y, int rows,
+                                               int N, float eps) {
+  const int kv_heads = e.heads - e.split;
+  if (e.dim < 1 || kv_heads < 1 || N != (e.heads + kv_heads) * e.dim) KERNEL_TRAP();
+  const int with_work = e.k_pool != nullptr ? e.heads + kv_heads : e.heads;
+  const int first = static_cast<int>(blockIdx.x) * kBlock, last = min(first + kBlock, N) - 1;
+  for (int h = first / e.dim; h <= last / e.dim && h < with_work; ++h) {
+    const int blocks = ((h + 1) * e.dim - 1) / kBlock - h * e.dim / kBlock + 1;  // the blocks that compute head h
+    if (last_to_finish(counters + h, blocks)) head_rows<T>(e, y, h, rows, N, eps);
+  }
+}
+
 // The norm epilogue's work, by the block that finished last: `rows` rows of the product y ([rows, N]) added to
 // the residual and normalised. Called, not inlined: inlined, ptxas allocated the product's registers around
 // it (gemv_int4_f16_r1 took 109 registers, 72 called; 78 before the epilogue existed) and the main loop's
@@ -377,14 +442,16 @@ __device__ KERNEL_NOINLINE void add_rms_norm_rows(NormEpilogue<T> norm, const T*
 }
 
 // y = x w^T for weight rows stored as `w` says (dense: `scales` null for float weights, one per row for
-// int8), or its SwiGLU (weight rows n and n + N); then the norm epilogue when `norm` has a counter.
+// int8), or its SwiGLU (weight rows n and n + N); then, when `norm` has a counter, the heads epilogue if `qk`
+// has heads, else the norm epilogue.
 template <typename T, int R, bool SWIGLU, typename Rows>
 __device__ __forceinline__ void gemv(T* __restrict__ y, const T* __restrict__ x, const Rows& w,
                                      const __half* __restrict__ row_scales, int rows, int N, int K,
-                                     const NormEpilogue<T>& norm) {
+                                     const NormEpilogue<T>& norm, const HeadsEpilogue<T>& qk) {
   constexpr int C = kGemvColumns<typename Rows::Elem, SWIGLU>;
   constexpr int J = C * (SWIGLU ? 2 : 1);
-  if (rows < 1 || rows > R || blockDim.x != kGemvWarps * kWarpSize || (SWIGLU && norm.counter != nullptr))
+  if (rows < 1 || rows > R || blockDim.x != kGemvWarps * kWarpSize || (SWIGLU && norm.counter != nullptr) ||
+      (qk.heads > 0 && norm.counter == nullptr))
     KERNEL_TRAP();
   const int n0 = warp_first_column<C>();
   if (n0 < N) {  // a warp past N skips the product as a whole: the reductions stay full-warp
@@ -403,8 +470,9 @@ __device__ __forceinline__ void gemv(T* __restrict__ y, const T* __restrict__ x,
     store_columns<T, R, C, SWIGLU>(y, acc, rows, n0, N);
   }
   if constexpr (!SWIGLU) {
-    if (norm.counter != nullptr && last_to_finish(norm.counter, static_cast<int>(gridDim.x)))
-      add_rms_norm_rows<T>(norm, y, rows, N);
+    if (norm.counter == nullptr) return;
+    if (qk.heads > 0) heads_epilogue<T, kGemvWarps * C>(qk, norm.counter, y, rows, N, norm.eps);
+    else if (last_to_finish(norm.counter, static_cast<int>(gridDim.x))) add_rms_norm_rows<T>(norm, y, rows, N);
   }
 }
 
@@ -424,29 +492,35 @@ __device__ __forceinline__ int group_shift(int group) {
   orin_vlm::prefetch_weight_rows<C, SWIGLU>((weights), (row_bytes), (columns));   \
   KERNEL_WAIT_PREDECESSOR()
 
-// The norm epilogue's parameters (between the weight's and the sizes), and the NormEpilogue they make.
-#define ORIN_GEMV_NORM_PARAMS(T) \
-  const T *residual, const T *norm_weight, T *sum_out, T *normed, unsigned *counter
-#define ORIN_GEMV_NORM {residual, norm_weight, sum_out, normed, counter, eps}
+// The epilogues' parameters (between the weight's and the sizes, and the heads' sizes after those), and the
+// NormEpilogue and HeadsEpilogue they make.
+#define ORIN_GEMV_NORM_PARAMS(T)                                                                            \
+  const T *residual, const T *norm_weight, T *sum_out, T *normed, unsigned *counter, T *heads_out,          \
+      const T *q_norm_weight, const T *k_norm_weight, const T *cos, const T *sin_signed, T *k_pool, T *v_pool, \
+      const long long *slots
+#define ORIN_GEMV_HEADS_SIZES int heads, int split, int head_dim
+#define ORIN_GEMV_NORM                                                                                        \
+  {residual, norm_weight, sum_out, normed, counter, eps},                                                     \
+      {heads_out, q_norm_weight, k_norm_weight, cos, sin_signed, k_pool, v_pool, slots, heads, split, head_dim}
 
 #define ORIN_GEMV_KERNELS_E(DT, T, R, E, SWIGLU)                                                                     \
   extern "C" __global__ void gemv_float##E##_##DT##_r##R(T* y, const T* x, const T* weight, const __half* scales,      \
                                                         const __half* offsets, ORIN_GEMV_NORM_PARAMS(T), int rows,     \
-                                                        int n, int k, int group, float eps) {                          \
+                                                        int n, int k, int group, ORIN_GEMV_HEADS_SIZES, float eps) {                          \
     ORIN_GEMV_PROLOGUE((orin_vlm::kGemvColumns<T, SWIGLU>), SWIGLU, weight, static_cast<size_t>(k) * sizeof(T), n);              \
     orin_vlm::gemv<T, R, SWIGLU>(y, x, orin_vlm::DenseRows<T>{weight, k}, nullptr, rows, n, k, ORIN_GEMV_NORM);  \
   }                                                                                                                    \
   extern "C" __global__ void gemv_int8##E##_##DT##_r##R(T* y, const T* x, const int8_t* qweight,                       \
                                                        const __half* scales, const __half* offsets,                    \
                                                        ORIN_GEMV_NORM_PARAMS(T), int rows, int n, int k, int group,    \
-                                                       float eps) {                                                    \
+                                                       ORIN_GEMV_HEADS_SIZES, float eps) {                                                    \
     ORIN_GEMV_PROLOGUE((orin_vlm::kGemvColumns<int8_t, SWIGLU>), SWIGLU, qweight, static_cast<size_t>(k), n);                    \
     orin_vlm::gemv<T, R, SWIGLU>(y, x, orin_vlm::DenseRows<int8_t>{qweight, k}, scales, rows, n, k, ORIN_GEMV_NORM); \
   }                                                                                                                    \
   extern "C" __global__ void gemv_int4##E##_##DT##_r##R(T* y, const T* x, const uint8_t* qweight,                      \
                                                        const __half* scales, const __half* offsets,                    \
                                                        ORIN_GEMV_NORM_PARAMS(T), int rows, int n, int k, int group,    \
-                                                       float eps) {                                                    \
+                                                       ORIN_GEMV_HEADS_SIZES, float eps) {                                                    \
     ORIN_GEMV_PROLOGUE((orin_vlm::kGemvColumns<uint8_t, SWIGLU>), SWIGLU, qweight, static_cast<size_t>(k + 1) / 2, n);           \
     const orin_vlm::Int4Rows rows_ = {qweight, scales, offsets, k, (k + group - 1) / group,                       \
                                          orin_vlm::group_shift(group)};                                               \

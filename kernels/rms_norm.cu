@@ -15,37 +15,18 @@
 //
 // The arithmetic is torch's, rounding where torch's separate ops round: x widened to fp32, mean of squares
 // as sum * (1 / dim), x * rsqrt(mean + eps) rounded to the storage type, the weight product rounded (Qwen3's
-// RMSNorm multiplies by its weight after casting back). RoPE (the _rope kernels; dim even, <= 256):
-// y = x * cos + swap_halves(x) * sin_signed with the token's rows of the two tables ([tokens, dim], the
-// storage type, sin_signed = [-sin, sin] of the halves), each product and the sum rounded on its own and
-// never contracted into a fused multiply-add.
+// RMSNorm multiplies by its weight after casting back). RoPE (the _rope kernels; dim even, <= 256): a head's
+// row as norm_rope.cuh computes it (shared with the GEMV's heads epilogue), with the token's rows of the two
+// tables ([tokens, dim], the storage type, sin_signed = [-sin, sin] of the halves).
 //
 // KV sink (rms_norm_rope with k_pool not null; a static decode step): the step's new keys and values go
 // straight into the paged pools, so the step needs no KV-write launch and no copy of the strided heads. Each
 // rotated k head (head >= split, heads - split = kv heads) is also stored at its token's slot of k_pool, and
 // the grid has tokens * kv_heads more blocks, which copy the v heads (v + t * v_token_stride + h * dim) to the
-// slot of v_pool. Pool layout [blocks, page_size, kv_heads, dim]: a token's row at slot * kv_heads * dim. A
-// negative slot (a padding row of a batch) stores nothing. k_pool null: grid (rows) and no stores.
-#include "add_rms_norm.cuh"
+// slot of v_pool (norm_rope.cuh: KVSink). k_pool null: grid (rows) and no stores.
+#include "norm_rope.cuh"
 
 namespace orin_vlm {
-
-constexpr int kMaxRopeDim = 256;
-
-// Grid: (rows); block: kNormThreads threads. The rotated rows (head rows of at most kMaxRopeDim, so at most
-// kRopeSlots elements a thread) load x, the weight and both tables at once before the first use: at batch 1
-// the launch is a few dozen blocks, and its memory round trips are its cost.
-constexpr int kRopeSlots = kMaxRopeDim / kNormThreads;
-
-// Where the rotated k heads and the v heads of a static decode step go (see the top of the file).
-template <typename T>
-struct KVSink {
-  T* k_pool;                   // null: no sink
-  T* v_pool;
-  const T* v;                  // the step's v heads, [tokens, kv_heads, dim] rows at v_token_stride
-  const long long* slots;      // [tokens]
-  int v_token_stride;
-};
 
 // Block `row` past the norm rows of a sink launch: v head h of token t copied to its slot of v_pool.
 template <typename T>
@@ -55,10 +36,10 @@ __device__ __forceinline__ void store_v_head(const KVSink<T>& sink, int row, int
   const long long slot = __ldg(sink.slots + token);
   if (slot < 0) return;
   const T* src = sink.v + static_cast<size_t>(token) * sink.v_token_stride + static_cast<size_t>(head) * dim;
-  T* dst = sink.v_pool + (static_cast<size_t>(slot) * kv_heads + head) * dim;
-  for (int d = threadIdx.x; d < dim; d += kNormThreads) dst[d] = __ldg(src + d);
+  copy_head(pool_row(sink.v_pool, slot, kv_heads, head, dim), src, dim);
 }
 
+// Grid: (rows, or rows + tokens * kv_heads with a sink); block: kNormThreads threads.
 template <typename T, bool ROPE>
 __device__ __forceinline__ void rms_norm(T* __restrict__ out, const T* __restrict__ x, const T* __restrict__ weight_a,
                                          const T* __restrict__ weight_b, const T* __restrict__ cos,
@@ -92,49 +73,16 @@ __device__ __forceinline__ void rms_norm(T* __restrict__ out, const T* __restric
       o[d] = from_float<T>(to_float(__ldg(w + d)) * normed);
     }
   } else {
-    if (dim > kMaxRopeDim || dim % 2 != 0) KERNEL_TRAP();
-    const T* c = cos + static_cast<size_t>(token) * dim;
-    const T* s = sin_signed + static_cast<size_t>(token) * dim;
-    float xv[kRopeSlots], wv[kRopeSlots], cv[kRopeSlots], sv[kRopeSlots];
-    float squares = 0.0f;
-#pragma unroll
-    for (int i = 0; i < kRopeSlots; ++i) {
-      const int d = static_cast<int>(threadIdx.x) + i * kNormThreads;
-      const bool in = d < dim;
-      xv[i] = in ? to_float(__ldg(xr + d)) : 0.0f;
-      wv[i] = in ? to_float(__ldg(w + d)) : 0.0f;
-      cv[i] = in ? to_float(__ldg(c + d)) : 0.0f;
-      sv[i] = in ? to_float(__ldg(s + d)) : 0.0f;
-      squares += xv[i] * xv[i];
-    }
-    const float inv = rms_scale(squares, dim, eps);
-    __shared__ float normed_row[kMaxRopeDim];  // the weighted row, as rounded to T: RoPE pairs d with d +- dim/2
-#pragma unroll
-    for (int i = 0; i < kRopeSlots; ++i) {
-      const int d = static_cast<int>(threadIdx.x) + i * kNormThreads;
-      if (d < dim) normed_row[d] = to_float(from_float<T>(wv[i] * to_float(from_float<T>(xv[i] * inv))));
-    }
-    __syncthreads();
     // The k head's row of its token's slot in the pool, when this launch stores the keys (null: it does not).
     T* k_row = nullptr;
     if (sink.k_pool != nullptr && head >= split) {
       const long long slot = __ldg(sink.slots + token);
-      if (slot >= 0) k_row = sink.k_pool + (static_cast<size_t>(slot) * kv_heads + (head - split)) * dim;
+      if (slot >= 0) k_row = pool_row(sink.k_pool, slot, kv_heads, head - split, dim);
     }
-    const int half = dim / 2;
-#pragma unroll
-    for (int i = 0; i < kRopeSlots; ++i) {
-      const int d = static_cast<int>(threadIdx.x) + i * kNormThreads;
-      if (d >= dim) continue;
-      const float a = to_float(from_float<T>(__fmul_rn(normed_row[d], cv[i])));
-      const float b = to_float(from_float<T>(__fmul_rn(normed_row[d < half ? d + half : d - half], sv[i])));
-      const T rotated = from_float<T>(__fadd_rn(a, b));
-      o[d] = rotated;
-      if (k_row != nullptr) k_row[d] = rotated;
-    }
+    norm_rope_row<T>(o, xr, w, cos + static_cast<size_t>(token) * dim, sin_signed + static_cast<size_t>(token) * dim,
+                     k_row, dim, eps);
   }
 }
-
 // Grid: (rows); block: kNormThreads threads; row blockIdx.x of [rows, dim] (add_rms_norm.cuh).
 template <typename T>
 __device__ __forceinline__ void add_rms_norm(T* __restrict__ sum_out, T* __restrict__ out, const T* __restrict__ x,

@@ -281,6 +281,55 @@ def test_gpu_norm_epilogue_gives_the_separate_launches_to_the_bit_eager_and_in_a
                 assert torch.equal(captured[0], want[0]) and torch.equal(captured[1], want[1])
 
 
+@pytest.mark.parametrize("mode", ["float", "int8", "int4"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_gpu_heads_epilogue_gives_the_separate_launches_to_the_bit_eager_and_in_a_graph(backend, mode, dtype):
+    """The 2B's q/k/v product (16 q heads, 8 k and 8 v heads of 128; K 2048) with the q/k norms, RoPE and the
+    KV sink in its launch (the block that finishes a head last): the heads, the values and the pools of the
+    product then the rms_norm_rope kernel, to the bit, launch after launch and in a CUDA graph replayed (the
+    finish counters are zero again after each launch; dependent launches on sm_90)."""
+    from orin_vlm_node.cuda.fused import CudaFusedOps
+    from orin_vlm_node.cuda.gemv import CudaGemv
+    from orin_vlm_node.kvcache import KVSink
+    from orin_vlm_node.model.gemv_linear import GemvLinear
+    from orin_vlm_node.model.quant import QuantizedLinear, WeightQuant
+    from orin_vlm_node.model.rope import TextRopeTables
+
+    gemv, ops = CudaGemv(backend.launcher), CudaFusedOps(backend.launcher)
+    nq, nkv, hd, k = 16, 8, 128, 2048
+    weight = torch.randn((nq + 2 * nkv) * hd, k, device="cuda") * 0.02
+    if mode == "float":
+        linear = torch.nn.Linear(k, weight.shape[0], bias=False, device="cuda", dtype=dtype)
+        with torch.no_grad():
+            linear.weight.copy_(weight)
+        module = GemvLinear(linear, gemv, rows=gemv.max_rows)
+    else:
+        module = QuantizedLinear.from_weight(weight, WeightQuant(mode, 128))
+    q_w, k_w = ((1 + 0.3 * torch.randn(hd, device="cuda")).to(dtype) for _ in range(2))
+    for rows in (1, 4, 8):
+        x = torch.randn(rows, k, device="cuda").to(dtype)
+        angles = torch.rand(rows, hd // 2, device="cuda") * 50
+        rope = TextRopeTables.build(angles.cos().repeat(1, 2).to(dtype), angles.sin().repeat(1, 2).to(dtype))
+        slots = torch.randperm(16 * rows, device="cuda")[:rows]
+        heads = gemv(module, x).view(rows, -1, hd)
+        pools = [torch.zeros(2, 2 * rows, 8, nkv, hd, device="cuda", dtype=dtype) for _ in range(2)]
+        qk_heads, v_heads = heads[:, : nq + nkv], heads[:, nq + nkv :]
+        want = ops.rms_norm(qk_heads, q_w, k_w, nq, 1e-6, rope, KVSink(*pools[0], slots), v_heads)
+        for _ in range(3):
+            qk, v = gemv.norm_rope_heads(module, x, q_w, k_w, nq, 1e-6, rope, KVSink(*pools[1], slots))
+            assert torch.equal(qk, want) and torch.equal(v, v_heads) and torch.equal(pools[1], pools[0])
+        pools[1].zero_()
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=stream):
+            captured, _ = gemv.norm_rope_heads(module, x, q_w, k_w, nq, 1e-6, rope, KVSink(*pools[1], slots))
+        for _ in range(4):
+            graph.replay()
+            torch.cuda.synchronize()
+            assert torch.equal(captured, want) and torch.equal(pools[1], pools[0])
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
 @pytest.mark.parametrize(("n", "k"), [(4096, 2048), (2048, 6144), (37, 75)])
 def test_gpu_float_gemv_matches_f_linear_and_is_timed_against_it(backend, timer, dtype, n, k):

@@ -17,9 +17,11 @@ from cuda_harness.harness import HarnessError, RecordingLauncher
 from orin_vlm_node.cuda import launch as L
 from orin_vlm_node.cuda.fused import CudaFusedOps
 from orin_vlm_node.cuda.gemv import CudaGemv
+from orin_vlm_node.kvcache import KVSink
 from orin_vlm_node.model import load_model
 from orin_vlm_node.model.gemv_linear import GemvLinear, attach_gemv
 from orin_vlm_node.model.quant import QuantizedLinear, WeightQuant
+from orin_vlm_node.model.rope import TextRopeTables
 from orin_vlm_node.model.text import product_epilogue
 from support.checkpoints import cached_tiny_checkpoint
 
@@ -169,7 +171,7 @@ def test_the_norm_epilogue_gives_what_the_product_then_the_add_rms_norm_kernel_g
         assert torch.equal(got_sum, want_sum) and torch.equal(got, want)
         buckets = {1: [1], 3: [4], 8: [8], 13: [8, 8]}[rows]  # 13 rows: 8, then 5 in the 8-row kernel
         assert launcher.kernels == [f"gemv_{mode}_{L.DTYPE_TAGS[str(dtype)[6:]]}_r{r}" for r in buckets]
-        assert gemv._counters["cpu"].item() == 0
+        assert not gemv._counters["cpu"].any()
 
 
 def test_the_norm_epilogue_refuses_rows_that_do_not_belong_to_the_product(harness):
@@ -184,7 +186,79 @@ def test_the_norm_epilogue_refuses_rows_that_do_not_belong_to_the_product(harnes
             gemv.add_rms_norm(module, x, residual, w, 1e-6)
     cfg = L.gemv_launch("int8", 2, 8, torch.float32, swiglu=True)
     args = [torch.empty(2, 8), x, module.qweight, module.scales, None, torch.zeros(2, 8), torch.ones(8),
-            torch.empty(2, 8), torch.empty(2, 8), torch.zeros(1, dtype=torch.int32), 2, 8, 32, 32, 1e-6]  # fmt: skip
+            torch.empty(2, 8), torch.empty(2, 8), torch.zeros(1, dtype=torch.int32), *[None] * 8,
+            2, 8, 32, 32, 0, 0, 0, 1e-6]  # fmt: skip
+    with pytest.raises(HarnessError, match="trap"):
+        harness.launch(cfg, args)
+
+
+# (head_dim, q heads, kv heads): Qwen3-VL's GQA of 2 at a small head size; one kv head; heads of 24, which
+# the 16 columns of an int4 block (8 of int8) do not divide, so a block computes parts of two heads.
+HEAD_SHAPES = [(32, 4, 2), (64, 2, 1), (24, 6, 3)]
+
+
+@pytest.mark.parametrize("mode", ["float", "int8", "int4"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("dim,nq,nkv", HEAD_SHAPES)
+def test_the_heads_epilogue_gives_what_the_product_then_the_norm_rope_kernel_give(harness, mode, dtype, dim, nq, nkv):
+    """The q/k/v product's launch normalises and rotates its q and k heads (the block that finishes a head
+    last, in the harness's scrambled block order), and with a KV sink stores each rotated key and each value
+    at its token's slot, nothing for a padding row (slot -1): the heads, the values and the pools are those of
+    the product followed by the rms_norm_rope kernel, to the bit; one launch a batch of up to 8 rows (13
+    quantized rows: two); the finish counters are zero again after."""
+    launcher = RecordingLauncher(harness)
+    gemv = CudaGemv(launcher)
+    heads, k = nq + nkv, 64
+    module = _module(mode, (nq + 2 * nkv) * dim, k, 32, dtype, gemv)
+    gen = torch.Generator().manual_seed(dim)
+    q_w, k_w = ((1 + 0.3 * torch.randn(dim, generator=gen)).to(dtype) for _ in range(2))
+    ops = CudaFusedOps(harness)
+    for rows in (1, 3, 8) if mode == "float" else (1, 3, 13):
+        x = torch.randn(rows, k, generator=gen).to(dtype)
+        angles = torch.rand(rows, dim // 2, generator=gen) * 50
+        rope = TextRopeTables.build(angles.cos().repeat(1, 2).to(dtype), angles.sin().repeat(1, 2).to(dtype))
+        product = gemv(module, x).view(rows, -1, dim)
+        slots = torch.randperm(4 * rows, generator=gen)[:rows]
+        slots[rows // 2] = -1
+        sinks = [torch.full((2, rows, 4, nkv, dim), 7.0, dtype=dtype) for _ in range(2)]  # k and v pools
+        want = ops.rms_norm(product[:, :heads], q_w, k_w, nq, 1e-6, rope, KVSink(*sinks[0], slots), product[:, heads:])
+        assert torch.equal(want, ops.rms_norm(product[:, :heads], q_w, k_w, nq, 1e-6, rope))
+        for sink in (None, KVSink(*sinks[1], slots)):
+            launcher.kernels.clear()
+            qk, v = gemv.norm_rope_heads(module, x, q_w, k_w, nq, 1e-6, rope, sink)
+            assert torch.equal(qk, want) and torch.equal(v, product[:, heads:])
+            buckets = {1: [1], 3: [4], 8: [8], 13: [8, 8]}[rows]
+            assert launcher.kernels == [f"gemv_{mode}_{L.DTYPE_TAGS[str(dtype)[6:]]}_r{r}" for r in buckets]
+            assert not gemv._counters["cpu"].any()
+        assert torch.equal(sinks[1], sinks[0])
+        assert (sinks[1] != 7).sum() == 2 * (rows - 1) * nkv * dim  # the padding row stored nothing
+
+
+def test_the_heads_epilogue_refuses_what_is_not_a_layer_of_heads(harness):
+    """A projection whose rows are not q heads then as many k as v heads, norm weights or RoPE tables of
+    another size, and a KV sink that does not take the heads are refused before any launch; a launch with
+    heads but no finish counters traps."""
+    gemv = CudaGemv(harness)
+    module = _module("int8", 4 * 8, 32, 32, torch.float32, gemv)  # 4 heads of 8: 2 q, 1 k, 1 v
+    x, w = torch.randn(2, 32), torch.ones(8)
+    angles = torch.rand(2, 4)
+    rope = TextRopeTables.build(angles.cos().repeat(1, 2), angles.sin().repeat(1, 2))
+    gemv.norm_rope_heads(module, x, w, w, 2, 1e-6, rope)
+    slots = torch.tensor([0, 1])
+    refused = {
+        "a heads epilogue takes": ((w, w, 1, rope, None), (torch.ones(6), torch.ones(6), 2, rope, None)),
+        "weight": ((w, torch.ones(4), 2, rope, None),),
+        "rope table": ((w, w, 2, TextRopeTables.build(angles.cos(), angles.sin()), None),),
+        "do not take": ((w, w, 2, rope, KVSink(torch.zeros(2, 4, 2, 8), torch.zeros(2, 4, 2, 8), slots)),),
+        "slots must be": ((w, w, 2, rope, KVSink(torch.zeros(2, 4, 1, 8), torch.zeros(2, 4, 1, 8), slots.int())),),
+    }
+    for message, cases in refused.items():
+        for q_w, k_w, split, tables, sink in cases:
+            with pytest.raises(ValueError, match=message):
+                gemv.norm_rope_heads(module, x, q_w, k_w, split, 1e-6, tables, sink)
+    cfg = L.gemv_launch("int8", 2, 32, torch.float32)
+    args = [torch.empty(2, 32), x, module.qweight, module.scales, *[None] * 5, None, torch.empty(2, 3, 8), w, w,
+            rope.cos, rope.sin_signed, None, None, None, 2, 32, 32, 32, 3, 2, 8, 1e-6]  # fmt: skip
     with pytest.raises(HarnessError, match="trap"):
         harness.launch(cfg, args)
 
@@ -346,11 +420,12 @@ def test_a_model_routed_to_the_kernels_computes_what_it_computed_and_detaching_r
 
 
 @pytest.mark.parametrize("mode", ["none", "int4"])
-def test_a_decode_step_adds_and_normalises_in_the_launches_of_the_o_and_down_products(harness, mode):
+def test_a_decode_step_runs_its_norms_in_the_launches_of_the_products_before_them(harness, mode):
     """With the GEMV and the fused kernels attached, a one-token forward runs every residual add + norm in the
     launch of the product before it (each layer's o and down projections; the first layer's input norm has
-    no add): no add_rms_norm launch, and the logits of the separate launches to the bit. A prefill's rows
-    (more than a launch takes) keep the separate add_rms_norm launch, but for the final norm (its last row)."""
+    no add) and the q/k norms + RoPE in the q/k/v product's launch: no add_rms_norm or rms_norm_rope launch,
+    and the logits of the separate launches to the bit. A prefill's rows (more than a launch takes) keep the
+    separate launches, but for the final norm (its last row)."""
     from orin_vlm_node.engine import Engine, EngineConfig
     from orin_vlm_node.model.text import attach_fused_ops
 
@@ -373,13 +448,17 @@ def test_a_decode_step_adds_and_normalises_in_the_launches_of_the_o_and_down_pro
 
     separate = logits(1, epilogue=False)
     assert launcher.kernels.count("add_rms_norm_f32") == 2 * layers
+    assert launcher.kernels.count("rms_norm_rope_f32") == layers
     assert torch.equal(logits(1, epilogue=True), separate)
-    assert "add_rms_norm_f32" not in launcher.kernels
+    assert "add_rms_norm_f32" not in launcher.kernels and "rms_norm_rope_f32" not in launcher.kernels
     assert launcher.kernels.count("rms_norm_f32") == 1  # the first layer's input norm: no residual add before it
+    gemvs = 4 * layers + 1  # q/k/v, o, gate/up, down a layer, and the LM head
+    assert len(launcher.kernels) == 1 + gemvs  # and the input norm (attention is torch's here)
     torch.testing.assert_close(logits(20, epilogue=True), logits(20, epilogue=False), rtol=0, atol=0)
     assert launcher.kernels.count("add_rms_norm_f32") == 2 * layers  # the last one: the final norm's
     logits(20, epilogue=True)
     assert launcher.kernels.count("add_rms_norm_f32") == 2 * layers - 1
+    assert launcher.kernels.count("rms_norm_rope_f32") == layers
 
 
 def test_a_quantized_lm_head_takes_the_kernels_and_the_model_computes_what_it_computed(harness):
@@ -435,3 +514,64 @@ def test_gemv_launch_picks_the_rows_bucket_and_refuses_what_no_kernel_takes():
     half = GemvLinear(torch.nn.Linear(32, 8, bias=False).half(), gemv, rows=8)
     assert not gemv.fits(half, torch.randn(2, 32))  # fp32 rows, fp16 weight
     assert gemv.fits(half, torch.randn(2, 32).half())
+
+
+@pytest.mark.parametrize("mode", ["none", "int4"])
+def test_a_static_decode_step_stores_kv_from_the_q_k_v_products_launch(harness, tmp_path, mode):
+    """The static decode step (what a CUDA graph captures) with the GEMV kernels and the attention kernel,
+    three sequences of different lengths in buffers of four (one padding row), crossing pages: the q/k/v
+    product's launch normalises and rotates the heads and stores the step's K/V at their slots, and logits and
+    the pool are those of the step with the separate norm + RoPE launch storing them, bit for bit; a layer
+    is then 5 launches (q/k/v, attention, o, gate/up, down)."""
+    from orin_vlm_node.cuda import CudaPagedAttention
+    from orin_vlm_node.engine.decode_step import StaticDecodeStep
+    from orin_vlm_node.kvcache import KVCacheConfig, PagedKVCache
+    from orin_vlm_node.model import mrope_positions
+    from orin_vlm_node.model.text import attach_fused_ops
+    from support.checkpoints import make_tiny_checkpoint
+
+    quant = WeightQuant(mode, 32) if mode != "none" else None
+    model = load_model(make_tiny_checkpoint(tmp_path / "ckpt", layers=2, seed=5), quant=quant)
+    cfg = model.config.text
+    launcher = RecordingLauncher(harness)
+    gemv = CudaGemv(launcher, _timer(launcher, 8))  # float weights: the kernel won every rows bucket
+    attach_gemv(model, gemv)
+    attach_fused_ops(model, CudaFusedOps(launcher))
+    prompts = [torch.arange(10, 10 + n) for n in (5, 9, 3)]
+
+    def run(epilogue: bool) -> tuple[list[torch.Tensor], torch.Tensor, list[str]]:
+        gemv.norm_epilogue = epilogue
+        cache = PagedKVCache(
+            KVCacheConfig(
+                cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, dtype=torch.float32, page_size=4,
+                num_blocks=32, max_context_tokens=64, prefix_caching=False,
+            ),
+            attention_impl=CudaPagedAttention(launcher, sm_count=16, min_tokens_per_split=16),
+        )  # fmt: skip
+        step = StaticDecodeStep(model, cache, torch.device("cpu"), use_graphs=False, max_batch=4)
+        seqs, tokens = [], []
+        for prompt in prompts:
+            seq = cache.new_sequence()
+            positions, _ = mrope_positions(prompt, None, model.config.image_token_id, 2)
+            tokens.append(int(model.forward(prompt, positions, cache.step(seq, len(prompt))).argmax(-1)))
+            seqs.append(seq)
+        logits, launched = [], []
+        for _ in range(4):
+            for seq, token in zip(seqs, tokens, strict=True):
+                step.prepare(seq, token, 0)
+            launcher.kernels.clear()
+            out = step.run()  # (3, vocab): the bucket of 4 with one padding row
+            launched.append(list(launcher.kernels))
+            logits.append(out.clone())
+            tokens = out.argmax(-1).tolist()
+        return logits, cache.kv_storage.clone(), launched
+
+    fused, separate = run(epilogue=True), run(epilogue=False)
+    for a, b in zip(fused[0], separate[0], strict=True):
+        assert torch.equal(a, b)
+    assert torch.equal(fused[1], separate[1])
+    layers = cfg.num_hidden_layers
+    for kernels in fused[2]:
+        assert not any(k.startswith(("rms_norm_rope", "add_rms_norm", "paged_kv_write")) for k in kernels)
+        assert len(kernels) == 1 + 5 * layers + 1  # the input norm, 5 a layer, the LM head
+    assert all(kernels.count("rms_norm_rope_f32") == layers for kernels in separate[2])

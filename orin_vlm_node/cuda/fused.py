@@ -51,8 +51,8 @@ class CudaFusedOps:
         tokens, heads, dim = x.shape
         if x.stride(2) != 1 or x.stride(1) != dim:
             x = x.contiguous()
-        weight_a = self._fit(weight_a, (dim,), x, "weight")
-        weights = (weight_a, weight_a if weight_b is weight_a else self._fit(weight_b, (dim,), x, "weight"))
+        weight_a = fitted(weight_a, (dim,), x, "weight")
+        weights = (weight_a, weight_a if weight_b is weight_a else fitted(weight_b, (dim,), x, "weight"))
         if rope is None:
             if sink is not None:
                 raise ValueError("rms_norm stores keys in a KV sink only with RoPE (the q/k norms of a layer)")
@@ -61,7 +61,7 @@ class CudaFusedOps:
                 L.rms_norm_launch(tokens * heads, x.dtype), [out, x, *weights, heads, split, dim, x.stride(0), eps]
             )
             return out
-        tables = tuple(self._fit(t, (tokens, 1, dim), x, "rope table") for t in (rope.cos, rope.sin_signed))
+        tables = tuple(fitted(t, (tokens, 1, dim), x, "rope table") for t in (rope.cos, rope.sin_signed))
         if dim > L.MAX_ROPE_DIM or dim % 2:
             raise ValueError(f"rms_norm with RoPE takes even rows of at most {L.MAX_ROPE_DIM}, got {dim}")
         kv_heads = heads - split
@@ -80,25 +80,12 @@ class CudaFusedOps:
         """(k_pool, v_pool, v, slots) as the kernel takes them and v's token stride; ValueError when the sink
         or the values do not belong to the keys of ``x``."""
         tokens, _, dim = x.shape
-        pool_shape = tuple(sink.k_pool.shape)
-        if (
-            len(pool_shape) != 4
-            or pool_shape[2:] != (kv_heads, dim)
-            or sink.v_pool.shape != sink.k_pool.shape
-            or {sink.k_pool.dtype, sink.v_pool.dtype} != {x.dtype}
-            or not (sink.k_pool.is_contiguous() and sink.v_pool.is_contiguous())
-        ):
-            raise ValueError(
-                f"KV sink pools {pool_shape} {sink.k_pool.dtype} do not take {kv_heads} heads of {dim} {x.dtype}"
-            )
+        k_pool, v_pool, slots = sink_arguments(sink, tokens, kv_heads, dim, x.dtype)
         if v is None or tuple(v.shape) != (tokens, kv_heads, dim) or v.dtype != x.dtype:
             raise ValueError(f"a KV sink needs the values as ({tokens}, {kv_heads}, {dim}) {x.dtype} rows")
         if v.stride(2) != 1 or v.stride(1) != dim:
             v = v.contiguous()
-        slots = sink.slot_mapping
-        if slots.shape != (tokens,) or slots.dtype != torch.int64:
-            raise ValueError(f"KV sink slots must be ({tokens},) int64, got {tuple(slots.shape)} {slots.dtype}")
-        return [sink.k_pool, sink.v_pool, v, slots.contiguous()], v.stride(0)
+        return [k_pool, v_pool, v, slots], v.stride(0)
 
     def add_rms_norm(
         self, x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float
@@ -107,7 +94,7 @@ class CudaFusedOps:
         if x.dim() != 2 or delta.shape != x.shape or delta.dtype != x.dtype or x.shape[0] < 1:
             raise ValueError(f"add_rms_norm takes two (L, D) rows alike, got {tuple(x.shape)} and {tuple(delta.shape)}")
         x, delta = x.contiguous(), delta.contiguous()
-        weight = self._fit(weight, (x.shape[1],), x, "weight")
+        weight = fitted(weight, (x.shape[1],), x, "weight")
         total, out = torch.empty_like(x), torch.empty_like(x)
         cfg = L.rms_norm_launch(x.shape[0], x.dtype, "add_rms_norm")
         self.launcher.launch(cfg, [total, out, x, delta, weight, x.shape[1], eps])
@@ -124,9 +111,29 @@ class CudaFusedOps:
             self.launcher.launch(L.silu_mul_launch(rows, inter, gate_up.dtype), [out, gate_up, rows, inter])
         return out
 
-    @staticmethod
-    def _fit(t: torch.Tensor, shape: tuple[int, ...], x: torch.Tensor, what: str) -> torch.Tensor:
-        """``t`` as the kernel reads it (contiguous), or ValueError when it does not belong to rows ``x``."""
-        if t.shape != shape or t.dtype != x.dtype or t.device != x.device:
-            raise ValueError(f"rms_norm {what} {tuple(t.shape)} {t.dtype} does not fit rows {tuple(x.shape)} {x.dtype}")
-        return t.contiguous()
+
+def fitted(t: torch.Tensor, shape: tuple[int, ...], x: torch.Tensor, what: str) -> torch.Tensor:
+    """``t`` as a kernel reads it (contiguous), or ValueError when it does not belong to rows ``x``."""
+    if t.shape != shape or t.dtype != x.dtype or t.device != x.device:
+        raise ValueError(f"rms_norm {what} {tuple(t.shape)} {t.dtype} does not fit rows {tuple(x.shape)} {x.dtype}")
+    return t.contiguous()
+
+
+def sink_arguments(sink: KVSink, tokens: int, kv_heads: int, dim: int, dtype: torch.dtype) -> list[torch.Tensor]:
+    """(k_pool, v_pool, slots) as a kernel storing ``tokens`` tokens' keys and values (``kv_heads`` heads of
+    ``dim``, ``dtype``) takes them; ValueError when the sink does not take them."""
+    pool_shape = tuple(sink.k_pool.shape)
+    if (
+        len(pool_shape) != 4
+        or pool_shape[2:] != (kv_heads, dim)
+        or sink.v_pool.shape != sink.k_pool.shape
+        or {sink.k_pool.dtype, sink.v_pool.dtype} != {dtype}
+        or not (sink.k_pool.is_contiguous() and sink.v_pool.is_contiguous())
+    ):
+        raise ValueError(
+            f"KV sink pools {pool_shape} {sink.k_pool.dtype} do not take {kv_heads} heads of {dim} {dtype}"
+        )
+    slots = sink.slot_mapping
+    if slots.shape != (tokens,) or slots.dtype != torch.int64:
+        raise ValueError(f"KV sink slots must be ({tokens},) int64, got {tuple(slots.shape)} {slots.dtype}")
+    return [sink.k_pool, sink.v_pool, slots.contiguous()]

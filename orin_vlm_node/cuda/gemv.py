@@ -20,8 +20,11 @@ A layer's o and down projections take the norm epilogue (:meth:`CudaGemv.add_rms
 the product to the residual stream and applies the RMSNorm after it (the block that finishes last does, see
 ``kernels/gemv.cuh``), where the decoder would launch ``add_rms_norm`` on the product. At batch 1 on a fast
 GPU each kernel of a decode step costs microseconds beyond its bytes (the launch, the blocks' start, the
-first memory round trip), two of them a layer here. ``norm_epilogue`` False keeps the separate launch (the
-benchmark measures both).
+first memory round trip), two of them a layer here. A layer's fused q/k/v projection takes the heads epilogue
+(:meth:`CudaGemv.norm_rope_heads`): the q and k norms and RoPE, and in a static decode step the KV sink's
+stores, in the product's launch (the block that finishes a head last normalises it), where the decoder would
+launch ``rms_norm_rope`` on the product. ``norm_epilogue`` False keeps the separate launches (the benchmark
+measures both).
 """
 
 from __future__ import annotations
@@ -33,12 +36,17 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from ..kvcache import KVSink
+from ..model.rope import TextRopeTables
 from . import launch as L
-from .fused import CudaFusedOps
+from .fused import CudaFusedOps, fitted, sink_arguments
 
 TIMING_BYTES = 64 << 20  # weight bytes read per timed graph: enough calls of a small weight to time it
 MAX_TIMED = 16  # products in one timed graph at most (and distinct weights walked through)
 NORM_EPS = 1e-6  # the RMSNorm epsilon a timed norm epilogue uses (Qwen3's; the time does not depend on it)
+# Finish counters a launch may use (kernels/gemv.cuh): one for the norm epilogue, one a head for the heads
+# epilogue (Qwen3-VL-8B's q/k/v projection has 48 heads).
+COUNTERS = 256
 
 
 @dataclass(frozen=True)
@@ -52,9 +60,43 @@ class _NormEpilogue:
     out: torch.Tensor
     eps: float
 
-    def pointers(self, first: int, counter: torch.Tensor) -> list:
-        """The kernel's norm pointers for the launch of rows ``first`` on."""
-        return [self.residual[first:], self.weight, self.sum_out[first:], self.out[first:], counter]
+    def arguments(self, first: int, counters: torch.Tensor) -> list:
+        """The kernel's epilogue pointers for the launch of rows ``first`` on (kernels/gemv.cuh's order)."""
+        return [self.residual[first:], self.weight, self.sum_out[first:], self.out[first:], counters] + [None] * 8
+
+    def sizes(self) -> list:
+        """The heads epilogue's sizes (none) and the epsilon."""
+        return [0, 0, 0, self.eps]
+
+
+@dataclass(frozen=True)
+class _HeadsEpilogue:
+    """What a fused q/k/v product's launch finishes its heads with: the q heads (below ``split``) and k heads
+    normalised with ``q_weight`` / ``k_weight`` and rotated with ``rope``'s rows into ``out`` (L, heads, dim),
+    and with a sink ``pools_slots`` (k_pool, v_pool, slots) each rotated key and value stored at its slot."""
+
+    out: torch.Tensor
+    q_weight: torch.Tensor
+    k_weight: torch.Tensor
+    cos: torch.Tensor
+    sin_signed: torch.Tensor
+    pools_slots: list | None
+    heads: int
+    split: int
+    eps: float
+
+    def arguments(self, first: int, counters: torch.Tensor) -> list:
+        """The kernel's epilogue pointers for the launch of rows ``first`` on (kernels/gemv.cuh's order)."""
+        stores = [None] * 3
+        if self.pools_slots is not None:
+            k_pool, v_pool, slots = self.pools_slots
+            stores = [k_pool, v_pool, slots[first:]]
+        tables = [self.cos[first:], self.sin_signed[first:]]
+        return [None] * 4 + [counters, self.out[first:], self.q_weight, self.k_weight, *tables, *stores]
+
+    def sizes(self) -> list:
+        """heads, split, head_dim and the epsilon."""
+        return [self.heads, self.split, self.out.shape[2], self.eps]
 
 
 class CudaGemv:
@@ -62,8 +104,9 @@ class CudaGemv:
 
     ``time_us(fn, calls)``: device microseconds of one ``fn()`` (``graph.device_us`` bound to the process's
     capture stream: in a CUDA graph), what :meth:`faster_rows` measures with; None for products only.
-    ``norm_epilogue``: whether the decoder's residual add + norm after a product runs in the product's launch
-    (:meth:`add_rms_norm`; module docstring)."""
+    ``norm_epilogue``: whether the decoder's norms after a product run in the product's launch (the residual
+    add + norm after an o or down product, :meth:`add_rms_norm`; the q/k norms + RoPE after the q/k/v product,
+    :meth:`norm_rope_heads`; module docstring)."""
 
     max_rows = L.GEMV_ROW_BUCKETS[-1]  # rows one launch takes
     # Rows a quantized weight takes, in launches of up to max_rows: every decode batch (max_batch is at most
@@ -78,7 +121,7 @@ class CudaGemv:
         self.norm_epilogue = True
         fused = CudaFusedOps(launcher)  # what follows F.linear where the epilogues are not used
         self._silu_mul, self._add_rms_norm = fused.silu_mul, fused.add_rms_norm
-        # The norm epilogue's finish counter per device (zero between launches, which run in stream order),
+        # The epilogues' finish counters per device (zero between launches, which run in stream order),
         # allocated at the first, eager, launch: before any capture.
         self._counters: dict[str, torch.Tensor] = {}
 
@@ -129,6 +172,43 @@ class CudaGemv:
         self._product(x, mode, stored, group, False, norm)
         return norm.sum_out, norm.out
 
+    def norm_rope_heads(
+        self,
+        module,
+        x: torch.Tensor,
+        q_weight: torch.Tensor,
+        k_weight: torch.Tensor,
+        split: int,
+        eps: float,
+        rope: TextRopeTables,
+        sink: KVSink | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``module``'s product of ``x`` (L, K), a fused q/k/v projection whose rows are ``split`` q heads, then
+        as many k heads as v heads, of ``q_weight``'s length, with the q/k norms and RoPE in the product's launch
+        (the heads epilogue), and with ``sink`` the rotated keys and the values stored at their slots: (qk (L,
+        heads, D), v (L, kv_heads, D), a view of the product), where ``qk`` is what ``CudaFusedOps.rms_norm(
+        heads[:, :split + kv_heads], q_weight, k_weight, split, eps, rope, sink, v)`` returns, to the bit."""
+        mode, stored, group = _stored(module)
+        dim, n = q_weight.shape[0], stored[0].shape[0]
+        total = n // dim if dim else 0
+        kv_heads = (total - split) // 2
+        if dim % 2 or dim > L.MAX_ROPE_DIM or total * dim != n or kv_heads < 1 or split + 2 * kv_heads != total:
+            raise ValueError(
+                f"a heads epilogue takes {split} q heads and as many k as v heads of an even size up to "
+                f"{L.MAX_ROPE_DIM}, got {n} rows in heads of {dim}"
+            )
+        if total > COUNTERS:
+            raise ValueError(f"a heads epilogue counts at most {COUNTERS} heads, the product has {total}")
+        tokens, heads = x.shape[0], split + kv_heads
+        weights = [fitted(w, (dim,), x, "weight") for w in (q_weight, k_weight)]
+        tables = [fitted(t, (tokens, 1, dim), x, "rope table") for t in (rope.cos, rope.sin_signed)]
+        stores = None if sink is None else sink_arguments(sink, tokens, kv_heads, dim, x.dtype)
+        out = torch.empty((tokens, heads, dim), dtype=x.dtype, device=x.device)
+        y = self._product(
+            x, mode, stored, group, False, _HeadsEpilogue(out, *weights, *tables, stores, heads, split, eps)
+        )
+        return out, y.view(tokens, total, dim)[:, heads:]
+
     def faster_rows(self, weights: Sequence[torch.Tensor], epilogue: str = "") -> tuple[int, str]:
         """The largest rows bucket up to which the kernel multiplied float weights of one shape (N, K) faster
         than ``F.linear`` (0: not even one row, or the weights are not ones the kernel reads), each bucket timed
@@ -176,10 +256,16 @@ class CudaGemv:
         return rows, f"{chosen} (kernel vs F.linear: {', '.join(timings)})"
 
     def _product(
-        self, x: torch.Tensor, mode: str, stored: tuple, group: int, swiglu: bool, norm: _NormEpilogue | None = None
+        self,
+        x: torch.Tensor,
+        mode: str,
+        stored: tuple,
+        group: int,
+        swiglu: bool,
+        epilogue: _NormEpilogue | _HeadsEpilogue | None = None,
     ) -> torch.Tensor:
         """Launch ``gemv_<mode>[_swiglu]`` on x (L, K) and the stored weight (weight or qweight, scales, offsets),
-        once for every max_rows rows; each launch with ``norm``'s epilogue over its rows when given."""
+        once for every max_rows rows; each launch with ``epilogue`` over its rows when given."""
         x = x.contiguous()
         rows, k = x.shape
         n = stored[0].shape[0]
@@ -193,17 +279,18 @@ class CudaGemv:
         for first in range(0, rows, self.max_rows):
             piece = min(self.max_rows, rows - first)
             cfg = L.gemv_launch(mode, piece, n, x.dtype, swiglu)
-            epilogue = [None] * 5 if norm is None else norm.pointers(first, self._counter(x.device))
-            eps = 0.0 if norm is None else norm.eps
-            self.launcher.launch(cfg, [y[first:], x[first:], *stored, *epilogue, piece, n, k, group, eps])
+            pointers, sizes = [None] * 13, [0, 0, 0, 0.0]
+            if epilogue is not None:
+                pointers, sizes = epilogue.arguments(first, self._counters_on(x.device)), epilogue.sizes()
+            self.launcher.launch(cfg, [y[first:], x[first:], *stored, *pointers, piece, n, k, group, *sizes])
         return y
 
-    def _counter(self, device: torch.device) -> torch.Tensor:
-        """The norm epilogue's finish counter on ``device`` (one uint32; kernels/gemv.cuh)."""
-        counter = self._counters.get(str(device))
-        if counter is None:
-            counter = self._counters[str(device)] = torch.zeros(1, dtype=torch.int32, device=device)
-        return counter
+    def _counters_on(self, device: torch.device) -> torch.Tensor:
+        """The epilogues' finish counters on ``device`` (COUNTERS uint32; kernels/gemv.cuh)."""
+        counters = self._counters.get(str(device))
+        if counters is None:
+            counters = self._counters[str(device)] = torch.zeros(COUNTERS, dtype=torch.int32, device=device)
+        return counters
 
     def _kernel_product(self, x: torch.Tensor, weight: torch.Tensor, epilogue: str, norm: tuple | None) -> torch.Tensor:
         """A float product through the kernel with what follows it in the decoder (``faster_rows``): its

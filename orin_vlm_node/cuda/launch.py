@@ -31,8 +31,8 @@ DEFAULT_MIN_TOKENS_PER_SPLIT = 16  # one warp step of every decode warp: a short
 # K/V loads in flight, so a memory-bound kernel needs several blocks per SM to keep enough loads in flight.
 DECODE_BLOCKS_PER_SM = 8
 
-NORM_THREADS = 128  # kNormThreads in kernels/rms_norm.cu
-MAX_ROPE_DIM = 256  # kMaxRopeDim there: the rows the norm + RoPE kernel rotates (head_dim)
+NORM_THREADS = 128  # kNormThreads in kernels/add_rms_norm.cuh
+MAX_ROPE_DIM = 256  # kMaxRopeDim in kernels/norm_rope.cuh: the rows the norm + RoPE kernel rotates (head_dim)
 NORM_KERNELS = ("rms_norm", "rms_norm_rope", "add_rms_norm")  # the kernel kinds of kernels/rms_norm.cu
 SILU_THREADS = 256  # kSiluThreads in kernels/silu_mul.cu
 
@@ -81,7 +81,8 @@ ARG_KINDS: dict[str, tuple[str, ...]] = {
     "paged_decode_attention": ("ptr",) * 9 + ("i32",) * 6 + ("f32",),
     "paged_prefill_attention": ("ptr",) * 7 + ("i32",) * 4 + ("f32",),
     "paged_kv_write": ("ptr",) * 5 + ("i32",),
-    "gemv": ("ptr",) * 10 + ("i32",) * 4 + ("f32",),  # the norm epilogue's 5 pointers after the weight's
+    # after the weight's pointers the norm epilogue's 5 and the heads epilogue's 8; after the sizes the heads'
+    "gemv": ("ptr",) * 18 + ("i32",) * 7 + ("f32",),
     "rms_norm": ("ptr",) * 4 + ("i32",) * 4 + ("f32",),
     "rms_norm_rope": ("ptr",) * 10 + ("i32",) * 5 + ("f32",),
     "add_rms_norm": ("ptr",) * 5 + ("i32", "f32"),

@@ -9,7 +9,8 @@ computed, so on CUDA one kernel adds and normalises, and where the projection is
 kernel's launch does (its norm epilogue).
 No biases anywhere. RMSNorm multiplies by its weight *after* casting back to the input dtype
 (docs/architecture.md, pitfall 8); that order is what makes bf16 results match transformers.
-With the GPU's GEMV kernels a decode step's SwiGLU is the gate/up kernel's epilogue (:func:`swiglu`).
+With the GPU's GEMV kernels a decode step's SwiGLU is the gate/up kernel's epilogue (:func:`swiglu`), and its
+q/k norms + RoPE the q/k/v kernel's (:meth:`SelfAttention.norm_rope_heads`).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..kvcache import StepAttention
+from ..kvcache import KVSink, StepAttention
 from .config import TextConfig
 from .embedding import checkpoint_embedding
 from .rope import TextRopeTables, apply_text_rope, mrope_cos_sin, mrope_streams, text_inv_freq
@@ -141,26 +142,40 @@ class SelfAttention(nn.Module):
     def forward(self, x: torch.Tensor, rope: TextRopeTables, attn: StepAttention, layer: int) -> Product:
         """The attention output of rows ``x`` (L, hidden) and the o_proj it goes through, not yet applied."""
         n, nq, nkv = x.shape[0], self.num_heads, self.num_kv_heads
-        heads = project(x, self.qkv_proj).view(n, nq + 2 * nkv, self.head_dim)  # q heads, k heads, v heads
-        # q_norm and k_norm normalise each head over head_dim: one pass over the q and k heads together,
-        # then each head times its norm's weight (what the two RMSNorms compute, bit for bit).
         q_norm, k_norm = self.q_norm, self.k_norm
-        v = heads[:, nq + nkv :]
         if q_norm.fused is not None:  # both norms and RoPE in one launch, reading the heads in place
             # A step that lets the producer store its K/V (the GPU's static decode step) gets them from this
             # launch too: no write launch, no copy of the strided heads; it is then called without k and v.
             offer = getattr(attn, "kv_sink", None)
-            sink = offer(layer, heads.dtype) if offer is not None else None
-            qk = q_norm.fused.rms_norm(
-                heads[:, : nq + nkv], q_norm.weight, k_norm.weight, nq, q_norm.eps, rope, sink, v
-            )
+            sink = offer(layer, x.dtype) if offer is not None else None
+            qk, v = self.norm_rope_heads(x, rope, sink)
             k, v = (qk[:, nq:], v) if sink is None else (None, None)
         else:
+            heads = project(x, self.qkv_proj).view(n, nq + 2 * nkv, self.head_dim)  # q heads, k heads, v heads
+            # q_norm and k_norm normalise each head over head_dim: one pass over the q and k heads together,
+            # then each head times its norm's weight (what the two RMSNorms compute, bit for bit).
             weight = torch.cat((q_norm.weight.expand(nq, -1), k_norm.weight.expand(nkv, -1)))
             qk = apply_text_rope(weight * q_norm.normalize(heads[:, : nq + nkv]), rope)  # (L, nq + nkv, hd)
-            k = qk[:, nq:]
+            k, v = qk[:, nq:], heads[:, nq + nkv :]
         out = attn(layer, qk[:, :nq], k, v)  # (L, nq, hd)
         return Product(out.reshape(n, nq * self.head_dim), self.o_proj)
+
+    def norm_rope_heads(
+        self, x: torch.Tensor, rope: TextRopeTables, sink: KVSink | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """With the fused kernels: the q/k/v product of rows ``x``, its q and k heads normalised and rotated
+        (L, nq + nkv, hd) and its v heads (L, nkv, hd); with ``sink`` the rotated keys and the values are
+        stored there too. In the product's launch where the projection's GEMV kernels take the rows and run
+        the heads epilogue, else the product, then the fused norm + RoPE launch."""
+        q_norm, k_norm, nq, proj = self.q_norm, self.k_norm, self.num_heads, self.qkv_proj
+        if gemv_takes(proj, x) and proj.kernels.norm_epilogue:
+            return proj.kernels.norm_rope_heads(proj, x, q_norm.weight, k_norm.weight, nq, q_norm.eps, rope, sink)
+        heads = project(x, proj).view(x.shape[0], -1, self.head_dim)
+        v = heads[:, nq + self.num_kv_heads :]
+        qk = q_norm.fused.rms_norm(
+            heads[:, : v.shape[1] + nq], q_norm.weight, k_norm.weight, nq, q_norm.eps, rope, sink, v
+        )
+        return qk, v
 
 
 def swiglu(x: torch.Tensor, gate_up_proj: nn.Module, fused) -> torch.Tensor:
