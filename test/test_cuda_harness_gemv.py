@@ -327,6 +327,21 @@ def test_an_o_or_down_weight_is_timed_with_the_add_and_norm_after_it_on_both_sid
     assert launcher.kernels[:3] == ["gemv_float_f32_r1", "add_rms_norm_f32", "add_rms_norm_f32"]
 
 
+def test_a_q_k_v_weight_is_timed_with_the_norms_rope_and_kv_sink_after_it_on_both_sides(harness):
+    """The kernel with its heads epilogue (one launch) against F.linear followed by the rms_norm_rope kernel;
+    with the epilogue off, the kernel followed by rms_norm_rope too. The log names the epilogue."""
+    launcher = RecordingLauncher(harness)
+    gemv = CudaGemv(launcher, _timer(launcher, 1))
+    weight = torch.randn(8 * 16, 64)  # 4 q heads, 2 k and 2 v heads of 16
+    rows, why = gemv.faster_rows([weight], epilogue="heads 4 16")
+    assert rows == 1 and why.startswith("kernel for 1..1 rows (kernel vs F.linear: 1 row 1.0 vs 2.0 us")
+    assert launcher.kernels == ["gemv_float_f32_r1", "rms_norm_rope_f32", "gemv_float_f32_r2", "rms_norm_rope_f32"]
+    launcher.kernels.clear()
+    gemv.norm_epilogue = False
+    assert gemv.faster_rows([weight], epilogue="heads 4 16")[0] == 1
+    assert launcher.kernels[:3] == ["gemv_float_f32_r1", "rms_norm_rope_f32", "rms_norm_rope_f32"]
+
+
 def test_a_timed_graph_walks_through_the_weights_of_the_shape_as_a_decode_step_does(harness):
     """One product per weight in turn (layers' weights are not in L2 when their product starts), as many
     products as the timing's byte budget asks for, at most 16."""
@@ -392,6 +407,7 @@ def test_a_model_routed_to_the_kernels_computes_what_it_computed_and_detaching_r
     }
     assert len(timed) == 2 * len(L.GEMV_ROW_BUCKETS) * len(keys)  # every bucket won: each key timed once
     assert ("+ SwiGLU: kernel for 1..8 rows" in what) == (mode == "none")
+    assert ("+ q/k norms + RoPE: kernel for 1..8 rows" in what) == (mode == "none")
     assert what.startswith("GEMV kernels for decode rows: ")
     assert f"{floats} of {floats} float ones" in what
     assert (f"{len(sites) - 1} quantized projections" in what) == (mode == "int4")

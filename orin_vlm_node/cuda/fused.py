@@ -75,6 +75,24 @@ class CudaFusedOps:
         self.launcher.launch(cfg, [out, x, *weights, *tables, *stores, heads, split, dim, x.stride(0), v_stride, eps])
         return out
 
+    def norm_rope_product(
+        self,
+        y: torch.Tensor,
+        q_weight: torch.Tensor,
+        k_weight: torch.Tensor,
+        split: int,
+        eps: float,
+        rope: TextRopeTables,
+        sink: KVSink | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """A fused q/k/v projection's product ``y`` (L, N): ``split`` q heads, then as many k as v heads, of
+        ``q_weight``'s length. Its q and k heads normalised and rotated, (L, heads, D) (:meth:`rms_norm`, with
+        ``sink`` the keys and values stored there too), and its v heads (L, kv_heads, D), a view of ``y``."""
+        heads = y.view(y.shape[0], -1, q_weight.shape[0])
+        qk_heads = split + (heads.shape[1] - split) // 2
+        v = heads[:, qk_heads:]
+        return self.rms_norm(heads[:, :qk_heads], q_weight, k_weight, split, eps, rope, sink, v), v
+
     @staticmethod
     def _sink_args(sink: KVSink, v: torch.Tensor | None, x: torch.Tensor, kv_heads: int) -> tuple[list, int]:
         """(k_pool, v_pool, v, slots) as the kernel takes them and v's token stride; ValueError when the sink

@@ -119,8 +119,7 @@ class CudaGemv:
         self.launcher = launcher
         self.time_us = time_us
         self.norm_epilogue = True
-        fused = CudaFusedOps(launcher)  # what follows F.linear where the epilogues are not used
-        self._silu_mul, self._add_rms_norm = fused.silu_mul, fused.add_rms_norm
+        self._fused = CudaFusedOps(launcher)  # what follows F.linear where the epilogues are not used
         # The epilogues' finish counters per device (zero between launches, which run in stream order),
         # allocated at the first, eager, launch: before any capture.
         self._counters: dict[str, torch.Tensor] = {}
@@ -188,7 +187,22 @@ class CudaGemv:
         (the heads epilogue), and with ``sink`` the rotated keys and the values stored at their slots: (qk (L,
         heads, D), v (L, kv_heads, D), a view of the product), where ``qk`` is what ``CudaFusedOps.rms_norm(
         heads[:, :split + kv_heads], q_weight, k_weight, split, eps, rope, sink, v)`` returns, to the bit."""
-        mode, stored, group = _stored(module)
+        return self._product_heads(x, *_stored(module), q_weight, k_weight, split, eps, rope, sink)
+
+    def _product_heads(
+        self,
+        x: torch.Tensor,
+        mode: str,
+        stored: tuple,
+        group: int,
+        q_weight: torch.Tensor,
+        k_weight: torch.Tensor,
+        split: int,
+        eps: float,
+        rope: TextRopeTables,
+        sink: KVSink | None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`norm_rope_heads` of a weight as stored."""
         dim, n = q_weight.shape[0], stored[0].shape[0]
         total = n // dim if dim else 0
         kv_heads = (total - split) // 2
@@ -216,7 +230,9 @@ class CudaGemv:
         product in the decoder (``epilogue``, ``text.product_epilogue``): for ``"swiglu"`` (fused gate/up
         weights) the kernel's SwiGLU epilogue against ``F.linear`` followed by the ``silu_mul`` kernel, for
         ``"norm"`` (o and down) the norm epilogue (while ``norm_epilogue``) against ``F.linear`` followed by the
-        ``add_rms_norm`` kernel.
+        ``add_rms_norm`` kernel, for ``"heads <q heads> <head_dim>"`` (a fused q/k/v weight) the heads
+        epilogue storing into a KV sink (while ``norm_epilogue``) against ``F.linear`` followed by the
+        ``rms_norm_rope`` kernel storing into it.
 
         Each timed graph walks through ``weights`` (the model's layers of that shape, up to MAX_TIMED), one
         product each, as a decode step does: a weight is not in the GPU's L2 cache when its product starts,
@@ -236,14 +252,13 @@ class CudaGemv:
         for bucket in L.GEMV_ROW_BUCKETS:
             rows_x = x[:bucket]
             turn = itertools.cycle(weights)
-            # The residual stream and norm weight a "norm" epilogue adds to and normalises with.
-            norm = (x.new_zeros((bucket, n)), x.new_ones((n,))) if epilogue == "norm" else None
+            extra = _timed_epilogue(epilogue, rows_x, n)
             try:
                 kernel = self.time_us(
-                    lambda r=rows_x, t=turn, e=norm: self._kernel_product(r, next(t), epilogue, e), calls=calls
+                    lambda r=rows_x, t=turn, e=extra: self._kernel_product(r, next(t), epilogue, e), calls=calls
                 )
                 torch_us = self.time_us(
-                    lambda r=rows_x, t=turn, e=norm: self._torch_product(r, next(t), epilogue, e), calls=calls
+                    lambda r=rows_x, t=turn, e=extra: self._torch_product(r, next(t), epilogue, e), calls=calls
                 )
             except Exception as exc:  # noqa: BLE001 - a product that cannot be timed keeps what was measured
                 timings.append(f"{bucket} rows not timed: {type(exc).__name__}: {exc}")
@@ -292,23 +307,50 @@ class CudaGemv:
             counters = self._counters[str(device)] = torch.zeros(COUNTERS, dtype=torch.int32, device=device)
         return counters
 
-    def _kernel_product(self, x: torch.Tensor, weight: torch.Tensor, epilogue: str, norm: tuple | None) -> torch.Tensor:
-        """A float product through the kernel with what follows it in the decoder (``faster_rows``): its
-        epilogue, or with ``norm_epilogue`` off the product then the ``add_rms_norm`` kernel."""
+    def _kernel_product(self, x: torch.Tensor, weight: torch.Tensor, epilogue: str, extra: tuple) -> torch.Tensor:
+        """A float product through the kernel with what follows it in the decoder (``faster_rows``; ``extra``:
+        ``_timed_epilogue``'s): its epilogue, or with ``norm_epilogue`` off the product then the ``add_rms_norm``
+        or ``rms_norm_rope`` kernel."""
         stored = ("float", (weight, None, None), 0)
-        if epilogue != "norm":
-            return self._product(x, *stored, epilogue == "swiglu")
-        if self.norm_epilogue:
-            return self._product_add_norm(x, *stored, *norm, NORM_EPS)[1]
-        return self._add_rms_norm(norm[0], self._product(x, *stored, False), norm[1], NORM_EPS)[1]
+        kind = epilogue.partition(" ")[0]
+        if kind not in ("norm", "heads"):
+            return self._product(x, *stored, kind == "swiglu")
+        if not self.norm_epilogue:
+            return self._after(kind, self._product(x, *stored, False), extra)
+        if kind == "norm":
+            return self._product_add_norm(x, *stored, *extra)[1]
+        return self._product_heads(x, *stored, *extra)[0]
 
-    def _torch_product(self, x: torch.Tensor, weight: torch.Tensor, epilogue: str, norm: tuple | None) -> torch.Tensor:
-        """What a product takes without the kernel: ``F.linear``, then ``silu_mul`` or ``add_rms_norm`` as the
-        epilogue would run them."""
-        y = F.linear(x, weight)
-        if epilogue == "swiglu":
-            return self._silu_mul(y)
-        return self._add_rms_norm(norm[0], y, norm[1], NORM_EPS)[1] if epilogue == "norm" else y
+    def _torch_product(self, x: torch.Tensor, weight: torch.Tensor, epilogue: str, extra: tuple) -> torch.Tensor:
+        """What a product takes without the kernel: ``F.linear``, then what the epilogue would run."""
+        return self._after(epilogue.partition(" ")[0], F.linear(x, weight), extra)
+
+    def _after(self, kind: str, y: torch.Tensor, extra: tuple) -> torch.Tensor:
+        """What the decoder launches after a product ``y`` where the epilogue ``kind`` does not run."""
+        if kind == "swiglu":
+            return self._fused.silu_mul(y)
+        if kind == "norm":
+            return self._fused.add_rms_norm(extra[0], y, *extra[1:])[1]
+        return self._fused.norm_rope_product(y, *extra)[0] if kind == "heads" else y
+
+
+def _timed_epilogue(epilogue: str, x: torch.Tensor, n: int) -> tuple:
+    """What a timed product's epilogue (``faster_rows``) works with, after the product's rows ``x`` (L, K) of
+    ``n`` outputs: for ``"norm"`` the residual stream it adds to, the norm weight and epsilon; for ``"heads
+    <q heads> <head_dim>"`` the q and k norm weights, the q heads, epsilon, RoPE tables and a KV sink for the
+    rows (the time depends on none of their values); else nothing."""
+    kind, *sizes = epilogue.split() or [""]
+    rows = x.shape[0]
+    if kind == "norm":
+        return x.new_zeros((rows, n)), x.new_ones((n,)), NORM_EPS
+    if kind != "heads":
+        return ()
+    split, dim = (int(s) for s in sizes)
+    kv_heads = (n // dim - split) // 2
+    tables = TextRopeTables.build(x.new_ones((rows, dim)), x.new_zeros((rows, dim)))
+    pools = x.new_zeros((2, 1, rows, kv_heads, dim))
+    slots = torch.arange(rows, device=x.device)
+    return x.new_ones((dim,)), x.new_ones((dim,)), split, NORM_EPS, tables, KVSink(pools[0], pools[1], slots)
 
 
 def _stored(module) -> tuple[str, tuple, int]:

@@ -26,11 +26,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..kvcache import KVSink
 from .quant import QuantizedLinear, quantized_summary
+from .rope import TextRopeTables
 from .text import product_epilogue
 
 log = logging.getLogger("orin_vlm_node.model")
-EPILOGUE_NAMES = {"": "", "swiglu": " + SwiGLU", "norm": " + add + norm"}  # text.product_epilogue, for the log
+# text.product_epilogue's kinds (its first word), for the log
+EPILOGUE_NAMES = {"": "", "swiglu": " + SwiGLU", "norm": " + add + norm", "heads": " + q/k norms + RoPE"}
 
 
 class GemvKernels(Protocol):
@@ -49,6 +52,21 @@ class GemvKernels(Protocol):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The product added to ``residual`` and RMS-normalised with ``weight`` in the product's launch: (sum,
         normed), both (L, N)."""
+        ...
+
+    def norm_rope_heads(
+        self,
+        module: nn.Module,
+        x: torch.Tensor,
+        q_weight: torch.Tensor,
+        k_weight: torch.Tensor,
+        split: int,
+        eps: float,
+        rope: TextRopeTables,
+        sink: KVSink | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The fused q/k/v product's q/k norms, RoPE and KV sink in the product's launch: (qk (L, heads, D),
+        v (L, kv_heads, D))."""
         ...
 
     def faster_rows(self, weights: Sequence[torch.Tensor], epilogue: str = "") -> tuple[int, str]:
@@ -148,7 +166,10 @@ def attach_gemv(model: nn.Module, kernels: GemvKernels | None, floats: bool = Tr
         parts.append(f"float ones: F.linear ({len(floating)}; decode not in CUDA graphs)")
     elif floating:
         parts.append(f"{routed} of {len(floating)} float ones")
-        parts += [f"{n}x{k}{EPILOGUE_NAMES[e]}: {timings}" for ((n, k), _, e), (_, timings) in decided.items()]
+        parts += [
+            f"{n}x{k}{EPILOGUE_NAMES[e.partition(' ')[0]]}: {timings}"
+            for ((n, k), _, e), (_, timings) in decided.items()
+        ]
     what = "GEMV kernels for decode rows: " + "; ".join(parts)
     log.info("CUDA projections: %s", what)
     return what

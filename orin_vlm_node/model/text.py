@@ -170,12 +170,9 @@ class SelfAttention(nn.Module):
         q_norm, k_norm, nq, proj = self.q_norm, self.k_norm, self.num_heads, self.qkv_proj
         if gemv_takes(proj, x) and proj.kernels.norm_epilogue:
             return proj.kernels.norm_rope_heads(proj, x, q_norm.weight, k_norm.weight, nq, q_norm.eps, rope, sink)
-        heads = project(x, proj).view(x.shape[0], -1, self.head_dim)
-        v = heads[:, nq + self.num_kv_heads :]
-        qk = q_norm.fused.rms_norm(
-            heads[:, : v.shape[1] + nq], q_norm.weight, k_norm.weight, nq, q_norm.eps, rope, sink, v
+        return q_norm.fused.norm_rope_product(
+            project(x, proj), q_norm.weight, k_norm.weight, nq, q_norm.eps, rope, sink
         )
-        return qk, v
 
 
 def swiglu(x: torch.Tensor, gate_up_proj: nn.Module, fused) -> torch.Tensor:
@@ -209,11 +206,14 @@ def product_epilogue(parent: nn.Module, attr: str) -> str:
     """What the GEMV kernels run after the product of the projection ``getattr(parent, attr)`` in its launch,
     and what its kernel is timed with: ``"swiglu"`` for an MLP's gate/up projection (the activation,
     :func:`swiglu`), ``"norm"`` for an o or down projection (the residual add and the norm after it,
-    :func:`add_rms_norm`), else ``""``."""
+    :func:`add_rms_norm`), ``"heads <q heads> <head_dim>"`` for the fused q/k/v projection (the q/k norms,
+    RoPE and KV sink, :meth:`SelfAttention.norm_rope_heads`), else ``""``."""
     if isinstance(parent, MLP) and attr == "gate_up_proj":
         return "swiglu"
     if (isinstance(parent, SelfAttention) and attr == "o_proj") or (isinstance(parent, MLP) and attr == "down_proj"):
         return "norm"
+    if isinstance(parent, SelfAttention) and attr == "qkv_proj":
+        return f"heads {parent.num_heads} {parent.head_dim}"
     return ""
 
 
