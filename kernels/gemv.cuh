@@ -411,10 +411,10 @@ __device__ __forceinline__ void head_rows(const HeadsEpilogue<T>& e, const T* y,
 
 // This block's part of the heads epilogue: each head its columns (kBlock of them) fall in is counted done,
 // and the heads it finished last it normalises (head_rows). The heads with work are the q and k heads, and
-// the v heads too with a sink. Called, not inlined, as add_rms_norm_rows, and called once (a call a head put
-// gemv_int4_f16_r1 at 108 registers on sm_90; this way the sm_90 counts are those of the norm epilogue alone,
-// while on sm_87 the int8 and int4 r1 kernels take 88 and 96 where they took 72: still more 16-byte loads in
-// flight than an Orin's bandwidth needs).
+// the v heads too with a sink. Called, not inlined, as add_rms_norm_rows, and once a block: a call a head
+// from inside this loop put gemv_int4_f16_r1 at 108 registers on sm_90; this way sm_90 keeps the norm
+// epilogue's counts (72), and on sm_87 ptxas gives the int4 and int8 r1 kernels 96 and 88 (5 blocks an SM,
+// still far more loads in flight than an Orin's bandwidth needs) and the int4 main loop 7% fewer instructions.
 template <typename T, int kBlock>
 __device__ KERNEL_NOINLINE void heads_epilogue(HeadsEpilogue<T> e, unsigned* counters, const T* y, int rows,
                                                int N, float eps) {
@@ -494,37 +494,37 @@ __device__ __forceinline__ int group_shift(int group) {
 
 // The epilogues' parameters (between the weight's and the sizes, and the heads' sizes after those), and the
 // NormEpilogue and HeadsEpilogue they make.
-#define ORIN_GEMV_NORM_PARAMS(T)                                                                            \
+#define ORIN_GEMV_EPILOGUE_PARAMS(T)                                                                            \
   const T *residual, const T *norm_weight, T *sum_out, T *normed, unsigned *counter, T *heads_out,          \
       const T *q_norm_weight, const T *k_norm_weight, const T *cos, const T *sin_signed, T *k_pool, T *v_pool, \
       const long long *slots
 #define ORIN_GEMV_HEADS_SIZES int heads, int split, int head_dim
-#define ORIN_GEMV_NORM                                                                                        \
+#define ORIN_GEMV_EPILOGUES                                                                                        \
   {residual, norm_weight, sum_out, normed, counter, eps},                                                     \
       {heads_out, q_norm_weight, k_norm_weight, cos, sin_signed, k_pool, v_pool, slots, heads, split, head_dim}
 
 #define ORIN_GEMV_KERNELS_E(DT, T, R, E, SWIGLU)                                                                     \
   extern "C" __global__ void gemv_float##E##_##DT##_r##R(T* y, const T* x, const T* weight, const __half* scales,      \
-                                                        const __half* offsets, ORIN_GEMV_NORM_PARAMS(T), int rows,     \
+                                                        const __half* offsets, ORIN_GEMV_EPILOGUE_PARAMS(T), int rows,     \
                                                         int n, int k, int group, ORIN_GEMV_HEADS_SIZES, float eps) {                          \
     ORIN_GEMV_PROLOGUE((orin_vlm::kGemvColumns<T, SWIGLU>), SWIGLU, weight, static_cast<size_t>(k) * sizeof(T), n);              \
-    orin_vlm::gemv<T, R, SWIGLU>(y, x, orin_vlm::DenseRows<T>{weight, k}, nullptr, rows, n, k, ORIN_GEMV_NORM);  \
+    orin_vlm::gemv<T, R, SWIGLU>(y, x, orin_vlm::DenseRows<T>{weight, k}, nullptr, rows, n, k, ORIN_GEMV_EPILOGUES);  \
   }                                                                                                                    \
   extern "C" __global__ void gemv_int8##E##_##DT##_r##R(T* y, const T* x, const int8_t* qweight,                       \
                                                        const __half* scales, const __half* offsets,                    \
-                                                       ORIN_GEMV_NORM_PARAMS(T), int rows, int n, int k, int group,    \
+                                                       ORIN_GEMV_EPILOGUE_PARAMS(T), int rows, int n, int k, int group,    \
                                                        ORIN_GEMV_HEADS_SIZES, float eps) {                                                    \
     ORIN_GEMV_PROLOGUE((orin_vlm::kGemvColumns<int8_t, SWIGLU>), SWIGLU, qweight, static_cast<size_t>(k), n);                    \
-    orin_vlm::gemv<T, R, SWIGLU>(y, x, orin_vlm::DenseRows<int8_t>{qweight, k}, scales, rows, n, k, ORIN_GEMV_NORM); \
+    orin_vlm::gemv<T, R, SWIGLU>(y, x, orin_vlm::DenseRows<int8_t>{qweight, k}, scales, rows, n, k, ORIN_GEMV_EPILOGUES); \
   }                                                                                                                    \
   extern "C" __global__ void gemv_int4##E##_##DT##_r##R(T* y, const T* x, const uint8_t* qweight,                      \
                                                        const __half* scales, const __half* offsets,                    \
-                                                       ORIN_GEMV_NORM_PARAMS(T), int rows, int n, int k, int group,    \
+                                                       ORIN_GEMV_EPILOGUE_PARAMS(T), int rows, int n, int k, int group,    \
                                                        ORIN_GEMV_HEADS_SIZES, float eps) {                                                    \
     ORIN_GEMV_PROLOGUE((orin_vlm::kGemvColumns<uint8_t, SWIGLU>), SWIGLU, qweight, static_cast<size_t>(k + 1) / 2, n);           \
     const orin_vlm::Int4Rows rows_ = {qweight, scales, offsets, k, (k + group - 1) / group,                       \
                                          orin_vlm::group_shift(group)};                                               \
-    orin_vlm::gemv<T, R, SWIGLU>(y, x, rows_, nullptr, rows, n, k, ORIN_GEMV_NORM);                              \
+    orin_vlm::gemv<T, R, SWIGLU>(y, x, rows_, nullptr, rows, n, k, ORIN_GEMV_EPILOGUES);                              \
   }
 
 // The kernels of one epilogue (E: empty or _swiglu) for every rows bucket and activation type.
