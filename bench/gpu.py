@@ -465,6 +465,7 @@ def _norm_epilogue(ctx: BenchContext, res: SectionResult, model_dir: Path) -> No
     RMSNorms after the o and down products, the q/k norms + RoPE + KV sink after the q/k/v product (fp16
     weights: where the product is the kernel's, not cuBLAS's; INT4: every projection)."""
     from orin_vlm_node.cuda.gemv import CudaGemv
+    from orin_vlm_node.model.gemv_linear import attach_gemv
 
     def toggle(engine, on: bool) -> str | None:
         kernels = [getattr(m, "kernels", None) for m in engine.model.modules()]
@@ -473,6 +474,8 @@ def _norm_epilogue(ctx: BenchContext, res: SectionResult, model_dir: Path) -> No
             return "the engine has no GEMV kernels attached"
         for k in kernels:
             k.norm_epilogue = on
+        if not on:  # the float shapes were timed with the epilogues at load: time them again as they now run
+            attach_gemv(engine.model, kernels[0])
         return None
 
     _on_and_off(ctx, res, model_dir, "norm_epilogue", "the norm epilogues", toggle)
