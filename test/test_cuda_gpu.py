@@ -294,6 +294,7 @@ def test_gpu_heads_epilogue_gives_the_separate_launches_to_the_bit_eager_and_in_
     from orin_vlm_node.model.gemv_linear import GemvLinear
     from orin_vlm_node.model.quant import QuantizedLinear, WeightQuant
     from orin_vlm_node.model.rope import TextRopeTables
+    from orin_vlm_node.model.text import HeadNorms
 
     gemv, ops = CudaGemv(backend.launcher), CudaFusedOps(backend.launcher)
     nq, nkv, hd, k = 16, 8, 128, 2048
@@ -306,6 +307,7 @@ def test_gpu_heads_epilogue_gives_the_separate_launches_to_the_bit_eager_and_in_
     else:
         module = QuantizedLinear.from_weight(weight, WeightQuant(mode, 128))
     q_w, k_w = ((1 + 0.3 * torch.randn(hd, device="cuda")).to(dtype) for _ in range(2))
+    norms = HeadNorms(q_w, k_w, nq, 1e-6)
     for rows in (1, 4, 8):
         x = torch.randn(rows, k, device="cuda").to(dtype)
         angles = torch.rand(rows, hd // 2, device="cuda") * 50
@@ -316,14 +318,14 @@ def test_gpu_heads_epilogue_gives_the_separate_launches_to_the_bit_eager_and_in_
         qk_heads, v_heads = heads[:, : nq + nkv], heads[:, nq + nkv :]
         want = ops.rms_norm(qk_heads, q_w, k_w, nq, 1e-6, rope, KVSink(*pools[0], slots), v_heads)
         for _ in range(3):
-            qk, v = gemv.norm_rope_heads(module, x, q_w, k_w, nq, 1e-6, rope, KVSink(*pools[1], slots))
+            qk, v = gemv.norm_rope_heads(module, x, norms, rope, KVSink(*pools[1], slots))
             assert torch.equal(qk, want) and torch.equal(v, v_heads) and torch.equal(pools[1], pools[0])
         pools[1].zero_()
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, stream=stream):
-            captured, _ = gemv.norm_rope_heads(module, x, q_w, k_w, nq, 1e-6, rope, KVSink(*pools[1], slots))
+            captured, _ = gemv.norm_rope_heads(module, x, norms, rope, KVSink(*pools[1], slots))
         for _ in range(4):
             graph.replay()
             torch.cuda.synchronize()

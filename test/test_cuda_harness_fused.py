@@ -10,6 +10,7 @@ import re
 import pytest
 import torch
 from cuda_harness.harness import RecordingLauncher
+from cuda_harness.static_step import run_static_decode
 
 from orin_vlm_node.cuda import launch as L
 from orin_vlm_node.cuda.fused import CudaFusedOps
@@ -251,46 +252,23 @@ def test_static_decode_stores_kv_in_the_norm_launch_as_the_write_launch_would(
     with the separate write (the kernel's launch, or torch's indexed copy where attention stays on torch: a
     head size the attention kernels lack), bit for bit, with no write launch in the step."""
     from orin_vlm_node.cuda import CudaPagedAttention
-    from orin_vlm_node.engine.decode_step import StaticDecodeStep
-    from orin_vlm_node.kvcache import KVCacheConfig, PagedKVCache, TorchPagedAttention
+    from orin_vlm_node.kvcache import TorchPagedAttention
     from orin_vlm_node.kvcache.paged_step import PagedStaticDecode
-    from orin_vlm_node.model import load_model, mrope_positions
+    from orin_vlm_node.model import load_model
     from support.checkpoints import make_tiny_checkpoint
 
     model = load_model(make_tiny_checkpoint(tmp_path / "ckpt", layers=2, seed=5), dtype)
     cfg = model.config.text
     launcher = RecordingLauncher(harness)
     attach_fused_ops(model, CudaFusedOps(launcher))
-    prompts = [torch.arange(10, 10 + n) for n in (5, 9, 3)]
 
     def run() -> tuple[list[torch.Tensor], torch.Tensor, list[str]]:
-        cache = PagedKVCache(
-            KVCacheConfig(
-                cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, dtype=dtype, page_size=4,
-                num_blocks=32, max_context_tokens=64, prefix_caching=False,
-            ),
-            attention_impl=(
-                CudaPagedAttention(launcher, sm_count=16, min_tokens_per_split=16) if kernel_attention
-                else TorchPagedAttention()
-            ),
+        attention = (
+            CudaPagedAttention(launcher, sm_count=16, min_tokens_per_split=16) if kernel_attention
+            else TorchPagedAttention()
         )  # fmt: skip
-        step = StaticDecodeStep(model, cache, torch.device("cpu"), use_graphs=False, max_batch=4)
-        seqs, tokens = [], []
-        for prompt in prompts:
-            seq = cache.new_sequence()
-            positions, _ = mrope_positions(prompt, None, model.config.image_token_id, 2)
-            tokens.append(int(model.forward(prompt, positions, cache.step(seq, len(prompt))).argmax(-1)))
-            seqs.append(seq)
-        logits, launched = [], []
-        for _ in range(6):
-            for seq, token in zip(seqs, tokens, strict=True):
-                step.prepare(seq, token, 0)
-            launcher.kernels.clear()
-            out = step.run()  # (3, vocab): the bucket of 4 with one padding row
-            launched += launcher.kernels
-            logits.append(out.clone())
-            tokens = out.argmax(-1).tolist()
-        return logits, cache.kv_storage.clone(), launched
+        logits, pool, kernels = run_static_decode(model, dtype, attention, launcher.kernels, steps=6)
+        return logits, pool, [k for step in kernels for k in step]
 
     with_sink = run()
     with monkeypatch.context() as patch:

@@ -13,6 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from cuda_harness.harness import HarnessError, RecordingLauncher
+from cuda_harness.static_step import run_static_decode
 
 from orin_vlm_node.cuda import launch as L
 from orin_vlm_node.cuda.fused import CudaFusedOps
@@ -22,7 +23,7 @@ from orin_vlm_node.model import load_model
 from orin_vlm_node.model.gemv_linear import GemvLinear, attach_gemv
 from orin_vlm_node.model.quant import QuantizedLinear, WeightQuant
 from orin_vlm_node.model.rope import TextRopeTables
-from orin_vlm_node.model.text import product_epilogue
+from orin_vlm_node.model.text import HeadNorms, product_epilogue
 from support.checkpoints import cached_tiny_checkpoint
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -225,7 +226,7 @@ def test_the_heads_epilogue_gives_what_the_product_then_the_norm_rope_kernel_giv
         assert torch.equal(want, ops.rms_norm(product[:, :heads], q_w, k_w, nq, 1e-6, rope))
         for sink in (None, KVSink(*sinks[1], slots)):
             launcher.kernels.clear()
-            qk, v = gemv.norm_rope_heads(module, x, q_w, k_w, nq, 1e-6, rope, sink)
+            qk, v = gemv.norm_rope_heads(module, x, HeadNorms(q_w, k_w, nq, 1e-6), rope, sink)
             assert torch.equal(qk, want) and torch.equal(v, product[:, heads:])
             buckets = {1: [1], 3: [4], 8: [8], 13: [8, 8]}[rows]
             assert launcher.kernels == [f"gemv_{mode}_{L.DTYPE_TAGS[str(dtype)[6:]]}_r{r}" for r in buckets]
@@ -243,7 +244,7 @@ def test_the_heads_epilogue_refuses_what_is_not_a_layer_of_heads(harness):
     x, w = torch.randn(2, 32), torch.ones(8)
     angles = torch.rand(2, 4)
     rope = TextRopeTables.build(angles.cos().repeat(1, 2), angles.sin().repeat(1, 2))
-    gemv.norm_rope_heads(module, x, w, w, 2, 1e-6, rope)
+    gemv.norm_rope_heads(module, x, HeadNorms(w, w, 2, 1e-6), rope)
     slots = torch.tensor([0, 1])
     refused = {
         "a heads epilogue takes": ((w, w, 1, rope, None), (torch.ones(6), torch.ones(6), 2, rope, None)),
@@ -255,7 +256,7 @@ def test_the_heads_epilogue_refuses_what_is_not_a_layer_of_heads(harness):
     for message, cases in refused.items():
         for q_w, k_w, split, tables, sink in cases:
             with pytest.raises(ValueError, match=message):
-                gemv.norm_rope_heads(module, x, q_w, k_w, split, 1e-6, tables, sink)
+                gemv.norm_rope_heads(module, x, HeadNorms(q_w, k_w, split, 1e-6), tables, sink)
     cfg = L.gemv_launch("int8", 2, 32, torch.float32)
     args = [torch.empty(2, 32), x, module.qweight, module.scales, *[None] * 5, None, torch.empty(2, 3, 8), w, w,
             rope.cos, rope.sin_signed, None, None, None, 2, 32, 32, 32, 3, 2, 8, 1e-6]  # fmt: skip
@@ -540,53 +541,26 @@ def test_a_static_decode_step_stores_kv_from_the_q_k_v_products_launch(harness, 
     the pool are those of the step with the separate norm + RoPE launch storing them, bit for bit; a layer
     is then 5 launches (q/k/v, attention, o, gate/up, down)."""
     from orin_vlm_node.cuda import CudaPagedAttention
-    from orin_vlm_node.engine.decode_step import StaticDecodeStep
-    from orin_vlm_node.kvcache import KVCacheConfig, PagedKVCache
-    from orin_vlm_node.model import mrope_positions
     from orin_vlm_node.model.text import attach_fused_ops
     from support.checkpoints import make_tiny_checkpoint
 
     quant = WeightQuant(mode, 32) if mode != "none" else None
     model = load_model(make_tiny_checkpoint(tmp_path / "ckpt", layers=2, seed=5), quant=quant)
-    cfg = model.config.text
     launcher = RecordingLauncher(harness)
     gemv = CudaGemv(launcher, _timer(launcher, 8))  # float weights: the kernel won every rows bucket
     attach_gemv(model, gemv)
     attach_fused_ops(model, CudaFusedOps(launcher))
-    prompts = [torch.arange(10, 10 + n) for n in (5, 9, 3)]
 
-    def run(epilogue: bool) -> tuple[list[torch.Tensor], torch.Tensor, list[str]]:
+    def run(epilogue: bool) -> tuple[list[torch.Tensor], torch.Tensor, list[list[str]]]:
         gemv.norm_epilogue = epilogue
-        cache = PagedKVCache(
-            KVCacheConfig(
-                cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, dtype=torch.float32, page_size=4,
-                num_blocks=32, max_context_tokens=64, prefix_caching=False,
-            ),
-            attention_impl=CudaPagedAttention(launcher, sm_count=16, min_tokens_per_split=16),
-        )  # fmt: skip
-        step = StaticDecodeStep(model, cache, torch.device("cpu"), use_graphs=False, max_batch=4)
-        seqs, tokens = [], []
-        for prompt in prompts:
-            seq = cache.new_sequence()
-            positions, _ = mrope_positions(prompt, None, model.config.image_token_id, 2)
-            tokens.append(int(model.forward(prompt, positions, cache.step(seq, len(prompt))).argmax(-1)))
-            seqs.append(seq)
-        logits, launched = [], []
-        for _ in range(4):
-            for seq, token in zip(seqs, tokens, strict=True):
-                step.prepare(seq, token, 0)
-            launcher.kernels.clear()
-            out = step.run()  # (3, vocab): the bucket of 4 with one padding row
-            launched.append(list(launcher.kernels))
-            logits.append(out.clone())
-            tokens = out.argmax(-1).tolist()
-        return logits, cache.kv_storage.clone(), launched
+        attention = CudaPagedAttention(launcher, sm_count=16, min_tokens_per_split=16)
+        return run_static_decode(model, torch.float32, attention, launcher.kernels, steps=4)
 
     fused, separate = run(epilogue=True), run(epilogue=False)
     for a, b in zip(fused[0], separate[0], strict=True):
         assert torch.equal(a, b)
     assert torch.equal(fused[1], separate[1])
-    layers = cfg.num_hidden_layers
+    layers = model.config.text.num_hidden_layers
     for kernels in fused[2]:
         assert not any(k.startswith(("rms_norm_rope", "add_rms_norm", "paged_kv_write")) for k in kernels)
         assert len(kernels) == 1 + 5 * layers + 1  # the input norm, 5 a layer, the LM head

@@ -38,6 +38,7 @@ import torch.nn.functional as F
 
 from ..kvcache import KVSink
 from ..model.rope import TextRopeTables
+from ..model.text import HeadNorms
 from . import launch as L
 from .fused import CudaFusedOps, fitted, sink_arguments
 
@@ -172,22 +173,14 @@ class CudaGemv:
         return norm.sum_out, norm.out
 
     def norm_rope_heads(
-        self,
-        module,
-        x: torch.Tensor,
-        q_weight: torch.Tensor,
-        k_weight: torch.Tensor,
-        split: int,
-        eps: float,
-        rope: TextRopeTables,
-        sink: KVSink | None = None,
+        self, module, x: torch.Tensor, norms: HeadNorms, rope: TextRopeTables, sink: KVSink | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``module``'s product of ``x`` (L, K), a fused q/k/v projection whose rows are ``split`` q heads, then
-        as many k heads as v heads, of ``q_weight``'s length, with the q/k norms and RoPE in the product's launch
-        (the heads epilogue), and with ``sink`` the rotated keys and the values stored at their slots: (qk (L,
-        heads, D), v (L, kv_heads, D), a view of the product), where ``qk`` is what ``CudaFusedOps.rms_norm(
-        heads[:, :split + kv_heads], q_weight, k_weight, split, eps, rope, sink, v)`` returns, to the bit."""
-        return self._product_heads(x, *_stored(module), q_weight, k_weight, split, eps, rope, sink)
+        """``module``'s product of ``x`` (L, K), a fused q/k/v projection whose rows are ``norms.split`` q heads,
+        then as many k heads as v heads, of the norm weights' length, with the q/k norms and RoPE in the
+        product's launch (the heads epilogue), and with ``sink`` the rotated keys and the values stored at their
+        slots: (qk (L, heads, D), v (L, kv_heads, D), a view of the product), what
+        ``CudaFusedOps.norm_rope_product(module(x), norms, rope, sink)`` returns, to the bit."""
+        return self._product_heads(x, *_stored(module), norms, rope, sink)
 
     def _product_heads(
         self,
@@ -195,14 +188,12 @@ class CudaGemv:
         mode: str,
         stored: tuple,
         group: int,
-        q_weight: torch.Tensor,
-        k_weight: torch.Tensor,
-        split: int,
-        eps: float,
+        norms: HeadNorms,
         rope: TextRopeTables,
         sink: KVSink | None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """:meth:`norm_rope_heads` of a weight as stored."""
+        q_weight, k_weight, split, eps = norms
         dim, n = q_weight.shape[0], stored[0].shape[0]
         total = n // dim if dim else 0
         kv_heads = (total - split) // 2
@@ -337,8 +328,8 @@ class CudaGemv:
 def _timed_epilogue(epilogue: str, x: torch.Tensor, n: int) -> tuple:
     """What a timed product's epilogue (``faster_rows``) works with, after the product's rows ``x`` (L, K) of
     ``n`` outputs: for ``"norm"`` the residual stream it adds to, the norm weight and epsilon; for ``"heads
-    <q heads> <head_dim>"`` the q and k norm weights, the q heads, epsilon, RoPE tables and a KV sink for the
-    rows (the time depends on none of their values); else nothing."""
+    <q heads> <head_dim>"`` the q and k norms, RoPE tables and a KV sink for the rows (the time depends on none
+    of their values); else nothing."""
     kind, *sizes = epilogue.split() or [""]
     rows = x.shape[0]
     if kind == "norm":
@@ -350,7 +341,8 @@ def _timed_epilogue(epilogue: str, x: torch.Tensor, n: int) -> tuple:
     tables = TextRopeTables.build(x.new_ones((rows, dim)), x.new_zeros((rows, dim)))
     pools = x.new_zeros((2, 1, rows, kv_heads, dim))
     slots = torch.arange(rows, device=x.device)
-    return x.new_ones((dim,)), x.new_ones((dim,)), split, NORM_EPS, tables, KVSink(pools[0], pools[1], slots)
+    norms = HeadNorms(x.new_ones((dim,)), x.new_ones((dim,)), split, NORM_EPS)
+    return norms, tables, KVSink(pools[0], pools[1], slots)
 
 
 def _stored(module) -> tuple[str, tuple, int]:

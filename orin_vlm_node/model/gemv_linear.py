@@ -29,7 +29,7 @@ from torch import nn
 from ..kvcache import KVSink
 from .quant import QuantizedLinear, quantized_summary
 from .rope import TextRopeTables
-from .text import product_epilogue
+from .text import HeadNorms, product_epilogue
 
 log = logging.getLogger("orin_vlm_node.model")
 # text.product_epilogue's kinds (its first word), for the log
@@ -55,15 +55,7 @@ class GemvKernels(Protocol):
         ...
 
     def norm_rope_heads(
-        self,
-        module: nn.Module,
-        x: torch.Tensor,
-        q_weight: torch.Tensor,
-        k_weight: torch.Tensor,
-        split: int,
-        eps: float,
-        rope: TextRopeTables,
-        sink: KVSink | None = None,
+        self, module: nn.Module, x: torch.Tensor, norms: HeadNorms, rope: TextRopeTables, sink: KVSink | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The fused q/k/v product's q/k norms, RoPE and KV sink in the product's launch: (qk (L, heads, D),
         v (L, kv_heads, D))."""

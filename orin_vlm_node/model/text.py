@@ -53,6 +53,16 @@ def rms_norm(norm: RMSNorm, x: torch.Tensor) -> torch.Tensor:
     return norm.weight * norm.normalize(x)
 
 
+class HeadNorms(NamedTuple):
+    """A layer's q and k norms as the kernels take them: ``q_weight`` for the first ``split`` heads (the q
+    heads), ``k_weight`` for the rest, (D,) each, and their epsilon."""
+
+    q_weight: torch.Tensor
+    k_weight: torch.Tensor
+    split: int
+    eps: float
+
+
 class Product(NamedTuple):
     """A projection's output not computed yet: ``proj`` applied to rows ``x`` (L, K). The residual add it feeds
     computes it (:func:`add_rms_norm`), in the projection kernel's launch where it can."""
@@ -167,12 +177,11 @@ class SelfAttention(nn.Module):
         (L, nq + nkv, hd) and its v heads (L, nkv, hd); with ``sink`` the rotated keys and the values are
         stored there too. In the product's launch where the projection's GEMV kernels take the rows and run
         the heads epilogue, else the product, then the fused norm + RoPE launch."""
-        q_norm, k_norm, nq, proj = self.q_norm, self.k_norm, self.num_heads, self.qkv_proj
+        proj = self.qkv_proj
+        norms = HeadNorms(self.q_norm.weight, self.k_norm.weight, self.num_heads, self.q_norm.eps)
         if gemv_takes(proj, x) and proj.kernels.norm_epilogue:
-            return proj.kernels.norm_rope_heads(proj, x, q_norm.weight, k_norm.weight, nq, q_norm.eps, rope, sink)
-        return q_norm.fused.norm_rope_product(
-            project(x, proj), q_norm.weight, k_norm.weight, nq, q_norm.eps, rope, sink
-        )
+            return proj.kernels.norm_rope_heads(proj, x, norms, rope, sink)
+        return self.q_norm.fused.norm_rope_product(project(x, proj), norms, rope, sink)
 
 
 def swiglu(x: torch.Tensor, gate_up_proj: nn.Module, fused) -> torch.Tensor:
