@@ -82,10 +82,10 @@ class CudaFusedOps:
         """A fused q/k/v projection's product ``y`` (L, N): ``norms.split`` q heads, then as many k as v heads,
         of the norm weights' length. Its q and k heads normalised and rotated, (L, heads, D) (:meth:`rms_norm`,
         with ``sink`` the keys and values stored there too), and its v heads (L, kv_heads, D), a view of ``y``."""
-        heads = y.view(y.shape[0], -1, norms.q_weight.shape[0])
-        qk_heads = norms.split + (heads.shape[1] - norms.split) // 2
-        v = heads[:, qk_heads:]
         q_weight, k_weight, split, eps = norms
+        heads = y.view(y.shape[0], -1, q_weight.shape[0])
+        qk_heads = split + (heads.shape[1] - split) // 2
+        v = heads[:, qk_heads:]
         return self.rms_norm(heads[:, :qk_heads], q_weight, k_weight, split, eps, rope, sink, v), v
 
     @staticmethod
