@@ -24,6 +24,14 @@
 // rotated k head (head >= split, heads - split = kv heads) is also stored at its token's slot of k_pool, and
 // the grid has tokens * kv_heads more blocks, which copy the v heads (v + t * v_token_stride + h * dim) to the
 // slot of v_pool (norm_rope.cuh: KVSink). k_pool null: grid (rows) and no stores.
+//
+// rope_tables_<dtype>: the tables a step's RoPE reads, from the tokens' 3-D positions, in one launch where
+// torch takes about ten (the positions widened, gathered per frequency, multiplied, concatenated, cos, sin,
+// both cast, half of sin negated, concatenated): for token t and dim d (frequency j = d mod dim/2, which
+// reads position stream streams[j]: the interleaved M-RoPE), angle = float(positions[stream][t]) *
+// inv_freq[j] (one fp32 product, torch's), cos[t, d] = cast(cosf(angle)) and sin_signed[t, d] =
+// cast(sinf(angle)), negated for d < dim/2. cosf and sinf are the CUDA math library's, which torch's own
+// cos and sin kernels call, so on a GPU the tables are torch's to the bit.
 #include "norm_rope.cuh"
 
 namespace orin_vlm {
@@ -83,6 +91,25 @@ __device__ __forceinline__ void rms_norm(T* __restrict__ out, const T* __restric
                      k_row, dim, eps);
   }
 }
+// Grid: (tokens); block: kNormThreads threads; the tables' row blockIdx.x ([tokens, dim] each; positions
+// [3, tokens] at position_stride a stream; inv_freq and streams [dim / 2]).
+template <typename T>
+__device__ __forceinline__ void rope_tables(T* __restrict__ cos, T* __restrict__ sin_signed,
+                                            const long long* __restrict__ positions, const float* __restrict__ inv_freq,
+                                            const long long* __restrict__ streams, int position_stride, int dim) {
+  if (blockDim.x != kNormThreads || dim % 2 != 0) KERNEL_TRAP();
+  const int token = blockIdx.x, half = dim / 2;
+  for (int d = threadIdx.x; d < dim; d += kNormThreads) {
+    const int j = d < half ? d : d - half;
+    const long long position = __ldg(positions + __ldg(streams + j) * position_stride + token);
+    const float angle = __fmul_rn(static_cast<float>(position), __ldg(inv_freq + j));
+    const size_t at = static_cast<size_t>(token) * dim + d;
+    cos[at] = from_float<T>(cosf(angle));
+    const float sine = to_float(from_float<T>(sinf(angle)));
+    sin_signed[at] = from_float<T>(d < half ? -sine : sine);
+  }
+}
+
 // Grid: (rows); block: kNormThreads threads; row blockIdx.x of [rows, dim] (add_rms_norm.cuh).
 template <typename T>
 __device__ __forceinline__ void add_rms_norm(T* __restrict__ sum_out, T* __restrict__ out, const T* __restrict__ x,
@@ -116,6 +143,12 @@ __device__ __forceinline__ void add_rms_norm(T* __restrict__ sum_out, T* __restr
       add_rms_norm_##DT(T* sum_out, T* out, const T* x, const T* delta, const T* weight, int dim, float eps) {  \
     KERNEL_PROLOGUE();                                                                                         \
     orin_vlm::add_rms_norm<T>(sum_out, out, x, delta, weight, dim, eps);                                       \
+  }                                                                                                            \
+  extern "C" __global__ void __launch_bounds__(orin_vlm::kNormThreads)                                         \
+      rope_tables_##DT(T* cos, T* sin_signed, const long long* positions, const float* inv_freq,               \
+                       const long long* streams, int position_stride, int dim) {                               \
+    KERNEL_PROLOGUE();                                                                                         \
+    orin_vlm::rope_tables<T>(cos, sin_signed, positions, inv_freq, streams, position_stride, dim);             \
   }
 
 ORIN_RMS_NORM_KERNELS(f32, float)

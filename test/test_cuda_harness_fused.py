@@ -15,7 +15,7 @@ from cuda_harness.static_step import run_static_decode
 from orin_vlm_node.cuda import launch as L
 from orin_vlm_node.cuda.fused import CudaFusedOps
 from orin_vlm_node.kvcache import KVSink
-from orin_vlm_node.model.rope import TextRopeTables, apply_text_rope
+from orin_vlm_node.model.rope import TextRopeTables, apply_text_rope, mrope_cos_sin, mrope_streams, text_inv_freq
 from orin_vlm_node.model.text import MLP, Product, RMSNorm, add_rms_norm, attach_fused_ops, rms_norm
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -220,6 +220,35 @@ def test_q_k_norm_rope_launch_stores_the_keys_and_values_in_a_kv_sink(harness, d
         if slot >= 0:
             expected[0, slot], expected[1, slot] = want[token, nq:], v[token]
     assert torch.equal(pools.view(2, blocks * page, nkv, hd), expected)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize(
+    ("hd", "section"), [(128, (24, 20, 20)), (64, (12, 10, 10)), (32, (6, 5, 5)), (256, (48, 40, 40))]
+)
+def test_the_rope_tables_launch_gives_torchs_tables(harness, dtype, hd, section):
+    """One launch builds the step's cos and signed sin tables: those of mrope_cos_sin + TextRopeTables.build
+    for text positions (the three streams alike, up to 40000), an image's (streams apart) and positions read
+    strided (a view of a wider tensor), each value within one unit in the last place. On a GPU both sides call
+    the same cosf / sinf (the GPU test asserts the bits); here the harness's libm and torch's vectorised CPU
+    cos differ in the last place of about 6% of fp32 values, which rounding to half precision hides."""
+    inv_freq, streams = text_inv_freq(hd, 5_000_000.0), mrope_streams(hd, section)
+    gen = torch.Generator().manual_seed(hd)
+    text = torch.randint(0, 40000, (37,), generator=gen).expand(3, -1)
+    image = torch.randint(0, 500, (3, 20), generator=gen)
+    strided = torch.randint(0, 9000, (3, 40), generator=gen)[:, ::2]
+    ops = CudaFusedOps(harness)
+    for positions in (text, image, strided):
+        got = ops.rope_tables(positions, inv_freq, streams, dtype)
+        want = TextRopeTables.build(*mrope_cos_sin(positions, inv_freq, streams, dtype))
+        for g, w in ((got.cos, want.cos), (got.sin_signed, want.sin_signed)):
+            assert g.shape == w.shape and g.dtype == w.dtype
+            torch.testing.assert_close(g, w, rtol=torch.finfo(dtype).eps, atol=0)  # one unit in the last place
+            assert (g == w).float().mean() >= (0.9 if dtype == torch.float32 else 0.99)
+    with pytest.raises(ValueError, match="positions"):
+        ops.rope_tables(text[:2], inv_freq, streams, dtype)
+    with pytest.raises(ValueError, match="streams alike"):
+        ops.rope_tables(text, inv_freq, streams[1:], dtype)
 
 
 def test_a_kv_sink_that_does_not_fit_the_heads_is_refused(harness):

@@ -470,7 +470,7 @@ def test_a_decode_step_runs_its_norms_in_the_launches_of_the_products_before_the
     assert "add_rms_norm_f32" not in launcher.kernels and "rms_norm_rope_f32" not in launcher.kernels
     assert launcher.kernels.count("rms_norm_f32") == 1  # the first layer's input norm: no residual add before it
     gemvs = 4 * layers + 1  # q/k/v, o, gate/up, down a layer, and the LM head
-    assert len(launcher.kernels) == 1 + gemvs  # and the input norm (attention is torch's here)
+    assert len(launcher.kernels) == 2 + gemvs  # and the RoPE tables, the input norm (attention is torch's here)
     torch.testing.assert_close(logits(20, epilogue=True), logits(20, epilogue=False), rtol=0, atol=0)
     assert launcher.kernels.count("add_rms_norm_f32") == 2 * layers  # the last one: the final norm's
     logits(20, epilogue=True)
@@ -563,5 +563,5 @@ def test_a_static_decode_step_stores_kv_from_the_q_k_v_products_launch(harness, 
     layers = model.config.text.num_hidden_layers
     for kernels in fused[2]:
         assert not any(k.startswith(("rms_norm_rope", "add_rms_norm", "paged_kv_write")) for k in kernels)
-        assert len(kernels) == 1 + 5 * layers + 1  # the input norm, 5 a layer, the LM head
+        assert len(kernels) == 2 + 5 * layers + 1  # the RoPE tables, the input norm, 5 a layer, the LM head
     assert all(kernels.count("rms_norm_rope_f32") == layers for kernels in separate[2])

@@ -1,6 +1,7 @@
 """The text decoder's elementwise work through fused kernels: ``kernels/rms_norm.cu`` (each RMSNorm with the
 residual add before it, and the q/k norms with RoPE, one launch, which in a static decode step also stores
-the step's keys and values in the paged pools) and ``kernels/silu_mul.cu`` (the SwiGLU activation, one launch).
+the step's keys and values in the paged pools; the step's RoPE tables, one launch) and
+``kernels/silu_mul.cu`` (the SwiGLU activation, one launch).
 
 At batch 1 on a fast GPU a decode step is bound by its small kernels, not by its weights (measured on an
 H200: about 1000 of the 1150 kernels of a 2B token were 1-2 us elementwise ops, about 40 a layer, where
@@ -112,6 +113,29 @@ class CudaFusedOps:
         cfg = L.rms_norm_launch(x.shape[0], x.dtype, "add_rms_norm")
         self.launcher.launch(cfg, [total, out, x, delta, weight, x.shape[1], eps])
         return total, out
+
+    def rope_tables(
+        self, positions: torch.Tensor, inv_freq: torch.Tensor, streams: torch.Tensor, dtype: torch.dtype
+    ) -> TextRopeTables:
+        """The rotation of a step's tokens, 3-D positions (3, L) int64, in ``dtype``: what ``mrope_cos_sin(
+        positions, inv_freq, streams, dtype)`` and ``TextRopeTables.build`` give (fp32 ``inv_freq`` and int64
+        ``streams``, (D / 2,) each), in one launch."""
+        if positions.dim() != 2 or positions.shape[0] != 3 or positions.shape[1] < 1 or positions.dtype != torch.int64:
+            raise ValueError(
+                f"rope_tables takes (3, L) int64 positions, got {tuple(positions.shape)} {positions.dtype}"
+            )
+        half = inv_freq.shape[0]
+        if inv_freq.dtype != torch.float32 or streams.shape != (half,) or streams.dtype != torch.int64:
+            got = f"{inv_freq.dtype} {tuple(inv_freq.shape)} and {streams.dtype} {tuple(streams.shape)}"
+            raise ValueError(f"rope_tables takes fp32 inverse frequencies and int64 streams alike, got {got}")
+        if positions.stride(1) != 1:
+            positions = positions.contiguous()
+        tokens, dim = positions.shape[1], 2 * half
+        cos = torch.empty((tokens, 1, dim), dtype=dtype, device=positions.device)
+        sin_signed = torch.empty_like(cos)
+        args = [cos, sin_signed, positions, inv_freq.contiguous(), streams.contiguous(), positions.stride(0), dim]
+        self.launcher.launch(L.rms_norm_launch(tokens, dtype, "rope_tables"), args)
+        return TextRopeTables(cos, sin_signed)
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         """(L, 2I) gate columns then up columns -> (L, I) silu(gate) * up."""

@@ -33,7 +33,7 @@ DECODE_BLOCKS_PER_SM = 8
 
 NORM_THREADS = 128  # kNormThreads in kernels/add_rms_norm.cuh
 MAX_ROPE_DIM = 256  # kMaxRopeDim in kernels/norm_rope.cuh: the rows the norm + RoPE kernel rotates (head_dim)
-NORM_KERNELS = ("rms_norm", "rms_norm_rope", "add_rms_norm")  # the kernel kinds of kernels/rms_norm.cu
+NORM_KERNELS = ("rms_norm", "rms_norm_rope", "add_rms_norm", "rope_tables")  # the kinds of kernels/rms_norm.cu
 SILU_THREADS = 256  # kSiluThreads in kernels/silu_mul.cu
 
 # Rows of x one GEMV kernel is instantiated for (a launch takes the smallest that holds its rows); more rows
@@ -86,6 +86,7 @@ ARG_KINDS: dict[str, tuple[str, ...]] = {
     "rms_norm": ("ptr",) * 4 + ("i32",) * 4 + ("f32",),
     "rms_norm_rope": ("ptr",) * 10 + ("i32",) * 5 + ("f32",),
     "add_rms_norm": ("ptr",) * 5 + ("i32", "f32"),
+    "rope_tables": ("ptr",) * 5 + ("i32",) * 2,
     "silu_mul": ("ptr",) * 2 + ("i32",) * 2,
 }
 
@@ -333,8 +334,8 @@ def check_kv_row(num_kv_heads: int, head_dim: int, dtype: object) -> int:
 
 def rms_norm_launch(rows: int, dtype: object, kind: str = "rms_norm") -> LaunchConfig:
     """One block of NORM_THREADS threads per row (a token's hidden state, or one head of it); ``kind``, one of
-    NORM_KERNELS: the plain norm, the norm that also rotates the row (head rows of at most MAX_ROPE_DIM) or
-    the residual add followed by the norm."""
+    NORM_KERNELS: the plain norm, the norm that also rotates the row (head rows of at most MAX_ROPE_DIM), the
+    residual add followed by the norm, or a token's rows of the RoPE tables."""
     if rows < 1:
         raise ValueError(f"rms_norm launch needs rows >= 1, got {rows}")
     if kind not in NORM_KERNELS:

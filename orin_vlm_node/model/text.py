@@ -290,6 +290,10 @@ class TextDecoder(nn.Module):
         return result
 
     def rope_tables(self, positions: torch.Tensor, dtype: torch.dtype) -> TextRopeTables:
-        """The rotation of positions (3, L) in ``dtype``, shared by every layer of the step."""
-        cos, sin = mrope_cos_sin(positions.to(self.inv_freq.device), self.inv_freq, self.rope_streams, dtype)
+        """The rotation of positions (3, L) in ``dtype``, shared by every layer of the step: one launch with the
+        fused kernels attached (about ten small torch kernels otherwise, each a fixed cost in a decode step)."""
+        positions = positions.to(self.inv_freq.device)
+        if self.norm.fused is not None:
+            return self.norm.fused.rope_tables(positions, self.inv_freq, self.rope_streams, dtype)
+        cos, sin = mrope_cos_sin(positions, self.inv_freq, self.rope_streams, dtype)
         return TextRopeTables.build(cos, sin)
