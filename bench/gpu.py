@@ -36,6 +36,10 @@ that config is absent), batch 1, greedy, answers of a fixed length (``ignore_eos
 * ``norm_epilogue.<none|int4>.<on|off>``: the same with the GEMV's norm epilogues on and off (each residual
   add + RMSNorm in the launch of the o or down product before it, and the q/k norms + RoPE + KV sink in the
   q/k/v product's launch: 5 launches a layer; or each a launch of its own: 8).
+* ``epilogues.<qkv|o|down>.<side>.us``: each of those epilogues against the launch it replaces, product by
+  product (one fp16 row, device time in CUDA graphs): the product then the separate launch, after cuBLAS's
+  product and after the kernel's (``fp16_cublas_then``, ``fp16_kernel_then``, ``int4_then``), and the
+  product with the epilogue in its launch (``fp16_kernel_fused``, ``int4_fused``).
 * ``ttft_448.<dtype>``: an image of 448x448 and a short question: vision tower + prefill + first token.
 * ``startup.cold_s`` / ``warm_s``: a fresh process from start to a ready engine (fp16), with an empty
   kernel cache and again with the cache it filled; its GPU memory at 8192 context (``memory.*``) and the
@@ -174,31 +178,17 @@ def _gemv(torch, ctx: BenchContext, res: SectionResult, bandwidth: float) -> Non
 
     import torch.nn.functional as F
 
-    from orin_vlm_node.cuda import AttentionShape, select_backend
     from orin_vlm_node.cuda.fused import CudaFusedOps
     from orin_vlm_node.cuda.gemv import CudaGemv
     from orin_vlm_node.cuda.graph import device_us
     from orin_vlm_node.model.gemv_linear import GemvLinear
     from orin_vlm_node.model.quant import QuantizedLinear, WeightQuant
 
-    if not Path(ctx.config.big_config_path).is_file():
-        res.skip_part("gemv", f"{ctx.config.big_config_path} not found")
+    found = _projections_and_kernels(torch, ctx, res, "gemv")
+    if found is None:
         return
-    text = json.loads(Path(ctx.config.big_config_path).read_text())["text_config"]
-    hidden, inter, heads = text["hidden_size"], text["intermediate_size"], text["num_attention_heads"]
-    head_dim, kv_heads = text["head_dim"], text["num_key_value_heads"]
-    shapes = {  # name: (N, K)
-        "qkv": ((heads + 2 * kv_heads) * head_dim, hidden),
-        "o": (hidden, heads * head_dim),
-        "gate_up": (2 * inter, hidden),
-        "down": (hidden, inter),
-    }
-    cache_dir = tempfile.mkdtemp(prefix="bench_gemv_", dir=ctx.scratch)
-    choice = select_backend("cuda", True, AttentionShape(torch.float16, 128, 16, 8), kernel_cache_dir=cache_dir)
-    if not choice.kernels:
-        res.skip_part("gemv", choice.status)
-        return
-    gemv, silu_mul = CudaGemv(choice.launcher), CudaFusedOps(choice.launcher).silu_mul
+    shapes, _, launcher = found
+    gemv, silu_mul = CudaGemv(launcher), CudaFusedOps(launcher).silu_mul
     stream = torch.cuda.Stream()  # every timing graph's capture stream
     copies = 8  # distinct weights called in turn: no call finds its weight in L2 after the one before
     for name, (n, k) in shapes.items():
@@ -412,6 +402,116 @@ def _quantized_decode(torch, ctx: BenchContext, res: SectionResult, model_dir: P
                     mode=mode)  # fmt: skip
 
 
+def _projections_and_kernels(torch, ctx: BenchContext, res: SectionResult, part: str):
+    """The 2B decoder's projection shapes (name: (N, K): fused q/k/v, o, fused gate/up, down), its attention
+    heads (q heads, kv heads, head_dim) and a launcher of freshly built kernels; None (the part skipped, with
+    why) without the 2B config or the kernels."""
+    from orin_vlm_node.cuda import AttentionShape, select_backend
+
+    if not Path(ctx.config.big_config_path).is_file():
+        res.skip_part(part, f"{ctx.config.big_config_path} not found")
+        return None
+    text = json.loads(Path(ctx.config.big_config_path).read_text())["text_config"]
+    hidden, inter, heads = text["hidden_size"], text["intermediate_size"], text["num_attention_heads"]
+    head_dim, kv_heads = text["head_dim"], text["num_key_value_heads"]
+    shapes = {
+        "qkv": ((heads + 2 * kv_heads) * head_dim, hidden),
+        "o": (hidden, heads * head_dim),
+        "gate_up": (2 * inter, hidden),
+        "down": (hidden, inter),
+    }
+    cache_dir = tempfile.mkdtemp(prefix=f"bench_{part}_", dir=ctx.scratch)
+    choice = select_backend("cuda", True, AttentionShape(torch.float16, 128, 16, 8), kernel_cache_dir=cache_dir)
+    if not choice.kernels:
+        res.skip_part(part, choice.status)
+        return None
+    return shapes, (heads, kv_heads, head_dim), choice.launcher
+
+
+def epilogue_sides(launcher, name: str, n: int, k: int, heads: tuple[int, int, int], copies: int, device) -> dict:
+    """What the ``epilogues`` part times for projection ``name`` (``"qkv"``, or ``"o"`` / ``"down"``) of N x K,
+    one fp16 row: side -> (fn, items), ``fn(next item)`` one call. The product then the launch its epilogue
+    replaces (``rms_norm_rope`` into a KV sink after q/k/v, ``add_rms_norm`` after o and down), after cuBLAS's
+    product and after the kernel's, and the kernel's product with the epilogue in its launch, on fp16 weights
+    and INT4 weights (``copies`` distinct weights each, called in turn)."""
+    import torch
+    import torch.nn.functional as F
+
+    from orin_vlm_node.cuda.fused import CudaFusedOps
+    from orin_vlm_node.cuda.gemv import CudaGemv
+    from orin_vlm_node.kvcache import KVSink
+    from orin_vlm_node.model.gemv_linear import GemvLinear
+    from orin_vlm_node.model.quant import QuantizedLinear, WeightQuant
+    from orin_vlm_node.model.rope import TextRopeTables
+    from orin_vlm_node.model.text import HeadNorms
+
+    gemv, ops = CudaGemv(launcher), CudaFusedOps(launcher)
+    half = torch.float16
+    x = torch.randn(1, k, device=device).to(half)
+    weights = [(torch.randn(n, k, device=device) * 0.02).to(half) for _ in range(copies)]
+    floats = []
+    for w in weights:
+        linear = torch.nn.Linear(k, n, bias=False, device="meta")
+        linear.weight = torch.nn.Parameter(w, requires_grad=False)
+        floats.append(GemvLinear(linear, gemv, rows=gemv.max_rows))
+    int4 = [QuantizedLinear.from_weight(w, WeightQuant("int4")) for w in weights]
+    if name == "qkv":
+        q_heads, kv_heads, dim = heads
+        norms = HeadNorms(x.new_ones(dim), x.new_ones(dim), q_heads, 1e-6)
+        rope = TextRopeTables.build(x.new_ones((1, dim)), x.new_zeros((1, dim)))
+        pools = x.new_zeros((2, 1, 1, kv_heads, dim))  # one block of one slot
+        sink = KVSink(pools[0], pools[1], torch.zeros(1, dtype=torch.int64, device=device))
+
+        def after(y):
+            return ops.norm_rope_product(y, norms, rope, sink)
+
+        def fused(m):
+            return gemv.norm_rope_heads(m, x, norms, rope, sink)
+    else:
+        residual, norm_weight = x.new_zeros((1, n)), x.new_ones(n)
+
+        def after(y):
+            return ops.add_rms_norm(residual, y, norm_weight, 1e-6)
+
+        def fused(m):
+            return gemv.add_rms_norm(m, x, residual, norm_weight, 1e-6)
+
+    return {
+        "fp16_cublas_then": (lambda w: after(F.linear(x, w)), weights),
+        "fp16_kernel_then": (lambda m: after(gemv(m, x)), floats),
+        "fp16_kernel_fused": (fused, floats),
+        "int4_then": (lambda m: after(gemv(m, x)), int4),
+        "int4_fused": (fused, int4),
+    }
+
+
+def _epilogues(torch, ctx: BenchContext, res: SectionResult) -> None:
+    """Each GEMV epilogue against the launch it replaces, product by product (the 2B's q/k/v with its q/k
+    norms, RoPE and KV sink; o and down with the residual add + RMSNorm; ``epilogue_sides``), one row, device
+    time in CUDA graphs, weights cycled so none is in L2: ``epilogues.<qkv|o|down>.<side>.us``. What each
+    epilogue saves a product, apart from the decode step around it (the ``norm_epilogue`` part)."""
+    import itertools
+
+    from orin_vlm_node.cuda.graph import device_us
+
+    found = _projections_and_kernels(torch, ctx, res, "epilogues")
+    if found is None:
+        return
+    shapes, heads, launcher = found
+    stream = torch.cuda.Stream()  # every timing graph's capture stream
+    copies = 8
+    for name in ("qkv", "o", "down"):
+        n, k = shapes[name]
+        for side, (fn, items) in epilogue_sides(launcher, name, n, k, heads, copies, "cuda").items():
+            turn = itertools.cycle(items)
+            us = [
+                device_us(lambda f=fn, t=turn: f(next(t)), stream=stream, calls=copies)
+                for _ in range(ctx.config.gpu_repeats)
+            ]
+            res.add(f"epilogues.{name}.{side}.us", "us", us, f"{n}x{k} weight, one fp16 row, device time", side=side)
+        torch.cuda.empty_cache()
+
+
 def _on_and_off(ctx: BenchContext, res: SectionResult, model_dir: Path, part: str, what: str, toggle) -> None:
     """Batch-1 decode (kernels + graphs, fp16 activations) with one feature of the GPU path on and off, for fp16
     and INT4 weights (every product one of our kernels), alternating: ``<part>.<none|int4>.<on|off>.tok_s``
@@ -524,7 +624,7 @@ def _startup_and_memory(torch, ctx: BenchContext, res: SectionResult, model_dir:
 
 
 # The parts besides the decode of each dtype, in the order they run after the first dtype's decode.
-OTHER_PARTS = ("step_profile", "startup_memory", "kernels", "gemv", "quant", "norm_epilogue", "pdl",
+OTHER_PARTS = ("step_profile", "startup_memory", "kernels", "gemv", "quant", "norm_epilogue", "epilogues", "pdl",
                "step_profile_int4", "batching")  # fmt: skip
 
 
@@ -595,6 +695,7 @@ def run(ctx: BenchContext) -> SectionResult:
         "quant": functools.partial(_quantized_decode, torch, ctx, res, model_dir, bandwidth),
         "pdl": functools.partial(_dependent_launch, ctx, res, model_dir),
         "norm_epilogue": functools.partial(_norm_epilogue, ctx, res, model_dir),
+        "epilogues": functools.partial(_epilogues, torch, ctx, res),
         "batching": functools.partial(_batching, ctx, res, model_dir),
     }
     for d in cfg.gpu_dtypes:

@@ -565,3 +565,26 @@ def test_a_static_decode_step_stores_kv_from_the_q_k_v_products_launch(harness, 
         assert not any(k.startswith(("rms_norm_rope", "add_rms_norm", "paged_kv_write")) for k in kernels)
         assert len(kernels) == 2 + 5 * layers + 1  # the RoPE tables, the input norm, 5 a layer, the LM head
     assert all(kernels.count("rms_norm_rope_f32") == layers for kernels in separate[2])
+
+
+@pytest.mark.parametrize("name", ["qkv", "o"])
+def test_the_epilogue_benchmark_times_the_launches_the_decoder_runs(harness, name):
+    """The GPU benchmark's ``epilogues`` part (``bench.gpu.epilogue_sides``) run here on small shapes: each
+    side launches what its name says (the product, then the separate launch; or the product with the epilogue
+    in its launch), and the epilogue's results are those of the separate launch after the same kernel."""
+    from bench.gpu import epilogue_sides
+
+    launcher = RecordingLauncher(harness)
+    n, k = (8 * 16, 64) if name == "qkv" else (48, 64)  # 4 q heads, 2 k and 2 v heads of 16
+    sides = epilogue_sides(launcher, name, n, k, (4, 2, 16), copies=2, device="cpu")
+    separate = "rms_norm_rope_f16" if name == "qkv" else "add_rms_norm_f16"
+    results = {}
+    for side, (fn, items) in sides.items():
+        launcher.kernels.clear()
+        results[side] = [fn(item) for item in items]
+        mode = "int4" if side.startswith("int4") else "float"
+        product = [] if side == "fp16_cublas_then" else [f"gemv_{mode}_f16_r1"]
+        assert launcher.kernels == (product + ([] if side.endswith("fused") else [separate])) * len(items)
+    for kind in ("fp16_kernel", "int4"):
+        for then, fused in zip(results[f"{kind}_then"], results[f"{kind}_fused"], strict=True):
+            assert all(torch.equal(a, b) for a, b in zip(then, fused, strict=True))
