@@ -85,7 +85,7 @@ class CudaFusedOps:
         with ``sink`` the keys and values stored there too), and its v heads (L, kv_heads, D), a view of ``y``."""
         q_weight, k_weight, split, eps = norms
         heads = y.view(y.shape[0], -1, q_weight.shape[0])
-        qk_heads = split + (heads.shape[1] - split) // 2
+        qk_heads = split + norms.kv_heads(y.shape[1])
         v = heads[:, qk_heads:]
         return self.rms_norm(heads[:, :qk_heads], q_weight, k_weight, split, eps, rope, sink, v), v
 

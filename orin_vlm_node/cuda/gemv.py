@@ -195,9 +195,9 @@ class CudaGemv:
         """:meth:`norm_rope_heads` of a weight as stored."""
         q_weight, k_weight, split, eps = norms
         dim, n = q_weight.shape[0], stored[0].shape[0]
-        total = n // dim if dim else 0
-        kv_heads = (total - split) // 2
-        if dim % 2 or dim > L.MAX_ROPE_DIM or total * dim != n or kv_heads < 1 or split + 2 * kv_heads != total:
+        kv_heads = norms.kv_heads(n)
+        total = split + 2 * kv_heads
+        if dim % 2 or dim > L.MAX_ROPE_DIM or not kv_heads:
             raise ValueError(
                 f"a heads epilogue takes {split} q heads and as many k as v heads of an even size up to "
                 f"{L.MAX_ROPE_DIM}, got {n} rows in heads of {dim}"
@@ -337,11 +337,10 @@ def _timed_epilogue(epilogue: str, x: torch.Tensor, n: int) -> tuple:
     if kind != "heads":
         return ()
     split, dim = (int(s) for s in sizes)
-    kv_heads = (n // dim - split) // 2
-    tables = TextRopeTables.build(x.new_ones((rows, dim)), x.new_zeros((rows, dim)))
-    pools = x.new_zeros((2, 1, rows, kv_heads, dim))
-    slots = torch.arange(rows, device=x.device)
     norms = HeadNorms(x.new_ones((dim,)), x.new_ones((dim,)), split, NORM_EPS)
+    tables = TextRopeTables.build(x.new_ones((rows, dim)), x.new_zeros((rows, dim)))
+    pools = x.new_zeros((2, 1, rows, norms.kv_heads(n), dim))
+    slots = torch.arange(rows, device=x.device)
     return norms, tables, KVSink(pools[0], pools[1], slots)
 
 

@@ -62,6 +62,15 @@ class HeadNorms(NamedTuple):
     split: int
     eps: float
 
+    def kv_heads(self, rows: int) -> int:
+        """The k heads (as many as the v heads) of a fused q/k/v projection of ``rows`` outputs: ``split`` q
+        heads, then the k heads, then the v heads, each of the weights' length; 0 when the rows are not so laid
+        out."""
+        dim = self.q_weight.shape[0]
+        total = rows // dim if dim else 0
+        kv_heads = (total - self.split) // 2
+        return kv_heads if kv_heads >= 1 and total * dim == rows and self.split + 2 * kv_heads == total else 0
+
 
 class Product(NamedTuple):
     """A projection's output not computed yet: ``proj`` applied to rows ``x`` (L, K). The residual add it feeds
