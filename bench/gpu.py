@@ -428,33 +428,65 @@ def _projections_and_kernels(torch, ctx: BenchContext, res: SectionResult, part:
     return shapes, (heads, kv_heads, head_dim), choice.launcher
 
 
+def _bench_weights(gemv, n: int, k: int, copies: int, device) -> tuple[list, list, list]:
+    """``copies`` random fp16 weights of N x K: as tensors, as the GEMV kernels' float projections and as INT4
+    projections."""
+    import torch
+
+    from orin_vlm_node.model.gemv_linear import GemvLinear
+    from orin_vlm_node.model.quant import QuantizedLinear, WeightQuant
+
+    weights = [(torch.randn(n, k, device=device) * 0.02).to(torch.float16) for _ in range(copies)]
+    floats = []
+    for w in weights:
+        linear = torch.nn.Linear(k, n, bias=False, device="meta")
+        linear.weight = torch.nn.Parameter(w, requires_grad=False)
+        floats.append(GemvLinear(linear, gemv, rows=gemv.max_rows))
+    return weights, floats, [QuantizedLinear.from_weight(w, WeightQuant("int4")) for w in weights]
+
+
 def epilogue_sides(launcher, name: str, n: int, k: int, heads: tuple[int, int, int], copies: int, device) -> dict:
-    """What the ``epilogues`` part times for projection ``name`` (``"qkv"``, or ``"o"`` / ``"down"``) of N x K,
-    one fp16 row: side -> (fn, items), ``fn(next item)`` one call. The product then the launch its epilogue
-    replaces (``rms_norm_rope`` into a KV sink after q/k/v, ``add_rms_norm`` after o and down), after cuBLAS's
-    product and after the kernel's, and the kernel's product with the epilogue in its launch, on fp16 weights
-    and INT4 weights (``copies`` distinct weights each, called in turn)."""
+    """What the ``epilogues`` part times for projection ``name`` (``"qkv"``, ``"o"`` / ``"down"``, or ``"mlp"``) of
+    N x K, one fp16 row: side -> (fn, items), ``fn(next item)`` one call. The product then the launch its
+    epilogue replaces (``rms_norm_rope`` into a KV sink after q/k/v, ``add_rms_norm`` after o and down), after
+    cuBLAS's product and after the kernel's, and the kernel's product with the epilogue in its launch, on fp16
+    weights and INT4 weights (``copies`` distinct weights each, called in turn). For ``"mlp"`` (N x K: the down
+    projection's; the gate/up weight 2K x N) the MLP of a row with the add + norm after it: cuBLAS's products with
+    ``silu_mul`` and ``add_rms_norm``, the kernels' SwiGLU launch then the down launch with its norm epilogue, and
+    both in one launch (``gemv_mlp``)."""
     import torch
     import torch.nn.functional as F
 
     from orin_vlm_node.cuda.fused import CudaFusedOps
     from orin_vlm_node.cuda.gemv import CudaGemv
     from orin_vlm_node.kvcache import KVSink
-    from orin_vlm_node.model.gemv_linear import GemvLinear
-    from orin_vlm_node.model.quant import QuantizedLinear, WeightQuant
     from orin_vlm_node.model.rope import TextRopeTables
     from orin_vlm_node.model.text import HeadNorms
 
     gemv, ops = CudaGemv(launcher), CudaFusedOps(launcher)
-    half = torch.float16
-    x = torch.randn(1, k, device=device).to(half)
-    weights = [(torch.randn(n, k, device=device) * 0.02).to(half) for _ in range(copies)]
-    floats = []
-    for w in weights:
-        linear = torch.nn.Linear(k, n, bias=False, device="meta")
-        linear.weight = torch.nn.Parameter(w, requires_grad=False)
-        floats.append(GemvLinear(linear, gemv, rows=gemv.max_rows))
-    int4 = [QuantizedLinear.from_weight(w, WeightQuant("int4")) for w in weights]
+    x = torch.randn(1, n if name == "mlp" else k, device=device).to(torch.float16)
+    if name == "mlp":
+        residual, norm_weight = x.new_zeros((1, n)), x.new_ones(n)
+        ups, downs = (_bench_weights(gemv, *shape, copies, device) for shape in ((2 * k, n), (n, k)))
+
+        def cublas(ws):
+            return ops.add_rms_norm(residual, F.linear(ops.silu_mul(F.linear(x, ws[0])), ws[1]), norm_weight, 1e-6)
+
+        def then(ms):
+            return gemv.add_rms_norm(ms[1], gemv(ms[0], x, swiglu=True), residual, norm_weight, 1e-6)
+
+        def one_launch(ms):
+            return gemv.mlp_add_rms_norm(*ms, x, residual, norm_weight, 1e-6)
+
+        pairs = [list(zip(up, down, strict=True)) for up, down in zip(ups, downs, strict=True)]
+        return {
+            "fp16_cublas_then": (cublas, pairs[0]),
+            "fp16_kernel_then": (then, pairs[1]),
+            "fp16_kernel_fused": (one_launch, pairs[1]),
+            "int4_then": (then, pairs[2]),
+            "int4_fused": (one_launch, pairs[2]),
+        }
+    weights, floats, int4 = _bench_weights(gemv, n, k, copies, device)
     if name == "qkv":
         q_heads, kv_heads, dim = heads
         norms = HeadNorms(x.new_ones(dim), x.new_ones(dim), q_heads, 1e-6)
@@ -487,9 +519,10 @@ def epilogue_sides(launcher, name: str, n: int, k: int, heads: tuple[int, int, i
 
 def _epilogues(torch, ctx: BenchContext, res: SectionResult) -> None:
     """Each GEMV epilogue against the launch it replaces, product by product (the 2B's q/k/v with its q/k
-    norms, RoPE and KV sink; o and down with the residual add + RMSNorm; ``epilogue_sides``), one row, device
-    time in CUDA graphs, weights cycled so none is in L2: ``epilogues.<qkv|o|down>.<side>.us``. What each
-    epilogue saves a product, apart from the decode step around it (the ``norm_epilogue`` part)."""
+    norms, RoPE and KV sink; o and down with the residual add + RMSNorm; the MLP's two products in one launch;
+    ``epilogue_sides``), one row, device time in CUDA graphs, weights cycled so none is in L2:
+    ``epilogues.<qkv|o|down|mlp>.<side>.us``. What each saves, apart from the decode step around it (the
+    ``norm_epilogue`` and ``mlp_chain`` parts)."""
     import itertools
 
     from orin_vlm_node.cuda.graph import device_us
@@ -500,8 +533,8 @@ def _epilogues(torch, ctx: BenchContext, res: SectionResult) -> None:
     shapes, heads, launcher = found
     stream = torch.cuda.Stream()  # every timing graph's capture stream
     copies = 8
-    for name in ("qkv", "o", "down"):
-        n, k = shapes[name]
+    for name in ("qkv", "o", "down", "mlp"):
+        n, k = shapes["down" if name == "mlp" else name]
         for side, (fn, items) in epilogue_sides(launcher, name, n, k, heads, copies, "cuda").items():
             turn = itertools.cycle(items)
             us = [
@@ -560,25 +593,44 @@ def _dependent_launch(ctx: BenchContext, res: SectionResult, model_dir: Path) ->
     _on_and_off(ctx, res, model_dir, "pdl", "dependent launches", toggle)
 
 
+def _gemv_kernels(engine):
+    """The engine's GEMV kernels (one ``CudaGemv``, attached to its projections), or None."""
+    from orin_vlm_node.cuda.gemv import CudaGemv
+
+    return next((k for m in engine.model.modules() if isinstance(k := getattr(m, "kernels", None), CudaGemv)), None)
+
+
 def _norm_epilogue(ctx: BenchContext, res: SectionResult, model_dir: Path) -> None:
     """What running each norm in the launch of the GEMV product before it gains a token: the residual adds +
     RMSNorms after the o and down products, the q/k norms + RoPE + KV sink after the q/k/v product (fp16
     weights: where the product is the kernel's, not cuBLAS's; INT4: every projection)."""
-    from orin_vlm_node.cuda.gemv import CudaGemv
     from orin_vlm_node.model.gemv_linear import attach_gemv
 
     def toggle(engine, on: bool) -> str | None:
-        kernels = [getattr(m, "kernels", None) for m in engine.model.modules()]
-        kernels = [k for k in kernels if isinstance(k, CudaGemv)]  # one per engine, attached to its projections
+        kernels = _gemv_kernels(engine)
         if not kernels:
             return "the engine has no GEMV kernels attached"
-        for k in kernels:
-            k.norm_epilogue = on
+        kernels.norm_epilogue = on
         if not on:  # the float shapes were timed with the epilogues at load: time them again as they now run
-            attach_gemv(engine.model, kernels[0])
+            attach_gemv(engine.model, kernels)
         return None
 
     _on_and_off(ctx, res, model_dir, "norm_epilogue", "the norm epilogues", toggle)
+
+
+def _mlp_chain(ctx: BenchContext, res: SectionResult, model_dir: Path) -> None:
+    """What computing each layer's MLP in one launch gains a token (gate/up + SwiGLU, then down + add + norm,
+    ``gemv_mlp``) against a launch a product (INT4: every layer; fp16 weights: the layers whose gate/up and down
+    products both are the kernel's, not cuBLAS's)."""
+
+    def toggle(engine, on: bool) -> str | None:
+        kernels = _gemv_kernels(engine)
+        if not kernels:
+            return "the engine has no GEMV kernels attached"
+        kernels.mlp_chain = on
+        return None
+
+    _on_and_off(ctx, res, model_dir, "mlp_chain", "the MLP in one launch", toggle)
 
 
 def _batching(ctx: BenchContext, res: SectionResult, model_dir: Path) -> None:
@@ -624,8 +676,8 @@ def _startup_and_memory(torch, ctx: BenchContext, res: SectionResult, model_dir:
 
 
 # The parts besides the decode of each dtype, in the order they run after the first dtype's decode.
-OTHER_PARTS = ("step_profile", "startup_memory", "kernels", "gemv", "quant", "norm_epilogue", "epilogues", "pdl",
-               "step_profile_int4", "batching")  # fmt: skip
+OTHER_PARTS = ("step_profile", "startup_memory", "kernels", "gemv", "quant", "norm_epilogue", "mlp_chain", "epilogues",
+               "pdl", "step_profile_int4", "batching")  # fmt: skip
 
 
 def part_names(dtypes: Sequence[str], chosen: Sequence[str] = ()) -> list[str]:
@@ -695,6 +747,7 @@ def run(ctx: BenchContext) -> SectionResult:
         "quant": functools.partial(_quantized_decode, torch, ctx, res, model_dir, bandwidth),
         "pdl": functools.partial(_dependent_launch, ctx, res, model_dir),
         "norm_epilogue": functools.partial(_norm_epilogue, ctx, res, model_dir),
+        "mlp_chain": functools.partial(_mlp_chain, ctx, res, model_dir),
         "epilogues": functools.partial(_epilogues, torch, ctx, res),
         "batching": functools.partial(_batching, ctx, res, model_dir),
     }

@@ -82,6 +82,42 @@ __device__ __forceinline__ bool last_to_finish(unsigned* counter, int count) {
   return last;
 }
 
+// Tickets and counts of a chained launch (gemv.cuh's MLP kernels): one launch computes several products in turn,
+// and the blocks of a product may only start once every block of the product before it is done. A block's
+// blockIdx says nothing about when it runs (a GPU starts blocks in no promised order), so each block takes a
+// ticket as it starts (take_ticket: the order in which blocks started) and the tickets, not blockIdx, say
+// which product and which part of it a block computes: the earlier products get the lower tickets. A block
+// that waits for a product's count (wait_for_count) waits only for blocks with lower tickets, which have all
+// started and hold their place on the GPU, so the count is always reached, however few blocks fit at once.
+
+// This block's ticket: 0, 1, 2 ... in the order the launch's blocks get here (the counter back at 0 after the
+// launch: the caller's last block resets it).
+__device__ __forceinline__ int take_ticket(unsigned* counter) {
+  __shared__ int ticket;
+  if (threadIdx.x == 0) ticket = static_cast<int>(atomicAdd(counter, 1u));
+  __syncthreads();
+  return ticket;
+}
+
+// Counts this block done on `counter` once every thread's stores are visible device-wide (every thread calls it
+// after its stores).
+__device__ __forceinline__ void count_done(unsigned* counter) {
+  __threadfence();
+  __syncthreads();
+  if (threadIdx.x == 0) atomicAdd(counter, 1u);
+}
+
+// Waits until `count` blocks have counted themselves done on `counter` (every thread calls it). The block's
+// threads then see the stores those blocks made before counting; they read them with __ldcg (not through the
+// read-only cache, nor an L1 line an earlier read of the launch left).
+__device__ __forceinline__ void wait_for_count(const unsigned* counter, int count) {
+  if (threadIdx.x == 0) {
+    poll_at_least(counter, static_cast<unsigned>(count));
+    __threadfence();
+  }
+  __syncthreads();
+}
+
 // exp2(a - b) that is 0 (not NaN) when a is -inf, including -inf - -inf.
 __device__ __forceinline__ float exp2_diff(float a, float b) { return a == -INFINITY ? 0.0f : exp2f(a - b); }
 

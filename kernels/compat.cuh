@@ -8,6 +8,8 @@
 //   KERNEL_NOINLINE             a device function compiled once and called, not inlined (__noinline__).
 //   KERNEL_PROLOGUE()           the first statement of every kernel (programmatic dependent launch, below;
 //                               its two halves, and prefetch_l2 between them, for the GEMV).
+//   poll_at_least(counter, n)   one thread waits until another block of the launch has counted `*counter` up to
+//                               n (a chained launch, gemv.cuh); in the harness a count not reached yet traps.
 #pragma once
 
 #ifdef __CUDACC__
@@ -52,6 +54,39 @@ __device__ __forceinline__ void prefetch_l2(const void*) {}
 #define KERNEL_PROLOGUE()    \
   KERNEL_ALLOW_DEPENDENTS(); \
   KERNEL_WAIT_PREDECESSOR()
+
+// A chained launch (the MLP kernels of gemv.cuh) runs the blocks of a later product only after every block of
+// the product before it has counted itself done. One thread polls the count with acquire loads (so the stores
+// counted before it are seen once it is reached), sleeping a little between polls. The blocks counted all took
+// their place in the launch before the waiting one (tickets, gemv.cuh), so they are running and the count is
+// reached: a wait longer than kPollLimitNs is a broken kernel, and it traps (a launch error the node reports)
+// rather than hang the robot's GPU. The harness runs blocks one after another, so there every block counted
+// has finished before a later one starts: a count not reached is a wait on a block that has not run, the bug
+// that would hang a GPU, and it traps.
+#ifdef __CUDACC__
+constexpr unsigned long long kPollLimitNs = 10000000000ull;  // 10 s
+__device__ __forceinline__ unsigned long long global_ns() {
+  unsigned long long t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+__device__ __forceinline__ unsigned load_acquire(const unsigned* p) {
+  unsigned v;
+  asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+__device__ __forceinline__ void poll_at_least(const unsigned* counter, unsigned n) {
+  const unsigned long long start = global_ns();
+  while (load_acquire(counter) < n) {
+    __nanosleep(64);
+    if (global_ns() - start > kPollLimitNs) __trap();
+  }
+}
+#else
+inline void poll_at_least(const unsigned* counter, unsigned n) {
+  if (*counter < n) ::cuemu::trap("a block waits for a count that only later blocks make (it would hang a GPU)");
+}
+#endif
 
 // Conversions used by every kernel: storage type <-> fp32 compute type.
 __device__ __forceinline__ float to_float(float x) { return x; }

@@ -56,9 +56,21 @@
 // as the product's tail, head by head, rather than after all of it. counter[0 .. heads with work) are zero
 // before the launch and after it.
 //
-// This header holds the kernels; gemv.cu instantiates the plain products and gemv_swiglu.cu the SwiGLU
-// ones: two modules, which nvcc compiles in parallel at a cold start (in one module sm_87 took 30 s, split
-// 9.5 and 19.6 s; since the SwiGLU kernels read gate and up in one pass, about 11 s each).
+// MLP kernels (gemv_mlp_<float|int8|int4>_<dtype>: one decode row, the batch-1 step of a robot's one camera
+// stream, where a launch's fixed cost weighs most): a layer's MLP in one launch, the SwiGLU product, then the
+// down product with its norm epilogue. The down product's blocks need every activation, so they must wait for
+// all of the SwiGLU product's blocks, inside the launch. A GPU starts a launch's blocks in no promised order
+// and runs only as many at once as fit, so a block waiting for a block that has not started could wait
+// forever; instead each block takes a ticket as it starts (take_ticket) and its ticket says what it computes:
+// the SwiGLU product's tiles first, then the down product's. A down block waits (wait_for_count) only for
+// blocks with lower tickets, which have all started, so it never waits for a block that cannot run. The
+// down blocks take their places as the SwiGLU product's last blocks finish, with no launch between the two
+// products; a decode layer is then 4 launches (q/k/v; attention; o; the MLP).
+//
+// This header holds the kernels; gemv.cu instantiates the plain products, gemv_swiglu.cu the SwiGLU ones and
+// gemv_mlp.cu the MLP ones: three modules, which nvcc compiles in parallel at a cold start (in one module
+// sm_87 took 30 s, split 9.5 and 19.6 s; since the SwiGLU kernels read gate and up in one pass, about 11 s
+// each; the MLP kernels, one row only, 3 s).
 #pragma once
 
 #include "norm_rope.cuh"
@@ -130,11 +142,11 @@ __device__ __forceinline__ float int4_subnormal(uint32_t masked) {
 
 // How weight rows are stored. Every format offers: Elem (the stored element: the activation type, int8_t, or
 // uint8_t for two packed int4 weights), kChunk (weights per 16-byte vector), kGrouped (a scale and an
-// offset per group of each row), row(n) (the row's first element), at(k) (the element offset of weight k's
-// vector), vector_path(K) (whether the 16-byte vectors cover the rows), widen<P>(raw, piece, w) (weights
-// piece * P .. piece * P + P - 1 of a vector, exactly, or for int4 exactly up to a power of two),
-// prepare_x<P>(xs) (the x those weights multiply, scaled to match: int4 only), and scalar(n, k) (one
-// weight, for the scalar path). Int4 rows also offer vector_scale(n, k) (the group's scale for a vector's
+// offset per group of each row), row(n) (the row's first element), row_bytes() (a row's length in bytes),
+// at(k) (the element offset of weight k's vector), vector_path(K) (whether the 16-byte vectors cover the
+// rows), widen<P>(raw, piece, w) (weights piece * P .. piece * P + P - 1 of a vector, exactly, or for int4
+// exactly up to a power of two), prepare_x<P>(xs) (the x those weights multiply, scaled to match: int4 only),
+// and scalar(n, k) (one weight, for the scalar path). Int4 rows also offer vector_scale(n, k) (the group's scale for a vector's
 // dot product of prepared x with widened weights) and offset(n, k).
 template <typename W>
 struct DenseRows {
@@ -145,6 +157,7 @@ struct DenseRows {
   int K;
   __device__ __forceinline__ bool vector_path() const { return K % 32 == 0; }
   __device__ __forceinline__ const W* row(int n) const { return w + static_cast<size_t>(n) * K; }
+  __device__ __forceinline__ size_t row_bytes() const { return static_cast<size_t>(K) * sizeof(W); }
   __device__ __forceinline__ static int at(int k) { return k; }
   template <int P>
   __device__ __forceinline__ static void prepare_x(float* __restrict__) {}
@@ -173,7 +186,8 @@ struct Int4Rows {
   const __half* scales;
   const __half* offsets;
   int K, groups, group_shift;  // group_shift: log2 of the group size (a power of two)
-  __device__ __forceinline__ const uint8_t* row(int n) const { return q + static_cast<size_t>(n) * ((K + 1) / 2); }
+  __device__ __forceinline__ const uint8_t* row(int n) const { return q + static_cast<size_t>(n) * row_bytes(); }
+  __device__ __forceinline__ size_t row_bytes() const { return static_cast<size_t>((K + 1) / 2); }
   __device__ __forceinline__ static int at(int k) { return k / 2; }
   // A vector lies inside one group when the group holds whole vectors.
   __device__ __forceinline__ bool vector_path() const { return K % 32 == 0 && group_shift >= 5; }
@@ -212,23 +226,39 @@ struct Int4Rows {
   }
 };
 
+// Element `offset` of x, read through the read-only cache, or with X_L2 (x written by an earlier product of the
+// same launch: the MLP kernels' down product) through L2 only.
+template <bool X_L2, typename V>
+__device__ __forceinline__ V load_x_elem(const V* p) {
+  if constexpr (X_L2) return __ldcg(p);
+  else return __ldg(p);
+}
+
 // Elements k0 .. k0+n-1 of row m of x, widened to fp32 (16-byte loads when `vec`, else one by one).
-template <typename T, int N>
+template <typename T, int N, bool X_L2>
 __device__ __forceinline__ void load_x(const T* __restrict__ x, size_t offset, bool vec, float* __restrict__ out) {
   if (vec) {
 #pragma unroll
-    for (int i = 0; i < N; i += Vec<T>::kElems) load_vec(x + offset + i, out + i);
+    for (int i = 0; i < N; i += Vec<T>::kElems) {
+      if constexpr (X_L2) {
+        const uint4 raw = __ldcg(reinterpret_cast<const uint4*>(x + offset + i));
+#pragma unroll
+        for (int e = 0; e < Vec<T>::kElems; ++e) out[i + e] = raw_elem<T>(raw, e);
+      } else {
+        load_vec(x + offset + i, out + i);
+      }
+    }
   } else {
 #pragma unroll
-    for (int i = 0; i < N; ++i) out[i] = to_float(__ldg(x + offset + i));
+    for (int i = 0; i < N; ++i) out[i] = to_float(load_x_elem<X_L2>(x + offset + i));
   }
 }
 
 // The lane's part of the products of weight rows n[0..J) with each row of x, into acc[j][m]: one pass over
 // K for all J rows. Int4 rows sum each vector's products apart (dot), then scale them and add the offset
 // times the vector's sum of x; dense rows sum into acc directly (an int8 row's scale is applied by the
-// caller, to the total).
-template <typename T, typename Rows, int R, int J>
+// caller, to the total). X_L2: x was written by this launch (load_x).
+template <typename T, typename Rows, int R, int J, bool X_L2>
 __device__ __forceinline__ void rows_dot(const T* __restrict__ x, const Rows& w, const int* n, int rows, int K,
                                          int lane, float (&acc)[J][R]) {
   using W = typename Rows::Elem;
@@ -274,7 +304,7 @@ __device__ __forceinline__ void rows_dot(const T* __restrict__ x, const Rows& w,
         for (int m = 0; m < R; ++m) {
           if (m >= rows) break;
           float xs[kPiece];
-          load_x<T, kPiece>(x, static_cast<size_t>(m) * K + k + p * kPiece, true, xs);
+          load_x<T, kPiece, X_L2>(x, static_cast<size_t>(m) * K + k + p * kPiece, true, xs);
           if constexpr (kGrouped)
 #pragma unroll
             for (int i = 0; i < kPiece; ++i) xsum[m] += xs[i];
@@ -305,7 +335,7 @@ __device__ __forceinline__ void rows_dot(const T* __restrict__ x, const Rows& w,
       const float wk = w.scalar(n[j], k);
 #pragma unroll
       for (int m = 0; m < R; ++m)
-        if (m < rows) acc[j][m] += to_float(__ldg(x + static_cast<size_t>(m) * K + k)) * wk;
+        if (m < rows) acc[j][m] += to_float(load_x_elem<X_L2>(x + static_cast<size_t>(m) * K + k)) * wk;
     }
   }
 }
@@ -321,10 +351,30 @@ __device__ __forceinline__ void warp_rows(int n0, int N, int* n) {
   }
 }
 
-// The first output column of this warp.
+// The first output column of this warp in the block computing `tile` (the product's blocks a kGemvWarps * C
+// columns each: blockIdx.x, or in the MLP kernels the block's place in its product).
 template <int C>
-__device__ __forceinline__ int warp_first_column() {
-  return (blockIdx.x * kGemvWarps + threadIdx.x / kWarpSize) * C;
+__device__ __forceinline__ int warp_first_column(int tile) {
+  return (tile * kGemvWarps + threadIdx.x / kWarpSize) * C;
+}
+
+// Which of a product's blocks this one is: for a kernel of one product the launch's own (LaunchTile: blockIdx.x of
+// gridDim.x, read where they are used, so no register holds them through the product), in the MLP kernels its
+// place among its product's blocks (ChainTile).
+struct LaunchTile {
+  __device__ __forceinline__ int index() const { return static_cast<int>(blockIdx.x); }
+  __device__ __forceinline__ int count() const { return static_cast<int>(gridDim.x); }
+};
+struct ChainTile {
+  int i, n;
+  __device__ __forceinline__ int index() const { return i; }
+  __device__ __forceinline__ int count() const { return n; }
+};
+
+// Blocks of kGemvWarps warps of C columns each for N output columns (launch.py: gemv_launch's grid).
+template <int C>
+__device__ __forceinline__ int gemv_tiles(int N) {
+  return (N + kGemvWarps * C - 1) / (kGemvWarps * C);
 }
 
 // Columns n0 .. n0 + C - 1 of y (those below N) for each row m: the warp's partial sums reduced (and, with
@@ -351,8 +401,8 @@ __device__ __forceinline__ void store_columns(T* __restrict__ y, const float (&a
 // before this one finishes, and the loads after the wait find them there. Empty before sm_90 and in the
 // harness.
 template <int C, bool SWIGLU>
-__device__ __forceinline__ void prefetch_weight_rows(const void* w, size_t row_bytes, int N) {
-  const int n0 = warp_first_column<C>();
+__device__ __forceinline__ void prefetch_weight_rows(const void* w, size_t row_bytes, int N, int tile) {
+  const int n0 = warp_first_column<C>(tile);
   if (n0 >= N) return;
   constexpr int J = C * (SWIGLU ? 2 : 1);
   int n[J];
@@ -415,13 +465,13 @@ __device__ __forceinline__ void head_rows(const HeadsEpilogue<T>& e, const T* y,
 // from inside this loop put gemv_int4_f16_r1 at 108 registers on sm_90; this way sm_90 keeps the norm
 // epilogue's counts (72), and on sm_87 ptxas gives the int4 and int8 r1 kernels 96 and 88 (5 blocks an SM,
 // still far more loads in flight than an Orin's bandwidth needs) and the int4 main loop 7% fewer instructions.
-template <typename T, int kBlock>
+template <typename T, int kBlock, typename Tile>
 __device__ KERNEL_NOINLINE void heads_epilogue(HeadsEpilogue<T> e, unsigned* counters, const T* y, int rows,
-                                               int N, float eps) {
+                                               int N, float eps, Tile tile) {
   const int kv_heads = e.heads - e.split;
   if (e.dim < 1 || kv_heads < 1 || N != (e.heads + kv_heads) * e.dim) KERNEL_TRAP();
   const int with_work = e.k_pool != nullptr ? e.heads + kv_heads : e.heads;
-  const int first = static_cast<int>(blockIdx.x) * kBlock, last = min(first + kBlock, N) - 1;
+  const int first = tile.index() * kBlock, last = min(first + kBlock, N) - 1;
   for (int h = first / e.dim; h <= last / e.dim && h < with_work; ++h) {
     const int blocks = ((h + 1) * e.dim - 1) / kBlock - h * e.dim / kBlock + 1;  // the blocks that compute head h
     if (last_to_finish(counters + h, blocks)) head_rows<T>(e, y, h, rows, N, eps);
@@ -443,22 +493,23 @@ __device__ KERNEL_NOINLINE void add_rms_norm_rows(NormEpilogue<T> norm, const T*
 
 // y = x w^T for weight rows stored as `w` says (dense: `scales` null for float weights, one per row for
 // int8), or its SwiGLU (weight rows n and n + N); then, when `norm` has a counter, the heads epilogue if `qk`
-// has heads, else the norm epilogue.
-template <typename T, int R, bool SWIGLU, typename Rows>
+// has heads, else the norm epilogue. This block computes the columns of `tile` (LaunchTile or ChainTile).
+// X_L2: x was written by this launch (load_x).
+template <typename T, int R, bool SWIGLU, bool X_L2 = false, typename Rows, typename Tile>
 __device__ __forceinline__ void gemv(T* __restrict__ y, const T* __restrict__ x, const Rows& w,
                                      const __half* __restrict__ row_scales, int rows, int N, int K,
-                                     const NormEpilogue<T>& norm, const HeadsEpilogue<T>& qk) {
+                                     const NormEpilogue<T>& norm, const HeadsEpilogue<T>& qk, const Tile& tile) {
   constexpr int C = kGemvColumns<typename Rows::Elem, SWIGLU>;
   constexpr int J = C * (SWIGLU ? 2 : 1);
   if (rows < 1 || rows > R || blockDim.x != kGemvWarps * kWarpSize || (SWIGLU && norm.counter != nullptr) ||
       (qk.heads > 0 && norm.counter == nullptr))
     KERNEL_TRAP();
-  const int n0 = warp_first_column<C>();
+  const int n0 = warp_first_column<C>(tile.index());
   if (n0 < N) {  // a warp past N skips the product as a whole: the reductions stay full-warp
     int n[J];
     warp_rows<C, SWIGLU>(n0, N, n);
     float acc[J][R];
-    rows_dot<T, Rows, R, J>(x, w, n, rows, K, threadIdx.x % kWarpSize, acc);
+    rows_dot<T, Rows, R, J, X_L2>(x, w, n, rows, K, threadIdx.x % kWarpSize, acc);
     if (row_scales) {
 #pragma unroll
       for (int j = 0; j < J; ++j) {
@@ -471,9 +522,43 @@ __device__ __forceinline__ void gemv(T* __restrict__ y, const T* __restrict__ x,
   }
   if constexpr (!SWIGLU) {
     if (norm.counter == nullptr) return;
-    if (qk.heads > 0) heads_epilogue<T, kGemvWarps * C>(qk, norm.counter, y, rows, N, norm.eps);
-    else if (last_to_finish(norm.counter, static_cast<int>(gridDim.x))) add_rms_norm_rows<T>(norm, y, rows, N);
+    if (qk.heads > 0) heads_epilogue<T, kGemvWarps * C>(qk, norm.counter, y, rows, N, norm.eps, tile);
+    else if (last_to_finish(norm.counter, tile.count())) add_rms_norm_rows<T>(norm, y, rows, N);
   }
+}
+
+// The MLP's two products of one decode row in one launch (the gemv_mlp kernels, see the top of the file): act =
+// silu(gate) * up of x through the fused gate/up rows `gate_up` (2 * inter rows of `hidden`), then y = act
+// through the down rows `down` (hidden rows of `inter`) with the norm epilogue (`norm`, its counter chain + 2).
+// The first gemv_tiles(inter) tickets compute act, the others y once every act block has counted itself done
+// (chain[1]); the block that finishes y last sets chain[0] and chain[1] back to 0 (chain[3] counts them).
+// Between the halves of the kernel prologue each block asks L2 for the weight rows of the tile of its own index
+// (every tile's rows are asked for once, whichever block computes that tile), as every GEMV does: on sm_90 they
+// stream in while the kernel before this one finishes (dependent launch); before sm_90 prefetch_l2 is empty.
+template <typename T, typename Rows>
+__device__ __forceinline__ void gemv_mlp(T* __restrict__ act, const T* __restrict__ x, const Rows& gate_up,
+                                         const __half* __restrict__ gate_up_scales, T* __restrict__ y, const Rows& down,
+                                         const __half* __restrict__ down_scales, const NormEpilogue<T>& norm,
+                                         unsigned* chain, int inter, int hidden) {
+  constexpr int kUp = kGemvColumns<typename Rows::Elem, true>, kDown = kGemvColumns<typename Rows::Elem, false>;
+  const int up_tiles = gemv_tiles<kUp>(inter), down_tiles = gemv_tiles<kDown>(hidden);
+  if (static_cast<int>(gridDim.x) != up_tiles + down_tiles || norm.counter != chain + 2) KERNEL_TRAP();
+  KERNEL_ALLOW_DEPENDENTS();
+  const int own = static_cast<int>(blockIdx.x);
+  if (own < up_tiles) prefetch_weight_rows<kUp, true>(gate_up.row(0), gate_up.row_bytes(), inter, own);
+  else prefetch_weight_rows<kDown, false>(down.row(0), down.row_bytes(), hidden, own - up_tiles);
+  KERNEL_WAIT_PREDECESSOR();
+  const int ticket = take_ticket(chain);
+  if (ticket < up_tiles) {
+    gemv<T, 1, true>(act, x, gate_up, gate_up_scales, 1, inter, hidden, NormEpilogue<T>{}, HeadsEpilogue<T>{},
+                     ChainTile{ticket, up_tiles});
+    count_done(chain + 1);
+    return;
+  }
+  wait_for_count(chain + 1, up_tiles);
+  gemv<T, 1, false, true>(y, act, down, down_scales, 1, hidden, inter, norm, HeadsEpilogue<T>{},
+                          ChainTile{ticket - up_tiles, down_tiles});
+  if (last_to_finish(chain + 3, down_tiles) && threadIdx.x == 0) chain[0] = chain[1] = 0u;
 }
 
 // log2 of the int4 group size, which must be a power of two (quant.py refuses others).
@@ -489,7 +574,7 @@ __device__ __forceinline__ int group_shift(int group) {
 // rows for SwiGLU; C columns a warp) prefetched into L2 between the two halves (prefetch_weight_rows).
 #define ORIN_GEMV_PROLOGUE(C, SWIGLU, weights, row_bytes, columns)                \
   KERNEL_ALLOW_DEPENDENTS();                                                      \
-  orin_vlm::prefetch_weight_rows<C, SWIGLU>((weights), (row_bytes), (columns));   \
+  orin_vlm::prefetch_weight_rows<C, SWIGLU>((weights), (row_bytes), (columns), blockIdx.x); \
   KERNEL_WAIT_PREDECESSOR()
 
 // The epilogues' parameters (between the weight's and the sizes, and the heads' sizes after those), and the
@@ -508,14 +593,14 @@ __device__ __forceinline__ int group_shift(int group) {
                                                         const __half* offsets, ORIN_GEMV_EPILOGUE_PARAMS(T), int rows,     \
                                                         int n, int k, int group, ORIN_GEMV_HEADS_SIZES, float eps) {                          \
     ORIN_GEMV_PROLOGUE((orin_vlm::kGemvColumns<T, SWIGLU>), SWIGLU, weight, static_cast<size_t>(k) * sizeof(T), n);              \
-    orin_vlm::gemv<T, R, SWIGLU>(y, x, orin_vlm::DenseRows<T>{weight, k}, nullptr, rows, n, k, ORIN_GEMV_EPILOGUES);  \
+    orin_vlm::gemv<T, R, SWIGLU>(y, x, orin_vlm::DenseRows<T>{weight, k}, nullptr, rows, n, k, ORIN_GEMV_EPILOGUES, orin_vlm::LaunchTile{});  \
   }                                                                                                                    \
   extern "C" __global__ void gemv_int8##E##_##DT##_r##R(T* y, const T* x, const int8_t* qweight,                       \
                                                        const __half* scales, const __half* offsets,                    \
                                                        ORIN_GEMV_EPILOGUE_PARAMS(T), int rows, int n, int k, int group,    \
                                                        ORIN_GEMV_HEADS_SIZES, float eps) {                                                    \
     ORIN_GEMV_PROLOGUE((orin_vlm::kGemvColumns<int8_t, SWIGLU>), SWIGLU, qweight, static_cast<size_t>(k), n);                    \
-    orin_vlm::gemv<T, R, SWIGLU>(y, x, orin_vlm::DenseRows<int8_t>{qweight, k}, scales, rows, n, k, ORIN_GEMV_EPILOGUES); \
+    orin_vlm::gemv<T, R, SWIGLU>(y, x, orin_vlm::DenseRows<int8_t>{qweight, k}, scales, rows, n, k, ORIN_GEMV_EPILOGUES, orin_vlm::LaunchTile{}); \
   }                                                                                                                    \
   extern "C" __global__ void gemv_int4##E##_##DT##_r##R(T* y, const T* x, const uint8_t* qweight,                      \
                                                        const __half* scales, const __half* offsets,                    \
@@ -524,7 +609,7 @@ __device__ __forceinline__ int group_shift(int group) {
     ORIN_GEMV_PROLOGUE((orin_vlm::kGemvColumns<uint8_t, SWIGLU>), SWIGLU, qweight, static_cast<size_t>(k + 1) / 2, n);           \
     const orin_vlm::Int4Rows rows_ = {qweight, scales, offsets, k, (k + group - 1) / group,                       \
                                          orin_vlm::group_shift(group)};                                               \
-    orin_vlm::gemv<T, R, SWIGLU>(y, x, rows_, nullptr, rows, n, k, ORIN_GEMV_EPILOGUES);                              \
+    orin_vlm::gemv<T, R, SWIGLU>(y, x, rows_, nullptr, rows, n, k, ORIN_GEMV_EPILOGUES, orin_vlm::LaunchTile{});                              \
   }
 
 // The kernels of one epilogue (E: empty or _swiglu) for every rows bucket and activation type.
@@ -541,3 +626,30 @@ __device__ __forceinline__ int group_shift(int group) {
   ORIN_GEMV_KERNELS_E(bf16, __nv_bfloat16, 2, E, SWIGLU) \
   ORIN_GEMV_KERNELS_E(bf16, __nv_bfloat16, 4, E, SWIGLU) \
   ORIN_GEMV_KERNELS_E(bf16, __nv_bfloat16, 8, E, SWIGLU)
+
+// The MLP kernels (gemv_mlp.cu), gemv_mlp_<float|int8|int4>_<DT>: one decode row, the fused gate/up weight (and
+// its int8 / int4 scales and offsets), the down weight (the same), the norm epilogue's pointers, the chain's
+// four counters (zero before the launch and after it), then inter, hidden, the int4 group and the epsilon.
+#define ORIN_GEMV_MLP_PARAMS(T, W)                                                                                   \
+  T *act, const T *x, const W *gate_up, const __half *gate_up_scales, const __half *gate_up_offsets, T *y,        \
+      const W *down, const __half *down_scales, const __half *down_offsets, const T *residual,                    \
+      const T *norm_weight, T *sum_out, T *normed, unsigned *chain, int inter, int hidden, int group, float eps
+#define ORIN_GEMV_MLP_NORM {residual, norm_weight, sum_out, normed, chain + 2, eps}
+#define ORIN_GEMV_MLP_KERNELS_E(DT, T)                                                                               \
+  extern "C" __global__ void gemv_mlp_float_##DT(ORIN_GEMV_MLP_PARAMS(T, T)) {                                      \
+    orin_vlm::gemv_mlp<T>(act, x, orin_vlm::DenseRows<T>{gate_up, hidden}, nullptr, y,                             \
+                          orin_vlm::DenseRows<T>{down, inter}, nullptr, ORIN_GEMV_MLP_NORM, chain, inter, hidden);  \
+  }                                                                                                                  \
+  extern "C" __global__ void gemv_mlp_int8_##DT(ORIN_GEMV_MLP_PARAMS(T, int8_t)) {                                  \
+    orin_vlm::gemv_mlp<T>(act, x, orin_vlm::DenseRows<int8_t>{gate_up, hidden}, gate_up_scales, y,                  \
+                          orin_vlm::DenseRows<int8_t>{down, inter}, down_scales, ORIN_GEMV_MLP_NORM, chain, inter,  \
+                          hidden);                                                                                   \
+  }                                                                                                                  \
+  extern "C" __global__ void gemv_mlp_int4_##DT(ORIN_GEMV_MLP_PARAMS(T, uint8_t)) {                                 \
+    const int shift = orin_vlm::group_shift(group);                                                                  \
+    orin_vlm::gemv_mlp<T>(                                                                                           \
+        act, x,                                                                                                      \
+        orin_vlm::Int4Rows{gate_up, gate_up_scales, gate_up_offsets, hidden, (hidden + group - 1) / group, shift},  \
+        nullptr, y, orin_vlm::Int4Rows{down, down_scales, down_offsets, inter, (inter + group - 1) / group, shift}, \
+        nullptr, ORIN_GEMV_MLP_NORM, chain, inter, hidden);                                                          \
+  }

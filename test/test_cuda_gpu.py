@@ -240,6 +240,22 @@ def test_gpu_quantized_gemv_matches_the_torch_reference(backend, mode, dtype, n,
         torch.testing.assert_close(gemv(module, x).float(), expected, rtol=0, atol=tol)
 
 
+def _projection(gemv, mode: str, dtype: torch.dtype, n: int, k: int):
+    """A random N x K projection whose products ``gemv`` computes: float weights in ``dtype``, or quantized."""
+    from orin_vlm_node.model.gemv_linear import GemvLinear
+    from orin_vlm_node.model.quant import QuantizedLinear, WeightQuant
+
+    weight = torch.randn(n, k, device="cuda") * 0.02
+    if mode != "float":
+        module = QuantizedLinear.from_weight(weight, WeightQuant(mode, 128))
+        module.kernels = gemv
+        return module
+    linear = torch.nn.Linear(k, n, bias=False, device="cuda", dtype=dtype)
+    with torch.no_grad():
+        linear.weight.copy_(weight)
+    return GemvLinear(linear, gemv, rows=gemv.max_rows)
+
+
 @pytest.mark.parametrize("mode", ["float", "int8", "int4"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_gpu_norm_epilogue_gives_the_separate_launches_to_the_bit_eager_and_in_a_graph(backend, mode, dtype):
@@ -249,19 +265,10 @@ def test_gpu_norm_epilogue_gives_the_separate_launches_to_the_bit_eager_and_in_a
     replayed (the finish counter is zero again after each launch; dependent launches on sm_90)."""
     from orin_vlm_node.cuda.fused import CudaFusedOps
     from orin_vlm_node.cuda.gemv import CudaGemv
-    from orin_vlm_node.model.gemv_linear import GemvLinear
-    from orin_vlm_node.model.quant import QuantizedLinear, WeightQuant
 
     gemv, ops = CudaGemv(backend.launcher), CudaFusedOps(backend.launcher)
     for n, k in ((2048, 2048), (2048, 6144)):
-        weight = torch.randn(n, k, device="cuda") * 0.02
-        if mode == "float":
-            linear = torch.nn.Linear(k, n, bias=False, device="cuda", dtype=dtype)
-            with torch.no_grad():
-                linear.weight.copy_(weight)
-            module = GemvLinear(linear, gemv, rows=gemv.max_rows)
-        else:
-            module = QuantizedLinear.from_weight(weight, WeightQuant(mode, 128))
+        module = _projection(gemv, mode, dtype, n, k)
         norm_weight = (1 + 0.3 * torch.randn(n, device="cuda")).to(dtype)
         for rows in (1, 4, 8):
             x = torch.randn(rows, k, device="cuda").to(dtype)
@@ -283,6 +290,41 @@ def test_gpu_norm_epilogue_gives_the_separate_launches_to_the_bit_eager_and_in_a
 
 @pytest.mark.parametrize("mode", ["float", "int8", "int4"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_gpu_mlp_in_one_launch_gives_its_two_launches_to_the_bit_eager_and_in_a_graph(backend, mode, dtype):
+    """The 2B's MLP (gate/up 12288 x 2048, down 2048 x 6144) of one row in one launch: the SwiGLU product's
+    blocks, then the down product's, which wait for them (tickets and a count; more blocks than fit the GPU at
+    once with float weights), with the add + norm after it: the SwiGLU launch then the down launch with its
+    norm epilogue, to the bit, 20 launches in a row, and a CUDA graph of 28 of them (a token's layers, dependent
+    launches on sm_90) replayed; the chain's counters are zero after each."""
+    from orin_vlm_node.cuda.gemv import CudaGemv
+
+    gemv = CudaGemv(backend.launcher)
+    shapes = ((12288, 2048), (2048, 6144))  # gate/up, down
+    layers = [tuple(_projection(gemv, mode, dtype, *shape) for shape in shapes) for _ in range(4)]
+    norm_weight = (1 + 0.3 * torch.randn(2048, device="cuda")).to(dtype)
+    x = torch.randn(1, 2048, device="cuda").to(dtype)
+    residual = (3 * torch.randn(1, 2048, device="cuda")).to(dtype)
+    want = [gemv.add_rms_norm(down, gemv(up, x, swiglu=True), residual, norm_weight, 1e-6) for up, down in layers]
+    for i in range(20):
+        up, down = layers[i % len(layers)]
+        got = gemv.mlp_add_rms_norm(up, down, x, residual, norm_weight, 1e-6)
+        assert torch.equal(got[0], want[i % len(layers)][0]) and torch.equal(got[1], want[i % len(layers)][1])
+    assert not gemv._counters_on(x.device).any()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=stream):
+        captured = [gemv.mlp_add_rms_norm(*layers[i % len(layers)], x, residual, norm_weight, 1e-6) for i in range(28)]
+    for _ in range(4):
+        graph.replay()
+        torch.cuda.synchronize()
+        for i, (total, normed) in enumerate(captured):
+            assert torch.equal(total, want[i % len(layers)][0]) and torch.equal(normed, want[i % len(layers)][1])
+        assert not gemv._counters_on(x.device).any()
+
+
+@pytest.mark.parametrize("mode", ["float", "int8", "int4"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_gpu_heads_epilogue_gives_the_separate_launches_to_the_bit_eager_and_in_a_graph(backend, mode, dtype):
     """The 2B's q/k/v product (16 q heads, 8 k and 8 v heads of 128; K 2048) with the q/k norms, RoPE and the
     KV sink in its launch (the block that finishes a head last): the heads, the values and the pools of the
@@ -291,21 +333,12 @@ def test_gpu_heads_epilogue_gives_the_separate_launches_to_the_bit_eager_and_in_
     from orin_vlm_node.cuda.fused import CudaFusedOps
     from orin_vlm_node.cuda.gemv import CudaGemv
     from orin_vlm_node.kvcache import KVSink
-    from orin_vlm_node.model.gemv_linear import GemvLinear
-    from orin_vlm_node.model.quant import QuantizedLinear, WeightQuant
     from orin_vlm_node.model.rope import TextRopeTables
     from orin_vlm_node.model.text import HeadNorms
 
     gemv, ops = CudaGemv(backend.launcher), CudaFusedOps(backend.launcher)
     nq, nkv, hd, k = 16, 8, 128, 2048
-    weight = torch.randn((nq + 2 * nkv) * hd, k, device="cuda") * 0.02
-    if mode == "float":
-        linear = torch.nn.Linear(k, weight.shape[0], bias=False, device="cuda", dtype=dtype)
-        with torch.no_grad():
-            linear.weight.copy_(weight)
-        module = GemvLinear(linear, gemv, rows=gemv.max_rows)
-    else:
-        module = QuantizedLinear.from_weight(weight, WeightQuant(mode, 128))
+    module = _projection(gemv, mode, dtype, (nq + 2 * nkv) * hd, k)
     q_w, k_w = ((1 + 0.3 * torch.randn(hd, device="cuda")).to(dtype) for _ in range(2))
     norms = HeadNorms(q_w, k_w, nq, 1e-6)
     for rows in (1, 4, 8):

@@ -5,10 +5,11 @@ weight in the time the weight's bytes take to arrive, so the instructions a weig
 kernel changes to, and it can be read without a GPU. The kernel's module is compiled with the startup
 builder's flags (``build.compile_cubin``) for ``--arch``, disassembled with ``cuobjdump -sass`` (CUDA's
 ``cuobjdump``, next to ``nvcc`` or on PATH; the pip wheel ``nvidia-cuda-cuobjdump`` has it too), and the
-loop is the backward branch whose body loads the most 16-byte vectors (``LDG.E.128``): the GEMVs' vector
-loop. Printed: the loop's instruction count, its opcodes, and instructions a weight for the GEMV kernels
-(a lane's loop step reads ``kGemvInFlight`` = 8 weight vectors of 32 int4, 16 int8, 8 fp16/bf16 or 4 fp32
-weights).
+main loops are the backward branches whose bodies hold no other loop that loads 16-byte vectors
+(``LDG.E.128``) and, of those, load the most: the GEMVs' vector loop (an MLP kernel has two, its SwiGLU
+product's and its down product's; a branch around both is not a main loop). Printed for each: its
+instruction count, its opcodes, and instructions a weight for the GEMV kernels (a lane's loop step reads
+``kGemvInFlight`` = 8 weight vectors of 32 int4, 16 int8, 8 fp16/bf16 or 4 fp32 weights).
 """
 
 from __future__ import annotations
@@ -37,8 +38,11 @@ _PREDICATE = re.compile(r"^@!?U?P[T\d]+\s+")
 
 @dataclass(frozen=True)
 class Loop:
-    """The instructions of one loop body (its first to its backward branch), as disassembled."""
+    """The instructions of one loop body (its first, at ``start``, to its backward branch, at ``end``), as
+    disassembled."""
 
+    start: int
+    end: int
     instructions: list[str]
 
     @property
@@ -50,24 +54,30 @@ class Loop:
         return Counter(_PREDICATE.sub("", i).split()[0].split(".")[0] for i in self.instructions)
 
 
-def main_loop(sass: str) -> Loop:
-    """The loop of ``sass`` (one function's ``cuobjdump -sass`` text) whose body has the most 16-byte loads;
-    ValueError when it has no backward branch."""
+def main_loops(sass: str) -> list[Loop]:
+    """The loops of ``sass`` (one function's ``cuobjdump -sass`` text) that hold no other loop with 16-byte loads
+    and, of those, have the most 16-byte loads, in address order; ValueError when it has no backward branch."""
     code = [(int(m.group(1), 16), m.group(2)) for m in map(_INSTRUCTION.match, sass.splitlines()) if m]
     loops = []
     for address, text in code:
         branch = _BACKWARD.search(text)
         if branch and int(branch.group(1), 16) < address:
             start = int(branch.group(1), 16)
-            loops.append(Loop([t for a, t in code if start <= a <= address]))
+            loops.append(Loop(start, address, [t for a, t in code if start <= a <= address]))
     if not loops:
         raise ValueError("no loop (backward branch) in the disassembly")
-    return max(loops, key=lambda loop: (loop.vector_loads, len(loop.instructions)))
+
+    def holds_another(loop: Loop) -> bool:
+        return any(o is not loop and o.vector_loads and loop.start <= o.start <= o.end <= loop.end for o in loops)
+
+    inner = [loop for loop in loops if not holds_another(loop)]
+    most = max(loop.vector_loads for loop in inner)
+    return sorted((loop for loop in inner if loop.vector_loads == most), key=lambda loop: loop.start)
 
 
 def gemv_weights_per_step(kernel: str) -> int | None:
     """Weights one lane's loop step reads in a ``gemv_*`` kernel, else None."""
-    match = re.fullmatch(r"gemv_(float|int8|int4)(?:_swiglu)?_(f32|f16|bf16)_r\d+", kernel)
+    match = re.fullmatch(r"gemv_(?:mlp_)?(float|int8|int4)(?:_swiglu)?_(f32|f16|bf16)(?:_r\d+)?", kernel)
     if not match:
         return None
     mode, dtype = match.groups()
@@ -100,13 +110,13 @@ def main(argv: list[str] | None = None) -> int:
     if not cuobjdump:
         print("cuobjdump not found (set --cuobjdump; pip download nvidia-cuda-cuobjdump has one)", file=sys.stderr)
         return 1
-    loop = main_loop(disassemble(args.kernel, args.arch, nvcc, cuobjdump))
-    print(f"{args.kernel} ({args.arch}): main loop {len(loop.instructions)} instructions, "
-          f"{loop.vector_loads} 16-byte loads")  # fmt: skip
     weights = gemv_weights_per_step(args.kernel)
-    if weights:
-        print(f"  {weights} weights a lane's step: {len(loop.instructions) / weights:.2f} instructions a weight")
-    print("  " + " ".join(f"{n} {op}" for op, n in loop.opcodes().most_common()))
+    for loop in main_loops(disassemble(args.kernel, args.arch, nvcc, cuobjdump)):
+        print(f"{args.kernel} ({args.arch}): main loop {len(loop.instructions)} instructions, "
+              f"{loop.vector_loads} 16-byte loads")  # fmt: skip
+        if weights:
+            print(f"  {weights} weights a lane's step: {len(loop.instructions) / weights:.2f} instructions a weight")
+        print("  " + " ".join(f"{n} {op}" for op, n in loop.opcodes().most_common()))
     return 0
 
 

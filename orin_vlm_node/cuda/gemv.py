@@ -25,6 +25,11 @@ first memory round trip), two of them a layer here. A layer's fused q/k/v projec
 stores, in the product's launch (the block that finishes a head last normalises it), where the decoder would
 launch ``rms_norm_rope`` on the product. ``norm_epilogue`` False keeps the separate launches (the benchmark
 measures both).
+
+A decode row's MLP is one launch where both of its projections take the kernels (:meth:`CudaGemv.mlp_add_rms_norm`,
+``gemv_mlp``): the SwiGLU product, then the down product with its norm epilogue, whose blocks wait inside the
+launch for the SwiGLU blocks (ordered by tickets, see ``kernels/gemv.cuh``). ``mlp_chain`` False keeps a launch
+a product (the benchmark's ``mlp_chain`` part measures both).
 """
 
 from __future__ import annotations
@@ -107,7 +112,9 @@ class CudaGemv:
     capture stream: in a CUDA graph), what :meth:`faster_rows` measures with; None for products only.
     ``norm_epilogue``: whether the decoder's norms after a product run in the product's launch (the residual
     add + norm after an o or down product, :meth:`add_rms_norm`; the q/k norms + RoPE after the q/k/v product,
-    :meth:`norm_rope_heads`; module docstring)."""
+    :meth:`norm_rope_heads`; module docstring). ``mlp_chain``: whether a decode row's MLP (both products, the
+    activation, the add + norm after it) is one launch where both of its projections take the kernels
+    (:meth:`mlp_add_rms_norm`; needs ``norm_epilogue``)."""
 
     max_rows = L.GEMV_ROW_BUCKETS[-1]  # rows one launch takes
     # Rows a quantized weight takes, in launches of up to max_rows: every decode batch (max_batch is at most
@@ -120,6 +127,7 @@ class CudaGemv:
         self.launcher = launcher
         self.time_us = time_us
         self.norm_epilogue = True
+        self.mlp_chain = True
         self._fused = CudaFusedOps(launcher)  # what follows F.linear where the epilogues are not used
         # The epilogues' finish counters per device (zero between launches, which run in stream order),
         # allocated at the first, eager, launch: before any capture.
@@ -161,15 +169,43 @@ class CudaGemv:
         eps: float,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """:meth:`add_rms_norm` of a weight as stored."""
-        n = stored[0].shape[0]
-        if residual.shape != (x.shape[0], n) or weight.shape != (n,) or {residual.dtype, weight.dtype} != {x.dtype}:
-            raise ValueError(
-                f"a norm epilogue adds ({x.shape[0]}, {n}) rows with a ({n},) weight in {x.dtype}, got "
-                f"{tuple(residual.shape)} {residual.dtype} and {tuple(weight.shape)} {weight.dtype}"
-            )
-        residual = residual.contiguous()
-        norm = _NormEpilogue(residual, weight.contiguous(), torch.empty_like(residual), torch.empty_like(residual), eps)
+        norm = _norm_epilogue(x, stored[0].shape[0], residual, weight, eps)
         self._product(x, mode, stored, group, False, norm)
+        return norm.sum_out, norm.out
+
+    def mlp_chains(self, gate_up, down, x: torch.Tensor) -> bool:
+        """Whether :meth:`mlp_add_rms_norm` takes an MLP of these projections (each one whose kernels take rows
+        like ``x``) for rows ``x``: one row (the decode step of one sequence, where a launch's fixed cost weighs
+        most), both weights stored alike, while ``mlp_chain`` and ``norm_epilogue`` are on."""
+        return self.mlp_chain and self.norm_epilogue and x.shape[0] == 1 and _stored(gate_up)[::2] == _stored(down)[::2]
+
+    def mlp_add_rms_norm(
+        self, gate_up, down, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """An MLP of one row ``x`` (1, D) in one launch (``gemv_mlp``, kernels/gemv.cuh): silu(gate) * up through
+        the fused ``gate_up`` projection, then the ``down`` projection added to ``residual`` (1, D) and normalised
+        with ``weight`` (D,): (sum, normed), what :meth:`add_rms_norm` of ``down`` on ``self(gate_up, x,
+        swiglu=True)`` returns, to the bit."""
+        (mode, up_stored, group), (down_mode, down_stored, down_group) = _stored(gate_up), _stored(down)
+        rows, hidden = x.shape
+        inter = up_stored[0].shape[0] // 2
+        stored_columns = (lambda k: -(-k // 2)) if mode == "int4" else (lambda k: k)
+        if (
+            rows != 1
+            or (down_mode, down_group) != (mode, group)
+            or up_stored[0].shape != (2 * inter, stored_columns(hidden))
+            or down_stored[0].shape != (hidden, stored_columns(inter))
+        ):
+            raise ValueError(
+                f"an MLP launch takes one row and gate/up (2I, D) and down (D, I) weights stored alike, got {rows} "
+                f"rows of {hidden}, {mode} {tuple(up_stored[0].shape)} and {down_mode} {tuple(down_stored[0].shape)}"
+            )
+        norm = _norm_epilogue(x, hidden, residual, weight, eps)
+        act = torch.empty((1, inter), dtype=x.dtype, device=x.device)
+        y = torch.empty((1, hidden), dtype=x.dtype, device=x.device)
+        chain = self._counters_on(x.device)[: L.MLP_CHAIN_COUNTERS]  # the counters the launch takes, no more
+        args = [act, x.contiguous(), *up_stored, y, *down_stored, norm.residual, norm.weight, norm.sum_out, norm.out]
+        self.launcher.launch(L.gemv_mlp_launch(mode, inter, hidden, x.dtype), [*args, chain, inter, hidden, group, eps])
         return norm.sum_out, norm.out
 
     def norm_rope_heads(
@@ -323,6 +359,18 @@ class CudaGemv:
         if kind == "norm":
             return self._fused.add_rms_norm(extra[0], y, *extra[1:])[1]
         return self._fused.norm_rope_product(y, *extra)[0] if kind == "heads" else y
+
+
+def _norm_epilogue(x: torch.Tensor, n: int, residual: torch.Tensor, weight: torch.Tensor, eps: float) -> _NormEpilogue:
+    """The norm epilogue of a product of rows ``x`` with ``n`` outputs into ``residual`` (L, n) with the norm
+    ``weight`` (n,), its outputs allocated; ValueError for a residual or weight of another shape or dtype."""
+    if residual.shape != (x.shape[0], n) or weight.shape != (n,) or {residual.dtype, weight.dtype} != {x.dtype}:
+        raise ValueError(
+            f"a norm epilogue adds ({x.shape[0]}, {n}) rows with a ({n},) weight in {x.dtype}, got "
+            f"{tuple(residual.shape)} {residual.dtype} and {tuple(weight.shape)} {weight.dtype}"
+        )
+    residual = residual.contiguous()
+    return _NormEpilogue(residual, weight.contiguous(), torch.empty_like(residual), torch.empty_like(residual), eps)
 
 
 def _timed_epilogue(epilogue: str, x: torch.Tensor, n: int) -> tuple:

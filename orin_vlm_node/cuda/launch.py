@@ -72,6 +72,7 @@ KERNEL_MODULES: dict[str, tuple[str, ...]] = {
         )
         for epilogue in GEMV_EPILOGUES
     },
+    "gemv_mlp": tuple(f"gemv_mlp_{mode}_{t}" for mode in GEMV_MODES for t in DTYPE_TAGS.values()),
     "rms_norm": tuple(f"{kind}_{t}" for kind in NORM_KERNELS for t in DTYPE_TAGS.values()),
     "silu_mul": tuple(f"silu_mul_{t}" for t in DTYPE_TAGS.values()),
 }
@@ -83,6 +84,8 @@ ARG_KINDS: dict[str, tuple[str, ...]] = {
     "paged_kv_write": ("ptr",) * 5 + ("i32",),
     # after the weight's pointers the norm epilogue's 5 and the heads epilogue's 8; after the sizes the heads'
     "gemv": ("ptr",) * 18 + ("i32",) * 7 + ("f32",),
+    # act, x, the gate/up weight's 3, y, the down weight's 3, the norm epilogue's 4, the chain's counters
+    "gemv_mlp": ("ptr",) * 14 + ("i32",) * 3 + ("f32",),
     "rms_norm": ("ptr",) * 4 + ("i32",) * 4 + ("f32",),
     "rms_norm_rope": ("ptr",) * 10 + ("i32",) * 5 + ("f32",),
     "add_rms_norm": ("ptr",) * 5 + ("i32", "f32"),
@@ -308,6 +311,20 @@ def gemv_launch(mode: str, rows: int, out_features: int, dtype: object, swiglu: 
     grid = (math.ceil(out_features / (GEMV_WARPS * GEMV_COLUMNS[mode, swiglu])), 1, 1)
     kernel = f"gemv_{mode}{GEMV_EPILOGUES[swiglu]}_{tag}_r{bucket}"
     return _checked(LaunchConfig(kernel, grid, (GEMV_WARPS * WARP_SIZE, 1, 1), 0))
+
+
+MLP_CHAIN_COUNTERS = 4  # the counters a gemv_mlp launch takes (kernels/gemv.cuh: gemv_mlp)
+
+
+def gemv_mlp_launch(mode: str, inter: int, hidden: int, dtype: object) -> LaunchConfig:
+    """The MLP of one decode row in one launch (``gemv_mlp_<mode>_<dtype>``): the SwiGLU product's blocks (``inter``
+    output columns) and then the down product's (``hidden`` columns), as :func:`gemv_launch` sizes each, in one
+    grid; the kernel orders them by the tickets its blocks take, not by their index."""
+    if mode not in GEMV_MODES:
+        raise UnsupportedShape(f"no GEMV kernels for weights stored as {mode!r}; supported: {GEMV_MODES}")
+    blocks = sum(gemv_launch(mode, 1, n, dtype, swiglu).grid[0] for n, swiglu in ((inter, True), (hidden, False)))
+    tag = DTYPE_TAGS[dtype_name(dtype)]
+    return _checked(LaunchConfig(f"gemv_mlp_{mode}_{tag}", (blocks, 1, 1), (GEMV_WARPS * WARP_SIZE, 1, 1), 0))
 
 
 def rows_in_place(t) -> bool:

@@ -92,7 +92,7 @@ class Qwen3VLModel(nn.Module):
                 # (docs/architecture.md, pitfall 7).
                 x, delta = x + delta.value(), None
                 x = x.index_add(0, visual_rows, vision.deepstack[index].to(x.device, x.dtype))
-        # Only the rows whose logits are wanted go through the last down projection, the final add and norm (no
+        # Only the rows whose logits are wanted go through the last layer's MLP, the final add and norm (no
         # host tensor here: a decode step is captured in a CUDA graph).
         rows = logits_index.to(x.device) if logits_index is not None else None
         x = x[-1:] if rows is None else x.index_select(0, rows)

@@ -10,7 +10,10 @@ kernel's launch does (its norm epilogue).
 No biases anywhere. RMSNorm multiplies by its weight *after* casting back to the input dtype
 (docs/architecture.md, pitfall 8); that order is what makes bf16 results match transformers.
 With the GPU's GEMV kernels a decode step's SwiGLU is the gate/up kernel's epilogue (:func:`swiglu`), and its
-q/k norms + RoPE the q/k/v kernel's (:meth:`SelfAttention.norm_rope_heads`).
+q/k norms + RoPE the q/k/v kernel's (:meth:`SelfAttention.norm_rope_heads`). The MLP's output is passed on with
+both of its products not computed yet (a :class:`Product` with its ``mlp``), so at one row the kernels run the
+whole MLP and the add + norm after it in one launch (:func:`mlp_in_one_launch`), and a prefill's last layer
+computes its MLP for the rows whose logits are asked for only.
 """
 
 from __future__ import annotations
@@ -73,30 +76,43 @@ class HeadNorms(NamedTuple):
 
 
 class Product(NamedTuple):
-    """A projection's output not computed yet: ``proj`` applied to rows ``x`` (L, K). The residual add it feeds
-    computes it (:func:`add_rms_norm`), in the projection kernel's launch where it can."""
+    """A projection's output not computed yet: ``proj`` applied to rows ``x`` (L, K), or with ``mlp`` (the MLP whose
+    down projection ``proj`` is) to the activation of the MLP's input rows ``x``, not computed yet either. The
+    residual add it feeds computes it (:func:`add_rms_norm`), in the projection kernel's launch where it can (with
+    ``mlp``, both of the MLP's products in one launch where the kernels chain them)."""
 
     x: torch.Tensor
     proj: nn.Module
+    mlp: MLP | None = None
 
     def value(self) -> torch.Tensor:
         """(L, N)."""
-        return project(self.x, self.proj)
+        return project(self.operand(), self.proj)
+
+    def operand(self) -> torch.Tensor:
+        """The rows ``proj`` multiplies: x, or the MLP's activation of x."""
+        return self.x if self.mlp is None else swiglu(self.x, self.mlp.gate_up_proj, self.mlp.fused)
 
     def rows(self, index: torch.Tensor | None) -> Product:
-        """The product of rows ``index`` of x (None: the last row)."""
-        return Product(self.x[-1:] if index is None else self.x.index_select(0, index), self.proj)
+        """The product of rows ``index`` of x (None: the last row); the MLP works row by row."""
+        return Product(self.x[-1:] if index is None else self.x.index_select(0, index), self.proj, self.mlp)
 
 
 def add_rms_norm(norm: RMSNorm, x: torch.Tensor, delta: Product | None) -> tuple[torch.Tensor, torch.Tensor]:
     """The residual add ``x + delta.value()`` (none when ``delta`` is None) and ``norm`` of the sum: (sum,
     normed), both (L, D). With the fused kernels attached one kernel adds and normalises, and where the
-    projection's GEMV kernels take the rows and run the norm epilogue, the product's own launch does."""
+    projection's GEMV kernels take the rows and run the norm epilogue, the product's own launch does; where
+    the delta is an MLP's whose products the kernels chain, the MLP's one launch does."""
     if delta is None:
         return x, rms_norm(norm, x)
     if norm.fused is None:
         x = x + delta.value()
         return x, rms_norm(norm, x)
+    if delta.mlp is not None:
+        gate_up = delta.mlp.gate_up_proj
+        if mlp_in_one_launch(gate_up, delta.proj, delta.x):
+            return gate_up.kernels.mlp_add_rms_norm(gate_up, delta.proj, delta.x, x, norm.weight, norm.eps)
+        delta = Product(delta.operand(), delta.proj)
     if gemv_takes(delta.proj, delta.x) and delta.proj.kernels.norm_epilogue:
         return delta.proj.kernels.add_rms_norm(delta.proj, delta.x, x, norm.weight, norm.eps)
     return norm.fused.add_rms_norm(x, delta.value(), norm.weight, norm.eps)
@@ -135,6 +151,13 @@ def gemv_takes(proj: nn.Module, x: torch.Tensor) -> bool:
     attribute asked of the module itself goes through nn.Module.__getattr__'s exception, on every decode step."""
     kernel_takes = getattr(type(proj), "kernel_takes", None)
     return kernel_takes is not None and kernel_takes(proj, x)
+
+
+def mlp_in_one_launch(gate_up: nn.Module, down: nn.Module, x: torch.Tensor) -> bool:
+    """Whether the GEMV kernels compute an MLP's products of input rows ``x`` in one launch (gate/up and its
+    activation, then down and the add + norm after it): both projections' kernels take rows like x (the
+    activation has x's rows and dtype, in a buffer the launch allocates) and chain them (``CudaGemv.mlp_chains``)."""
+    return gemv_takes(gate_up, x) and gemv_takes(down, x) and gate_up.kernels.mlp_chains(gate_up, down, x)
 
 
 def project(x: torch.Tensor, linear: nn.Module) -> torch.Tensor:
@@ -216,8 +239,9 @@ class MLP(nn.Module):
         self.fused = None  # as RMSNorm's: the fused kernels when loaded
 
     def forward(self, x: torch.Tensor) -> Product:
-        """The activation of rows ``x`` (L, hidden) and the down projection it goes through, not yet applied."""
-        return Product(swiglu(x, self.gate_up_proj, self.fused), self.down_proj)
+        """The MLP of rows ``x`` (L, hidden), not computed yet: its activation and the down projection it goes
+        through are left to the residual add after it (:func:`add_rms_norm`), which may run both in one launch."""
+        return Product(x, self.down_proj, self)
 
 
 def product_epilogue(parent: nn.Module, attr: str) -> str:
