@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from cuda_harness.harness import HarnessError, RecordingLauncher
-from cuda_harness.static_step import run_static_decode
+from cuda_harness.static_step import PROMPTS, run_static_decode
 
 from orin_vlm_node.cuda import launch as L
 from orin_vlm_node.cuda.fused import CudaFusedOps
@@ -593,13 +593,15 @@ def test_gemv_launch_picks_the_rows_bucket_and_refuses_what_no_kernel_takes():
     assert gemv.fits(half, torch.randn(2, 32).half())
 
 
+@pytest.mark.parametrize("prompts", [PROMPTS, (7,)], ids=["three", "one"])
 @pytest.mark.parametrize("mode", ["none", "int4"])
-def test_a_static_decode_step_stores_kv_from_the_q_k_v_products_launch(harness, tmp_path, mode):
+def test_a_static_decode_step_stores_kv_from_the_q_k_v_products_launch(harness, tmp_path, mode, prompts):
     """The static decode step (what a CUDA graph captures) with the GEMV kernels and the attention kernel,
-    three sequences of different lengths in buffers of four (one padding row), crossing pages: the q/k/v
-    product's launch normalises and rotates the heads and stores the step's K/V at their slots, and logits and
-    the pool are those of the step with the separate norm + RoPE launch storing them, bit for bit; a layer
-    is then 5 launches (q/k/v, attention, o, gate/up, down)."""
+    three sequences of different lengths in buffers of four (one padding row), or one sequence alone, crossing
+    pages: the q/k/v product's launch normalises and rotates the heads and stores the step's K/V at their slots,
+    and logits and the pool are those of the step with the separate launches (norm + RoPE storing them, add +
+    norm, a launch a product), bit for bit; a layer is then 5 launches (q/k/v, attention, o, gate/up, down), 4
+    for one sequence (the MLP one launch)."""
     from orin_vlm_node.cuda import CudaPagedAttention
     from orin_vlm_node.model.text import attach_fused_ops
     from support.checkpoints import make_tiny_checkpoint
@@ -614,7 +616,7 @@ def test_a_static_decode_step_stores_kv_from_the_q_k_v_products_launch(harness, 
     def run(epilogue: bool) -> tuple[list[torch.Tensor], torch.Tensor, list[list[str]]]:
         gemv.norm_epilogue = epilogue
         attention = CudaPagedAttention(launcher, sm_count=16, min_tokens_per_split=16)
-        return run_static_decode(model, torch.float32, attention, launcher.kernels, steps=4)
+        return run_static_decode(model, torch.float32, attention, launcher.kernels, steps=4, prompts=prompts)
 
     fused, separate = run(epilogue=True), run(epilogue=False)
     for a, b in zip(fused[0], separate[0], strict=True):
@@ -623,7 +625,9 @@ def test_a_static_decode_step_stores_kv_from_the_q_k_v_products_launch(harness, 
     layers = model.config.text.num_hidden_layers
     for kernels in fused[2]:
         assert not any(k.startswith(("rms_norm_rope", "add_rms_norm", "paged_kv_write")) for k in kernels)
-        assert len(kernels) == 2 + 5 * layers + 1  # the RoPE tables, the input norm, 5 a layer, the LM head
+        per_layer = 5 if len(prompts) > 1 else 4  # one sequence: the MLP one launch
+        assert kernels.count(f"gemv_mlp_{'float' if mode == 'none' else mode}_f32") == layers * (per_layer == 4)
+        assert len(kernels) == 2 + per_layer * layers + 1  # the RoPE tables, the input norm, the layers, the LM head
     assert all(kernels.count("rms_norm_rope_f32") == layers for kernels in separate[2])
 
 

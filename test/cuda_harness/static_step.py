@@ -15,12 +15,17 @@ PROMPTS = (5, 9, 3)  # three sequences of different lengths: a bucket of four, o
 
 
 def run_static_decode(
-    model: nn.Module, dtype: torch.dtype, attention_impl, launched: list[str], steps: int
+    model: nn.Module,
+    dtype: torch.dtype,
+    attention_impl,
+    launched: list[str],
+    steps: int,
+    prompts: tuple[int, ...] = PROMPTS,
 ) -> tuple[list[torch.Tensor], torch.Tensor, list[list[str]]]:
-    """Prefill three prompts into a fresh paged cache of ``dtype`` (``attention_impl``; pages of 4, so the
-    steps cross pages), then ``steps`` greedy static decode steps of all three: each step's logits (3, vocab), the KV
-    pool after the last, and the kernels each step launched (``launched``: a ``RecordingLauncher``'s list,
-    cleared before each step)."""
+    """Prefill prompts of the lengths ``prompts`` (three by default) into a fresh paged cache of ``dtype``
+    (``attention_impl``; pages of 4, so the steps cross pages), then ``steps`` greedy static decode steps of all of
+    them: each step's logits (sequences, vocab), the KV pool after the last, and the kernels each step launched
+    (``launched``: a ``RecordingLauncher``'s list, cleared before each step)."""
     cfg = model.config.text
     cache = PagedKVCache(
         KVCacheConfig(
@@ -31,7 +36,7 @@ def run_static_decode(
     )  # fmt: skip
     step = StaticDecodeStep(model, cache, torch.device("cpu"), use_graphs=False, max_batch=4)
     seqs, tokens = [], []
-    for n in PROMPTS:
+    for n in prompts:
         prompt = torch.arange(10, 10 + n)
         seq = cache.new_sequence()
         positions, _ = mrope_positions(prompt, None, model.config.image_token_id, 2)
@@ -42,7 +47,7 @@ def run_static_decode(
         for seq, token in zip(seqs, tokens, strict=True):
             step.prepare(seq, token, 0)
         launched.clear()
-        out = step.run()  # (3, vocab): the bucket of 4 with one padding row
+        out = step.run()  # (sequences, vocab): three in the bucket of 4 with one padding row, one alone
         kernels.append(list(launched))
         logits.append(out.clone())
         tokens = out.argmax(-1).tolist()
