@@ -535,6 +535,12 @@ __device__ __forceinline__ void gemv(T* __restrict__ y, const T* __restrict__ x,
 // Between the halves of the kernel prologue each block asks L2 for the weight rows of the tile of its own index
 // (every tile's rows are asked for once, whichever block computes that tile), as every GEMV does: on sm_90 they
 // stream in while the kernel before this one finishes (dependent launch); before sm_90 prefetch_l2 is empty.
+// Blocks an SM must hold at once, the register bound the MLP kernels are compiled with: 7 of 128 threads leave
+// each 72 registers, the plain products' count on sm_90. Left alone ptxas gave the INT4 kernel 96 on sm_90 (the
+// SwiGLU kernel's): 5 blocks an SM, and the 2B's INT4 MLP (896 blocks) in two waves on an H200's 132 SMs instead
+// of one. Bounded, no spills and both main loops within 1% of their instructions unbounded (tools/sass_loop).
+constexpr int kMlpBlocksPerSm = 7;
+
 template <typename T, typename Rows>
 __device__ __forceinline__ void gemv_mlp(T* __restrict__ act, const T* __restrict__ x, const Rows& gate_up,
                                          const __half* __restrict__ gate_up_scales, T* __restrict__ y, const Rows& down,
@@ -635,17 +641,18 @@ __device__ __forceinline__ int group_shift(int group) {
       const W *down, const __half *down_scales, const __half *down_offsets, const T *residual,                    \
       const T *norm_weight, T *sum_out, T *normed, unsigned *chain, int inter, int hidden, int group, float eps
 #define ORIN_GEMV_MLP_NORM {residual, norm_weight, sum_out, normed, chain + 2, eps}
+#define ORIN_GEMV_MLP_BOUNDS __launch_bounds__(orin_vlm::kGemvWarps * orin_vlm::kWarpSize, orin_vlm::kMlpBlocksPerSm)
 #define ORIN_GEMV_MLP_KERNELS_E(DT, T)                                                                               \
-  extern "C" __global__ void gemv_mlp_float_##DT(ORIN_GEMV_MLP_PARAMS(T, T)) {                                      \
+  extern "C" __global__ void ORIN_GEMV_MLP_BOUNDS gemv_mlp_float_##DT(ORIN_GEMV_MLP_PARAMS(T, T)) {                                      \
     orin_vlm::gemv_mlp<T>(act, x, orin_vlm::DenseRows<T>{gate_up, hidden}, nullptr, y,                             \
                           orin_vlm::DenseRows<T>{down, inter}, nullptr, ORIN_GEMV_MLP_NORM, chain, inter, hidden);  \
   }                                                                                                                  \
-  extern "C" __global__ void gemv_mlp_int8_##DT(ORIN_GEMV_MLP_PARAMS(T, int8_t)) {                                  \
+  extern "C" __global__ void ORIN_GEMV_MLP_BOUNDS gemv_mlp_int8_##DT(ORIN_GEMV_MLP_PARAMS(T, int8_t)) {                                  \
     orin_vlm::gemv_mlp<T>(act, x, orin_vlm::DenseRows<int8_t>{gate_up, hidden}, gate_up_scales, y,                  \
                           orin_vlm::DenseRows<int8_t>{down, inter}, down_scales, ORIN_GEMV_MLP_NORM, chain, inter,  \
                           hidden);                                                                                   \
   }                                                                                                                  \
-  extern "C" __global__ void gemv_mlp_int4_##DT(ORIN_GEMV_MLP_PARAMS(T, uint8_t)) {                                 \
+  extern "C" __global__ void ORIN_GEMV_MLP_BOUNDS gemv_mlp_int4_##DT(ORIN_GEMV_MLP_PARAMS(T, uint8_t)) {                                 \
     const int shift = orin_vlm::group_shift(group);                                                                  \
     orin_vlm::gemv_mlp<T>(                                                                                           \
         act, x,                                                                                                      \
