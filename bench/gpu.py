@@ -445,17 +445,63 @@ def _bench_weights(gemv, n: int, k: int, copies: int, device) -> tuple[list, lis
     return weights, floats, [QuantizedLinear.from_weight(w, WeightQuant("int4")) for w in weights]
 
 
-def epilogue_sides(launcher, name: str, n: int, k: int, heads: tuple[int, int, int], copies: int, device) -> dict:
-    """What the ``epilogues`` part times for projection ``name`` (``"qkv"``, ``"o"`` / ``"down"``, or ``"mlp"``) of
-    N x K, one fp16 row: side -> (fn, items), ``fn(next item)`` one call. The product then the launch its
-    epilogue replaces (``rms_norm_rope`` into a KV sink after q/k/v, ``add_rms_norm`` after o and down), after
-    cuBLAS's product and after the kernel's, and the kernel's product with the epilogue in its launch, on fp16
-    weights and INT4 weights (``copies`` distinct weights each, called in turn). For ``"mlp"`` (N x K: the down
-    projection's; the gate/up weight 2K x N) the MLP of a row with the add + norm after it: cuBLAS's products with
-    ``silu_mul`` and ``add_rms_norm``, the kernels' SwiGLU launch then the down launch with its norm epilogue, and
-    both in one launch (``gemv_mlp``)."""
+def _chain_sides(gemv, ops, name: str, hidden: int, inter: int, attn: int, copies: int, device) -> dict:
+    """``epilogue_sides`` of a chained launch of one fp16 row: ``"mlp"`` (gate/up 2I x D + SwiGLU, down D x I + add +
+    norm) or ``"tail"`` (o D x A + add + norm before those). cuBLAS's products with the ``silu_mul`` and
+    ``add_rms_norm`` launches; the kernels' launches as the decoder runs them without the chain (the SwiGLU launch
+    then the down launch with its norm epilogue; for the tail the o launch with its norm epilogue then the MLP's
+    launch); and the chain's one launch (``gemv_mlp``, ``gemv_tail``)."""
     import torch
     import torch.nn.functional as F
+
+    x = torch.randn(1, attn if name == "tail" else hidden, device=device).to(torch.float16)
+    residual, norm_weight = x.new_zeros((1, hidden)), x.new_ones(hidden)
+    shapes = [(2 * inter, hidden), (hidden, inter)]
+    if name == "tail":
+        shapes.insert(0, (hidden, attn))
+    kinds = zip(*(_bench_weights(gemv, *shape, copies, device) for shape in shapes), strict=True)
+    weights, floats, int4 = ([list(layer) for layer in zip(*kind, strict=True)] for kind in kinds)
+
+    def cublas_mlp(h, r, ws):  # the MLP of rows h added to r and normalised, cuBLAS's products
+        return ops.add_rms_norm(r, F.linear(ops.silu_mul(F.linear(h, ws[0])), ws[1]), norm_weight, 1e-6)
+
+    def cublas_tail(ws):
+        total, normed = ops.add_rms_norm(residual, F.linear(x, ws[0]), norm_weight, 1e-6)
+        return cublas_mlp(normed, total, ws[1:])
+
+    def kernels_mlp(ms):  # without the chain: the SwiGLU launch, then the down launch with its norm epilogue
+        return gemv.add_rms_norm(ms[1], gemv(ms[0], x, swiglu=True), residual, norm_weight, 1e-6)
+
+    def kernels_tail(ms):  # without the tail's chain: the o launch with its norm epilogue, then the MLP's launch
+        total, normed = gemv.add_rms_norm(ms[0], x, residual, norm_weight, 1e-6)
+        return gemv.mlp_add_rms_norm(*ms[1:], normed, total, norm_weight, 1e-6)
+
+    def one_launch(ms):
+        if name == "mlp":
+            return gemv.mlp_add_rms_norm(*ms, x, residual, norm_weight, 1e-6)
+        return gemv.tail_add_rms_norm(ms, x, residual, (norm_weight, 1e-6), norm_weight, 1e-6)
+
+    if name == "mlp":
+        cublas, then = (lambda ws: cublas_mlp(x, residual, ws)), kernels_mlp
+    else:
+        cublas, then = cublas_tail, kernels_tail
+    return {
+        "fp16_cublas_then": (cublas, weights),
+        "fp16_kernel_then": (then, floats),
+        "fp16_kernel_fused": (one_launch, floats),
+        "int4_then": (then, int4),
+        "int4_fused": (one_launch, int4),
+    }
+
+
+def epilogue_sides(launcher, name: str, n: int, k: int, heads: tuple[int, int, int], copies: int, device) -> dict:
+    """What the ``epilogues`` part times for projection ``name`` (``"qkv"``, ``"o"`` / ``"down"``, or a chain:
+    ``"mlp"``, ``"tail"``) of N x K, one fp16 row: side -> (fn, items), ``fn(next item)`` one call. The product
+    then the launch its epilogue replaces (``rms_norm_rope`` into a KV sink after q/k/v, ``add_rms_norm`` after o
+    and down), after cuBLAS's product and after the kernel's, and the kernel's product with the epilogue in its
+    launch, on fp16 weights and INT4 weights (``copies`` distinct weights each, called in turn). A chain's N x K is
+    the down projection's (``_chain_sides``)."""
+    import torch
 
     from orin_vlm_node.cuda.fused import CudaFusedOps
     from orin_vlm_node.cuda.gemv import CudaGemv
@@ -464,28 +510,11 @@ def epilogue_sides(launcher, name: str, n: int, k: int, heads: tuple[int, int, i
     from orin_vlm_node.model.text import HeadNorms
 
     gemv, ops = CudaGemv(launcher), CudaFusedOps(launcher)
-    x = torch.randn(1, n if name == "mlp" else k, device=device).to(torch.float16)
-    if name == "mlp":
-        residual, norm_weight = x.new_zeros((1, n)), x.new_ones(n)
-        ups, downs = (_bench_weights(gemv, *shape, copies, device) for shape in ((2 * k, n), (n, k)))
+    if name in ("mlp", "tail"):
+        return _chain_sides(gemv, ops, name, n, k, heads[0] * heads[2], copies, device)
+    import torch.nn.functional as F
 
-        def cublas(ws):
-            return ops.add_rms_norm(residual, F.linear(ops.silu_mul(F.linear(x, ws[0])), ws[1]), norm_weight, 1e-6)
-
-        def then(ms):
-            return gemv.add_rms_norm(ms[1], gemv(ms[0], x, swiglu=True), residual, norm_weight, 1e-6)
-
-        def one_launch(ms):
-            return gemv.mlp_add_rms_norm(*ms, x, residual, norm_weight, 1e-6)
-
-        pairs = [list(zip(up, down, strict=True)) for up, down in zip(ups, downs, strict=True)]
-        return {
-            "fp16_cublas_then": (cublas, pairs[0]),
-            "fp16_kernel_then": (then, pairs[1]),
-            "fp16_kernel_fused": (one_launch, pairs[1]),
-            "int4_then": (then, pairs[2]),
-            "int4_fused": (one_launch, pairs[2]),
-        }
+    x = torch.randn(1, k, device=device).to(torch.float16)
     weights, floats, int4 = _bench_weights(gemv, n, k, copies, device)
     if name == "qkv":
         q_heads, kv_heads, dim = heads
@@ -533,8 +562,8 @@ def _epilogues(torch, ctx: BenchContext, res: SectionResult) -> None:
     shapes, heads, launcher = found
     stream = torch.cuda.Stream()  # every timing graph's capture stream
     copies = 8
-    for name in ("qkv", "o", "down", "mlp"):
-        n, k = shapes["down" if name == "mlp" else name]
+    for name in ("qkv", "o", "down", "mlp", "tail"):
+        n, k = shapes["down" if name in ("mlp", "tail") else name]
         for side, (fn, items) in epilogue_sides(launcher, name, n, k, heads, copies, "cuda").items():
             turn = itertools.cycle(items)
             us = [
@@ -600,6 +629,19 @@ def _gemv_kernels(engine):
     return next((k for m in engine.model.modules() if isinstance(k := getattr(m, "kernels", None), CudaGemv)), None)
 
 
+def _gemv_switch(name: str):
+    """``_on_and_off``'s toggle of the engine's GEMV kernels' switch ``name`` (``CudaGemv.mlp_chain``, ...)."""
+
+    def toggle(engine, on: bool) -> str | None:
+        kernels = _gemv_kernels(engine)
+        if not kernels:
+            return "the engine has no GEMV kernels attached"
+        setattr(kernels, name, on)
+        return None
+
+    return toggle
+
+
 def _norm_epilogue(ctx: BenchContext, res: SectionResult, model_dir: Path) -> None:
     """What running each norm in the launch of the GEMV product before it gains a token: the residual adds +
     RMSNorms after the o and down products, the q/k norms + RoPE + KV sink after the q/k/v product (fp16
@@ -619,18 +661,18 @@ def _norm_epilogue(ctx: BenchContext, res: SectionResult, model_dir: Path) -> No
 
 
 def _mlp_chain(ctx: BenchContext, res: SectionResult, model_dir: Path) -> None:
-    """What computing each layer's MLP in one launch gains a token (gate/up + SwiGLU, then down + add + norm,
-    ``gemv_mlp``) against a launch a product (INT4: every layer; fp16 weights: the layers whose gate/up and down
-    products both are the kernel's, not cuBLAS's)."""
+    """What computing a layer's products after its attention in one launch gains a token (o + add + norm, gate/up +
+    SwiGLU, down + add + norm: ``gemv_tail``) against a launch a product (INT4: every layer; fp16 weights: the
+    layers whose o, gate/up and down products all are the kernel's, not cuBLAS's)."""
+    _on_and_off(
+        ctx, res, model_dir, "mlp_chain", "the products between two attentions in one launch", _gemv_switch("mlp_chain")
+    )
 
-    def toggle(engine, on: bool) -> str | None:
-        kernels = _gemv_kernels(engine)
-        if not kernels:
-            return "the engine has no GEMV kernels attached"
-        kernels.mlp_chain = on
-        return None
 
-    _on_and_off(ctx, res, model_dir, "mlp_chain", "the MLP in one launch", toggle)
+def _tail_chain(ctx: BenchContext, res: SectionResult, model_dir: Path) -> None:
+    """What joining each layer's o product (and the add + norm after it) to its MLP's launch gains a token: 3
+    launches a layer against 4 (``gemv_tail`` against the o launch and ``gemv_mlp``)."""
+    _on_and_off(ctx, res, model_dir, "tail_chain", "the o product in the MLP's launch", _gemv_switch("tail_chain"))
 
 
 def _batching(ctx: BenchContext, res: SectionResult, model_dir: Path) -> None:
@@ -676,8 +718,8 @@ def _startup_and_memory(torch, ctx: BenchContext, res: SectionResult, model_dir:
 
 
 # The parts besides the decode of each dtype, in the order they run after the first dtype's decode.
-OTHER_PARTS = ("step_profile", "startup_memory", "kernels", "gemv", "quant", "norm_epilogue", "mlp_chain", "epilogues",
-               "pdl", "step_profile_int4", "batching")  # fmt: skip
+OTHER_PARTS = ("step_profile", "startup_memory", "kernels", "gemv", "quant", "norm_epilogue", "mlp_chain", "tail_chain",
+               "epilogues", "pdl", "step_profile_int4", "batching")  # fmt: skip
 
 
 def part_names(dtypes: Sequence[str], chosen: Sequence[str] = ()) -> list[str]:
@@ -748,6 +790,7 @@ def run(ctx: BenchContext) -> SectionResult:
         "pdl": functools.partial(_dependent_launch, ctx, res, model_dir),
         "norm_epilogue": functools.partial(_norm_epilogue, ctx, res, model_dir),
         "mlp_chain": functools.partial(_mlp_chain, ctx, res, model_dir),
+        "tail_chain": functools.partial(_tail_chain, ctx, res, model_dir),
         "epilogues": functools.partial(_epilogues, torch, ctx, res),
         "batching": functools.partial(_batching, ctx, res, model_dir),
     }

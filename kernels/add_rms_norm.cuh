@@ -5,8 +5,9 @@
 //
 // sum = x + delta rounded to the storage type (torch's add), written to sum_out; out = weight * cast(sum *
 // rsqrt(mean(sum^2) + eps)), the product with the weight after the cast back and rounded again (Qwen3's
-// RMSNorm), the mean as sum * (1 / dim). delta is read with __ldcg (through L2, not the read-only cache):
-// in the epilogue other blocks of the same launch wrote it.
+// RMSNorm), the mean as sum * (1 / dim). delta and x are read with __ldcg (through L2, not the read-only
+// cache): in the epilogue other blocks of the same launch wrote delta, and in a chained launch (gemv.cuh) the
+// residual x too (the down product's residual is the o product's sum).
 #pragma once
 
 #include "attention_common.cuh"
@@ -49,7 +50,7 @@ __device__ __forceinline__ void add_rms_norm_vec(T* __restrict__ sum_out, T* __r
   for (int v = 0; v < kNormVecs; ++v) {
     const int d = (v * kNormThreads + static_cast<int>(threadIdx.x)) * kElems;
     const bool in = d < dim;
-    xr[v] = in ? __ldg(reinterpret_cast<const uint4*>(x + d)) : make_uint4(0, 0, 0, 0);
+    xr[v] = in ? __ldcg(reinterpret_cast<const uint4*>(x + d)) : make_uint4(0, 0, 0, 0);
     dr[v] = in ? __ldcg(reinterpret_cast<const uint4*>(delta + d)) : make_uint4(0, 0, 0, 0);
     wr[v] = in ? __ldg(reinterpret_cast<const uint4*>(weight + d)) : make_uint4(0, 0, 0, 0);
   }
@@ -100,7 +101,7 @@ __device__ __forceinline__ void add_rms_norm_row(T* __restrict__ sum_out, T* __r
   }
   float squares = 0.0f;
   for (int d = threadIdx.x; d < dim; d += kNormThreads) {
-    const T sum = from_float<T>(__fadd_rn(to_float(__ldg(x + d)), to_float(__ldcg(delta + d))));
+    const T sum = from_float<T>(__fadd_rn(to_float(__ldcg(x + d)), to_float(__ldcg(delta + d))));
     sum_out[d] = sum;
     const float v = to_float(sum);
     squares += v * v;

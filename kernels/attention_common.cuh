@@ -82,7 +82,7 @@ __device__ __forceinline__ bool last_to_finish(unsigned* counter, int count) {
   return last;
 }
 
-// Tickets and counts of a chained launch (gemv.cuh's MLP kernels): one launch computes several products in turn,
+// Tickets and counts of a chained launch (gemv.cuh's chain kernels): one launch computes several products in turn,
 // and the blocks of a product may only start once every block of the product before it is done. A block's
 // blockIdx says nothing about when it runs (a GPU starts blocks in no promised order), so each block takes a
 // ticket as it starts (take_ticket: the order in which blocks started) and the tickets, not blockIdx, say

@@ -9,7 +9,7 @@
 //   KERNEL_PROLOGUE()           the first statement of every kernel (programmatic dependent launch, below;
 //                               its two halves, and prefetch_l2 between them, for the GEMV).
 //   poll_at_least(counter, n)   one thread waits until another block of the launch has counted `*counter` up to
-//                               n (a chained launch, gemv.cuh); in the harness a count not reached yet traps.
+//                               n (a chain kernel, gemv.cuh); in the harness a count not reached yet traps.
 #pragma once
 
 #ifdef __CUDACC__
@@ -55,7 +55,7 @@ __device__ __forceinline__ void prefetch_l2(const void*) {}
   KERNEL_ALLOW_DEPENDENTS(); \
   KERNEL_WAIT_PREDECESSOR()
 
-// A chained launch (the MLP kernels of gemv.cuh) runs the blocks of a later product only after every block of
+// A chain kernel (gemv.cuh) runs the blocks of a later product only after every block of
 // the product before it has counted itself done. One thread polls the count with acquire loads (so the stores
 // counted before it are seen once it is reached), sleeping a little between polls. The blocks counted all took
 // their place in the launch before the waiting one (tickets, gemv.cuh), so they are running and the count is

@@ -56,21 +56,22 @@
 // as the product's tail, head by head, rather than after all of it. counter[0 .. heads with work) are zero
 // before the launch and after it.
 //
-// MLP kernels (gemv_mlp_<float|int8|int4>_<dtype>: one decode row, the batch-1 step of a robot's one camera
-// stream, where a launch's fixed cost weighs most): a layer's MLP in one launch, the SwiGLU product, then the
-// down product with its norm epilogue. The down product's blocks need every activation, so they must wait for
-// all of the SwiGLU product's blocks, inside the launch. A GPU starts a launch's blocks in no promised order
-// and runs only as many at once as fit, so a block waiting for a block that has not started could wait
-// forever; instead each block takes a ticket as it starts (take_ticket) and its ticket says what it computes:
-// the SwiGLU product's tiles first, then the down product's. A down block waits (wait_for_count) only for
-// blocks with lower tickets, which have all started, so it never waits for a block that cannot run. The
-// down blocks take their places as the SwiGLU product's last blocks finish, with no launch between the two
-// products; a decode layer is then 4 launches (q/k/v; attention; o; the MLP).
+// Chain kernels (gemv_<mlp|tail>_<float|int8|int4>_<dtype>, one decode row: the batch-1 step of a robot's one
+// camera stream, where a launch's fixed cost weighs most): a decode row's products between two attentions in one
+// launch, each product's blocks waiting inside it for every block of the product before. gemv_mlp: the SwiGLU
+// product, then the down product with its norm epilogue; gemv_tail: the o product with its norm epilogue (the
+// post-attention norm), then those two. A GPU starts a launch's blocks in no promised order and runs only as many
+// at once as fit, so a block waiting for a block that has not started could wait forever; instead each block
+// takes a ticket as it starts (take_ticket) and its ticket says what it computes: the first product's tiles
+// first, then the next product's. A block waits (wait_for_count) only for blocks with lower tickets, which have
+// all started, so it never waits for a block that cannot run. Each product's blocks take their places as the
+// previous product's last blocks finish, with no launch between them; a decode layer is then 3 launches (q/k/v;
+// attention; the tail).
 //
 // This header holds the kernels; gemv.cu instantiates the plain products, gemv_swiglu.cu the SwiGLU ones and
-// gemv_mlp.cu the MLP ones: three modules, which nvcc compiles in parallel at a cold start (in one module
-// sm_87 took 30 s, split 9.5 and 19.6 s; since the SwiGLU kernels read gate and up in one pass, about 11 s
-// each; the MLP kernels, one row only, 3 s).
+// gemv_chain.cu the chains: three modules, which nvcc compiles in parallel at a cold start (in one module sm_87
+// took 30 s, split 9.5 and 19.6 s; since the SwiGLU kernels read gate and up in one pass, about 11 s each; the
+// chains, one row only, 7 s).
 #pragma once
 
 #include "norm_rope.cuh"
@@ -226,8 +227,8 @@ struct Int4Rows {
   }
 };
 
-// Element `offset` of x, read through the read-only cache, or with X_L2 (x written by an earlier product of the
-// same launch: the MLP kernels' down product) through L2 only.
+// Element `offset` of x, read through the read-only cache, or with X_L2 through L2 only: the products of a chain
+// kernel, all but the first of which read what an earlier product of the same launch wrote.
 template <bool X_L2, typename V>
 __device__ __forceinline__ V load_x_elem(const V* p) {
   if constexpr (X_L2) return __ldcg(p);
@@ -352,14 +353,14 @@ __device__ __forceinline__ void warp_rows(int n0, int N, int* n) {
 }
 
 // The first output column of this warp in the block computing `tile` (the product's blocks a kGemvWarps * C
-// columns each: blockIdx.x, or in the MLP kernels the block's place in its product).
+// columns each: blockIdx.x, or in the chain kernels the block's place in its product).
 template <int C>
 __device__ __forceinline__ int warp_first_column(int tile) {
   return (tile * kGemvWarps + threadIdx.x / kWarpSize) * C;
 }
 
 // Which of a product's blocks this one is: for a kernel of one product the launch's own (LaunchTile: blockIdx.x of
-// gridDim.x, read where they are used, so no register holds them through the product), in the MLP kernels its
+// gridDim.x, read where they are used, so no register holds them through the product), in the chain kernels its
 // place among its product's blocks (ChainTile).
 struct LaunchTile {
   __device__ __forceinline__ int index() const { return static_cast<int>(blockIdx.x); }
@@ -527,44 +528,81 @@ __device__ __forceinline__ void gemv(T* __restrict__ y, const T* __restrict__ x,
   }
 }
 
-// The MLP's two products of one decode row in one launch (the gemv_mlp kernels, see the top of the file): act =
-// silu(gate) * up of x through the fused gate/up rows `gate_up` (2 * inter rows of `hidden`), then y = act
-// through the down rows `down` (hidden rows of `inter`) with the norm epilogue (`norm`, its counter chain + 2).
-// The first gemv_tiles(inter) tickets compute act, the others y once every act block has counted itself done
-// (chain[1]); the block that finishes y last sets chain[0] and chain[1] back to 0 (chain[3] counts them).
-// Between the halves of the kernel prologue each block asks L2 for the weight rows of the tile of its own index
-// (every tile's rows are asked for once, whichever block computes that tile), as every GEMV does: on sm_90 they
-// stream in while the kernel before this one finishes (dependent launch); before sm_90 prefetch_l2 is empty.
-// Blocks an SM must hold at once, the register bound the MLP kernels are compiled with: 7 of 128 threads leave
-// each 72 registers, the plain products' count on sm_90. Left alone ptxas gave the INT4 kernel 96 on sm_90 (the
-// SwiGLU kernel's): 5 blocks an SM, and the 2B's INT4 MLP (896 blocks) in two waves on an H200's 132 SMs instead
-// of one. Bounded, no spills and both main loops within 1% of their instructions unbounded (tools/sass_loop).
-constexpr int kMlpBlocksPerSm = 7;
-
+// One product of a chained launch (the chain kernels, see the top of the file): y = x w^T for the weight rows
+// `w` (`row_scales`: int8's, else null), or with `swiglu` silu(gate) * up of its 2N rows; with the norm
+// epilogue when norm.weight is given (the chain sets its counter). One decode row.
 template <typename T, typename Rows>
-__device__ __forceinline__ void gemv_mlp(T* __restrict__ act, const T* __restrict__ x, const Rows& gate_up,
-                                         const __half* __restrict__ gate_up_scales, T* __restrict__ y, const Rows& down,
-                                         const __half* __restrict__ down_scales, const NormEpilogue<T>& norm,
-                                         unsigned* chain, int inter, int hidden) {
-  constexpr int kUp = kGemvColumns<typename Rows::Elem, true>, kDown = kGemvColumns<typename Rows::Elem, false>;
-  const int up_tiles = gemv_tiles<kUp>(inter), down_tiles = gemv_tiles<kDown>(hidden);
-  if (static_cast<int>(gridDim.x) != up_tiles + down_tiles || norm.counter != chain + 2) KERNEL_TRAP();
+struct Link {
+  T* y;
+  const T* x;
+  Rows w;
+  const __half* row_scales;
+  NormEpilogue<T> norm;
+  int N, K;
+  bool swiglu;
+  __device__ __forceinline__ int tiles() const {
+    return swiglu ? gemv_tiles<kGemvColumns<typename Rows::Elem, true>>(N)
+                  : gemv_tiles<kGemvColumns<typename Rows::Elem, false>>(N);
+  }
+  // L2 prefetch of tile `tile`'s weight rows (prefetch_weight_rows).
+  __device__ __forceinline__ void prefetch(int tile) const {
+    if (swiglu) prefetch_weight_rows<kGemvColumns<typename Rows::Elem, true>, true>(w.row(0), w.row_bytes(), N, tile);
+    else prefetch_weight_rows<kGemvColumns<typename Rows::Elem, false>, false>(w.row(0), w.row_bytes(), N, tile);
+  }
+};
+
+// Blocks an SM must hold at once, the register bound the chain kernels are compiled with: 7 of 128 threads leave
+// each 72 registers, the plain products' count on sm_90. Left alone ptxas gave the INT4 MLP kernel 96 on sm_90
+// (the SwiGLU kernel's): 5 blocks an SM, and the 2B's INT4 MLP (896 blocks) in two waves on an H200's 132 SMs
+// instead of one.
+constexpr int kChainBlocksPerSm = 7;
+
+// The links' products of one decode row in one launch, in order: link p's blocks take the tickets after link p -
+// 1's, and wait until every block of link p - 1 has counted itself done (its norm epilogue, run by its last
+// block, included) before they read what it wrote. `chain` holds 1 + 2P counters, zero before the launch and
+// after it (launch.py: chain_counters): chain[0] the tickets, chain[2p + 1] link p's blocks done, chain[2p + 2]
+// link p's norm epilogue's finish counter. The block that finishes the last link last sets the tickets and the
+// counts back to 0. Between the halves of the kernel prologue each block asks L2 for the weight rows of
+// the tile of its own index (every tile's rows once, whichever block computes it), as every GEMV does: on sm_90
+// they stream in while the kernel before this one finishes (dependent launch); before sm_90 prefetch_l2 is empty.
+// Every link reads its x through L2 (X_L2), the first one's too (one kernel body for every link).
+template <typename T, typename Rows, int P>
+__device__ __forceinline__ void gemv_chain(const Link<T, Rows> (&links)[P], unsigned* chain) {
+  int first[P + 1];  // link p's tickets: first[p] .. first[p + 1] - 1
+  first[0] = 0;
+#pragma unroll
+  for (int p = 0; p < P; ++p) first[p + 1] = first[p] + links[p].tiles();
+  if (static_cast<int>(gridDim.x) != first[P]) KERNEL_TRAP();
   KERNEL_ALLOW_DEPENDENTS();
   const int own = static_cast<int>(blockIdx.x);
-  if (own < up_tiles) prefetch_weight_rows<kUp, true>(gate_up.row(0), gate_up.row_bytes(), inter, own);
-  else prefetch_weight_rows<kDown, false>(down.row(0), down.row_bytes(), hidden, own - up_tiles);
+#pragma unroll
+  for (int p = 0; p < P; ++p)
+    if (own >= first[p] && own < first[p + 1]) links[p].prefetch(own - first[p]);
   KERNEL_WAIT_PREDECESSOR();
   const int ticket = take_ticket(chain);
-  if (ticket < up_tiles) {
-    gemv<T, 1, true>(act, x, gate_up, gate_up_scales, 1, inter, hidden, NormEpilogue<T>{}, HeadsEpilogue<T>{},
-                     ChainTile{ticket, up_tiles});
-    count_done(chain + 1);
-    return;
+  int p = 0;  // this block's link, its fields picked with constant indices (no local-memory copy of the array)
+  Link<T, Rows> link = links[0];
+#pragma unroll
+  for (int i = 1; i < P; ++i)
+    if (ticket >= first[i]) p = i, link = links[i];
+  const int tiles = link.tiles(), begin = ticket - (first[p + 1] - tiles);
+  if (p > 0) wait_for_count(chain + 2 * p - 1, first[p] - first[p - 1]);
+  const ChainTile tile{begin, tiles};
+  if (link.swiglu) {
+    gemv<T, 1, true, true>(link.y, link.x, link.w, link.row_scales, 1, link.N, link.K, NormEpilogue<T>{},
+                           HeadsEpilogue<T>{}, tile);
+  } else {
+    link.norm.counter = link.norm.weight != nullptr ? chain + 2 * p + 2 : nullptr;
+    gemv<T, 1, false, true>(link.y, link.x, link.w, link.row_scales, 1, link.N, link.K, link.norm, HeadsEpilogue<T>{},
+                            tile);
   }
-  wait_for_count(chain + 1, up_tiles);
-  gemv<T, 1, false, true>(y, act, down, down_scales, 1, hidden, inter, norm, HeadsEpilogue<T>{},
-                          ChainTile{ticket - up_tiles, down_tiles});
-  if (last_to_finish(chain + 3, down_tiles) && threadIdx.x == 0) chain[0] = chain[1] = 0u;
+  if (p < P - 1) {
+    count_done(chain + 2 * p + 1);
+  } else if (last_to_finish(chain + 2 * p + 1, tiles) && threadIdx.x == 0) {
+    chain[0] = 0u;
+#pragma unroll
+    for (int i = 0; i < P - 1; ++i) chain[2 * i + 1] = 0u;
+  }
 }
 
 // log2 of the int4 group size, which must be a power of two (quant.py refuses others).
@@ -633,30 +671,44 @@ __device__ __forceinline__ int group_shift(int group) {
   ORIN_GEMV_KERNELS_E(bf16, __nv_bfloat16, 4, E, SWIGLU) \
   ORIN_GEMV_KERNELS_E(bf16, __nv_bfloat16, 8, E, SWIGLU)
 
-// The MLP kernels (gemv_mlp.cu), gemv_mlp_<float|int8|int4>_<DT>: one decode row, the fused gate/up weight (and
-// its int8 / int4 scales and offsets), the down weight (the same), the norm epilogue's pointers, the chain's
-// four counters (zero before the launch and after it), then inter, hidden, the int4 group and the epsilon.
-#define ORIN_GEMV_MLP_PARAMS(T, W)                                                                                   \
-  T *act, const T *x, const W *gate_up, const __half *gate_up_scales, const __half *gate_up_offsets, T *y,        \
-      const W *down, const __half *down_scales, const __half *down_offsets, const T *residual,                    \
+// The chain kernels (gemv_chain.cu), gemv_<mlp|tail>_<float|int8|int4>_<DT>, one decode row, every weight stored
+// alike (W: the activation type, int8_t or uint8_t; int8's row scales, int4's scales and offsets, as `group`).
+//   mlp: the MLP and the add + norm after it: act = SwiGLU of x through gate_up, y = act through down, then
+//        sum_out = residual + y and normed = norm(sum_out).
+//   tail: the rest of a layer after attention, its o product and the MLP: y_o = x through o, sum_o = residual +
+//        y_o and normed_o = post_norm(sum_o), then the MLP of normed_o added to sum_o and normalised.
+#define ORIN_WEIGHT_PARAMS(W, name) const W *name, const __half *name##_scales, const __half *name##_offsets
+#define ORIN_GEMV_MLP_PARAMS(T, W)                                                                                 \
+  T *act, const T *x, ORIN_WEIGHT_PARAMS(W, gate_up), T *y, ORIN_WEIGHT_PARAMS(W, down), const T *residual,     \
       const T *norm_weight, T *sum_out, T *normed, unsigned *chain, int inter, int hidden, int group, float eps
-#define ORIN_GEMV_MLP_NORM {residual, norm_weight, sum_out, normed, chain + 2, eps}
-#define ORIN_GEMV_MLP_BOUNDS __launch_bounds__(orin_vlm::kGemvWarps * orin_vlm::kWarpSize, orin_vlm::kMlpBlocksPerSm)
-#define ORIN_GEMV_MLP_KERNELS_E(DT, T)                                                                               \
-  extern "C" __global__ void ORIN_GEMV_MLP_BOUNDS gemv_mlp_float_##DT(ORIN_GEMV_MLP_PARAMS(T, T)) {                                      \
-    orin_vlm::gemv_mlp<T>(act, x, orin_vlm::DenseRows<T>{gate_up, hidden}, nullptr, y,                             \
-                          orin_vlm::DenseRows<T>{down, inter}, nullptr, ORIN_GEMV_MLP_NORM, chain, inter, hidden);  \
+#define ORIN_GEMV_TAIL_PARAMS(T, W)                                                                                \
+  T *y_o, const T *x, ORIN_WEIGHT_PARAMS(W, o), const T *residual, const T *post_weight, T *sum_o, T *normed_o,  \
+      T *act, ORIN_WEIGHT_PARAMS(W, gate_up), T *y, ORIN_WEIGHT_PARAMS(W, down), const T *norm_weight, T *sum_out, \
+      T *normed, unsigned *chain, int attn, int inter, int hidden, int group, float post_eps, float eps
+// Weight rows `name` of K columns as the format reads them, and the row scales the format passes to gemv.
+#define ORIN_FLOAT_ROWS(T, name, K) orin_vlm::DenseRows<T>{name, (K)}, nullptr
+#define ORIN_INT8_ROWS(T, name, K) orin_vlm::DenseRows<int8_t>{name, (K)}, name##_scales
+#define ORIN_INT4_ROWS(T, name, K) \
+  orin_vlm::Int4Rows{name, name##_scales, name##_offsets, (K), ((K) + group - 1) / group, orin_vlm::group_shift(group)}, nullptr
+#define ORIN_GEMV_CHAIN_KERNELS_M(DT, T, MODE, W, RT, ROWS)                                                              \
+  extern "C" __global__ void ORIN_GEMV_CHAIN_BOUNDS gemv_mlp_##MODE##_##DT(ORIN_GEMV_MLP_PARAMS(T, W)) {            \
+    using Link = orin_vlm::Link<T, RT>;                                                                              \
+    const Link links[2] = {{act, x, ROWS(T, gate_up, hidden), {}, inter, hidden, true},                              \
+                           {y, act, ROWS(T, down, inter), {residual, norm_weight, sum_out, normed, nullptr, eps}, hidden,\
+                            inter, false}};                                                                          \
+    orin_vlm::gemv_chain<T>(links, chain);                                                                           \
   }                                                                                                                  \
-  extern "C" __global__ void ORIN_GEMV_MLP_BOUNDS gemv_mlp_int8_##DT(ORIN_GEMV_MLP_PARAMS(T, int8_t)) {                                  \
-    orin_vlm::gemv_mlp<T>(act, x, orin_vlm::DenseRows<int8_t>{gate_up, hidden}, gate_up_scales, y,                  \
-                          orin_vlm::DenseRows<int8_t>{down, inter}, down_scales, ORIN_GEMV_MLP_NORM, chain, inter,  \
-                          hidden);                                                                                   \
-  }                                                                                                                  \
-  extern "C" __global__ void ORIN_GEMV_MLP_BOUNDS gemv_mlp_int4_##DT(ORIN_GEMV_MLP_PARAMS(T, uint8_t)) {                                 \
-    const int shift = orin_vlm::group_shift(group);                                                                  \
-    orin_vlm::gemv_mlp<T>(                                                                                           \
-        act, x,                                                                                                      \
-        orin_vlm::Int4Rows{gate_up, gate_up_scales, gate_up_offsets, hidden, (hidden + group - 1) / group, shift},  \
-        nullptr, y, orin_vlm::Int4Rows{down, down_scales, down_offsets, inter, (inter + group - 1) / group, shift}, \
-        nullptr, ORIN_GEMV_MLP_NORM, chain, inter, hidden);                                                          \
+  extern "C" __global__ void ORIN_GEMV_CHAIN_BOUNDS gemv_tail_##MODE##_##DT(ORIN_GEMV_TAIL_PARAMS(T, W)) {          \
+    using Link = orin_vlm::Link<T, RT>;                                                                              \
+    const Link links[3] = {                                                                                          \
+        {y_o, x, ROWS(T, o, attn), {residual, post_weight, sum_o, normed_o, nullptr, post_eps}, hidden, attn, false},  \
+        {act, normed_o, ROWS(T, gate_up, hidden), {}, inter, hidden, true},                                          \
+        {y, act, ROWS(T, down, inter), {sum_o, norm_weight, sum_out, normed, nullptr, eps}, hidden, inter, false}};   \
+    orin_vlm::gemv_chain<T>(links, chain);                                                                           \
   }
+#define ORIN_GEMV_CHAIN_BOUNDS \
+  __launch_bounds__(orin_vlm::kGemvWarps * orin_vlm::kWarpSize, orin_vlm::kChainBlocksPerSm)
+#define ORIN_GEMV_CHAIN_KERNELS(DT, T)                                   \
+  ORIN_GEMV_CHAIN_KERNELS_M(DT, T, float, T, orin_vlm::DenseRows<T>, ORIN_FLOAT_ROWS)       \
+  ORIN_GEMV_CHAIN_KERNELS_M(DT, T, int8, int8_t, orin_vlm::DenseRows<int8_t>, ORIN_INT8_ROWS) \
+  ORIN_GEMV_CHAIN_KERNELS_M(DT, T, int4, uint8_t, orin_vlm::Int4Rows, ORIN_INT4_ROWS)

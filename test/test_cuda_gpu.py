@@ -305,22 +305,54 @@ def test_gpu_mlp_in_one_launch_gives_its_two_launches_to_the_bit_eager_and_in_a_
     x = torch.randn(1, 2048, device="cuda").to(dtype)
     residual = (3 * torch.randn(1, 2048, device="cuda")).to(dtype)
     want = [gemv.add_rms_norm(down, gemv(up, x, swiglu=True), residual, norm_weight, 1e-6) for up, down in layers]
+    _chained_to_the_bit(gemv, want, lambda layer: gemv.mlp_add_rms_norm(*layer, x, residual, norm_weight, 1e-6), layers)
+
+
+def _chained_to_the_bit(gemv, want: list, launch, layers: list) -> None:
+    """``launch(layer)`` (a chained launch's (sum, normed) for one layer's projections) gives ``want`` of that layer
+    to the bit, 20 launches in a row (the layers in turn) and in a CUDA graph of 28 replayed 4 times, and leaves
+    the chain's counters zero."""
     for i in range(20):
-        up, down = layers[i % len(layers)]
-        got = gemv.mlp_add_rms_norm(up, down, x, residual, norm_weight, 1e-6)
+        got = launch(layers[i % len(layers)])
         assert torch.equal(got[0], want[i % len(layers)][0]) and torch.equal(got[1], want[i % len(layers)][1])
-    assert not gemv._counters_on(x.device).any()
+    counters = gemv._counters_on(torch.device("cuda"))
+    assert not counters.any()
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph, stream=stream):
-        captured = [gemv.mlp_add_rms_norm(*layers[i % len(layers)], x, residual, norm_weight, 1e-6) for i in range(28)]
+        captured = [launch(layers[i % len(layers)]) for i in range(28)]
     for _ in range(4):
         graph.replay()
         torch.cuda.synchronize()
         for i, (total, normed) in enumerate(captured):
             assert torch.equal(total, want[i % len(layers)][0]) and torch.equal(normed, want[i % len(layers)][1])
-        assert not gemv._counters_on(x.device).any()
+        assert not counters.any()
+
+
+@pytest.mark.parametrize("mode", ["float", "int8", "int4"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_gpu_layer_tail_in_one_launch_gives_its_launches_to_the_bit_eager_and_in_a_graph(backend, mode, dtype):
+    """The 2B's layer after attention (o 2048 x 2048 with the add + post-attention norm, then the MLP with the
+    add + norm) of one row in one launch: the o launch with its norm epilogue followed by the MLP launch, to the
+    bit, 20 launches in a row and a CUDA graph of 28 replayed; the chain's counters are zero after each."""
+    from orin_vlm_node.cuda.gemv import CudaGemv
+
+    gemv = CudaGemv(backend.launcher)
+    shapes = ((2048, 2048), (12288, 2048), (2048, 6144))  # o, gate/up, down
+    layers = [tuple(_projection(gemv, mode, dtype, *shape) for shape in shapes) for _ in range(4)]
+    post, weight = ((1 + 0.3 * torch.randn(2048, device="cuda")).to(dtype) for _ in range(2))
+    x = torch.randn(1, 2048, device="cuda").to(dtype)
+    residual = (3 * torch.randn(1, 2048, device="cuda")).to(dtype)
+
+    def separate(o, gate_up, down):
+        sum_o, normed_o = gemv.add_rms_norm(o, x, residual, post, 1e-6)
+        return gemv.mlp_add_rms_norm(gate_up, down, normed_o, sum_o, weight, 1e-6)
+
+    want = [separate(*layer) for layer in layers]
+    _chained_to_the_bit(
+        gemv, want, lambda layer: gemv.tail_add_rms_norm(layer, x, residual, (post, 1e-6), weight, 1e-6), layers
+    )
 
 
 @pytest.mark.parametrize("mode", ["float", "int8", "int4"])

@@ -210,7 +210,7 @@ def test_an_mlp_in_one_launch_gives_what_its_launch_a_product_give(harness, mode
     weight = (1 + 0.3 * torch.randn(hidden, generator=gen)).to(dtype)
     x = torch.randn(1, hidden, generator=gen).to(dtype)
     residual = (3 * torch.randn(1, hidden, generator=gen)).to(dtype)
-    assert gemv.mlp_chains(gate_up, down, x)
+    assert gemv.chains((gate_up, down), x)
     want_sum, want = gemv.add_rms_norm(down, gemv(gate_up, x, swiglu=True), residual, weight, 1e-6)
     launcher.kernels.clear()
     got_sum, got = gemv.mlp_add_rms_norm(gate_up, down, x, residual, weight, 1e-6)
@@ -219,10 +219,38 @@ def test_an_mlp_in_one_launch_gives_what_its_launch_a_product_give(harness, mode
     assert not gemv._counters["cpu"].any()
 
 
+@pytest.mark.parametrize("mode", ["float", "int8", "int4"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("hidden,inter,attn", [(37, 64, 48), (64, 96, 32), (2056, 64, 64)])
+def test_a_layer_tail_in_one_launch_gives_what_its_launches_give(harness, mode, dtype, hidden, inter, attn):
+    """A layer's rest after attention for one row in one launch (gemv_tail: the o product's blocks with the add +
+    post-attention norm, then the SwiGLU product's, then the down product's with the add + norm, each waiting for
+    the one before, blocks in scrambled order): the two sums and norms are those of the o launch with its norm
+    epilogue followed by the MLP launch, to the bit, and the chain's counters are zero again after it."""
+    launcher = RecordingLauncher(harness)
+    gemv = CudaGemv(launcher)
+    o, gate_up, down = (_module(mode, n, k, 32, dtype, gemv) for n, k in ((hidden, attn), (2 * inter, hidden),
+                                                                        (hidden, inter)))  # fmt: skip
+    gen = torch.Generator().manual_seed(hidden + inter + attn)
+    post_weight, weight = ((1 + 0.3 * torch.randn(hidden, generator=gen)).to(dtype) for _ in range(2))
+    x = torch.randn(1, attn, generator=gen).to(dtype)
+    residual = (3 * torch.randn(1, hidden, generator=gen)).to(dtype)
+    assert gemv.chains((o, gate_up, down), x)
+    sum_o, normed_o = gemv.add_rms_norm(o, x, residual, post_weight, 1e-5)
+    want_sum, want = gemv.mlp_add_rms_norm(gate_up, down, normed_o, sum_o, weight, 1e-6)
+    launcher.kernels.clear()
+    got_sum, got = gemv.tail_add_rms_norm((o, gate_up, down), x, residual, (post_weight, 1e-5), weight, 1e-6)
+    assert torch.equal(got_sum, want_sum) and torch.equal(got, want)
+    assert launcher.kernels == [f"gemv_tail_{mode}_{L.DTYPE_TAGS[str(dtype)[6:]]}"]
+    assert not gemv._counters["cpu"].any()
+    gemv.tail_chain = False
+    assert not gemv.chains((o, gate_up, down), x) and gemv.chains((gate_up, down), normed_o)
+
+
 def test_an_mlp_launch_refuses_what_is_not_one_row_of_an_mlp_and_traps_a_wait_on_later_blocks(harness):
-    """Rows, weights stored differently or not an MLP's shapes are refused before any launch, and
-    ``mlp_chains`` says no for them; in the harness (blocks one after another) a down block that would
-    wait for act blocks that have not run traps, where a GPU would wait for them forever."""
+    """Rows, weights stored differently or not an MLP's shapes are refused before any launch, and ``chains`` says
+    no for them; in the harness (blocks one after another) a down block that would wait for act blocks that have
+    not run traps, where a GPU would wait for them forever."""
     gemv = CudaGemv(harness)
     gate_up, down = _module("int8", 64, 32, 32, torch.float32, gemv), _module("int8", 32, 32, 32, torch.float32, gemv)
     x, residual, weight = torch.randn(1, 32), torch.zeros(1, 32), torch.ones(32)
@@ -232,12 +260,12 @@ def test_an_mlp_launch_refuses_what_is_not_one_row_of_an_mlp_and_traps_a_wait_on
         "shape": (gate_up, _module("int8", 32, 16, 16, torch.float32, gemv), x, residual),
     }
     for what, (up, dn, rows, res) in others.items():
-        assert not gemv.mlp_chains(up, dn, rows) or what == "shape"  # a shape is the kernels' to check
-        with pytest.raises(ValueError, match="an MLP launch takes one row"):
+        assert not gemv.chains((up, dn), rows) or what == "shape"  # a shape is the launch's to check
+        with pytest.raises(ValueError, match="a chained launch takes one row"):
             gemv.mlp_add_rms_norm(up, dn, rows, res, weight, 1e-6)
-    cfg = L.gemv_mlp_launch("int8", 32, 32, torch.float32)
+    cfg = L.gemv_chain_launch("mlp", "int8", 32, 32, torch.float32)
     up_tiles = L.gemv_launch("int8", 1, 32, torch.float32, swiglu=True).grid[0]
-    chain = torch.zeros(L.MLP_CHAIN_COUNTERS, dtype=torch.int32)
+    chain = torch.zeros(L.chain_counters("mlp"), dtype=torch.int32)
     chain[0] = up_tiles  # the first block to start takes the first down ticket
     args = [torch.empty(1, 32), x, gate_up.qweight, gate_up.scales, None, torch.empty(1, 32), down.qweight, down.scales,
             None, residual, weight, torch.empty(1, 32), torch.empty(1, 32), chain, 32, 32, 32, 1e-6]  # fmt: skip
@@ -422,9 +450,9 @@ def test_a_timed_graph_walks_through_the_weights_of_the_shape_as_a_decode_step_d
 @pytest.mark.parametrize("mode", ["none", "int4"])
 def test_a_model_routed_to_the_kernels_computes_what_it_computed_and_detaching_restores_it(harness, mode):
     """A tiny model in fp32: each float shape timed once; a forward of one token (a decode step's rows) runs
-    every projection and the head through the kernels, one of 20 tokens (a prefill) only the last layer's MLP and
-    the head (the last token's rows), and both give the logits the model gave before; None puts back the modules
-    as loaded;
+    every projection and the head through the kernels, one of 20 tokens (a prefill) only the last layer's o
+    product and MLP and the head (the last token's rows), and both give the logits the model gave before; None
+    puts back the modules as loaded;
     without CUDA graphs the float weights are not timed and stay as loaded."""
     from orin_vlm_node.engine import Engine, EngineConfig
 
@@ -478,8 +506,9 @@ def test_a_model_routed_to_the_kernels_computes_what_it_computed_and_detaching_r
     assert epilogues.count("_swiglu") == model.config.text.num_hidden_layers
     launcher.kernels.clear()
     torch.testing.assert_close(logits(20), want[20], rtol=1e-4, atol=1e-5)  # a prefill: torch's products, but
-    # for the last layer's MLP and the head: the last token's rows only, the rows of a decode step
-    assert launcher.kernels == [f"gemv_{stored}_swiglu_f32_r1", f"gemv_{stored}_f32_r1", "gemv_float_f32_r1"]
+    # for the last layer's o product and MLP and the head: the last token's rows only, the rows of a decode step
+    tail = [f"gemv_{stored}_f32_r1", f"gemv_{stored}_swiglu_f32_r1", f"gemv_{stored}_f32_r1"]
+    assert launcher.kernels == [*tail, "gemv_float_f32_r1"]
     assert attach_gemv(model, None) == ""
     assert all(getattr(parent, attr) is m for (parent, attr), m in zip(sites, loaded, strict=True))
     assert all(m.kernels is None for m in model.modules() if isinstance(m, QuantizedLinear))
@@ -494,9 +523,11 @@ def test_a_decode_step_runs_its_norms_in_the_launches_of_the_products_before_the
     """With the GEMV and the fused kernels attached, a one-token forward runs every residual add + norm in the
     launch of the product before it (each layer's o and down projections; the first layer's input norm has
     no add) and the q/k norms + RoPE in the q/k/v product's launch: no add_rms_norm or rms_norm_rope launch,
-    each layer's MLP one launch (gate/up + SwiGLU, then down + add + norm: gemv_mlp), and the logits of the
-    separate launches to the bit, as with a launch a product (``mlp_chain`` off). A prefill's rows (more than a
-    launch takes) keep the separate launches, but for the final norm (its last row)."""
+    everything after a layer's attention one launch (o + add + norm, gate/up + SwiGLU, down + add + norm:
+    gemv_tail), and the logits of the separate launches to the bit, as with the o product alone (``tail_chain``
+    off: gemv_mlp) and with a launch a product (``mlp_chain`` off). A prefill's rows (more than a launch takes)
+    keep the separate launches, but for the last layer's tail (its last row: o, the MLP, the post-attention and
+    final norms)."""
     from orin_vlm_node.engine import Engine, EngineConfig
     from orin_vlm_node.model.text import attach_fused_ops
 
@@ -524,17 +555,19 @@ def test_a_decode_step_runs_its_norms_in_the_launches_of_the_products_before_the
     assert "add_rms_norm_f32" not in launcher.kernels and "rms_norm_rope_f32" not in launcher.kernels
     assert launcher.kernels.count("rms_norm_f32") == 1  # the first layer's input norm: no residual add before it
     stored = "int4" if mode == "int4" else "float"
-    assert launcher.kernels.count(f"gemv_mlp_{stored}_f32") == layers  # a layer's MLP and the norm after it
-    gemvs = 3 * layers + 1  # q/k/v, o, the MLP a layer, and the LM head
+    assert launcher.kernels.count(f"gemv_tail_{stored}_f32") == layers  # o, the MLP and both norms after attention
+    gemvs = 2 * layers + 1  # q/k/v and the tail a layer, and the LM head
     assert len(launcher.kernels) == 2 + gemvs  # and the RoPE tables, the input norm (attention is torch's here)
-    gemv.mlp_chain = False  # the MLP's products in a launch each: the same logits
-    assert torch.equal(logits(1, epilogue=True), separate)
-    assert len(launcher.kernels) == 2 + 4 * layers + 1 and not any("gemv_mlp" in k for k in launcher.kernels)
-    gemv.mlp_chain = True
+    for chains, per_layer in (({"tail_chain": False}, 3), ({"mlp_chain": False}, 4)):  # o alone; every product alone
+        vars(gemv).update(chains)
+        assert torch.equal(logits(1, epilogue=True), separate)
+        assert len(launcher.kernels) == 2 + per_layer * layers + 1
+        assert launcher.kernels.count(f"gemv_mlp_{stored}_f32") == layers * (per_layer == 3)
+    gemv.mlp_chain = gemv.tail_chain = True
     torch.testing.assert_close(logits(20, epilogue=True), logits(20, epilogue=False), rtol=0, atol=0)
-    assert launcher.kernels.count("add_rms_norm_f32") == 2 * layers  # the last one: the final norm's
+    assert launcher.kernels.count("add_rms_norm_f32") == 2 * layers  # the last two: the last layer's tail's
     logits(20, epilogue=True)
-    assert launcher.kernels.count("add_rms_norm_f32") == 2 * layers - 1
+    assert launcher.kernels.count("add_rms_norm_f32") == 2 * layers - 2
     assert launcher.kernels.count("rms_norm_rope_f32") == layers
 
 
@@ -558,8 +591,8 @@ def test_a_quantized_lm_head_takes_the_kernels_and_the_model_computes_what_it_co
     projections = 4 * model.config.text.num_hidden_layers
     assert what == f"GEMV kernels for decode rows: {projections} quantized projections + int8 LM head"
     torch.testing.assert_close(logits(), want, rtol=1e-4, atol=1e-5)
-    # a prefill: torch's products, but the last layer's MLP and the head for the last row
-    assert launcher.kernels == ["gemv_int8_swiglu_f32_r1", "gemv_int8_f32_r1", "gemv_int8_f32_r1"]
+    # a prefill: torch's products, but the last layer's o product and MLP and the head for the last row
+    assert launcher.kernels == ["gemv_int8_f32_r1", "gemv_int8_swiglu_f32_r1", "gemv_int8_f32_r1", "gemv_int8_f32_r1"]
 
 
 def test_a_quantized_projection_routes_decode_rows_to_the_kernels_and_prefill_to_torch(harness):
@@ -600,8 +633,8 @@ def test_a_static_decode_step_stores_kv_from_the_q_k_v_products_launch(harness, 
     three sequences of different lengths in buffers of four (one padding row), or one sequence alone, crossing
     pages: the q/k/v product's launch normalises and rotates the heads and stores the step's K/V at their slots,
     and logits and the pool are those of the step with the separate launches (norm + RoPE storing them, add +
-    norm, a launch a product), bit for bit; a layer is then 5 launches (q/k/v, attention, o, gate/up, down), 4
-    for one sequence (the MLP one launch)."""
+    norm, a launch a product), bit for bit; a layer is then 5 launches (q/k/v, attention, o, gate/up, down), 3
+    for one sequence (o, the MLP and both norms one launch)."""
     from orin_vlm_node.cuda import CudaPagedAttention
     from orin_vlm_node.model.text import attach_fused_ops
     from support.checkpoints import make_tiny_checkpoint
@@ -625,13 +658,13 @@ def test_a_static_decode_step_stores_kv_from_the_q_k_v_products_launch(harness, 
     layers = model.config.text.num_hidden_layers
     for kernels in fused[2]:
         assert not any(k.startswith(("rms_norm_rope", "add_rms_norm", "paged_kv_write")) for k in kernels)
-        per_layer = 5 if len(prompts) > 1 else 4  # one sequence: the MLP one launch
-        assert kernels.count(f"gemv_mlp_{'float' if mode == 'none' else mode}_f32") == layers * (per_layer == 4)
+        per_layer = 5 if len(prompts) > 1 else 3  # one sequence: o, the MLP and both norms one launch
+        assert kernels.count(f"gemv_tail_{'float' if mode == 'none' else mode}_f32") == layers * (per_layer == 3)
         assert len(kernels) == 2 + per_layer * layers + 1  # the RoPE tables, the input norm, the layers, the LM head
     assert all(kernels.count("rms_norm_rope_f32") == layers for kernels in separate[2])
 
 
-@pytest.mark.parametrize("name", ["qkv", "o", "mlp"])
+@pytest.mark.parametrize("name", ["qkv", "o", "mlp", "tail"])
 def test_the_epilogue_benchmark_times_the_launches_the_decoder_runs(harness, name):
     """The GPU benchmark's ``epilogues`` part (``bench.gpu.epilogue_sides``) run here on small shapes: each
     side launches what its name says (the product, then the separate launch; or the product with the epilogue
@@ -650,6 +683,10 @@ def test_the_epilogue_benchmark_times_the_launches_the_decoder_runs(harness, nam
         if name == "mlp":  # cuBLAS's products (torch's) with the activation and the add + norm; the kernels' two; one
             ours = {"then": [f"gemv_{mode}_swiglu_f16_r1", f"gemv_{mode}_f16_r1"], "fused": [f"gemv_mlp_{mode}_f16"]}
             launches = ["silu_mul_f16", separate] if side == "fp16_cublas_then" else ours[side.rsplit("_", 1)[1]]
+        elif name == "tail":  # the same after o and its add + norm; the kernels' o launch and MLP launch; one
+            ours = {"then": [f"gemv_{mode}_f16_r1", f"gemv_mlp_{mode}_f16"], "fused": [f"gemv_tail_{mode}_f16"]}
+            cublas = [separate, "silu_mul_f16", separate]
+            launches = cublas if side == "fp16_cublas_then" else ours[side.rsplit("_", 1)[1]]
         else:
             product = [] if side == "fp16_cublas_then" else [f"gemv_{mode}_f16_r1"]
             launches = product + ([] if side.endswith("fused") else [separate])

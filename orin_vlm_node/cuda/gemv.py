@@ -26,10 +26,12 @@ stores, in the product's launch (the block that finishes a head last normalises 
 launch ``rms_norm_rope`` on the product. ``norm_epilogue`` False keeps the separate launches (the benchmark
 measures both).
 
-A decode row's MLP is one launch where both of its projections take the kernels (:meth:`CudaGemv.mlp_add_rms_norm`,
-``gemv_mlp``): the SwiGLU product, then the down product with its norm epilogue, whose blocks wait inside the
-launch for the SwiGLU blocks (ordered by tickets, see ``kernels/gemv.cuh``). ``mlp_chain`` False keeps a launch
-a product (the benchmark's ``mlp_chain`` part measures both).
+A decode row's products between two attentions are one launch where they all take the kernels
+(:meth:`CudaGemv.tail_add_rms_norm`, ``gemv_tail``): the o product with its norm epilogue, the SwiGLU product,
+then the down product with its norm epilogue, each product's blocks waiting inside the launch for the blocks of
+the one before (ordered by tickets, see ``kernels/gemv.cuh``); the MLP alone is ``gemv_mlp``
+(:meth:`CudaGemv.mlp_add_rms_norm`). ``tail_chain`` False leaves the o product a launch of its own, ``mlp_chain``
+False every product (the benchmark's ``tail_chain`` and ``mlp_chain`` parts measure them).
 """
 
 from __future__ import annotations
@@ -69,6 +71,10 @@ class _NormEpilogue:
     def arguments(self, first: int, counters: torch.Tensor) -> list:
         """The kernel's epilogue pointers for the launch of rows ``first`` on (kernels/gemv.cuh's order)."""
         return [self.residual[first:], self.weight, self.sum_out[first:], self.out[first:], counters] + [None] * 8
+
+    def pointers(self) -> list:
+        """residual, weight, sum_out, out: a chained launch's (kernels/gemv.cuh's order)."""
+        return [self.residual, self.weight, self.sum_out, self.out]
 
     def sizes(self) -> list:
         """The heads epilogue's sizes (none) and the epsilon."""
@@ -114,7 +120,8 @@ class CudaGemv:
     add + norm after an o or down product, :meth:`add_rms_norm`; the q/k norms + RoPE after the q/k/v product,
     :meth:`norm_rope_heads`; module docstring). ``mlp_chain``: whether a decode row's MLP (both products, the
     activation, the add + norm after it) is one launch where both of its projections take the kernels
-    (:meth:`mlp_add_rms_norm`; needs ``norm_epilogue``)."""
+    (:meth:`mlp_add_rms_norm`; needs ``norm_epilogue``); ``tail_chain``: whether the o product and its add + norm
+    join that launch (:meth:`tail_add_rms_norm`; needs ``mlp_chain``)."""
 
     max_rows = L.GEMV_ROW_BUCKETS[-1]  # rows one launch takes
     # Rows a quantized weight takes, in launches of up to max_rows: every decode batch (max_batch is at most
@@ -128,6 +135,7 @@ class CudaGemv:
         self.time_us = time_us
         self.norm_epilogue = True
         self.mlp_chain = True
+        self.tail_chain = True
         self._fused = CudaFusedOps(launcher)  # what follows F.linear where the epilogues are not used
         # The epilogues' finish counters per device (zero between launches, which run in stream order),
         # allocated at the first, eager, launch: before any capture.
@@ -173,11 +181,13 @@ class CudaGemv:
         self._product(x, mode, stored, group, False, norm)
         return norm.sum_out, norm.out
 
-    def mlp_chains(self, gate_up, down, x: torch.Tensor) -> bool:
-        """Whether :meth:`mlp_add_rms_norm` takes an MLP of these projections (each one whose kernels take rows
-        like ``x``) for rows ``x``: one row (the decode step of one sequence, where a launch's fixed cost weighs
-        most), both weights stored alike, while ``mlp_chain`` and ``norm_epilogue`` are on."""
-        return self.mlp_chain and self.norm_epilogue and x.shape[0] == 1 and _stored(gate_up)[::2] == _stored(down)[::2]
+    def chains(self, modules: Sequence, x: torch.Tensor) -> bool:
+        """Whether one launch computes the products of ``modules`` (the MLP's gate/up and down projections, or the o
+        projection and those; each one whose kernels take rows like ``x``) for rows ``x``: one row (the decode step
+        of one sequence, where a launch's fixed cost weighs most), every weight stored alike, while ``norm_epilogue``
+        and ``mlp_chain`` are on (and ``tail_chain`` for the o projection and the MLP)."""
+        on = self.mlp_chain and self.norm_epilogue and (len(modules) == 2 or self.tail_chain)
+        return on and x.shape[0] == 1 and len({_stored(m)[::2] for m in modules}) == 1
 
     def mlp_add_rms_norm(
         self, gate_up, down, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
@@ -186,27 +196,42 @@ class CudaGemv:
         the fused ``gate_up`` projection, then the ``down`` projection added to ``residual`` (1, D) and normalised
         with ``weight`` (D,): (sum, normed), what :meth:`add_rms_norm` of ``down`` on ``self(gate_up, x,
         swiglu=True)`` returns, to the bit."""
-        (mode, up_stored, group), (down_mode, down_stored, down_group) = _stored(gate_up), _stored(down)
-        rows, hidden = x.shape
-        inter = up_stored[0].shape[0] // 2
-        stored_columns = (lambda k: -(-k // 2)) if mode == "int4" else (lambda k: k)
-        if (
-            rows != 1
-            or (down_mode, down_group) != (mode, group)
-            or up_stored[0].shape != (2 * inter, stored_columns(hidden))
-            or down_stored[0].shape != (hidden, stored_columns(inter))
-        ):
-            raise ValueError(
-                f"an MLP launch takes one row and gate/up (2I, D) and down (D, I) weights stored alike, got {rows} "
-                f"rows of {hidden}, {mode} {tuple(up_stored[0].shape)} and {down_mode} {tuple(down_stored[0].shape)}"
-            )
+        hidden = x.shape[1]
+        mode, (up_w, down_w), group, inter = _chain_weights([gate_up, down], x, hidden)
         norm = _norm_epilogue(x, hidden, residual, weight, eps)
-        act = torch.empty((1, inter), dtype=x.dtype, device=x.device)
-        y = torch.empty((1, hidden), dtype=x.dtype, device=x.device)
-        chain = self._counters_on(x.device)[: L.MLP_CHAIN_COUNTERS]  # the counters the launch takes, no more
-        args = [act, x.contiguous(), *up_stored, y, *down_stored, norm.residual, norm.weight, norm.sum_out, norm.out]
-        self.launcher.launch(L.gemv_mlp_launch(mode, inter, hidden, x.dtype), [*args, chain, inter, hidden, group, eps])
+        act, y = x.new_empty((1, inter)), torch.empty_like(norm.residual)
+        pointers = [act, x.contiguous(), *up_w, y, *down_w, *norm.pointers()]
+        self._chain("mlp", mode, x, inter, hidden, pointers, [inter, hidden, group, eps])
         return norm.sum_out, norm.out
+
+    def tail_add_rms_norm(
+        self,
+        projections: tuple,
+        x: torch.Tensor,
+        residual: torch.Tensor,
+        post: tuple[torch.Tensor, float],
+        weight: torch.Tensor,
+        eps: float,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rest of a decoder layer after attention for one row in one launch (``gemv_tail``, kernels/gemv.cuh):
+        the o projection (``projections``: o, gate/up, down) of the attention output ``x`` (1, A) added to
+        ``residual`` (1, D) and normalised with the post-attention norm ``post`` (weight (D,), epsilon), then the
+        MLP of that added to the sum and normalised with ``weight`` (D,): (sum, normed), what :meth:`add_rms_norm`
+        of o on ``x`` followed by :meth:`mlp_add_rms_norm` returns, to the bit."""
+        hidden = residual.shape[-1]
+        mode, (o_w, up_w, down_w), group, inter = _chain_weights(list(projections), x, hidden)
+        first = _norm_epilogue(x, hidden, residual, *post)
+        norm = _norm_epilogue(x, hidden, first.sum_out, weight, eps)
+        y_o, act, y = torch.empty_like(first.residual), x.new_empty((1, inter)), torch.empty_like(first.residual)
+        pointers = [y_o, x.contiguous(), *o_w, *first.pointers(), act, *up_w, y, *down_w, *norm.pointers()[1:]]
+        self._chain("tail", mode, x, inter, hidden, pointers, [x.shape[1], inter, hidden, group, post[1], eps])
+        return norm.sum_out, norm.out
+
+    def _chain(self, kind: str, mode: str, x: torch.Tensor, inter: int, hidden: int, pointers: list, sizes: list):
+        """Launch the chained products ``kind`` (launch.GEMV_CHAINS) of the row ``x``: the kernel's pointers, the
+        chain's counters, its sizes."""
+        chain = self._counters_on(x.device)[: L.chain_counters(kind)]  # the counters the launch takes, no more
+        self.launcher.launch(L.gemv_chain_launch(kind, mode, inter, hidden, x.dtype), [*pointers, chain, *sizes])
 
     def norm_rope_heads(
         self, module, x: torch.Tensor, norms: HeadNorms, rope: TextRopeTables, sink: KVSink | None = None
@@ -359,6 +384,26 @@ class CudaGemv:
         if kind == "norm":
             return self._fused.add_rms_norm(extra[0], y, *extra[1:])[1]
         return self._fused.norm_rope_product(y, *extra)[0] if kind == "heads" else y
+
+
+def _chain_weights(modules: list, x: torch.Tensor, hidden: int) -> tuple[str, list, int, int]:
+    """The weights of a chained launch of the row ``x``: ``modules`` the MLP's gate/up and down projections, or the o
+    projection (A = x's columns to D = ``hidden``) and those (D to 2I, I to D), stored alike; (mode, each weight's
+    tensors as the kernels take them, group, I). ValueError for another row count, storage or shape."""
+    stored = [_stored(m) for m in modules]
+    mode, _, group = stored[0]
+    inter = stored[-2][1][0].shape[0] // 2
+    columns = (lambda k: -(-k // 2)) if mode == "int4" else (lambda k: k)
+    shapes = [(2 * inter, columns(hidden)), (hidden, columns(inter))]
+    if len(modules) == 3:
+        shapes.insert(0, (hidden, columns(x.shape[1])))
+    got = [tuple(s[1][0].shape) for s in stored]
+    if x.shape[0] != 1 or {s[::2] for s in stored} != {(mode, group)} or got != shapes:
+        raise ValueError(
+            f"a chained launch takes one row and weights stored alike, {' then '.join(map(str, shapes))}; got "
+            f"{x.shape[0]} rows and {', '.join(f'{s[0]} {g}' for s, g in zip(stored, got, strict=True))}"
+        )
+    return mode, [s[1] for s in stored], group, inter
 
 
 def _norm_epilogue(x: torch.Tensor, n: int, residual: torch.Tensor, weight: torch.Tensor, eps: float) -> _NormEpilogue:

@@ -41,6 +41,9 @@ SILU_THREADS = 256  # kSiluThreads in kernels/silu_mul.cu
 GEMV_ROW_BUCKETS = (1, 2, 4, 8)
 GEMV_MODES = ("float", "int8", "int4")  # how the weight is stored: the activations' dtype, or quantized
 GEMV_EPILOGUES = ("", "_swiglu")  # the product itself, or silu(gate) * up of a fused gate/up weight
+# Chained launches of one decode row (kernels/gemv.cuh, the chain kernels): their products in order, each (output
+# columns, whether SwiGLU) with I the MLP's inter size and D the hidden size: the MLP, and the o product and the MLP.
+GEMV_CHAINS = {"mlp": (("I", True), ("D", False)), "tail": (("D", False), ("I", True), ("D", False))}
 # Output columns one GEMV warp computes, by weight storage and whether the epilogue is SwiGLU (kGemvColumns
 # in kernels/gemv.cuh): quantized weights share each widened piece of x between the weight rows a warp reads
 # (int8 two, int4 four: four columns, or two with their up rows).
@@ -72,7 +75,9 @@ KERNEL_MODULES: dict[str, tuple[str, ...]] = {
         )
         for epilogue in GEMV_EPILOGUES
     },
-    "gemv_mlp": tuple(f"gemv_mlp_{mode}_{t}" for mode in GEMV_MODES for t in DTYPE_TAGS.values()),
+    "gemv_chain": tuple(
+        f"gemv_{kind}_{mode}_{t}" for kind in GEMV_CHAINS for mode in GEMV_MODES for t in DTYPE_TAGS.values()
+    ),
     "rms_norm": tuple(f"{kind}_{t}" for kind in NORM_KERNELS for t in DTYPE_TAGS.values()),
     "silu_mul": tuple(f"silu_mul_{t}" for t in DTYPE_TAGS.values()),
 }
@@ -86,6 +91,9 @@ ARG_KINDS: dict[str, tuple[str, ...]] = {
     "gemv": ("ptr",) * 18 + ("i32",) * 7 + ("f32",),
     # act, x, the gate/up weight's 3, y, the down weight's 3, the norm epilogue's 4, the chain's counters
     "gemv_mlp": ("ptr",) * 14 + ("i32",) * 3 + ("f32",),
+    # y_o, x, the o weight's 3, the post-attention norm's 4, then as gemv_mlp from act on; attn, inter, hidden,
+    # group, the two norms' epsilons
+    "gemv_tail": ("ptr",) * 21 + ("i32",) * 4 + ("f32",) * 2,
     "rms_norm": ("ptr",) * 4 + ("i32",) * 4 + ("f32",),
     "rms_norm_rope": ("ptr",) * 10 + ("i32",) * 5 + ("f32",),
     "add_rms_norm": ("ptr",) * 5 + ("i32", "f32"),
@@ -313,18 +321,22 @@ def gemv_launch(mode: str, rows: int, out_features: int, dtype: object, swiglu: 
     return _checked(LaunchConfig(kernel, grid, (GEMV_WARPS * WARP_SIZE, 1, 1), 0))
 
 
-MLP_CHAIN_COUNTERS = 4  # the counters a gemv_mlp launch takes (kernels/gemv.cuh: gemv_mlp)
+def chain_counters(kind: str) -> int:
+    """The counters a chained launch of ``kind`` takes (zero before it and after it; kernels/gemv.cuh:
+    chain_counters): the tickets, and for each product its blocks done and its norm epilogue's counter."""
+    return 1 + 2 * len(GEMV_CHAINS[kind])
 
 
-def gemv_mlp_launch(mode: str, inter: int, hidden: int, dtype: object) -> LaunchConfig:
-    """The MLP of one decode row in one launch (``gemv_mlp_<mode>_<dtype>``): the SwiGLU product's blocks (``inter``
-    output columns) and then the down product's (``hidden`` columns), as :func:`gemv_launch` sizes each, in one
-    grid; the kernel orders them by the tickets its blocks take, not by their index."""
+def gemv_chain_launch(kind: str, mode: str, inter: int, hidden: int, dtype: object) -> LaunchConfig:
+    """The products of one decode row chained in one launch (``gemv_<kind>_<mode>_<dtype>``, ``kind`` one of
+    GEMV_CHAINS): each product's blocks as :func:`gemv_launch` sizes them, one after another in one grid; the kernel
+    orders them by the tickets its blocks take, not by their index."""
     if mode not in GEMV_MODES:
         raise UnsupportedShape(f"no GEMV kernels for weights stored as {mode!r}; supported: {GEMV_MODES}")
-    blocks = sum(gemv_launch(mode, 1, n, dtype, swiglu).grid[0] for n, swiglu in ((inter, True), (hidden, False)))
+    sizes = {"I": inter, "D": hidden}
+    blocks = sum(gemv_launch(mode, 1, sizes[n], dtype, swiglu).grid[0] for n, swiglu in GEMV_CHAINS[kind])
     tag = DTYPE_TAGS[dtype_name(dtype)]
-    return _checked(LaunchConfig(f"gemv_mlp_{mode}_{tag}", (blocks, 1, 1), (GEMV_WARPS * WARP_SIZE, 1, 1), 0))
+    return _checked(LaunchConfig(f"gemv_{kind}_{mode}_{tag}", (blocks, 1, 1), (GEMV_WARPS * WARP_SIZE, 1, 1), 0))
 
 
 def rows_in_place(t) -> bool:

@@ -84,16 +84,16 @@ class Qwen3VLModel(nn.Module):
                 )
             x = x.index_copy(0, visual_rows, vision.embeds.to(x.device, x.dtype))
         rope = decoder.rope_tables(rope_positions, x.dtype)
-        delta = None  # the last layer's MLP output (a Product), added by the next norm (DecoderLayer.forward)
+        delta = None  # the last layer's tail after attention (a LayerTail), added by the next norm
         for index, layer in enumerate(decoder.layers):
             x, delta = layer(x, delta, rope, attn, index)
             if visual_rows is not None and index < len(vision.deepstack):
                 # DeepStack: add level `index` to this layer's OUTPUT at the image positions
                 # (docs/architecture.md, pitfall 7).
-                x, delta = x + delta.value(), None
+                x, delta = delta.added_to(x), None
                 x = x.index_add(0, visual_rows, vision.deepstack[index].to(x.device, x.dtype))
-        # Only the rows whose logits are wanted go through the last layer's MLP, the final add and norm (no
-        # host tensor here: a decode step is captured in a CUDA graph).
+        # Only the rows whose logits are wanted go through the last layer's o product and MLP, the final add and
+        # norm (no host tensor here: a decode step is captured in a CUDA graph).
         rows = logits_index.to(x.device) if logits_index is not None else None
         x = x[-1:] if rows is None else x.index_select(0, rows)
         if delta is not None:

@@ -6,7 +6,9 @@ interleaved M-RoPE in the activation dtype -> attention through the step's :clas
 -> residual. Each residual add is left to the norm after it (the o_proj's to the post-attention norm, the
 MLP's to the next layer's input norm or the final one): the delta is passed on as a :class:`Product` not yet
 computed, so on CUDA one kernel adds and normalises, and where the projection is one of the GEMV kernels that
-kernel's launch does (its norm epilogue).
+kernel's launch does (its norm epilogue). A layer returns everything after its attention that way (a
+:class:`LayerTail`: o_proj, the post-attention norm and the MLP), so at one row the kernels run the o product,
+both norms and the MLP in one launch.
 No biases anywhere. RMSNorm multiplies by its weight *after* casting back to the input dtype
 (docs/architecture.md, pitfall 8); that order is what makes bf16 results match transformers.
 With the GPU's GEMV kernels a decode step's SwiGLU is the gate/up kernel's epilogue (:func:`swiglu`), and its
@@ -97,17 +99,56 @@ class Product(NamedTuple):
         """The product of rows ``index`` of x (None: the last row); the MLP works row by row."""
         return Product(self.x[-1:] if index is None else self.x.index_select(0, index), self.proj, self.mlp)
 
+    def added_to(self, x: torch.Tensor) -> torch.Tensor:
+        """The residual stream ``x`` with this product added."""
+        return x + self.value()
 
-def add_rms_norm(norm: RMSNorm, x: torch.Tensor, delta: Product | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """The residual add ``x + delta.value()`` (none when ``delta`` is None) and ``norm`` of the sum: (sum,
+
+class LayerTail(NamedTuple):
+    """The rest of a decoder layer after its attention, not computed yet: the ``attention`` output through o_proj
+    (a :class:`Product`), the post-attention ``norm`` and the ``mlp``. On the residual stream x it gives x1 + mlp(
+    norm(x1)), x1 = x + o; the residual add after it computes it (:func:`add_rms_norm`), with the GEMV kernels in
+    one launch where they chain all three products (:func:`tail_in_one_launch`)."""
+
+    attention: Product
+    norm: RMSNorm
+    mlp: MLP
+
+    def rows(self, index: torch.Tensor | None) -> LayerTail:
+        """The tail of rows ``index`` (None: the last row); every part of it works row by row."""
+        return LayerTail(self.attention.rows(index), self.norm, self.mlp)
+
+    def mlp_after(self, x: torch.Tensor) -> tuple[torch.Tensor, Product]:
+        """The o product and the post-attention norm on the residual stream ``x``: (x1, the MLP of norm(x1), not
+        computed yet)."""
+        x, h = add_rms_norm(self.norm, x, self.attention)
+        return x, self.mlp(h)
+
+    def added_to(self, x: torch.Tensor) -> torch.Tensor:
+        """The residual stream ``x`` with the layer's tail added."""
+        x, mlp = self.mlp_after(x)
+        return mlp.added_to(x)
+
+
+def add_rms_norm(
+    norm: RMSNorm, x: torch.Tensor, delta: Product | LayerTail | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The residual add ``delta.added_to(x)`` (none when ``delta`` is None) and ``norm`` of the sum: (sum,
     normed), both (L, D). With the fused kernels attached one kernel adds and normalises, and where the
     projection's GEMV kernels take the rows and run the norm epilogue, the product's own launch does; where
-    the delta is an MLP's whose products the kernels chain, the MLP's one launch does."""
+    the delta is a layer's tail or an MLP's whose products the kernels chain, their one launch does."""
     if delta is None:
         return x, rms_norm(norm, x)
     if norm.fused is None:
-        x = x + delta.value()
+        x = delta.added_to(x)
         return x, rms_norm(norm, x)
+    if isinstance(delta, LayerTail):
+        o, mlp = delta.attention, delta.mlp
+        if tail_in_one_launch(o.proj, mlp, o.x):
+            projections = (o.proj, mlp.gate_up_proj, mlp.down_proj)
+            post = (delta.norm.weight, delta.norm.eps)
+            return o.proj.kernels.tail_add_rms_norm(projections, o.x, x, post, norm.weight, norm.eps)
+        x, delta = delta.mlp_after(x)
     if delta.mlp is not None:
         gate_up = delta.mlp.gate_up_proj
         if mlp_in_one_launch(gate_up, delta.proj, delta.x):
@@ -156,8 +197,15 @@ def gemv_takes(proj: nn.Module, x: torch.Tensor) -> bool:
 def mlp_in_one_launch(gate_up: nn.Module, down: nn.Module, x: torch.Tensor) -> bool:
     """Whether the GEMV kernels compute an MLP's products of input rows ``x`` in one launch (gate/up and its
     activation, then down and the add + norm after it): both projections' kernels take rows like x (the
-    activation has x's rows and dtype, in a buffer the launch allocates) and chain them (``CudaGemv.mlp_chains``)."""
-    return gemv_takes(gate_up, x) and gemv_takes(down, x) and gate_up.kernels.mlp_chains(gate_up, down, x)
+    activation has x's rows and dtype, in a buffer the launch allocates) and chain them (``CudaGemv.chains``)."""
+    return gemv_takes(gate_up, x) and gemv_takes(down, x) and gate_up.kernels.chains((gate_up, down), x)
+
+
+def tail_in_one_launch(o_proj: nn.Module, mlp: MLP, x: torch.Tensor) -> bool:
+    """Whether the GEMV kernels compute a layer's o product of attention rows ``x`` with its add + norm, then the
+    MLP, in one launch: every projection's kernels take rows like x and chain them (``CudaGemv.chains``)."""
+    projections = (o_proj, mlp.gate_up_proj, mlp.down_proj)
+    return all(gemv_takes(m, x) for m in projections) and o_proj.kernels.chains(projections, x)
 
 
 def project(x: torch.Tensor, linear: nn.Module) -> torch.Tensor:
@@ -280,14 +328,14 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(cfg)
 
     def forward(
-        self, x: torch.Tensor, delta: Product | None, rope: TextRopeTables, attn: StepAttention, layer: int
-    ) -> tuple[torch.Tensor, Product]:
-        """The layer on the residual stream ``x + delta`` (``delta``: the previous layer's MLP output, not yet
-        computed and added, or None), returned the same way: (stream, this layer's MLP output). Leaving the
-        last add to the next norm lets one kernel do both (``add_rms_norm``); the sums are the same."""
+        self, x: torch.Tensor, delta: LayerTail | None, rope: TextRopeTables, attn: StepAttention, layer: int
+    ) -> tuple[torch.Tensor, LayerTail]:
+        """The layer on the residual stream ``x`` plus ``delta`` (the previous layer's tail after its attention,
+        not yet computed and added, or None), returned the same way: (stream, this layer's tail). Leaving the
+        tail to the next norm lets the kernels run its products with both norms and adds in one launch
+        (``add_rms_norm``); the sums are the same."""
         x, h = add_rms_norm(self.input_layernorm, x, delta)
-        x, h = add_rms_norm(self.post_attention_layernorm, x, self.self_attn(h, rope, attn, layer))
-        return x, self.mlp(h)
+        return x, LayerTail(self.self_attn(h, rope, attn, layer), self.post_attention_layernorm, self.mlp)
 
 
 class TextDecoder(nn.Module):
