@@ -52,6 +52,7 @@ class EngineConfig:
     prefill_chunk_tokens: int = _default("prefill_chunk_tokens")
     use_cuda_kernels: bool = _default("use_cuda_kernels")
     use_cuda_graph: bool = _default("use_cuda_graph")
+    fuse_decode_launches: bool = _default("fuse_decode_launches")
     allow_kernel_fallback: bool = _default("allow_kernel_fallback")
     kernel_dir: str = _default("kernel_dir")
     kernel_cache_dir: str = _default("kernel_cache_dir")
@@ -93,7 +94,14 @@ REBUILDS: dict[str, frozenset[str]] = {
         }
     ),
     "backend": frozenset(
-        {"use_cuda_kernels", "use_cuda_graph", "allow_kernel_fallback", "kernel_dir", "kernel_cache_dir"}
+        {
+            "use_cuda_kernels",
+            "use_cuda_graph",
+            "fuse_decode_launches",
+            "allow_kernel_fallback",
+            "kernel_dir",
+            "kernel_cache_dir",
+        }
     ),
     "images": frozenset({"image_min_pixels", "image_max_pixels"}),
     "vision_cache": frozenset({"vision_cache_images"}),

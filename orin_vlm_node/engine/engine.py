@@ -115,6 +115,8 @@ class Engine:
             launcher = self.attention.launcher if self.attention.kernels else None
             # The CUDA GEMV kernels for decode rows (the CPU kernels are routed with the model's load).
             gemv = CudaGemv(launcher, functools.partial(device_us, stream=self._capture_stream())) if launcher else None
+            if gemv is not None:
+                gemv.mlp_chain = gemv.tail_chain = self._config.fuse_decode_launches
             self._gemv_path = attach_gemv(self.model, gemv, floats=self._config.use_cuda_graph)
             attach_fused_ops(self.model, CudaFusedOps(launcher) if launcher else None)
         if parts & {"model", "kv_cache"}:
