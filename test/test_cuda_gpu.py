@@ -530,6 +530,8 @@ def test_gpu_engine_quantized_kernels_and_graphs_match_the_torch_path(tmp_path_f
     unfused = Engine(EngineConfig(**common, allow_kernel_fallback=False, fuse_decode_launches=False))
     kernels = {m.kernels for m in unfused.model.modules() if isinstance(getattr(m, "kernels", None), CudaGemv)}
     assert [(k.mlp_chain, k.tail_chain) for k in kernels] == [(False, False)]
+    assert fast.describe()["weight_path"].endswith("in one launch where all take the kernels: on")
+    assert unfused.describe()["weight_path"].endswith(": off (fuse_decode_launches)")
     assert list(unfused.generate(Request(turn, sampling)))[-1].token_ids == a.token_ids
 
 

@@ -284,11 +284,14 @@ class Engine:
     @property
     def weight_path(self) -> str:
         """How the projections multiply: on CUDA with the kernels, which take the GEMV kernels for decode rows
-        (quantized ones all, float ones where they measured faster); else float weights through the CPU GEMM
+        (quantized ones all, float ones where they measured faster) and whether a layer's chain into one launch
+        (``fuse_decode_launches``); else float weights through the CPU GEMM
         kernels or ``F.linear``, quantized ones through the CPU GEMM kernels on the stored bytes or torch."""
         mode, group = self._config.weight_quant, self._config.weight_quant_group_size
         if self._gemv_path:  # CUDA with the kernels: which products take the GEMV kernels, measured
-            return f"{'float weights' if mode == 'none' else mode}: {self._gemv_path}"
+            fused = "on" if self._config.fuse_decode_launches else "off (fuse_decode_launches)"
+            return (f"{'float weights' if mode == 'none' else mode}: {self._gemv_path}; one sequence's products "
+                    f"between two attentions in one launch where all take the kernels: {fused}")  # fmt: skip
         if mode == "none":
             return f"float weights: {self._float_path}"
         if self._cpu_gemm is None:
