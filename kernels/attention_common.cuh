@@ -24,6 +24,14 @@ __device__ __forceinline__ uint4 load_raw(const T* __restrict__ p) {
   return __ldg(reinterpret_cast<const uint4*>(p));
 }
 
+// A global load through the read-only cache, or with L2 (data an earlier block of the same launch may have
+// written: the chain kernels, gemv.cuh) through L2 only.
+template <bool L2, typename V>
+__device__ __forceinline__ V load_ro_or_l2(const V* p) {
+  if constexpr (L2) return __ldcg(p);
+  else return __ldg(p);
+}
+
 // Element i of a vector as load_raw returned it, widened to fp32.
 template <typename T>
 __device__ __forceinline__ float raw_elem(const uint4& raw, int i) {

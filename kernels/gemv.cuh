@@ -227,15 +227,9 @@ struct Int4Rows {
   }
 };
 
-// Element `offset` of x, read through the read-only cache, or with X_L2 through L2 only: the products of a chain
-// kernel, all but the first of which read what an earlier product of the same launch wrote.
-template <bool X_L2, typename V>
-__device__ __forceinline__ V load_x_elem(const V* p) {
-  if constexpr (X_L2) return __ldcg(p);
-  else return __ldg(p);
-}
-
-// Elements k0 .. k0+n-1 of row m of x, widened to fp32 (16-byte loads when `vec`, else one by one).
+// Elements k0 .. k0+n-1 of row m of x, widened to fp32 (16-byte loads when `vec`, else one by one); with X_L2
+// through L2 only: the products of a chain kernel, all but the first of which read what an earlier product of
+// the same launch wrote.
 template <typename T, int N, bool X_L2>
 __device__ __forceinline__ void load_x(const T* __restrict__ x, size_t offset, bool vec, float* __restrict__ out) {
   if (vec) {
@@ -251,7 +245,7 @@ __device__ __forceinline__ void load_x(const T* __restrict__ x, size_t offset, b
     }
   } else {
 #pragma unroll
-    for (int i = 0; i < N; ++i) out[i] = to_float(load_x_elem<X_L2>(x + offset + i));
+    for (int i = 0; i < N; ++i) out[i] = to_float(load_ro_or_l2<X_L2>(x + offset + i));
   }
 }
 
@@ -336,7 +330,7 @@ __device__ __forceinline__ void rows_dot(const T* __restrict__ x, const Rows& w,
       const float wk = w.scalar(n[j], k);
 #pragma unroll
       for (int m = 0; m < R; ++m)
-        if (m < rows) acc[j][m] += to_float(load_x_elem<X_L2>(x + static_cast<size_t>(m) * K + k)) * wk;
+        if (m < rows) acc[j][m] += to_float(load_ro_or_l2<X_L2>(x + static_cast<size_t>(m) * K + k)) * wk;
     }
   }
 }
@@ -483,12 +477,14 @@ __device__ KERNEL_NOINLINE void heads_epilogue(HeadsEpilogue<T> e, unsigned* cou
 // the residual and normalised. Called, not inlined: inlined, ptxas allocated the product's registers around
 // it (gemv_int4_f16_r1 took 109 registers, 72 called; 78 before the epilogue existed) and the main loop's
 // instructions changed; called, they are the product's alone (tools/sass_loop). nvcc still emits a copy in
-// each kernel (gemv.cu compiles in about 18 s for sm_87 instead of 13-15 s).
-template <typename T>
+// each kernel (gemv.cu compiles in about 18 s for sm_87 instead of 13-15 s). X_L2: the residual too is read
+// through L2 (a chain kernel, whose down product adds to the o product's sum).
+template <typename T, bool X_L2>
 __device__ KERNEL_NOINLINE void add_rms_norm_rows(NormEpilogue<T> norm, const T* y, int rows, int N) {
   for (int m = 0; m < rows; ++m) {
     const size_t row = static_cast<size_t>(m) * N;
-    add_rms_norm_row<T>(norm.sum_out + row, norm.out + row, norm.residual + row, y + row, norm.weight, N, norm.eps);
+    add_rms_norm_row<T, X_L2>(norm.sum_out + row, norm.out + row, norm.residual + row, y + row, norm.weight, N,
+                              norm.eps);
   }
 }
 
@@ -524,7 +520,7 @@ __device__ __forceinline__ void gemv(T* __restrict__ y, const T* __restrict__ x,
   if constexpr (!SWIGLU) {
     if (norm.counter == nullptr) return;
     if (qk.heads > 0) heads_epilogue<T, kGemvWarps * C>(qk, norm.counter, y, rows, N, norm.eps, tile);
-    else if (last_to_finish(norm.counter, tile.count())) add_rms_norm_rows<T>(norm, y, rows, N);
+    else if (last_to_finish(norm.counter, tile.count())) add_rms_norm_rows<T, X_L2>(norm, y, rows, N);
   }
 }
 
