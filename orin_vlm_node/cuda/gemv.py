@@ -227,7 +227,9 @@ class CudaGemv:
         self._chain("tail", mode, x, inter, hidden, pointers, [x.shape[1], inter, hidden, group, post[1], eps])
         return norm.sum_out, norm.out
 
-    def _chain(self, kind: str, mode: str, x: torch.Tensor, inter: int, hidden: int, pointers: list, sizes: list):
+    def _chain(
+        self, kind: str, mode: str, x: torch.Tensor, inter: int, hidden: int, pointers: list, sizes: list
+    ) -> None:
         """Launch the chained products ``kind`` (launch.GEMV_CHAINS) of the row ``x``: the kernel's pointers, the
         chain's counters, its sizes."""
         chain = self._counters_on(x.device)[: L.chain_counters(kind)]  # the counters the launch takes, no more
