@@ -548,10 +548,10 @@ def epilogue_sides(launcher, name: str, n: int, k: int, heads: tuple[int, int, i
 
 def _epilogues(torch, ctx: BenchContext, res: SectionResult) -> None:
     """Each GEMV epilogue against the launch it replaces, product by product (the 2B's q/k/v with its q/k
-    norms, RoPE and KV sink; o and down with the residual add + RMSNorm; the MLP's two products in one launch;
-    ``epilogue_sides``), one row, device time in CUDA graphs, weights cycled so none is in L2:
-    ``epilogues.<qkv|o|down|mlp>.<side>.us``. What each saves, apart from the decode step around it (the
-    ``norm_epilogue`` and ``mlp_chain`` parts)."""
+    norms, RoPE and KV sink; o and down with the residual add + RMSNorm; the MLP's two products, and the o
+    product and the MLP, in one launch; ``epilogue_sides``), one row, device time in CUDA graphs, weights cycled so
+    none is in L2: ``epilogues.<qkv|o|down|mlp|tail>.<side>.us``. What each saves, apart from the decode step
+    around it (the ``norm_epilogue``, ``mlp_chain`` and ``tail_chain`` parts)."""
     import itertools
 
     from orin_vlm_node.cuda.graph import device_us

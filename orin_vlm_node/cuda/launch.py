@@ -331,8 +331,6 @@ def gemv_chain_launch(kind: str, mode: str, inter: int, hidden: int, dtype: obje
     """The products of one decode row chained in one launch (``gemv_<kind>_<mode>_<dtype>``, ``kind`` one of
     GEMV_CHAINS): each product's blocks as :func:`gemv_launch` sizes them, one after another in one grid; the kernel
     orders them by the tickets its blocks take, not by their index."""
-    if mode not in GEMV_MODES:
-        raise UnsupportedShape(f"no GEMV kernels for weights stored as {mode!r}; supported: {GEMV_MODES}")
     sizes = {"I": inter, "D": hidden}
     blocks = sum(gemv_launch(mode, 1, sizes[n], dtype, swiglu).grid[0] for n, swiglu in GEMV_CHAINS[kind])
     tag = DTYPE_TAGS[dtype_name(dtype)]

@@ -14,7 +14,7 @@ No biases anywhere. RMSNorm multiplies by its weight *after* casting back to the
 With the GPU's GEMV kernels a decode step's SwiGLU is the gate/up kernel's epilogue (:func:`swiglu`), and its
 q/k norms + RoPE the q/k/v kernel's (:meth:`SelfAttention.norm_rope_heads`). The MLP's output is passed on with
 both of its products not computed yet (a :class:`Product` with its ``mlp``), so at one row the kernels run the
-whole MLP and the add + norm after it in one launch (:func:`mlp_in_one_launch`), and a prefill's last layer
+whole MLP and the add + norm after it in one launch (:func:`in_one_launch`), and a prefill's last layer
 computes its MLP for the rows whose logits are asked for only.
 """
 
@@ -108,7 +108,7 @@ class LayerTail(NamedTuple):
     """The rest of a decoder layer after its attention, not computed yet: the ``attention`` output through o_proj
     (a :class:`Product`), the post-attention ``norm`` and the ``mlp``. On the residual stream x it gives x1 + mlp(
     norm(x1)), x1 = x + o; the residual add after it computes it (:func:`add_rms_norm`), with the GEMV kernels in
-    one launch where they chain all three products (:func:`tail_in_one_launch`)."""
+    one launch where they chain all three products (:func:`in_one_launch`)."""
 
     attention: Product
     norm: RMSNorm
@@ -144,14 +144,14 @@ def add_rms_norm(
         return x, rms_norm(norm, x)
     if isinstance(delta, LayerTail):
         o, mlp = delta.attention, delta.mlp
-        if tail_in_one_launch(o.proj, mlp, o.x):
-            projections = (o.proj, mlp.gate_up_proj, mlp.down_proj)
+        projections = (o.proj, mlp.gate_up_proj, mlp.down_proj)
+        if in_one_launch(projections, o.x):
             post = (delta.norm.weight, delta.norm.eps)
             return o.proj.kernels.tail_add_rms_norm(projections, o.x, x, post, norm.weight, norm.eps)
         x, delta = delta.mlp_after(x)
     if delta.mlp is not None:
         gate_up = delta.mlp.gate_up_proj
-        if mlp_in_one_launch(gate_up, delta.proj, delta.x):
+        if in_one_launch((gate_up, delta.proj), delta.x):
             return gate_up.kernels.mlp_add_rms_norm(gate_up, delta.proj, delta.x, x, norm.weight, norm.eps)
         delta = Product(delta.operand(), delta.proj)
     if gemv_takes(delta.proj, delta.x) and delta.proj.kernels.norm_epilogue:
@@ -194,18 +194,11 @@ def gemv_takes(proj: nn.Module, x: torch.Tensor) -> bool:
     return kernel_takes is not None and kernel_takes(proj, x)
 
 
-def mlp_in_one_launch(gate_up: nn.Module, down: nn.Module, x: torch.Tensor) -> bool:
-    """Whether the GEMV kernels compute an MLP's products of input rows ``x`` in one launch (gate/up and its
-    activation, then down and the add + norm after it): both projections' kernels take rows like x (the
-    activation has x's rows and dtype, in a buffer the launch allocates) and chain them (``CudaGemv.chains``)."""
-    return gemv_takes(gate_up, x) and gemv_takes(down, x) and gate_up.kernels.chains((gate_up, down), x)
-
-
-def tail_in_one_launch(o_proj: nn.Module, mlp: MLP, x: torch.Tensor) -> bool:
-    """Whether the GEMV kernels compute a layer's o product of attention rows ``x`` with its add + norm, then the
-    MLP, in one launch: every projection's kernels take rows like x and chain them (``CudaGemv.chains``)."""
-    projections = (o_proj, mlp.gate_up_proj, mlp.down_proj)
-    return all(gemv_takes(m, x) for m in projections) and o_proj.kernels.chains(projections, x)
+def in_one_launch(projections: tuple, x: torch.Tensor) -> bool:
+    """Whether the GEMV kernels chain ``projections`` (an MLP's gate/up and down, or a layer's o, gate/up and down)
+    into one launch for the first one's input rows ``x``: every projection's kernels take rows like x (each later
+    product's input has x's rows and dtype, in a buffer the launch allocates) and chain them (``CudaGemv.chains``)."""
+    return all(gemv_takes(m, x) for m in projections) and projections[0].kernels.chains(projections, x)
 
 
 def project(x: torch.Tensor, linear: nn.Module) -> torch.Tensor:
