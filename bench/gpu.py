@@ -22,7 +22,8 @@ that config is absent), batch 1, greedy, answers of a fixed length (``ignore_eos
   decoder, torch's fp16 product against the GEMV kernels (fp16, INT8 and INT4 weights): device time in graphs
   and the weight bytes read per second as a fraction of the copy bandwidth. For gate/up also the MLP's
   activation on both sides, as the engine times it: ``fp16_then_silu_mul`` (cuBLAS, then the ``silu_mul``
-  kernel) and ``fp16_kernel_swiglu`` (the kernel's SwiGLU epilogue).
+  kernel) and ``fp16_kernel_swiglu`` (the kernel's SwiGLU epilogue), and ``int8_swiglu`` / ``int4_swiglu``
+  (the quantized products the decode step runs there).
 * ``batching.fp16.batch<N>``: 1, 2, 4 and 8 requests decoding together with kernels + graphs (one graph
   per batch bucket), the figures of the ``batching`` section: aggregate tokens/s over one request's, and
   each member's per-token latency over one request's alone.
@@ -35,7 +36,8 @@ that config is absent), batch 1, greedy, answers of a fixed length (``ignore_eos
   later), fp16 and INT4 weights, alternating; ``gain`` = on / off per pair.
 * ``norm_epilogue.<none|int4>.<on|off>``: the same with the GEMV's norm epilogues on and off (each residual
   add + RMSNorm in the launch of the o or down product before it, and the q/k norms + RoPE + KV sink in the
-  q/k/v product's launch: 5 launches a layer; or each a launch of its own: 8).
+  q/k/v product's launch; or each a launch of its own: 8 a layer), on engines with ``fuse_decode_launches``
+  on, whose chains need the epilogues: the parameter on against off.
 * ``epilogues.<qkv|o|down>.<side>.us``: each of those epilogues against the launch it replaces, product by
   product (one fp16 row, device time in CUDA graphs): the product then the separate launch, after cuBLAS's
   product and after the kernel's (``fp16_cublas_then``, ``fp16_kernel_then``, ``int4_then``), and the
@@ -73,6 +75,10 @@ PATHS = {  # engine settings of each decode path
     "torch": dict(use_cuda_kernels=False, use_cuda_graph=True),
 }
 QUANT = ("none", "int8", "int4")  # weight_quant of the quantized-decode comparison
+# The engines of the norm_epilogue, mlp_chain and tail_chain parts: every fusion on (the parameter's default is
+# off), each part turning one off, so "off" is the launch each fusion replaces and norm_epilogue's on / off is
+# fuse_decode_launches' on / off.
+FUSED = dict(fuse_decode_launches=True)
 MB = 2**20
 
 
@@ -206,6 +212,8 @@ def _gemv(torch, ctx: BenchContext, res: SectionResult, bandwidth: float) -> Non
         for mode in ("int8", "int4"):
             modules = [QuantizedLinear.from_weight(w, WeightQuant(mode)) for w in weights]
             sides[mode] = (lambda m, x=x: gemv(m, x), modules, modules[0].nbytes)
+            if name == "gate_up":  # the product the decode step runs: its SwiGLU in the launch
+                sides[f"{mode}_swiglu"] = (lambda m, x=x: gemv(m, x, swiglu=True), modules, modules[0].nbytes)
         for mode, (fn, items, nbytes) in sides.items():
             turn = itertools.cycle(items)
             us = [
@@ -574,11 +582,14 @@ def _epilogues(torch, ctx: BenchContext, res: SectionResult) -> None:
         torch.cuda.empty_cache()
 
 
-def _on_and_off(ctx: BenchContext, res: SectionResult, model_dir: Path, part: str, what: str, toggle) -> None:
+def _on_and_off(
+    ctx: BenchContext, res: SectionResult, model_dir: Path, part: str, what: str, toggle, **settings
+) -> None:
     """Batch-1 decode (kernels + graphs, fp16 activations) with one feature of the GPU path on and off, for fp16
     and INT4 weights (every product one of our kernels), alternating: ``<part>.<none|int4>.<on|off>.tok_s``
-    and ``gain`` = on / off per pair. ``toggle(engine, on)`` sets the feature of a fresh engine before its
-    first request, so its decode graphs are captured with it, or returns why it cannot (the part is skipped)."""
+    and ``gain`` = on / off per pair. ``toggle(engine, on)`` sets the feature of a fresh engine (of the engine
+    ``settings`` given) before its first request, so its decode graphs are captured with it, or returns why it
+    cannot (the part is skipped)."""
     from orin_vlm_node.engine import Request, SamplingParams, Turn
 
     cfg = ctx.config
@@ -586,7 +597,7 @@ def _on_and_off(ctx: BenchContext, res: SectionResult, model_dir: Path, part: st
     engines = {}
     for mode in ("none", "int4"):
         for state in ("on", "off"):
-            engine = _engine(model_dir, "fp16", cache_dir, weight_quant=mode, **PATHS["graphs"])
+            engine = _engine(model_dir, "fp16", cache_dir, weight_quant=mode, **PATHS["graphs"], **settings)
             refused = toggle(engine, state == "on")
             if refused:
                 res.skip_part(part, refused)
@@ -657,22 +668,22 @@ def _norm_epilogue(ctx: BenchContext, res: SectionResult, model_dir: Path) -> No
             attach_gemv(engine.model, kernels)
         return None
 
-    _on_and_off(ctx, res, model_dir, "norm_epilogue", "the norm epilogues", toggle)
+    _on_and_off(ctx, res, model_dir, "norm_epilogue", "the norm epilogues", toggle, **FUSED)
 
 
 def _mlp_chain(ctx: BenchContext, res: SectionResult, model_dir: Path) -> None:
     """What computing a layer's products after its attention in one launch gains a token (o + add + norm, gate/up +
     SwiGLU, down + add + norm: ``gemv_tail``) against a launch a product (INT4: every layer; fp16 weights: the
     layers whose o, gate/up and down products all are the kernel's, not cuBLAS's)."""
-    _on_and_off(
-        ctx, res, model_dir, "mlp_chain", "the products between two attentions in one launch", _gemv_switch("mlp_chain")
-    )
+    what = "the products between two attentions in one launch"
+    _on_and_off(ctx, res, model_dir, "mlp_chain", what, _gemv_switch("mlp_chain"), **FUSED)
 
 
 def _tail_chain(ctx: BenchContext, res: SectionResult, model_dir: Path) -> None:
     """What joining each layer's o product (and the add + norm after it) to its MLP's launch gains a token: 3
     launches a layer against 4 (``gemv_tail`` against the o launch and ``gemv_mlp``)."""
-    _on_and_off(ctx, res, model_dir, "tail_chain", "the o product in the MLP's launch", _gemv_switch("tail_chain"))
+    what = "the o product in the MLP's launch"
+    _on_and_off(ctx, res, model_dir, "tail_chain", what, _gemv_switch("tail_chain"), **FUSED)
 
 
 def _batching(ctx: BenchContext, res: SectionResult, model_dir: Path) -> None:

@@ -509,8 +509,9 @@ def test_gpu_engine_holds_little_beyond_weights_and_pool_and_rebuilds_do_not_gro
 @pytest.mark.parametrize("mode", ["int8", "int4"])
 def test_gpu_engine_quantized_kernels_and_graphs_match_the_torch_path(tmp_path_factory, kernel_cache, mode):
     """fp32 activations: the GEMV kernels inside the captured decode graphs give the tokens of the torch
-    path (weights widened for torch's GEMM), 200 greedy tokens, and so do they with ``fuse_decode_launches`` off
-    (a launch a product instead of a layer's products between two attentions in one)."""
+    path (weights widened for torch's GEMM), 200 greedy tokens, with ``fuse_decode_launches`` off (the default:
+    a launch a product and a launch a norm) and on (the norms in the products' launches, a layer's products
+    between two attentions in one)."""
     from orin_vlm_node.cuda.gemv import CudaGemv
     from orin_vlm_node.engine import Engine, EngineConfig, Request, SamplingParams, Turn
 
@@ -527,12 +528,13 @@ def test_gpu_engine_quantized_kernels_and_graphs_match_the_torch_path(tmp_path_f
     b = list(slow.generate(Request(turn, sampling)))[-1]
     assert a.finish_reason == b.finish_reason == "length"
     assert a.token_ids == b.token_ids
-    unfused = Engine(EngineConfig(**common, allow_kernel_fallback=False, fuse_decode_launches=False))
-    kernels = {m.kernels for m in unfused.model.modules() if isinstance(getattr(m, "kernels", None), CudaGemv)}
-    assert [(k.mlp_chain, k.tail_chain) for k in kernels] == [(False, False)]
-    assert fast.describe()["weight_path"].endswith("in one launch where all take the kernels: on")
-    assert unfused.describe()["weight_path"].endswith(": off (fuse_decode_launches)")
-    assert list(unfused.generate(Request(turn, sampling)))[-1].token_ids == a.token_ids
+    fused = Engine(EngineConfig(**common, allow_kernel_fallback=False, fuse_decode_launches=True))
+    for engine, on in ((fast, False), (fused, True)):
+        kernels = {m.kernels for m in engine.model.modules() if isinstance(getattr(m, "kernels", None), CudaGemv)}
+        assert [(k.norm_epilogue, k.mlp_chain, k.tail_chain) for k in kernels] == [(on, on, on)]
+    assert fast.describe()["weight_path"].endswith(": off (fuse_decode_launches)")
+    assert fused.describe()["weight_path"].endswith("between two attentions in one: on")
+    assert list(fused.generate(Request(turn, sampling)))[-1].token_ids == a.token_ids
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])

@@ -423,6 +423,44 @@ def test_a_q_k_v_weight_is_timed_with_the_norms_rope_and_kv_sink_after_it_on_bot
     assert launcher.kernels[:3] == ["gemv_float_f32_r1", "rms_norm_rope_f32", "rms_norm_rope_f32"]
 
 
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+def test_a_quantized_swiglu_runs_apart_for_the_rows_where_that_measured_faster_to_the_bit(harness, mode):
+    """A quantized gate/up shape is timed with the SwiGLU in the product's launch against the plain product then
+    the silu_mul kernel, walking through its layers' weights; for the row buckets the second won its products
+    take it, with the first's results to the bit (the kernel rounds each sum to the dtype first, as silu_mul
+    reads them), and the other rows and shapes keep the one launch."""
+    launcher = RecordingLauncher(harness)
+    weights = [torch.randn(2 * 24, 96) for _ in range(3)]
+    modules = [QuantizedLinear.from_weight(w, WeightQuant(mode, 32)) for w in weights]
+    timed: list[tuple[int, bool]] = []
+
+    def time_us(fn, calls):  # the product then silu_mul 1 us up to 2 rows, the SwiGLU launch always 2 us
+        before = len(launcher.kernels)
+        rows = fn().shape[0]
+        apart = "silu_mul" in " ".join(launcher.kernels[before:])
+        timed.append((rows, apart))
+        return (1.0 if rows <= 2 else 3.0) if apart else 2.0
+
+    gemv = CudaGemv(launcher, time_us)
+    x = torch.randn(8, 96)
+    want = {rows: gemv(modules[0], x[:rows], swiglu=True) for rows in (1, 2, 4)}  # before timing: one launch
+    rows, why = gemv.swiglu_rows(modules, torch.float32)
+    assert rows == 2 and timed == [(1, True), (1, False), (2, True), (2, False), (4, True), (4, False)]
+    assert why == ("product then silu_mul for 1..2 rows (then silu_mul vs in the launch: 1 row 1.0 vs 2.0 us, "
+                   "2 rows 1.0 vs 2.0 us, 4 rows 3.0 vs 2.0 us)")  # fmt: skip
+    for n, expected in want.items():
+        launcher.kernels.clear()
+        assert torch.equal(gemv(modules[0], x[:n], swiglu=True), expected)
+        if n <= 2:
+            assert launcher.kernels == [f"gemv_{mode}_f32_r{n}", "silu_mul_f32"]
+        else:
+            assert launcher.kernels == [f"gemv_{mode}_swiglu_f32_r{n}"]
+    other = QuantizedLinear.from_weight(torch.randn(2 * 16, 96), WeightQuant(mode, 32))  # a shape not timed
+    launcher.kernels.clear()
+    gemv(other, x[:1], swiglu=True)
+    assert launcher.kernels == [f"gemv_{mode}_swiglu_f32_r1"]
+
+
 def test_a_timed_graph_walks_through_the_weights_of_the_shape_as_a_decode_step_does(harness):
     """One product per weight in turn (layers' weights are not in L2 when their product starts), as many
     products as the timing's byte budget asks for, at most 16."""
@@ -487,8 +525,11 @@ def test_a_model_routed_to_the_kernels_computes_what_it_computed_and_detaching_r
         for m, e in zip(loaded, epilogue, strict=True)
         if isinstance(getattr(m, "weight", None), torch.Tensor)
     }
-    assert len(timed) == 2 * len(L.GEMV_ROW_BUCKETS) * len(keys)  # every bucket won: each key timed once
+    swiglus = 2 if mode == "int4" else 0  # the quantized gate/up shape: its two ways tie at one row, so it stops
+    assert len(timed) == 2 * len(L.GEMV_ROW_BUCKETS) * len(keys) + swiglus  # every bucket won: each key timed once
     assert ("+ SwiGLU: kernel for 1..8 rows" in what) == (mode == "none")
+    tie = "+ SwiGLU: SwiGLU in the product's launch (then silu_mul vs in the launch: 1 row 1.0 vs 1.0 us)"
+    assert (tie in what) == (mode == "int4")
     assert ("+ q/k norms + RoPE: kernel for 1..8 rows" in what) == (mode == "none")
     assert what.startswith("GEMV kernels for decode rows: ")
     assert f"{floats} of {floats} float ones" in what

@@ -14,7 +14,9 @@ the engine routes a shape to the kernel only for the rows it won.
 
 The MLP's fused gate/up projection takes the kernels' SwiGLU epilogue (``swiglu=True``): one launch writes
 silu(gate) * up, where the unfused path writes the 2I-wide product and launches ``silu_mul`` on it; its
-timing is against that pair (``F.linear`` then the ``silu_mul`` kernel).
+timing is against that pair (``F.linear`` then the ``silu_mul`` kernel), and a quantized one's against its
+own plain launch then ``silu_mul`` (:meth:`CudaGemv.swiglu_rows`: the SwiGLU launch reads gate and up rows
+together, which costs registers, and measured slower on an H200 for INT4).
 
 A layer's o and down projections take the norm epilogue (:meth:`CudaGemv.add_rms_norm`): the launch also adds
 the product to the residual stream and applies the RMSNorm after it (the block that finishes last does, see
@@ -137,6 +139,9 @@ class CudaGemv:
         self.mlp_chain = True
         self.tail_chain = True
         self._fused = CudaFusedOps(launcher)  # what follows F.linear where the epilogues are not used
+        # Rows up to which a quantized gate/up weight of a shape runs its product, then the silu_mul kernel, instead
+        # of its SwiGLU kernel (measured faster by swiglu_rows); (mode, stored shape, group) -> rows, absent: 0.
+        self._swiglu_apart: dict[tuple, int] = {}
         # The epilogues' finish counters per device (zero between launches, which run in stream order),
         # allocated at the first, eager, launch: before any capture.
         self._counters: dict[str, torch.Tensor] = {}
@@ -155,8 +160,13 @@ class CudaGemv:
 
     def __call__(self, module, x: torch.Tensor, swiglu: bool = False) -> torch.Tensor:
         """(L, K) -> (L, N) in x's dtype, for a QuantizedLinear or GemvLinear ``module`` (on x's device); with
-        ``swiglu`` (a fused gate/up weight, N even) -> (L, N / 2): silu(gate) * up."""
-        return self._product(x, *_stored(module), swiglu)
+        ``swiglu`` (a fused gate/up weight, N even) -> (L, N / 2): silu(gate) * up, in the product's launch or,
+        for the rows :meth:`swiglu_rows` measured faster so, the product then the ``silu_mul`` kernel (the same
+        roundings: the same bits)."""
+        mode, stored, group = _stored(module)
+        if swiglu and x.shape[0] <= self._swiglu_apart.get(_signature(mode, stored, group), 0):
+            return self._fused.silu_mul(self._product(x, mode, stored, group, False))
+        return self._product(x, mode, stored, group, swiglu)
 
     def add_rms_norm(
         self, module, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
@@ -300,29 +310,67 @@ class CudaGemv:
         if not all(_takes_weight(w, x) for w in weights):
             return 0, f"F.linear ({weights[0].dtype} weights not contiguous and 16-byte aligned)"
         nbytes = weights[0].numel() * weights[0].element_size()
-        calls = max(len(weights), min(MAX_TIMED, TIMING_BYTES // nbytes))
-        rows, timings = 0, []
         n = weights[0].shape[0]
+
+        def contest(rows_x: torch.Tensor) -> tuple[Callable, Callable]:
+            turn, extra = itertools.cycle(weights), _timed_epilogue(epilogue, rows_x, n)
+            return (
+                lambda: self._kernel_product(rows_x, next(turn), epilogue, extra),
+                lambda: self._torch_product(rows_x, next(turn), epilogue, extra),
+            )
+
+        rows, timings = self._won_rows(x, _timed_calls(len(weights), nbytes), contest)
+        chosen = f"kernel for 1..{rows} rows" if rows else "F.linear"
+        return rows, f"{chosen} (kernel vs F.linear: {timings})"
+
+    def swiglu_rows(self, modules: Sequence, dtype: torch.dtype) -> tuple[int, str]:
+        """For quantized fused gate/up weights of one shape (``modules``: QuantizedLinear, the model's layers of
+        it), activations of ``dtype``: the largest rows bucket up to which their product in a plain launch followed
+        by the ``silu_mul`` kernel took less device time than the product with the SwiGLU in its launch (0: never),
+        kept for the products that follow (:meth:`__call__`); and the timings, for the log.
+
+        Why both: the SwiGLU launch saves a launch and the 2I-wide product's round trip to memory, but its warps
+        read gate and up rows together, which takes more registers than the plain product (on sm_90 80 against
+        72 for INT4, 92 against 72 for INT8: fewer blocks an SM), and an H200 ran the INT4 MLP's SwiGLU launch in
+        about twice the plain product's time over the same bytes. Which one wins depends on the GPU, as for the
+        float weights (:meth:`faster_rows`, same method: the graph walks through the layers' weights)."""
+        if self.time_us is None:
+            raise ValueError("this CudaGemv was built without a timer (time_us): it cannot time weights")
+        modules = list(modules)[:MAX_TIMED]
+        mode, stored, group = _stored(modules[0])
+        x = torch.zeros((self.max_rows, modules[0].in_features), dtype=dtype, device=stored[0].device)
+
+        def contest(rows_x: torch.Tensor) -> tuple[Callable, Callable]:
+            turn = itertools.cycle([_stored(m) for m in modules])
+            return (
+                lambda: self._fused.silu_mul(self._product(rows_x, *next(turn), False)),
+                lambda: self._product(rows_x, *next(turn), True),
+            )
+
+        rows, timings = self._won_rows(x, _timed_calls(len(modules), modules[0].nbytes), contest)
+        self._swiglu_apart[_signature(mode, stored, group)] = rows
+        chosen = f"product then silu_mul for 1..{rows} rows" if rows else "SwiGLU in the product's launch"
+        return rows, f"{chosen} (then silu_mul vs in the launch: {timings})"
+
+    def _won_rows(
+        self, x: torch.Tensor, calls: int, contest: Callable[[torch.Tensor], tuple[Callable, Callable]]
+    ) -> tuple[int, str]:
+        """The largest rows bucket up to which the first of ``contest(rows of x)``'s two ways took less device time
+        than the second, each bucket timed on both (``calls`` calls a graph) until the first loses one (0: it lost
+        the first); and the timings, for the log."""
+        rows, timings = 0, []
         for bucket in L.GEMV_ROW_BUCKETS:
-            rows_x = x[:bucket]
-            turn = itertools.cycle(weights)
-            extra = _timed_epilogue(epilogue, rows_x, n)
+            first, second = contest(x[:bucket])
             try:
-                kernel = self.time_us(
-                    lambda r=rows_x, t=turn, e=extra: self._kernel_product(r, next(t), epilogue, e), calls=calls
-                )
-                torch_us = self.time_us(
-                    lambda r=rows_x, t=turn, e=extra: self._torch_product(r, next(t), epilogue, e), calls=calls
-                )
+                ours, theirs = self.time_us(first, calls=calls), self.time_us(second, calls=calls)
             except Exception as exc:  # noqa: BLE001 - a product that cannot be timed keeps what was measured
                 timings.append(f"{bucket} rows not timed: {type(exc).__name__}: {exc}")
                 break
-            timings.append(f"{bucket} row{'s' * (bucket > 1)} {kernel:.1f} vs {torch_us:.1f} us")
-            if kernel >= torch_us:
+            timings.append(f"{bucket} row{'s' * (bucket > 1)} {ours:.1f} vs {theirs:.1f} us")
+            if ours >= theirs:
                 break
             rows = bucket
-        chosen = f"kernel for 1..{rows} rows" if rows else "F.linear"
-        return rows, f"{chosen} (kernel vs F.linear: {', '.join(timings)})"
+        return rows, ", ".join(timings)
 
     def _product(
         self,
@@ -437,6 +485,17 @@ def _timed_epilogue(epilogue: str, x: torch.Tensor, n: int) -> tuple:
     pools = x.new_zeros((2, 1, rows, norms.kv_heads(n), dim))
     slots = torch.arange(rows, device=x.device)
     return norms, tables, KVSink(pools[0], pools[1], slots)
+
+
+def _timed_calls(weights: int, nbytes: int) -> int:
+    """Products in one timed graph of ``weights`` distinct weights of ``nbytes`` each: every weight, and enough
+    calls of a small one to time it."""
+    return max(weights, min(MAX_TIMED, TIMING_BYTES // nbytes))
+
+
+def _signature(mode: str, stored: tuple, group: int) -> tuple:
+    """What a weight's timed decisions are kept by: its format, stored shape and group size."""
+    return mode, tuple(stored[0].shape), group
 
 
 def _stored(module) -> tuple[str, tuple, int]:

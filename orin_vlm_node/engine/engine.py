@@ -115,8 +115,8 @@ class Engine:
             launcher = self.attention.launcher if self.attention.kernels else None
             # The CUDA GEMV kernels for decode rows (the CPU kernels are routed with the model's load).
             gemv = CudaGemv(launcher, functools.partial(device_us, stream=self._capture_stream())) if launcher else None
-            if gemv is not None:
-                gemv.mlp_chain = gemv.tail_chain = self._config.fuse_decode_launches
+            if gemv is not None:  # before attach_gemv: the float shapes are timed as they will run
+                gemv.norm_epilogue = gemv.mlp_chain = gemv.tail_chain = self._config.fuse_decode_launches
             self._gemv_path = attach_gemv(self.model, gemv, floats=self._config.use_cuda_graph)
             attach_fused_ops(self.model, CudaFusedOps(launcher) if launcher else None)
         if parts & {"model", "kv_cache"}:
@@ -284,14 +284,14 @@ class Engine:
     @property
     def weight_path(self) -> str:
         """How the projections multiply: on CUDA with the kernels, which take the GEMV kernels for decode rows
-        (quantized ones all, float ones where they measured faster) and whether a layer's chain into one launch
-        (``fuse_decode_launches``); else float weights through the CPU GEMM
-        kernels or ``F.linear``, quantized ones through the CPU GEMM kernels on the stored bytes or torch."""
+        (quantized ones all, float ones where they measured faster) and whether the norms join the products'
+        launches and a layer's products chain into one (``fuse_decode_launches``); else float weights through the
+        CPU GEMM kernels or ``F.linear``, quantized ones through the CPU GEMM kernels on the stored bytes or torch."""
         mode, group = self._config.weight_quant, self._config.weight_quant_group_size
         if self._gemv_path:  # CUDA with the kernels: which products take the GEMV kernels, measured
             fused = "on" if self._config.fuse_decode_launches else "off (fuse_decode_launches)"
-            return (f"{'float weights' if mode == 'none' else mode}: {self._gemv_path}; one sequence's products "
-                    f"between two attentions in one launch where all take the kernels: {fused}")  # fmt: skip
+            return (f"{'float weights' if mode == 'none' else mode}: {self._gemv_path}; norms in the products' "
+                    f"launches, one sequence's products between two attentions in one: {fused}")  # fmt: skip
         if mode == "none":
             return f"float weights: {self._float_path}"
         if self._cpu_gemm is None:

@@ -8,7 +8,8 @@ faster depends on the GPU, the weight's shape and the row count, so a float weig
 for the row buckets where it measured faster on this GPU (``CudaGemv.faster_rows``, timed once per shape
 over the layers of that shape when the kernels are attached); a quantized weight always takes it (its torch
 path widens the whole weight for every product). The MLP's gate/up projection runs with the SwiGLU
-activation in the kernel's epilogue (``text.swiglu``), and is timed that way.
+activation in the kernel's epilogue (``text.swiglu``), and is timed that way; a quantized one is timed with
+it against its plain product followed by the ``silu_mul`` kernel (``CudaGemv.swiglu_rows``).
 
 :func:`attach_gemv` wraps the float projections that take the kernel in a :class:`GemvLinear` (the loaded
 module stays inside it: no copy of the weight, a tied head keeps the embedding table) and points every
@@ -67,6 +68,12 @@ class GemvKernels(Protocol):
         and the timings that decided it, for the log."""
         ...
 
+    def swiglu_rows(self, modules: Sequence[nn.Module], dtype: torch.dtype) -> tuple[int, str]:
+        """For quantized fused gate/up projections of one shape: the largest rows bucket up to which the product
+        then the ``silu_mul`` kernel beat the SwiGLU in the product's launch (0: never), kept by the kernels for
+        the products that follow, and the timings that decided it, for the log."""
+        ...
+
 
 class GemvLinear(nn.Module):
     """A bias-free float projection whose products of 1..``rows`` rows the GEMV kernel computes; more rows
@@ -114,6 +121,18 @@ def _timing_key(parent: nn.Module, attr: str) -> tuple:
     return tuple(weight.shape), weight.dtype, product_epilogue(parent, attr)
 
 
+def _quantized_swiglus(model: nn.Module) -> dict[tuple[str, str], list[QuantizedLinear]]:
+    """The quantized gate/up projections (the SwiGLU follows their product) by (mode, "<N>x<K> + SwiGLU"), for
+    ``CudaGemv.swiglu_rows``: one timing a shape."""
+    found: dict[tuple[str, str], list[QuantizedLinear]] = {}
+    for parent, attr in _sites(model):
+        module = getattr(parent, attr)
+        if isinstance(module, QuantizedLinear) and product_epilogue(parent, attr) == "swiglu":
+            shape = f"{module.out_features}x{module.in_features}{EPILOGUE_NAMES['swiglu']}"
+            found.setdefault((module.mode, shape), []).append(module)
+    return found
+
+
 def _sites(model: nn.Module) -> list[tuple[nn.Module, str]]:
     """(parent, attribute) of every decoder projection and of the LM head."""
     return [*model.language_model.projection_sites(), (model, "lm_head")]
@@ -144,6 +163,9 @@ def attach_gemv(model: nn.Module, kernels: GemvKernels | None, floats: bool = Tr
         weight = getattr(parent, attr).weight
         by_shape.setdefault(_timing_key(parent, attr), []).append(weight)
     decided = {key: kernels.faster_rows(weights, key[2]) for key, weights in by_shape.items()}  # -> (rows, timings)
+    swiglus = _quantized_swiglus(model) if floats else {}  # timed as a graph runs them, as the float weights
+    dtype = model.language_model.embed_tokens.weight.dtype  # the activations' (the embedding keeps the checkpoint's)
+    swiglu_timings = [f"{m} {shape}: {kernels.swiglu_rows(ms, dtype)[1]}" for (m, shape), ms in swiglus.items()]
     routed = 0
     for parent, attr in targets:
         module = getattr(parent, attr)
@@ -154,6 +176,7 @@ def attach_gemv(model: nn.Module, kernels: GemvKernels | None, floats: bool = Tr
     head_mode = model.lm_head.mode if isinstance(model.lm_head, QuantizedLinear) else None
     counts = quantized_summary(sum(m is not model.lm_head for m in quantized), head_mode)
     parts = [" + ".join(counts)] if counts else []
+    parts += swiglu_timings
     if floating and not floats:
         parts.append(f"float ones: F.linear ({len(floating)}; decode not in CUDA graphs)")
     elif floating:
