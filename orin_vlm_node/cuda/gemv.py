@@ -16,7 +16,7 @@ The MLP's fused gate/up projection takes the kernels' SwiGLU epilogue (``swiglu=
 silu(gate) * up, where the unfused path writes the 2I-wide product and launches ``silu_mul`` on it; its
 timing is against that pair (``F.linear`` then the ``silu_mul`` kernel), and a quantized one's against its
 own plain launch then ``silu_mul`` (:meth:`CudaGemv.swiglu_rows`: the SwiGLU launch reads gate and up rows
-together, which costs registers, and measured slower on an H200 for INT4).
+together, which costs registers, and was slower on an H200 for INT4).
 
 A layer's o and down projections take the norm epilogue (:meth:`CudaGemv.add_rms_norm`): the launch also adds
 the product to the residual stream and applies the RMSNorm after it (the block that finishes last does, see
@@ -331,9 +331,10 @@ class CudaGemv:
 
         Why both: the SwiGLU launch saves a launch and the 2I-wide product's round trip to memory, but its warps
         read gate and up rows together, which takes more registers than the plain product (on sm_90 80 against
-        72 for INT4, 92 against 72 for INT8: fewer blocks an SM), and an H200 ran the INT4 MLP's SwiGLU launch in
-        about twice the plain product's time over the same bytes. Which one wins depends on the GPU, as for the
-        float weights (:meth:`faster_rows`, same method: the graph walks through the layers' weights)."""
+        72 for INT4, 92 against 72 for INT8: fewer blocks an SM), and on an H200 the INT4 SwiGLU launch took
+        about twice the plain product's time over the same bytes (inferred from the MLP's launches timed
+        together). Which one wins depends on the GPU, as for the float weights (:meth:`faster_rows`, same
+        method: the graph walks through the layers' weights)."""
         if self.time_us is None:
             raise ValueError("this CudaGemv was built without a timer (time_us): it cannot time weights")
         modules = list(modules)[:MAX_TIMED]
