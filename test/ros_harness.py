@@ -34,7 +34,12 @@ def running_node(
     params: Mapping[str, Any], workdir: Path, salt: str, ready_timeout: float = 120.0
 ) -> Iterator[tuple[NodeProcess, VlmClient]]:
     """Start the node with ``params``, connect a client (to the first channel, when there are channels),
-    yield both; always stop and clean up."""
+    yield both once the client has the node's ``ready`` event; always stop and clean up.
+
+    Why wait for ``ready``: the client seeing the node's publishers does not mean the node's status publisher
+    has matched the client's subscription yet (discovery runs on both sides, seconds apart on a loaded
+    machine), and status is volatile, so an event published in between (a first prompt's ``accepted``) never
+    reaches the client. The node announces ``ready`` once its status publisher has a subscriber."""
     domain = domain_id_for(salt)
     # One torch thread: the test machines are small and shared, and the in-process reference engine
     # uses one thread too (same reduction order, same greedy tokens).
@@ -46,6 +51,7 @@ def running_node(
         topics = params.get(f"{channel}.image_topics") or params.get("image_topics") or ["image"]
         client = VlmClient(domain, image_topic=topics[0], channel=channel)
         client.wait_until_connected(node, timeout=ready_timeout)
+        client.wait_for(lambda: client.events(event="ready"), ready_timeout, "the ready event")
         yield node, client
     finally:
         if client is not None:
