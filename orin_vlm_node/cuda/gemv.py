@@ -15,8 +15,8 @@ the engine routes a shape to the kernel only for the rows it won.
 The MLP's fused gate/up projection takes the kernels' SwiGLU epilogue (``swiglu=True``): one launch writes
 silu(gate) * up, where the unfused path writes the 2I-wide product and launches ``silu_mul`` on it; its
 timing is against that pair (``F.linear`` then the ``silu_mul`` kernel), and a quantized one's against its
-own plain launch then ``silu_mul`` (:meth:`CudaGemv.swiglu_rows`: the SwiGLU launch reads gate and up rows
-together, which costs registers, and was slower on an H200 for INT4).
+own plain launch then ``silu_mul`` (:meth:`CudaGemv.swiglu_rows`: the two kernels differ in registers, by
+architecture, and the SwiGLU one was the slower on an H200 for INT4).
 
 A layer's o and down projections take the norm epilogue (:meth:`CudaGemv.add_rms_norm`): the launch also adds
 the product to the residual stream and applies the RMSNorm after it (the block that finishes last does, see
@@ -330,8 +330,9 @@ class CudaGemv:
         kept for the products that follow (:meth:`__call__`); and the timings, for the log.
 
         Why both: the SwiGLU launch saves a launch and the 2I-wide product's round trip to memory, but its warps
-        read gate and up rows together, which takes more registers than the plain product (on sm_90 80 against
-        72 for INT4, 92 against 72 for INT8: fewer blocks an SM), and on an H200 the INT4 SwiGLU launch took
+        read gate and up rows together, and ptxas gives the two kernels different registers (sm_90: 80 against
+        72 for INT4, 92 against 72 for INT8; sm_87 the other way round: 72 against 96 and 88), so which holds
+        more blocks an SM depends on the GPU; on an H200 the INT4 SwiGLU launch took
         about twice the plain product's time over the same bytes (inferred from the MLP's launches timed
         together). Which one wins depends on the GPU, as for the float weights (:meth:`faster_rows`, same
         method: the graph walks through the layers' weights)."""
