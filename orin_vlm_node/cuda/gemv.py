@@ -332,10 +332,10 @@ class CudaGemv:
         Why both: the SwiGLU launch saves a launch and the 2I-wide product's round trip to memory, but its warps
         read gate and up rows together, and ptxas gives the two kernels different registers (sm_90: 80 against
         72 for INT4, 92 against 72 for INT8; sm_87 the other way round: 72 against 96 and 88), so which holds
-        more blocks an SM depends on the GPU; on an H200 the INT4 SwiGLU launch took
-        about twice the plain product's time over the same bytes (inferred from the MLP's launches timed
-        together). Which one wins depends on the GPU, as for the float weights (:meth:`faster_rows`, same
-        method: the graph walks through the layers' weights)."""
+        more blocks an SM depends on the GPU; on an H200 the INT4 SwiGLU launch took about twice the plain
+        product's time over the same bytes (inferred from the MLP's launches timed together). Which one wins
+        is measured, as for the float weights (:meth:`faster_rows`, same method: the graph walks through the
+        layers' weights)."""
         if self.time_us is None:
             raise ValueError("this CudaGemv was built without a timer (time_us): it cannot time weights")
         modules = list(modules)[:MAX_TIMED]
