@@ -660,13 +660,10 @@ def _norm_epilogue(ctx: BenchContext, res: SectionResult, model_dir: Path) -> No
     from orin_vlm_node.model.gemv_linear import attach_gemv
 
     def toggle(engine, on: bool) -> str | None:
-        kernels = _gemv_kernels(engine)
-        if not kernels:
-            return "the engine has no GEMV kernels attached"
-        kernels.norm_epilogue = on
-        if not on:  # the float shapes were timed with the epilogues at load: time them again as they now run
-            attach_gemv(engine.model, kernels)
-        return None
+        refused = _gemv_switch("norm_epilogue")(engine, on)
+        if not refused and not on:  # the float shapes were timed with the epilogues at load: time them as they run
+            attach_gemv(engine.model, _gemv_kernels(engine))
+        return refused
 
     _on_and_off(ctx, res, model_dir, "norm_epilogue", "the norm epilogues", toggle, **FUSED)
 

@@ -164,9 +164,17 @@ class CudaGemv:
         for the rows :meth:`swiglu_rows` measured faster so, the product then the ``silu_mul`` kernel (the same
         roundings: the same bits)."""
         mode, stored, group = _stored(module)
-        if swiglu and x.shape[0] <= self._swiglu_apart.get(_signature(mode, stored, group), 0):
+        if swiglu:
+            apart = x.shape[0] <= self._swiglu_apart.get(_signature(mode, stored, group), 0)
+            return self._swiglu(x, mode, stored, group, apart)
+        return self._product(x, mode, stored, group, False)
+
+    def _swiglu(self, x: torch.Tensor, mode: str, stored: tuple, group: int, apart: bool) -> torch.Tensor:
+        """silu(gate) * up of a fused gate/up weight as stored: in the product's launch, or ``apart``: its plain
+        product, then the ``silu_mul`` kernel (the same bits)."""
+        if apart:
             return self._fused.silu_mul(self._product(x, mode, stored, group, False))
-        return self._product(x, mode, stored, group, swiglu)
+        return self._product(x, mode, stored, group, True)
 
     def add_rms_norm(
         self, module, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
@@ -302,8 +310,6 @@ class CudaGemv:
         product each, as a decode step does: a weight is not in the GPU's L2 cache when its product starts,
         as in the step (a product timed on one weight again and again would time the L2 cache on a GPU whose
         L2 holds it)."""
-        if self.time_us is None:
-            raise ValueError("this CudaGemv was built without a timer (time_us): it cannot time weights")
         weights = list(weights)[:MAX_TIMED]
         k = weights[0].shape[1]
         x = torch.zeros((self.max_rows, k), dtype=weights[0].dtype, device=weights[0].device)
@@ -336,18 +342,13 @@ class CudaGemv:
         product's time over the same bytes (inferred from the MLP's launches timed together). Which one wins
         is measured, as for the float weights (:meth:`faster_rows`, same method: the graph walks through the
         layers' weights)."""
-        if self.time_us is None:
-            raise ValueError("this CudaGemv was built without a timer (time_us): it cannot time weights")
         modules = list(modules)[:MAX_TIMED]
         mode, stored, group = _stored(modules[0])
         x = torch.zeros((self.max_rows, modules[0].in_features), dtype=dtype, device=stored[0].device)
 
         def contest(rows_x: torch.Tensor) -> tuple[Callable, Callable]:
             turn = itertools.cycle([_stored(m) for m in modules])
-            return (
-                lambda: self._fused.silu_mul(self._product(rows_x, *next(turn), False)),
-                lambda: self._product(rows_x, *next(turn), True),
-            )
+            return lambda: self._swiglu(rows_x, *next(turn), True), lambda: self._swiglu(rows_x, *next(turn), False)
 
         rows, timings = self._won_rows(x, _timed_calls(len(modules), modules[0].nbytes), contest)
         self._swiglu_apart[_signature(mode, stored, group)] = rows
@@ -360,6 +361,8 @@ class CudaGemv:
         """The largest rows bucket up to which the first of ``contest(rows of x)``'s two ways took less device time
         than the second, each bucket timed on both (``calls`` calls a graph) until the first loses one (0: it lost
         the first); and the timings, for the log."""
+        if self.time_us is None:
+            raise ValueError("this CudaGemv was built without a timer (time_us): it cannot time weights")
         rows, timings = 0, []
         for bucket in L.GEMV_ROW_BUCKETS:
             first, second = contest(x[:bucket])
