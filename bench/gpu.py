@@ -396,6 +396,8 @@ def _quantized_decode(torch, ctx: BenchContext, res: SectionResult, model_dir: P
 
     ctx.log(f"gpu quantized decode: {cfg.gpu_repeats} alternating repeats of {n} tokens, weights {QUANT}")
     runs = alternate({mode: eng(mode) for mode in QUANT}, repeats=cfg.gpu_repeats, warmup=1)
+    # how each engine's graphs launch (dependent_launch auto: timed both ways at capture)
+    res.setup["dependent_launch"] = {mode: e.describe()["decode"]["dependent_launch"] for mode, e in engines.items()}
     plain = [t.decode_tok_s for t in runs["none"]]
     for mode, timings in runs.items():
         engine = engines[mode]
@@ -583,13 +585,20 @@ def _epilogues(torch, ctx: BenchContext, res: SectionResult) -> None:
 
 
 def _on_and_off(
-    ctx: BenchContext, res: SectionResult, model_dir: Path, part: str, what: str, toggle, **settings
+    ctx: BenchContext,
+    res: SectionResult,
+    model_dir: Path,
+    part: str,
+    what: str,
+    toggle,
+    states: dict[str, dict] | None = None,
+    **settings,
 ) -> None:
     """Batch-1 decode (kernels + graphs, fp16 activations) with one feature of the GPU path on and off, for fp16
     and INT4 weights (every product one of our kernels), alternating: ``<part>.<none|int4>.<on|off>.tok_s``
     and ``gain`` = on / off per pair. ``toggle(engine, on)`` sets the feature of a fresh engine (of the engine
-    ``settings`` given) before its first request, so its decode graphs are captured with it, or returns why it
-    cannot (the part is skipped)."""
+    ``settings`` given, and ``states[on|off]``'s) before its first request, so its decode graphs are captured
+    with it, or returns why it cannot (the part is skipped)."""
     from orin_vlm_node.engine import Request, SamplingParams, Turn
 
     cfg = ctx.config
@@ -597,7 +606,9 @@ def _on_and_off(
     engines = {}
     for mode in ("none", "int4"):
         for state in ("on", "off"):
-            engine = _engine(model_dir, "fp16", cache_dir, weight_quant=mode, **PATHS["graphs"], **settings)
+            state_settings = (states or {}).get(state, {})
+            engine = _engine(model_dir, "fp16", cache_dir, weight_quant=mode, **PATHS["graphs"], **settings,
+                             **state_settings)  # fmt: skip
             refused = toggle(engine, state == "on")
             if refused:
                 res.skip_part(part, refused)
@@ -620,17 +631,16 @@ def _on_and_off(
 
 
 def _dependent_launch(ctx: BenchContext, res: SectionResult, model_dir: Path) -> None:
-    """What overlapping each kernel's start with its predecessor's end gains a token: launches plain or
-    programmatic dependent (an engine's kernels are its own)."""
+    """What overlapping each kernel's start with its predecessor's end gains a token: the decode graphs'
+    launches all programmatic dependent or all plain (``dependent_launch`` on / off; the default, auto,
+    captures each graph both ways and keeps the faster, which the ``quant`` part measures)."""
 
-    def toggle(engine, on: bool) -> str | None:
-        runtime = engine.attention.launcher
-        if not runtime.programmatic:
-            return f"programmatic dependent launch {runtime.programmatic_status}"
-        runtime.programmatic = on
-        return None
+    def available(engine, on: bool) -> str | None:
+        status = engine.attention.launcher.programmatic_status
+        return None if status == "on" else f"programmatic dependent launch {status}"
 
-    _on_and_off(ctx, res, model_dir, "pdl", "dependent launches", toggle)
+    states = {state: {"dependent_launch": state} for state in ("on", "off")}
+    _on_and_off(ctx, res, model_dir, "pdl", "dependent launches", available, states)
 
 
 def _gemv_kernels(engine):

@@ -145,6 +145,9 @@ SETTINGS: tuple[Setting, ...] = (
        "and, for one sequence, a layer's products between two attentions (o, gate/up, down and their norms) as one "
        "CUDA launch; false = a launch a product and a launch a norm, measured faster on an H200 (CUDA kernels "
        "only)", E, BETWEEN),
+    _s("dependent_launch", str, "auto", "kernels in a decode graph start while the one before them ends (sm_90 "
+       "and later): on, off, or auto = each graph captured both ways at its first use and the faster replay "
+       "kept (an H200: faster with fp16 weights, slower with INT4)", E, BETWEEN, choices=("auto", "on", "off")),
     _s("allow_kernel_fallback", bool, True, "true: torch attention, reported as 'kernels: off (<reason>)', when "
        "the kernels cannot be used; false: that is a startup error", E, BETWEEN),
     _s("kernel_dir", str, "", "CUDA kernel sources; '' = the ones installed with the package", E, BETWEEN),

@@ -1,14 +1,24 @@
 """``CudaPagedAttention`` (the kvcache PagedAttentionImpl of the CUDA layer) driven through a real
 ``PagedKVCache``, with the kernels running in the CPU harness, against the torch implementation.
-Also the shape check and CPU behaviour of ``select_backend``, and ``DecodeGraph`` on the CPU."""
+Also the shape check and CPU behaviour of ``select_backend``, and ``DecodeGraph`` (with its ``LaunchModes``) on
+the CPU."""
 
 from __future__ import annotations
+
+import contextlib
 
 import pytest
 import torch
 from cuda_harness.harness import RecordingLauncher
 
-from orin_vlm_node.cuda import AttentionShape, CudaPagedAttention, DecodeGraph, KernelsUnavailable, select_backend
+from orin_vlm_node.cuda import (
+    AttentionShape,
+    CudaPagedAttention,
+    DecodeGraph,
+    KernelsUnavailable,
+    LaunchModes,
+    select_backend,
+)
 from orin_vlm_node.cuda import launch as L
 from orin_vlm_node.kvcache.attention import TorchPagedAttention
 from orin_vlm_node.kvcache.config import KVCacheConfig
@@ -157,6 +167,38 @@ def test_decode_graph_is_eager_on_cpu():
     assert torch.equal(runner.run(), torch.ones(2)) and torch.equal(runner(), torch.ones(2))
     assert len(calls) == 2 and not runner.captured and runner.describe()["eager_reason"] == "cpu device"
     assert runner.eager
+
+
+class _SwitchRecorder:
+    """A runtime's dependent-launch check result and switch, recording what each capture asked for."""
+
+    def __init__(self, status: str):
+        self.programmatic_status = status
+        self.asked: list[bool] = []
+
+    @contextlib.contextmanager
+    def dependent_launches(self, on: bool):
+        self.asked.append(on)
+        yield
+
+
+@pytest.mark.parametrize(
+    ("status", "setting", "modes"),
+    [
+        ("on", "auto", (True, False)),  # both captured, the faster replay kept
+        ("on", "on", (True,)),
+        ("on", "off", (False,)),
+        ("off (sm_87: it needs sm_90 or later)", "auto", (False,)),  # an Orin: plain whatever the setting
+        ("off (the driver has no cuLaunchKernelEx)", "on", (False,)),
+    ],
+)
+def test_launch_modes_capture_dependent_launches_only_where_the_runtime_runs_them(status, setting, modes):
+    launches = LaunchModes(_SwitchRecorder(status), setting)
+    assert launches.modes() == modes
+    for dependent in modes:
+        with launches.during(dependent):
+            pass
+    assert launches.runtime.asked == list(modes)
 
 
 @pytest.mark.parametrize(

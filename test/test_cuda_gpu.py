@@ -57,6 +57,35 @@ def test_gpu_launches_are_programmatic_dependent_from_hopper_on(backend):
     assert f"programmatic dependent launch {runtime.programmatic_status}" in backend.status
 
 
+def test_gpu_decode_graphs_keep_the_faster_of_dependent_and_plain_launches(tmp_path_factory, kernel_cache):
+    """``dependent_launch`` auto: each decode graph is captured both ways at its first use and the faster
+    replay kept, both times in ``describe``; on and off capture one way (off wherever dependent launch does not
+    work). The tokens are the same all three ways (the same kernels, launched differently), and the runtime's
+    switch is back as it was after the captures."""
+    import re
+
+    from orin_vlm_node.engine import Engine, EngineConfig, Request, SamplingParams, Turn
+
+    path = str(_tiny(tmp_path_factory, 64))
+    common = dict(model_path=path, device="cuda", dtype="fp32", max_context_tokens=512, kernel_cache_dir=kernel_cache,
+                  allow_kernel_fallback=False)  # fmt: skip
+    sampling = SamplingParams(temperature=0.0, max_new_tokens=64, ignore_eos=True)
+    turn = Turn("Tell the robot what to do next, step by step.")
+    tokens, ways = {}, {}
+    for setting in ("auto", "on", "off"):
+        engine = Engine(EngineConfig(**common, dependent_launch=setting))
+        tokens[setting] = list(engine.generate(Request(turn, sampling)))[-1].token_ids
+        ways[setting] = engine.describe()["decode"]["dependent_launch"]
+        runtime = engine.attention.launcher
+        dependent = runtime.programmatic_status == "on"
+        assert runtime.programmatic == dependent
+    assert tokens["auto"] == tokens["on"] == tokens["off"]
+    assert ways["auto"] and set(ways["off"].values()) == {"off"}
+    assert set(ways["on"].values()) == {"on" if dependent else "off"}
+    timed = r"(on|off) \(a replay \d+ us dependent, \d+ us plain\)" if dependent else "off"
+    assert all(re.fullmatch(timed, way) for way in ways["auto"].values()), ways["auto"]
+
+
 def _caches(impl, dtype, page, nkv, hd, max_ctx):
     cfg = KVCacheConfig(
         num_layers=1,

@@ -7,7 +7,8 @@ Public API (the engine uses these names):
   (...)"``, ``attention_impl``): ``attention_impl`` is a kvcache ``PagedAttentionImpl``
   (``CudaPagedAttention``) or None for the torch one. ``KernelsUnavailable`` when kernels are required
   but cannot be used.
-* ``DecodeGraph(fn, device, enabled=True, warmup=2, pool=None, *, stream)``: ``run()`` / ``describe()``.
+* ``DecodeGraph(fn, device, enabled=True, warmup=2, pool=None, *, stream, launches=None)``: ``run()`` /
+  ``describe()``; ``LaunchModes(runtime, setting)``: its kernels launched dependent, plain, or both timed.
 * ``CudaPagedAttention(launcher, sm_count=16)``: write_kv / attend / attend_decode.
 * ``find_kernel_sources(kernel_dir="")``: where the ``.cu`` files are in this install.
 * ``KernelBuildError`` (build failures), ``CudaRuntimeError`` (driver failures).
@@ -21,7 +22,7 @@ Importing this package imports neither pycuda nor anything that needs a GPU. See
 from .attention import CudaPagedAttention
 from .backend import AttentionShape, BackendChoice, KernelsUnavailable, select_backend
 from .build import KernelBuildError
-from .graph import DecodeGraph
+from .graph import DecodeGraph, LaunchModes
 from .runtime import CudaRuntimeError
 from .sources import KernelSources, KernelSourcesNotFound, find_kernel_sources
 
@@ -35,6 +36,7 @@ __all__ = [
     "KernelSources",
     "KernelSourcesNotFound",
     "KernelsUnavailable",
+    "LaunchModes",
     "find_kernel_sources",
     "select_backend",
 ]

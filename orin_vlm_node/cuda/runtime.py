@@ -17,18 +17,20 @@ graph a kernel may start while the kernel before it finishes (``KERNEL_PROLOGUE`
 makes each kernel wait for that one's stores before it touches memory); eager launches stay plain. Whether
 the driver takes such launches is checked once when the kernels load: two dependent launches captured and
 replayed must give what the same two launched plainly give; if not, every launch is plain and
-``programmatic_status`` says why.
+``programmatic_status`` says why. Where it works, whoever captures picks per capture
+(``dependent_launches``): the decode graphs follow the engine's ``dependent_launch`` setting (``graph.py``).
 
 All CUDA imports happen inside functions; importing this module works on a machine without a GPU.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import logging
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -196,6 +198,17 @@ class KernelRuntime:
         else:
             rc = self._driver.lib.cuLaunchKernel(fn, *cfg.grid, *cfg.block, cfg.shared_bytes, stream, params, None)
         self._driver.check(rc, f"launching {cfg.kernel} grid={cfg.grid} block={cfg.block}")
+
+    @contextlib.contextmanager
+    def dependent_launches(self, on: bool) -> Iterator[None]:
+        """Launches captured in the block are programmatic dependent (``on``, where ``programmatic_status`` is
+        "on") or plain; the switch is back as it was after the block."""
+        before = self.programmatic
+        self.programmatic = on and self.programmatic_status == "on"
+        try:
+            yield
+        finally:
+            self.programmatic = before
 
     def _check_programmatic(self) -> str:
         """Turn dependent launches on where this GPU and driver run them right; "on", or "off (why)".

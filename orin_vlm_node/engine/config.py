@@ -53,6 +53,7 @@ class EngineConfig:
     use_cuda_kernels: bool = _default("use_cuda_kernels")
     use_cuda_graph: bool = _default("use_cuda_graph")
     fuse_decode_launches: bool = _default("fuse_decode_launches")
+    dependent_launch: str = _default("dependent_launch")
     allow_kernel_fallback: bool = _default("allow_kernel_fallback")
     kernel_dir: str = _default("kernel_dir")
     kernel_cache_dir: str = _default("kernel_cache_dir")
@@ -98,6 +99,7 @@ REBUILDS: dict[str, frozenset[str]] = {
             "use_cuda_kernels",
             "use_cuda_graph",
             "fuse_decode_launches",
+            "dependent_launch",
             "allow_kernel_fallback",
             "kernel_dir",
             "kernel_cache_dir",

@@ -35,7 +35,7 @@ from typing import Protocol
 
 import torch
 
-from ..cuda import DecodeGraph
+from ..cuda import DecodeGraph, LaunchModes
 from ..kvcache import KVCache, SequencesAttention, StepAttention
 from ..model.positions import decode_positions
 
@@ -133,7 +133,8 @@ class StaticDecodeStep:
     With ``use_graphs`` on a CUDA device each bucket's forward is captured once and replayed; otherwise
     (CPU, graphs disabled, a failed capture) it runs eagerly over the same buffers. ``overlap`` (default:
     on CUDA) lets the scheduler stage device tokens and read them while the next step runs.
-    ``capture_stream``: the side stream the graphs are captured on, the process's one (``cuda.graph``).
+    ``capture_stream``: the side stream the graphs are captured on, the process's one (``cuda.graph``);
+    ``launches``: how the kernels in them launch (``cuda.LaunchModes``; None: no kernels of ours).
     """
 
     def __init__(
@@ -146,6 +147,7 @@ class StaticDecodeStep:
         buckets: tuple[int, ...] | None = None,
         overlap: bool | None = None,
         capture_stream: torch.cuda.Stream | None = None,
+        launches: LaunchModes | None = None,
     ):
         self.model = model
         self.overlap = device.type == "cuda" if overlap is None else overlap
@@ -167,7 +169,12 @@ class StaticDecodeStep:
         pool = torch.cuda.graph_pool_handle() if graphs else None
         self._runners = {
             key: DecodeGraph(
-                functools.partial(self.forward, *key), device, enabled=graphs, pool=pool, stream=capture_stream
+                functools.partial(self.forward, *key),
+                device,
+                enabled=graphs,
+                pool=pool,
+                stream=capture_stream,
+                launches=launches,
             )
             for key in self._attention
         }
@@ -223,6 +230,10 @@ class StaticDecodeStep:
             "batch_buckets": list(self.batch_buckets),
             "graphs": "off (" + "; ".join(sorted(eager)) + ")" if eager else "on",
             "graphs_captured": sum(g["captured"] for g in graphs),
+            # each captured graph's way of launching (batch x context bucket), timed both ways with auto
+            "dependent_launch": {
+                f"{b}x{w}": r.dependent_launch for (b, w), r in self._runners.items() if r.dependent_launch
+            },
             "overlap": self.overlap,
         }
 
@@ -234,11 +245,15 @@ def build_decode_step(
     use_graphs: bool,
     max_batch: int,
     capture_stream: torch.cuda.Stream | None = None,
+    launches: LaunchModes | None = None,
 ) -> DecodeStep:
     """The one place that decides how decode runs, for batches of up to ``max_batch`` sequences.
 
     On CUDA the static step (CUDA graphs when ``use_graphs``, one per batch and context bucket, captured on
-    ``capture_stream``); on CPU, where a graph gains nothing, the dynamic step."""
+    ``capture_stream``, their kernels launched as ``launches`` says); on CPU, where a graph gains nothing, the
+    dynamic step."""
     if device.type == "cuda":
-        return StaticDecodeStep(model, cache, device, use_graphs, max_batch, capture_stream=capture_stream)
+        return StaticDecodeStep(
+            model, cache, device, use_graphs, max_batch, capture_stream=capture_stream, launches=launches
+        )
     return DynamicDecodeStep(model, cache)

@@ -40,7 +40,7 @@ from typing import Any
 import torch
 
 from ..cpu import cpu_gemm_for
-from ..cuda import KernelsUnavailable
+from ..cuda import KernelsUnavailable, LaunchModes
 from ..cuda.fused import CudaFusedOps
 from ..cuda.gemv import CudaGemv
 from ..cuda.graph import device_us
@@ -125,8 +125,9 @@ class Engine:
             self.cache.set_attention_impl(self.attention.attention_impl)  # the cache and sessions stay
         if parts & {"model", "kv_cache", "backend"}:
             self.decode_step = build_decode_step(
-                self.model, self.cache, self.device, self._config.use_cuda_graph, MAX_BATCH, self._capture_stream()
-            )
+                self.model, self.cache, self.device, self._config.use_cuda_graph, MAX_BATCH, self._capture_stream(),
+                LaunchModes(launcher, self._config.dependent_launch) if launcher else None,
+            )  # fmt: skip
             log.log(logging.WARNING if self.attention.degraded else logging.INFO, "%s", self.attention.status)
             log.info("decode path: %s", decode_path(self.attention, self.decode_step))
 
