@@ -407,6 +407,8 @@ def _quantized_decode(torch, ctx: BenchContext, res: SectionResult, model_dir: P
         res.add(f"quant.{mode}.tok_s", "tok/s", rates, f"batch-1 decode, fp16 activations, weights {mode}", mode=mode)
         res.add(f"quant.{mode}.bound_fraction", "fraction", [r / bound for r in rates],
                 "decode tok/s / (copy bandwidth / bytes this model reads per token)", mode=mode)  # fmt: skip
+        res.add(f"quant.{mode}.ttft_s", "s", [t.ttft_s for t in timings],
+                "time to the first token (a prefill: quantized weights widened for torch GEMM)", mode=mode)  # fmt: skip
         if mode != "none":
             res.add(f"quant.{mode}.speedup", "x", paired_ratio(rates, plain), f"{mode} tok/s / fp16 weights tok/s",
                     mode=mode)  # fmt: skip

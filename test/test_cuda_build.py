@@ -129,6 +129,7 @@ def test_source_closure_follows_includes_of_the_real_kernels():
         "gemv_swiglu",
         "rms_norm",
         "silu_mul",
+        "widen_int4",
     }
     assert B.arch_from_capability(8, 7) == "sm_87"
 

@@ -269,6 +269,23 @@ def test_gpu_quantized_gemv_matches_the_torch_reference(backend, mode, dtype, n,
         torch.testing.assert_close(gemv(module, x).float(), expected, rtol=0, atol=tol)
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+@pytest.mark.parametrize(("n", "k", "group"), [(12288, 2048, 128), (37, 75, 32)])
+def test_gpu_int4_weight_widened_for_a_prefill_is_the_reference_to_the_bit(backend, dtype, n, k, group):
+    """``widen_int4`` on the GPU gives what torch's ops give for the reference's widened weight, bit for bit
+    (nvcc must not contract its product and sum into one rounding), and a prefill's rows multiply it."""
+    from orin_vlm_node.cuda.gemv import CudaGemv
+    from orin_vlm_node.model.quant import QuantizedLinear, WeightQuant
+
+    module = QuantizedLinear.from_weight(torch.randn(n, k, device="cuda") * 0.02, WeightQuant("int4", group))
+    gemv = CudaGemv(backend.launcher)
+    assert torch.equal(gemv.widen(module, dtype), module.dequantize(dtype))
+    x = torch.randn(40, k, device="cuda").to(dtype)
+    want = module(x)
+    module.kernels = gemv
+    assert torch.equal(module(x), want)
+
+
 def _projection(gemv, mode: str, dtype: torch.dtype, n: int, k: int):
     """A random N x K projection whose products ``gemv`` computes: float weights in ``dtype``, or quantized."""
     from orin_vlm_node.model.gemv_linear import GemvLinear

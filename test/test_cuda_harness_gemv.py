@@ -5,7 +5,8 @@ fp32, so the expected difference is the rounding of the output to its dtype plus
 routing: which projections of a model take the kernel (quantized ones always, float ones for the rows the
 timing gave them), a model that computes what it computed before, and detaching that restores the model.
 The SwiGLU epilogue (the MLP's gate/up product and its activation in one kernel) against torch's product
-followed by ``F.silu(gate) * up``, each rounded to the activation dtype as the separate ops round."""
+followed by ``F.silu(gate) * up``, each rounded to the activation dtype as the separate ops round. An INT4
+weight widened for a prefill's many rows (``widen_int4``) against the reference's widened weight."""
 
 from __future__ import annotations
 
@@ -56,6 +57,26 @@ def test_gemv_kernels_match_the_torch_reference(harness, mode, dtype, n, k, grou
         expected = F.linear(x.float(), weight)
         scale = expected.abs().amax().item()
         torch.testing.assert_close(got.float(), expected, rtol=RTOL[dtype], atol=RTOL[dtype] * scale)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("n,k,group", SHAPES)
+def test_an_int4_weight_is_widened_in_one_launch_for_many_rows_to_the_bit(harness, dtype, n, k, group):
+    """Rows beyond what the GEMV launches take (a prefill) multiply the weight widened by ``widen_int4``: the
+    reference's widened weight to the bit (q * s, then + m, each rounded in fp32, then the dtype), so the product
+    is the reference's; one launch, then torch's product."""
+    module = _quantized(n, k, "int4", group, seed=n + k)
+    launcher = RecordingLauncher(harness)
+    gemv = CudaGemv(launcher)
+    assert torch.equal(gemv.widen(module, dtype), module.dequantize(dtype))
+    x = torch.randn(CudaGemv.max_quantized_rows + 3, k).to(dtype)
+    want = module(x)  # no kernels attached: the torch reference
+    module.kernels = gemv
+    launcher.kernels.clear()
+    assert not module.kernel_takes(x) and torch.equal(module(x), want)
+    assert launcher.kernels == [f"widen_int4_{L.DTYPE_TAGS[str(dtype).removeprefix('torch.')]}"]
+    with pytest.raises(ValueError, match="widen takes an int4 weight"):
+        gemv.widen(_quantized(n, k, "int8", group, seed=1), dtype)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -489,7 +510,8 @@ def test_a_timed_graph_walks_through_the_weights_of_the_shape_as_a_decode_step_d
 def test_a_model_routed_to_the_kernels_computes_what_it_computed_and_detaching_restores_it(harness, mode):
     """A tiny model in fp32: each float shape timed once; a forward of one token (a decode step's rows) runs
     every projection and the head through the kernels, one of 20 tokens (a prefill) only the last layer's o
-    product and MLP and the head (the last token's rows), and both give the logits the model gave before; None
+    product and MLP and the head (the last token's rows; INT4 weights of the other products widened by a kernel
+    for torch's), and both give the logits the model gave before; None
     puts back the modules as loaded;
     without CUDA graphs the float weights are not timed and stay as loaded."""
     from orin_vlm_node.engine import Engine, EngineConfig
@@ -546,10 +568,13 @@ def test_a_model_routed_to_the_kernels_computes_what_it_computed_and_detaching_r
     assert launcher.kernels == [f"gemv_{stored}{e}_f32_r1" for e in epilogues] + ["gemv_float_f32_r1"]
     assert epilogues.count("_swiglu") == model.config.text.num_hidden_layers
     launcher.kernels.clear()
-    torch.testing.assert_close(logits(20), want[20], rtol=1e-4, atol=1e-5)  # a prefill: torch's products, but
-    # for the last layer's o product and MLP and the head: the last token's rows only, the rows of a decode step
+    torch.testing.assert_close(logits(20), want[20], rtol=1e-4, atol=1e-5)  # a prefill: torch's products (on
+    # INT4 weights widened by a launch each), but for the last layer's o product and MLP and the head: the last
+    # token's rows only, the rows of a decode step
+    layers = model.config.text.num_hidden_layers
+    widened = ["widen_int4_f32"] * (4 * (layers - 1) + 1) if mode == "int4" else []
     tail = [f"gemv_{stored}_f32_r1", f"gemv_{stored}_swiglu_f32_r1", f"gemv_{stored}_f32_r1"]
-    assert launcher.kernels == [*tail, "gemv_float_f32_r1"]
+    assert launcher.kernels == [*widened, *tail, "gemv_float_f32_r1"]
     assert attach_gemv(model, None) == ""
     assert all(getattr(parent, attr) is m for (parent, attr), m in zip(sites, loaded, strict=True))
     assert all(m.kernels is None for m in model.modules() if isinstance(m, QuantizedLinear))
@@ -645,8 +670,8 @@ def test_a_quantized_projection_routes_decode_rows_to_the_kernels_and_prefill_to
     x = torch.randn(20, 128)
     torch.testing.assert_close(module(x[:4]), F.linear(x[:4], module.dequantize(torch.float32)))
     assert launcher.kernels == ["gemv_int4_f32_r4"]
-    module(x)  # 20 rows: a prefill, torch's GEMM on the widened weight
-    assert launcher.kernels == ["gemv_int4_f32_r4"]
+    module(x)  # 20 rows: a prefill, torch's GEMM on the weight widened by a kernel
+    assert launcher.kernels == ["gemv_int4_f32_r4", "widen_int4_f32"]
 
 
 def test_gemv_launch_picks_the_rows_bucket_and_refuses_what_no_kernel_takes():

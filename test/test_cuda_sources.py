@@ -27,6 +27,7 @@ def test_the_checkout_finds_its_own_kernels():
         "paged_prefill_attention",
         "rms_norm",
         "silu_mul",
+        "widen_int4",
     )
 
 

@@ -16,7 +16,7 @@ The MLP's fused gate/up projection takes the kernels' SwiGLU epilogue (``swiglu=
 silu(gate) * up, where the unfused path writes the 2I-wide product and launches ``silu_mul`` on it; its
 timing is against that pair (``F.linear`` then the ``silu_mul`` kernel), and a quantized one's against its
 own plain launch then ``silu_mul`` (:meth:`CudaGemv.swiglu_rows`: the two kernels differ in registers, by
-architecture, and the SwiGLU one was the slower on an H200 for INT4).
+architecture, so the GPU decides).
 
 A layer's o and down projections take the norm epilogue (:meth:`CudaGemv.add_rms_norm`): the launch also adds
 the product to the residual stream and applies the RMSNorm after it (the block that finishes last does, see
@@ -168,6 +168,18 @@ class CudaGemv:
             apart = x.shape[0] <= self._swiglu_apart.get(_signature(mode, stored, group), 0)
             return self._swiglu(x, mode, stored, group, apart)
         return self._product(x, mode, stored, group, False)
+
+    def widen(self, module, dtype: torch.dtype) -> torch.Tensor:
+        """The (N, K) weight an INT4 QuantizedLinear ``module`` stands for, in ``dtype``, in one launch
+        (``kernels/widen_int4.cu``): what ``module.dequantize(dtype)`` gives, to the bit, for the products the
+        kernels do not take (a prefill's many rows, torch's GEMM)."""
+        if module.mode != "int4":
+            raise ValueError(f"widen takes an int4 weight, got {module.mode}")
+        n, k = module.out_features, module.in_features
+        out = torch.empty((n, k), dtype=dtype, device=module.qweight.device)
+        args = [out, module.qweight, module.scales, module.offsets, n, k, module.group_size]
+        self.launcher.launch(L.widen_int4_launch(n, k, dtype), args)
+        return out
 
     def _swiglu(self, x: torch.Tensor, mode: str, stored: tuple, group: int, apart: bool) -> torch.Tensor:
         """silu(gate) * up of a fused gate/up weight as stored: in the product's launch, or ``apart``: its plain
@@ -338,10 +350,9 @@ class CudaGemv:
         Why both: the SwiGLU launch saves a launch and the 2I-wide product's round trip to memory, but its warps
         read gate and up rows together, and ptxas gives the two kernels different registers (sm_90: 80 against
         72 for INT4, 92 against 72 for INT8; sm_87 the other way round: 72 against 96 and 88), so which holds
-        more blocks an SM depends on the GPU; on an H200 the INT4 SwiGLU launch took about twice the plain
-        product's time over the same bytes (inferred from the MLP's launches timed together). Which one wins
-        is measured, as for the float weights (:meth:`faster_rows`, same method: the graph walks through the
-        layers' weights)."""
+        more blocks an SM depends on the GPU (on an H200 the SwiGLU launch won: INT4 8.6 against 10.2 us for the
+        2B's gate/up, INT8 11.2 against 11.5). Which one wins is measured, as for the float weights
+        (:meth:`faster_rows`, same method: the graph walks through the layers' weights)."""
         modules = list(modules)[:MAX_TIMED]
         mode, stored, group = _stored(modules[0])
         x = torch.zeros((self.max_rows, modules[0].in_features), dtype=dtype, device=stored[0].device)

@@ -35,6 +35,7 @@ NORM_THREADS = 128  # kNormThreads in kernels/add_rms_norm.cuh
 MAX_ROPE_DIM = 256  # kMaxRopeDim in kernels/norm_rope.cuh: the rows the norm + RoPE kernel rotates (head_dim)
 NORM_KERNELS = ("rms_norm", "rms_norm_rope", "add_rms_norm", "rope_tables")  # the kinds of kernels/rms_norm.cu
 SILU_THREADS = 256  # kSiluThreads in kernels/silu_mul.cu
+WIDEN_THREADS = 256  # kWidenThreads in kernels/widen_int4.cu
 
 # Rows of x one GEMV kernel is instantiated for (a launch takes the smallest that holds its rows); more rows
 # than the largest (a prefill) take torch's GEMM instead.
@@ -80,6 +81,7 @@ KERNEL_MODULES: dict[str, tuple[str, ...]] = {
     ),
     "rms_norm": tuple(f"{kind}_{t}" for kind in NORM_KERNELS for t in DTYPE_TAGS.values()),
     "silu_mul": tuple(f"silu_mul_{t}" for t in DTYPE_TAGS.values()),
+    "widen_int4": tuple(f"widen_int4_{t}" for t in DTYPE_TAGS.values()),
 }
 
 # Parameter kinds of each kernel family, in order: "ptr" (device pointer), "i32", "f32".
@@ -99,6 +101,7 @@ ARG_KINDS: dict[str, tuple[str, ...]] = {
     "add_rms_norm": ("ptr",) * 5 + ("i32", "f32"),
     "rope_tables": ("ptr",) * 5 + ("i32",) * 2,
     "silu_mul": ("ptr",) * 2 + ("i32",) * 2,
+    "widen_int4": ("ptr",) * 4 + ("i32",) * 3,  # out, qweight, scales, offsets; N, K, group
 }
 
 
@@ -378,6 +381,15 @@ def silu_mul_launch(rows: int, inter: int, dtype: object) -> LaunchConfig:
     tag = DTYPE_TAGS[dtype_name(dtype)]
     blocks = math.ceil(rows * inter / SILU_THREADS)
     return _checked(LaunchConfig(f"silu_mul_{tag}", (blocks, 1, 1), (SILU_THREADS, 1, 1), 0))
+
+
+def widen_int4_launch(n: int, k: int, dtype: object) -> LaunchConfig:
+    """One thread per stored byte of an (N, K) INT4 weight (two weights), WIDEN_THREADS a block."""
+    if n < 1 or k < 1:
+        raise ValueError(f"widen_int4 launch needs N, K >= 1, got {n}, {k}")
+    tag = DTYPE_TAGS[dtype_name(dtype)]
+    blocks = math.ceil(n * ((k + 1) // 2) / WIDEN_THREADS)
+    return _checked(LaunchConfig(f"widen_int4_{tag}", (blocks, 1, 1), (WIDEN_THREADS, 1, 1), 0))
 
 
 def _checked(cfg: LaunchConfig) -> LaunchConfig:

@@ -153,12 +153,14 @@ class QuantizedLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """(L, K) -> (L, N) in x's dtype: the CUDA kernels when they are loaded and take the call (a decode
         step's few rows); else the torch path, the reference of the CUDA and the CPU kernels: widen the weight,
-        one product (INT8 applies its per-row scale after the product, where it factors out)."""
+        one product (INT8 applies its per-row scale after the product, where it factors out). With the kernels
+        loaded an INT4 weight is widened by one of them (the same values, one launch)."""
         if self.kernel_takes(x):
             return self.kernels(self, x)
         if self.mode == "int8":
             return F.linear(x, self.qweight.to(x.dtype)) * self.scales.to(x.dtype)
-        return F.linear(x, self.dequantize(x.dtype))
+        widened = self.kernels.widen(self, x.dtype) if self.kernels is not None else self.dequantize(x.dtype)
+        return F.linear(x, widened)
 
     @property
     def nbytes(self) -> int:
