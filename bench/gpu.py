@@ -17,7 +17,8 @@ that config is absent), batch 1, greedy, answers of a fixed length (``ignore_eos
   device time of each in CUDA graphs, as the engine's decode runs them.
 * ``quant.<none|int8|int4>``: batch-1 decode with kernels + graphs and fp16 activations, the decoder's
   projections stored as ``weight_quant`` says (the INT8/INT4 GEMV kernels); tokens/s, the fraction of each
-  model's own bound (the bytes it really reads), and the speedup over fp16 weights.
+  model's own bound (the bytes it really reads), the speedup over fp16 weights, and the TTFT (a prefill:
+  quantized weights widened for torch's GEMM); each engine's graphs' launch choice in ``setup``.
 * ``gemv.<projection>.<fp16|fp16_kernel|int8|int4>``: one row through each projection shape of the 2B
   decoder, torch's fp16 product against the GEMV kernels (fp16, INT8 and INT4 weights): device time in graphs
   and the weight bytes read per second as a fraction of the copy bandwidth. For gate/up also the MLP's
@@ -31,9 +32,11 @@ that config is absent), batch 1, greedy, answers of a fixed length (``ignore_eos
   decode token's time goes: its wall time (overlapped, and step by step with overlap off: what queuing step
   N+1 before reading token N gains), and torch.profiler's kernels over 16 tokens by category (GEMMs,
   attention, fused elementwise, other elementwise) with their count per token, and the time with any
-  kernel running (``busy_ms``); the 15 costliest kernels in ``setup``.
+  kernel running (``busy_ms``); the 15 costliest kernels in ``setup``. Launched plainly, so that each
+  kernel's duration is its own.
 * ``pdl.<none|int4>.<on|off>``: batch-1 decode with programmatic dependent launch on and off (sm_90 and
-  later), fp16 and INT4 weights, alternating; ``gain`` = on / off per pair.
+  later; ``dependent_launch`` on / off, where the default, auto, keeps the faster per graph), fp16 and INT4
+  weights, alternating; ``gain`` = on / off per pair.
 * ``norm_epilogue.<none|int4>.<on|off>``: the same with the GEMV's norm epilogues on and off (each residual
   add + RMSNorm in the launch of the o or down product before it, and the q/k norms + RoPE + KV sink in the
   q/k/v product's launch; or each a launch of its own: 8 a layer), on engines with ``fuse_decode_launches``
@@ -326,12 +329,15 @@ def _step_profile(torch, ctx: BenchContext, res: SectionResult, model_dir: Path,
     figures under ``step.fp16`` for fp16 weights and ``step.<weights>`` for quantized ones): the wall time
     of a token, overlapped and step by step (what overlapping the host with the device gains), and
     torch.profiler's kernels over 16 tokens by category, with their count per token (what the kernels do
-    not cover of a token is gaps between kernels and host time)."""
+    not cover of a token is gaps between kernels and host time). Launches are plain (``dependent_launch``
+    off): a dependent launch's profiled duration includes its wait for the kernel before it, so the kernels'
+    times would not add up to the token."""
     from torch.profiler import ProfilerActivity, profile
 
     from orin_vlm_node.engine import Request, SamplingParams, Turn
 
-    engine = _engine(model_dir, "fp16", str(ctx.scratch / "kernel_cache"), weight_quant=weights, **PATHS["graphs"])
+    engine = _engine(model_dir, "fp16", str(ctx.scratch / "kernel_cache"), weight_quant=weights, **PATHS["graphs"],
+                     dependent_launch="off")  # fmt: skip
     key = "fp16" if weights == "none" else weights
     ids = iter(range(10**6))
 
@@ -363,7 +369,7 @@ def _step_profile(torch, ctx: BenchContext, res: SectionResult, model_dir: Path,
         f"step.{key}.kernels_per_token", "count", [len(kernels) / tokens], "CUDA kernels a token (prefill included)"
     )
     res.add(f"step.{key}.kernel_ms", "ms", [sum(e.device_time for e in kernels) / tokens / 1e3],
-            "kernel durations a token, summed (dependent launches overlap: each includes its wait)")  # fmt: skip
+            "kernel durations a token, summed (plain launches: none includes a wait for another)")  # fmt: skip
     busy = busy_us([(e.time_range.start, e.time_range.end) for e in kernels])
     res.add(f"step.{key}.busy_ms", "ms", [busy / tokens / 1e3],
             "device time a token with a kernel running (the rest of token_ms: gaps between kernels, host)")  # fmt: skip
