@@ -37,6 +37,9 @@ that config is absent), batch 1, greedy, answers of a fixed length (``ignore_eos
 * ``pdl.<none|int4>.<on|off>``: batch-1 decode with programmatic dependent launch on and off (sm_90 and
   later; ``dependent_launch`` on / off, where the default, auto, keeps the faster per graph), fp16 and INT4
   weights, alternating; ``gain`` = on / off per pair.
+* ``l2_prefetch.<none|int4>.<on|off>``: the same with every launch dependent and the GEMV kernels' L2
+  prefetch of their weights (between the prologue's halves) as built, against kernels built without it (a
+  copy of the sources whose ``prefetch_l2`` is empty, the bench's own: the product has no switch for it).
 * ``norm_epilogue.<none|int4>.<on|off>``: the same with the GEMV's norm epilogues on and off (each residual
   add + RMSNorm in the launch of the o or down product before it, and the q/k norms + RoPE + KV sink in the
   q/k/v product's launch; or each a launch of its own: 8 a layer), on engines with ``fuse_decode_launches``
@@ -56,6 +59,7 @@ from __future__ import annotations
 import functools
 import gc
 import json
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -638,17 +642,45 @@ def _on_and_off(
                 mode=mode)  # fmt: skip
 
 
+def _dependent_launches_work(engine, on: bool) -> str | None:
+    """``_on_and_off``'s check that the engine's kernels can launch dependently (sm_90 and later), or why not."""
+    status = engine.attention.launcher.programmatic_status
+    return None if status == "on" else f"programmatic dependent launch {status}"
+
+
 def _dependent_launch(ctx: BenchContext, res: SectionResult, model_dir: Path) -> None:
     """What overlapping each kernel's start with its predecessor's end gains a token: the decode graphs'
     launches all programmatic dependent or all plain (``dependent_launch`` on / off; the default, auto,
     captures each graph both ways and keeps the faster, which the ``quant`` part measures)."""
-
-    def available(engine, on: bool) -> str | None:
-        status = engine.attention.launcher.programmatic_status
-        return None if status == "on" else f"programmatic dependent launch {status}"
-
     states = {state: {"dependent_launch": state} for state in ("on", "off")}
-    _on_and_off(ctx, res, model_dir, "pdl", "dependent launches", available, states)
+    _on_and_off(ctx, res, model_dir, "pdl", "dependent launches", _dependent_launches_work, states)
+
+
+# compat.cuh's sm_90 L2 prefetch, and what the l2_prefetch part's copy of the sources has in its place.
+L2_PREFETCH = (
+    '__device__ __forceinline__ void prefetch_l2(const void* p) { asm volatile("prefetch.global.L2 [%0];" ::"l"(p)); }'  # noqa: E501
+)
+NO_L2_PREFETCH = "__device__ __forceinline__ void prefetch_l2(const void*) {}"
+
+
+def _l2_prefetch(ctx: BenchContext, res: SectionResult, model_dir: Path) -> None:
+    """What the GEMV kernels' L2 prefetch of their weights gains a token where it is meant to: every launch
+    dependent, so a GEMV's blocks start, and ask for their weights, while the kernel before it runs. With
+    INT4 weights dependent launch turned from a gain (fifth session, before the prefetch) into a loss; this
+    separates the prefetch from the other changes since. The kernels without it are built from a copy of the
+    sources (``kernel_dir``) whose ``prefetch_l2`` is empty."""
+    from orin_vlm_node.cuda.sources import find_kernel_sources
+
+    copy = ctx.scratch / "kernels_without_l2_prefetch"
+    shutil.copytree(find_kernel_sources().directory, copy, dirs_exist_ok=True)
+    compat = (copy / "compat.cuh").read_text()
+    if compat.count(L2_PREFETCH) != 1:
+        res.skip_part("l2_prefetch", "compat.cuh's prefetch_l2 is not the one this part empties")
+        return
+    (copy / "compat.cuh").write_text(compat.replace(L2_PREFETCH, NO_L2_PREFETCH))
+    states = {"on": {}, "off": {"kernel_dir": str(copy)}}
+    _on_and_off(ctx, res, model_dir, "l2_prefetch", "the L2 prefetch", _dependent_launches_work, states,
+                dependent_launch="on")  # fmt: skip
 
 
 def _gemv_kernels(engine):
@@ -745,7 +777,7 @@ def _startup_and_memory(torch, ctx: BenchContext, res: SectionResult, model_dir:
 
 # The parts besides the decode of each dtype, in the order they run after the first dtype's decode.
 OTHER_PARTS = ("step_profile", "startup_memory", "kernels", "gemv", "quant", "norm_epilogue", "mlp_chain", "tail_chain",
-               "epilogues", "pdl", "step_profile_int4", "batching")  # fmt: skip
+               "epilogues", "pdl", "l2_prefetch", "step_profile_int4", "batching")  # fmt: skip
 
 
 def part_names(dtypes: Sequence[str], chosen: Sequence[str] = ()) -> list[str]:
@@ -814,6 +846,7 @@ def run(ctx: BenchContext) -> SectionResult:
         "gemv": functools.partial(_gemv, torch, ctx, res, bandwidth),
         "quant": functools.partial(_quantized_decode, torch, ctx, res, model_dir, bandwidth),
         "pdl": functools.partial(_dependent_launch, ctx, res, model_dir),
+        "l2_prefetch": functools.partial(_l2_prefetch, ctx, res, model_dir),
         "norm_epilogue": functools.partial(_norm_epilogue, ctx, res, model_dir),
         "mlp_chain": functools.partial(_mlp_chain, ctx, res, model_dir),
         "tail_chain": functools.partial(_tail_chain, ctx, res, model_dir),

@@ -281,3 +281,12 @@ def test_gpu_step_profile_counts_overlapping_kernels_once():
     assert busy_us([]) == 0.0
     assert busy_us([(0.0, 2.0), (5.0, 6.0)]) == 3.0  # apart: a gap between them
     assert busy_us([(4.0, 9.0), (0.0, 5.0), (1.0, 2.0)]) == 9.0  # overlapping and nested, in any order
+
+
+def test_the_l2_prefetch_part_empties_the_prefetch_the_kernels_have():
+    """The ``l2_prefetch`` part builds kernels from a copy of the sources with ``prefetch_l2`` emptied: the line
+    it replaces is the one ``compat.cuh`` has, once, so a change to it shows here, not as a skipped part."""
+    from bench.gpu import L2_PREFETCH
+    from orin_vlm_node.cuda.sources import find_kernel_sources
+
+    assert (find_kernel_sources().directory / "compat.cuh").read_text().count(L2_PREFETCH) == 1
