@@ -795,19 +795,22 @@ def _run_parts(
     """Run the parts in order; one that raises is recorded (``skip_part`` with the error, traceback in the
     log) and the rest still run. Once ``gpu_budget_s`` has passed since ``started`` (the section's start,
     ``time.monotonic()``) the remaining parts are skipped with that reason, so a lease of fixed length still
-    ends with the figures measured so far written out. With ``gpu_parts`` set, the others are skipped as
-    not selected."""
+    ends with the figures measured so far written out; the first part to run always starts (a budget spent
+    by the section's setup alone would otherwise measure nothing: the caller's timeout allows a part). With
+    ``gpu_parts`` set, the others are skipped as not selected."""
     import torch
 
     budget = ctx.config.gpu_budget_s
+    started_any = False
     for name, part in parts:
         if ctx.config.gpu_parts and name not in ctx.config.gpu_parts:
             res.skip_part(name, "not selected (--gpu-parts)")
             continue
         spent = time.monotonic() - started
-        if budget and spent > budget:
+        if budget and spent > budget and started_any:
             res.skip_part(name, f"time budget of {budget:.0f} s spent ({spent:.0f} s)")
             continue
+        started_any = True
         ctx.log(f"gpu part {name} ({spent:.0f} s into the section)")
         try:
             part()

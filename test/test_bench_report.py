@@ -221,6 +221,12 @@ def test_gpu_section_parts_record_a_failure_and_stop_starting_parts_once_the_bud
     assert [p["part"] for p in res.skipped_parts[1:]] == ["c", "d"]
     assert all(p["reason"] == "time budget of 10 s spent (21 s)" for p in res.skipped_parts[1:])
 
+    late = SectionResult("gpu")  # the setup alone spent the budget: the first part still runs, no other
+    ran.clear()
+    clock[0] = 0.0
+    bench.gpu._run_parts(ctx, late, -30.0, [part("a"), part("b")])
+    assert ran == ["a"] and late.skipped_parts == [{"part": "b", "reason": "time budget of 10 s spent (30 s)"}]
+
     unlimited = SectionResult("gpu")
     ran.clear()
     bench.gpu._run_parts(BenchContext(FULL, tmp_path), unlimited, -1e6, [part("a"), part("b")])
