@@ -104,6 +104,15 @@ __device__ __forceinline__ void combine_splits(T* __restrict__ out, const float*
   }
 }
 
+// The physical block of each of a sub-group's UNROLL tokens in one step (the first `t`, the others STRIDE
+// apart); -1 past the table row.
+template <int UNROLL, int STRIDE>
+__device__ __forceinline__ void step_blocks(int (&blk)[UNROLL], const int* __restrict__ table_row, int t, int page_size,
+                                            int max_blocks_per_seq) {
+#pragma unroll
+  for (int u = 0; u < UNROLL; ++u) blk[u] = physical_block(table_row, t + u * STRIDE, page_size, max_blocks_per_seq);
+}
+
 // Grid: (num_kv_heads * group_chunks, batch, num_splits); block: kDecodeWarps*32 threads;
 // dynamic shared memory: kDecodeWarps * MAX_GROUP * (HEAD_DIM + 2) floats.
 template <typename T, int HEAD_DIM, int MAX_GROUP>
@@ -145,13 +154,18 @@ __device__ __forceinline__ void paged_decode_attention(
   const int sub = lane / LANES_PER_TOKEN;  // which token of the warp's step this lane works on
   const int lane_in_token = lane % LANES_PER_TOKEN;
 
+  // The block-table entries of a step depend on its tokens' indices only (physical_block bounds them), not on
+  // the sequence length: this warp's first step's are read before the length, and each step reads the next
+  // step's before its own arithmetic, so a step's K and V loads wait for one memory round trip, not two.
+  constexpr int kWarpTokens = TOKENS_PER_WARP * UNROLL;  // tokens of one warp in one iteration
+  constexpr int kBlockTokens = kDecodeWarps * kWarpTokens;
+  const int t_begin = num_splits > 1 ? split * tokens_per_split : 0;
+  const int* table_row = block_tables + static_cast<size_t>(b) * max_blocks_per_seq;
+  int blk[UNROLL];
+  step_blocks<UNROLL, TOKENS_PER_WARP>(blk, table_row, t_begin + warp * kWarpTokens + sub, page_size,
+                                       max_blocks_per_seq);
   const int seq_len = __ldg(seq_lens + b);
-  int t_begin = 0;
-  int t_end = seq_len;
-  if (num_splits > 1) {
-    t_begin = split * tokens_per_split;
-    t_end = min(seq_len, t_begin + tokens_per_split);
-  }
+  const int t_end = num_splits > 1 ? min(seq_len, t_begin + tokens_per_split) : seq_len;
 
   // This lane's slice of the block's queries, pre-scaled into the log2 domain.
   const float qscale = scale * kLog2e;
@@ -185,24 +199,24 @@ __device__ __forceinline__ void paged_decode_attention(
     for (int i = 0; i < REGS; ++i) acc[g][i] = 0.0f;
   }
 
-  const int* table_row = block_tables + static_cast<size_t>(b) * max_blocks_per_seq;
   const size_t token_stride = static_cast<size_t>(num_kv_heads) * HEAD_DIM;
   const size_t head_offset = static_cast<size_t>(kvh) * HEAD_DIM;
 
   // Warp-uniform loop: every lane of the warp runs the same iterations so the shuffles stay converged. One
   // iteration takes UNROLL tokens per sub-group and issues all their K and V loads before the first
   // is used: a memory-bound kernel needs loads in flight, and a token's V does not depend on its score.
-  constexpr int kWarpTokens = TOKENS_PER_WARP * UNROLL;  // tokens of one warp in one iteration
-  for (int base = t_begin + warp * kWarpTokens; base < t_end; base += kDecodeWarps * kWarpTokens) {
+  for (int base = t_begin + warp * kWarpTokens; base < t_end; base += kBlockTokens) {
+    int next_blk[UNROLL];  // the next step's entries, read now (see above)
+    step_blocks<UNROLL, TOKENS_PER_WARP>(next_blk, table_row, base + kBlockTokens + sub, page_size,
+                                         max_blocks_per_seq);
     uint4 kr[UNROLL][VPL];  // as stored (load_raw): widened where used
     uint4 vr[UNROLL][VPL];
     bool valid[UNROLL];
 #pragma unroll
     for (int u = 0; u < UNROLL; ++u) {
       const int t = base + u * TOKENS_PER_WARP + sub;
-      const int blk = t < t_end ? physical_block(table_row, t, page_size, max_blocks_per_seq) : -1;
-      valid[u] = blk >= 0;
-      const size_t row = valid[u] ? (static_cast<size_t>(blk) * page_size + t % page_size) * token_stride : 0;
+      valid[u] = t < t_end && blk[u] >= 0;
+      const size_t row = valid[u] ? (static_cast<size_t>(blk[u]) * page_size + t % page_size) * token_stride : 0;
 #pragma unroll
       for (int j = 0; j < VPL; ++j) {
         if (valid[u]) {
@@ -263,6 +277,8 @@ __device__ __forceinline__ void paged_decode_attention(
         }
       }
     }
+#pragma unroll
+    for (int u = 0; u < UNROLL; ++u) blk[u] = next_blk[u];
   }
 
   // Merge the sub-groups of the warp (lanes with the same dims, different tokens).
