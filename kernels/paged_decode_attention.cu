@@ -52,33 +52,43 @@ struct DecodeLayout {
 constexpr int kCombineBatch = 16;
 
 // The block that finished last among the splits of its group writes `out` for the group's `heads` query
-// heads (rows head_row0 ..) from their partials: each thread 4 adjacent dims of one head (16-byte loads),
-// the splits in batches whose loads are all issued before the first is used, merged with a running maximum
-// in split order (one pass over the partials). Read with __ldcg: other blocks of this launch wrote them,
-// so not through the read-only cache.
+// heads (rows head_row0 ..) from their partials: each item, 4 adjacent dims of one head (16-byte loads), is
+// shared by `lanes` adjacent threads (as many as the block has for its items, up to a warp), each taking every
+// lanes-th split in batches whose loads are all issued before the first is used, merged with a running
+// maximum; then the lanes' states are merged by shuffles. With the 2B's two heads of 128 a 4k context's 64
+// splits are two batches a thread instead of four (each batch a memory round trip, on the kernel's critical
+// path). Read with __ldcg: other blocks of this launch wrote them, so not through the read-only cache.
 template <typename T, int HEAD_DIM>
 __device__ __forceinline__ void combine_splits(T* __restrict__ out, const float* __restrict__ partial_out,
                                                const float* __restrict__ partial_lse, size_t head_row0, int heads,
                                                int num_splits) {
   constexpr int kQuads = HEAD_DIM / 4;
-  for (int item = threadIdx.x; item < heads * kQuads; item += blockDim.x) {
-    const size_t head_row = head_row0 + item / kQuads;
+  const int items = heads * kQuads;
+  const int threads = static_cast<int>(blockDim.x);
+  int lanes = 1;  // the same for every thread of the block: the loops and shuffles below stay converged
+  while (lanes < kWarpSize && 2 * lanes * items <= threads) lanes *= 2;
+  const int part = static_cast<int>(threadIdx.x) % lanes;
+  for (int first = 0; first < items; first += threads / lanes) {
+    const int item = first + static_cast<int>(threadIdx.x) / lanes;
+    const bool active = item < items;
+    const size_t head_row = head_row0 + (active ? item / kQuads : 0);
     const int d = (item % kQuads) * 4;
     const size_t row0 = head_row * num_splits;
     float m = -INFINITY;
     float w_sum = 0.0f;
     float o[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-    for (int s0 = 0; s0 < num_splits; s0 += kCombineBatch) {
+    for (int s0 = 0; s0 < num_splits; s0 += kCombineBatch * lanes) {
       float lse[kCombineBatch];
-      float4 part[kCombineBatch];
+      float4 piece[kCombineBatch];
 #pragma unroll
       for (int i = 0; i < kCombineBatch; ++i) {
-        if (s0 + i < num_splits) {
-          lse[i] = __ldcg(partial_lse + row0 + s0 + i);
-          part[i] = __ldcg(reinterpret_cast<const float4*>(partial_out + (row0 + s0 + i) * HEAD_DIM + d));
+        const int s = s0 + i * lanes + part;
+        if (active && s < num_splits) {
+          lse[i] = __ldcg(partial_lse + row0 + s);
+          piece[i] = __ldcg(reinterpret_cast<const float4*>(partial_out + (row0 + s) * HEAD_DIM + d));
         } else {
           lse[i] = -INFINITY;  // weighs 0: the sums do not move
-          part[i].x = part[i].y = part[i].z = part[i].w = 0.0f;
+          piece[i].x = piece[i].y = piece[i].z = piece[i].w = 0.0f;
         }
       }
       float m_new = m;
@@ -92,15 +102,29 @@ __device__ __forceinline__ void combine_splits(T* __restrict__ out, const float*
       for (int i = 0; i < kCombineBatch; ++i) {
         const float w = exp2_diff(lse[i], m_new);
         w_sum += w;
-        o[0] += w * part[i].x;
-        o[1] += w * part[i].y;
-        o[2] += w * part[i].z;
-        o[3] += w * part[i].w;
+        o[0] += w * piece[i].x;
+        o[1] += w * piece[i].y;
+        o[2] += w * piece[i].z;
+        o[3] += w * piece[i].w;
       }
       m = m_new;
     }
+    for (int off = 1; off < lanes; off <<= 1) {  // the item's lanes are adjacent: merge their states
+      const float m_o = __shfl_xor_sync(kFullMask, m, off);
+      const float w_o = __shfl_xor_sync(kFullMask, w_sum, off);
+      const float m_new = fmaxf(m, m_o);
+      const float a = exp2_diff(m, m_new);
+      const float c = exp2_diff(m_o, m_new);
+      w_sum = w_sum * a + w_o * c;
 #pragma unroll
-    for (int k = 0; k < 4; ++k) out[head_row * HEAD_DIM + d + k] = from_float<T>(w_sum > 0.0f ? o[k] / w_sum : 0.0f);
+      for (int k = 0; k < 4; ++k) o[k] = o[k] * a + __shfl_xor_sync(kFullMask, o[k], off) * c;
+      m = m_new;
+    }
+    if (active && part == 0) {
+#pragma unroll
+      for (int k = 0; k < 4; ++k)
+        out[head_row * HEAD_DIM + d + k] = from_float<T>(w_sum > 0.0f ? o[k] / w_sum : 0.0f);
+    }
   }
 }
 

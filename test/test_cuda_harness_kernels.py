@@ -99,6 +99,24 @@ def test_decode_matches_reference(harness, dtype, hd):
             )
 
 
+@pytest.mark.parametrize(("hd", "group", "page"), [(128, 2, 16), (64, 1, 8), (32, 1, 4), (256, 8, 32)])
+def test_decode_combines_many_splits_shared_among_lanes(harness, hd, group, page):
+    """The last block combines many splits: each item (4 dims of a head) shared by as many adjacent threads as
+    the block has for its items (2 for the 2B's two heads of 128, 8 and 16 for one head of 64 and of 32, 1 for
+    eight heads of 256), each thread taking several batches of splits, a split count no multiple of the
+    lanes, and splits past the end of the shorter sequence."""
+    rng = random.Random(f"combine-{hd}-{group}")
+    nkv, dtype = 2, torch.float32
+    nh = nkv * group
+    lens = [611, 97]
+    pool = PagedPool(rng, lens, page, nkv, hd, dtype)
+    q = torch.randn(2, nh, hd)
+    out = _decode(harness, q, pool, nh, nkv, hd, splits=-(-max(lens) // 3), tps=3)  # 204 splits
+    for b in range(2):
+        k, v = pool.gather(b)
+        torch.testing.assert_close(out[b], causal_attention(q[b : b + 1], k, v, lens[b] - 1)[0], atol=2e-5, rtol=0)
+
+
 def test_decode_split_past_sequence_end_and_empty_sequence(harness):
     """Splits that start beyond a sequence's length and a zero-length sequence give finite, exact results."""
     rng = random.Random(7)
