@@ -46,6 +46,11 @@ class GemvKernels(Protocol):
         """The product (L, N); with ``swiglu`` (a fused gate/up weight) silu(gate) * up, (L, N / 2)."""
         ...
 
+    def widen(self, module: nn.Module, dtype: torch.dtype) -> torch.Tensor:
+        """An INT4 QuantizedLinear's weight widened to ``dtype`` (N, K), for the products of more rows than
+        :meth:`fits` takes (``QuantizedLinear.forward``): ``module.dequantize(dtype)``'s values, one launch."""
+        ...
+
     norm_epilogue: bool  # whether ``text.add_rms_norm`` asks for :meth:`add_rms_norm`
 
     def add_rms_norm(
