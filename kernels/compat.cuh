@@ -6,6 +6,9 @@
 //   DYNAMIC_SHARED(type, name)  declares `type* name` pointing at the block's dynamic shared memory.
 //   KERNEL_TRAP()               aborts the launch (a launch-configuration bug), like __trap().
 //   KERNEL_NOINLINE             a device function compiled once and called, not inlined (__noinline__).
+//   dynamic_shared_bytes()      the dynamic shared memory the launch gave the block (a kernel that needs more
+//                               traps instead of writing past it).
+//   async_copy16 / async_commit / async_wait<N>   global -> shared copies in flight while a thread computes.
 //   KERNEL_PROLOGUE()           the first statement of every kernel (programmatic dependent launch, below;
 //                               its two halves, and prefetch_l2 between them, for the GEMV).
 //   poll_at_least(counter, n)   one thread waits until another block of the launch has counted `*counter` up to
@@ -22,10 +25,16 @@
   type* name = reinterpret_cast<type*>(name##_raw_)
 #define KERNEL_TRAP() __trap()
 #define KERNEL_NOINLINE __noinline__
+__device__ __forceinline__ unsigned dynamic_shared_bytes() {
+  unsigned bytes;
+  asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(bytes));
+  return bytes;
+}
 
 #else  // CPU harness build (g++)
 #include "cuda_emu.h"
 #define KERNEL_NOINLINE
+inline unsigned dynamic_shared_bytes() { return static_cast<unsigned>(::cuemu::dynamic_smem_bytes()); }
 #endif
 
 // Programmatic dependent launch (sm_90 and later). The runtime launches kernels with the attribute that lets
@@ -86,6 +95,31 @@ __device__ __forceinline__ void poll_at_least(const unsigned* counter, unsigned 
 inline void poll_at_least(const unsigned* counter, unsigned n) {
   if (*counter < n) ::cuemu::trap("a block waits for a count that only later blocks make (it would hang a GPU)");
 }
+#endif
+
+// Asynchronous 16-byte copies from global into shared memory (sm_80 and later: cp.async, through L2 only),
+// so a thread has the next step's loads in flight while it computes on the current step's data without
+// holding them in registers. A thread reads back only what it copied itself, after async_wait<N>(): the copies
+// it committed before its N most recent groups (async_commit) have landed. An invalid copy writes 16 zero bytes
+// and reads nothing (its `src` must still be an address of the buffer). Before sm_80 and in the CPU harness
+// the copy is an ordinary load and store, done when it returns, and commit / wait have nothing to do.
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+__device__ __forceinline__ void async_copy16(void* dst, const void* src, bool valid) {
+  const unsigned at = static_cast<unsigned>(__cvta_generic_to_shared(dst));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(at), "l"(src), "r"(valid ? 16 : 0) : "memory");
+}
+__device__ __forceinline__ void async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void async_wait() {
+  asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
+}
+#else
+__device__ __forceinline__ void async_copy16(void* dst, const void* src, bool valid) {
+  *reinterpret_cast<uint4*>(dst) = valid ? __ldg(reinterpret_cast<const uint4*>(src)) : make_uint4(0u, 0u, 0u, 0u);
+}
+__device__ __forceinline__ void async_commit() {}
+template <int N>
+__device__ __forceinline__ void async_wait() {}
 #endif
 
 // Conversions used by every kernel: storage type <-> fp32 compute type.

@@ -4,12 +4,12 @@
 // that share the kv head (GQA) are processed together, so every K/V vector is loaded once per chunk. A
 // GQA group larger than MAX_GROUP is served by several chunks (gridDim.x = num_kv_heads * chunks), so any
 // group size that divides the head count works. Inside a warp, the lanes are split into sub-groups of
-// LANES_PER_TOKEN lanes, each sub-group owning 2 or 4 tokens per step (their K and V loads all issued
-// before the first is used, so a warp keeps several tokens' loads in flight) and each lane VPL 16-byte
-// vectors of a token's head (one for every head size except fp32 at 256). Every sub-group keeps its own online-softmax
-// state (running max m, sum l, unnormalized output acc); the states are merged across the warp with
-// shuffles and across warps through shared memory. Shared memory is fixed by the template parameters,
-// independent of the context length.
+// LANES_PER_TOKEN lanes, each sub-group owning 1, 2 or 4 tokens per step and each lane VPL 16-byte vectors of
+// a token's head (one for every head size except fp32 at 256). A step's K and V are copied into shared memory
+// asynchronously while the warp computes the step before (so a warp keeps two steps' loads in flight without
+// the registers to hold them). Every sub-group keeps its own online-softmax state (running max m, sum l,
+// unnormalized output acc); the states are merged across the warp with shuffles and across warps through
+// shared memory. Shared memory is fixed by the template parameters, independent of the context length.
 //
 // Split-K (flash-decoding): with gridDim.z > 1, split s handles tokens
 // [s*tokens_per_split, (s+1)*tokens_per_split) and writes a normalized partial output plus its
@@ -26,6 +26,26 @@
 namespace orin_vlm {
 
 constexpr int kDecodeWarps = 4;
+constexpr int kDecodeThreads = kDecodeWarps * kWarpSize;
+
+// K/V staging (see the kernel): kDecodeStages steps of up to kStageVecs 16-byte vectors a thread (its tokens'
+// K, then their V), laid out [stage][vector][thread] so a warp's accesses are adjacent. Mirrored by
+// DECODE_STAGES and DECODE_STAGE_VECS in orin_vlm_node/cuda/launch.py.
+constexpr int kDecodeStages = 2;
+constexpr int kStageVecs = 8;
+
+__device__ __forceinline__ uint4* staged_vec(uint4* staged, int stage, int i) {
+  return staged + (stage * kStageVecs + i) * kDecodeThreads + threadIdx.x;
+}
+
+// Dynamic shared memory of a block: the staging area, which the cross-warp merge (acc [warps][group][head_dim],
+// then m and l [warps][group], fp32) reuses once the loop is done.
+template <int HEAD_DIM, int MAX_GROUP>
+__device__ __forceinline__ constexpr unsigned decode_shared_bytes() {
+  constexpr unsigned merge = kDecodeWarps * MAX_GROUP * (HEAD_DIM + 2) * 4;
+  constexpr unsigned staging = kDecodeStages * kStageVecs * kDecodeThreads * 16;
+  return merge > staging ? merge : staging;
+}
 
 // Blocks an SM must hold at once, the register bound given to the compiler: 4 for groups of up to 2 query
 // heads (the 2B's), whose 4-token load batches then fit 128 registers without spilling (left alone the
@@ -138,7 +158,7 @@ __device__ __forceinline__ void step_blocks(int (&blk)[UNROLL], const int* __res
 }
 
 // Grid: (num_kv_heads * group_chunks, batch, num_splits); block: kDecodeWarps*32 threads;
-// dynamic shared memory: kDecodeWarps * MAX_GROUP * (HEAD_DIM + 2) floats.
+// dynamic shared memory: decode_shared_bytes<HEAD_DIM, MAX_GROUP>().
 template <typename T, int HEAD_DIM, int MAX_GROUP>
 __device__ __forceinline__ void paged_decode_attention(
     T* __restrict__ out,                   // [batch, num_heads, HEAD_DIM]            (num_splits == 1)
@@ -158,9 +178,12 @@ __device__ __forceinline__ void paged_decode_attention(
   constexpr int LANES_PER_TOKEN = Layout::kLanes;
   constexpr int TOKENS_PER_WARP = Layout::kTokensPerWarp;
   constexpr int REGS = VPL * VEC;  // elements of one head row this lane holds
-  // Tokens per sub-group whose K and V loads are in flight together: 4 where a lane's queries and
-  // accumulators are few (the 2B's two heads of 128 in fp16 among them), else 2 (more would spill).
-  constexpr int UNROLL = MAX_GROUP * REGS <= 16 ? 4 : 2;
+  // Tokens per sub-group in one step: 4 where a lane's queries and accumulators are few (the 2B's two heads of
+  // 128 in fp16 among them), else 2 (their scores would spill); fewer where a lane holds two vectors of a row,
+  // so that a step's K and V fit the thread's staging vectors.
+  constexpr int UNROLL_REGS = MAX_GROUP * REGS <= 16 ? 4 : 2;
+  constexpr int UNROLL = UNROLL_REGS / VPL > 0 ? UNROLL_REGS / VPL : 1;
+  static_assert(2 * UNROLL * VPL <= kStageVecs, "a step's K and V must fit a thread's staging vectors");
   if (blockDim.x != kDecodeWarps * kWarpSize) KERNEL_TRAP();
   const int group = num_heads / num_kv_heads;
   const int chunks = (group + MAX_GROUP - 1) / MAX_GROUP;
@@ -179,15 +202,17 @@ __device__ __forceinline__ void paged_decode_attention(
   const int lane_in_token = lane % LANES_PER_TOKEN;
 
   // The block-table entries of a step depend on its tokens' indices only (physical_block bounds them), not on
-  // the sequence length: this warp's first step's are read before the length, and each step reads the next
-  // step's before its own arithmetic, so a step's K and V loads wait for one memory round trip, not two.
-  constexpr int kWarpTokens = TOKENS_PER_WARP * UNROLL;  // tokens of one warp in one iteration
+  // the sequence length: this warp's first two steps' are read before the length, and each step reads those of
+  // the step after the next, so staging a step's K and V waits for no table read of its own.
+  constexpr int kWarpTokens = TOKENS_PER_WARP * UNROLL;  // tokens of one warp in one step
   constexpr int kBlockTokens = kDecodeWarps * kWarpTokens;
   const int t_begin = num_splits > 1 ? split * tokens_per_split : 0;
+  const int first = t_begin + warp * kWarpTokens;  // this warp's first token of its first step
   const int* table_row = block_tables + static_cast<size_t>(b) * max_blocks_per_seq;
-  int blk[UNROLL];
-  step_blocks<UNROLL, TOKENS_PER_WARP>(blk, table_row, t_begin + warp * kWarpTokens + sub, page_size,
-                                       max_blocks_per_seq);
+  int blk[UNROLL];       // the first step's entries
+  int next_blk[UNROLL];  // the entries of the next step to stage
+  step_blocks<UNROLL, TOKENS_PER_WARP>(blk, table_row, first + sub, page_size, max_blocks_per_seq);
+  step_blocks<UNROLL, TOKENS_PER_WARP>(next_blk, table_row, first + kBlockTokens + sub, page_size, max_blocks_per_seq);
   const int seq_len = __ldg(seq_lens + b);
   const int t_end = num_splits > 1 ? min(seq_len, t_begin + tokens_per_split) : seq_len;
 
@@ -223,35 +248,43 @@ __device__ __forceinline__ void paged_decode_attention(
     for (int i = 0; i < REGS; ++i) acc[g][i] = 0.0f;
   }
 
+  // Each step's K and V are staged in shared memory (async_copy16) one step ahead: while a warp computes a
+  // step, the next one's loads are in flight, without holding them in registers. Every thread reads back only
+  // its own copies, so the stages need no barrier.
+  DYNAMIC_SHARED(uint4, staged);
+  if (dynamic_shared_bytes() < decode_shared_bytes<HEAD_DIM, MAX_GROUP>()) KERNEL_TRAP();
   const size_t token_stride = static_cast<size_t>(num_kv_heads) * HEAD_DIM;
   const size_t head_offset = static_cast<size_t>(kvh) * HEAD_DIM;
-
-  // Warp-uniform loop: every lane of the warp runs the same iterations so the shuffles stay converged. One
-  // iteration takes UNROLL tokens per sub-group and issues all their K and V loads before the first
-  // is used: a memory-bound kernel needs loads in flight, and a token's V does not depend on its score.
-  for (int base = t_begin + warp * kWarpTokens; base < t_end; base += kBlockTokens) {
-    int next_blk[UNROLL];  // the next step's entries, read now (see above)
-    step_blocks<UNROLL, TOKENS_PER_WARP>(next_blk, table_row, base + kBlockTokens + sub, page_size,
-                                         max_blocks_per_seq);
-    uint4 kr[UNROLL][VPL];  // as stored (load_raw): widened where used
-    uint4 vr[UNROLL][VPL];
-    bool valid[UNROLL];
+  const auto stage_step = [&](int stage, int base, const int(&entries)[UNROLL]) {
+    unsigned valid = 0;  // bit u: token u of this sub-group is in the split and in an allocated block
 #pragma unroll
     for (int u = 0; u < UNROLL; ++u) {
       const int t = base + u * TOKENS_PER_WARP + sub;
-      valid[u] = t < t_end && blk[u] >= 0;
-      const size_t row = valid[u] ? (static_cast<size_t>(blk[u]) * page_size + t % page_size) * token_stride : 0;
+      const bool ok = t < t_end && entries[u] >= 0;
+      valid |= static_cast<unsigned>(ok) << u;
+      const size_t row = ok ? (static_cast<size_t>(entries[u]) * page_size + t % page_size) * token_stride : 0;
 #pragma unroll
       for (int j = 0; j < VPL; ++j) {
-        if (valid[u]) {
-          const size_t at = row + head_offset + Layout::dim(lane_in_token, j);
-          kr[u][j] = load_raw(k_pool + at);
-          vr[u][j] = load_raw(v_pool + at);
-        } else {
-          kr[u][j] = vr[u][j] = make_uint4(0u, 0u, 0u, 0u);  // zero bits: 0.0 in every storage type
-        }
+        const size_t at = row + head_offset + Layout::dim(lane_in_token, j);
+        async_copy16(staged_vec(staged, stage, u * VPL + j), k_pool + at, ok);
+        async_copy16(staged_vec(staged, stage, (UNROLL + u) * VPL + j), v_pool + at, ok);
       }
     }
+    return valid;
+  };
+
+  // Warp-uniform loop: every lane of the warp runs the same steps so the shuffles stay converged. A step takes
+  // UNROLL tokens per sub-group; a token's V does not depend on its score, so both are staged together.
+  unsigned valid = first < t_end ? stage_step(0, first, blk) : 0u;
+  async_commit();
+  int stage = 0;
+  for (int base = first; base < t_end; base += kBlockTokens) {
+    const int next = base + kBlockTokens;
+    const unsigned next_valid = next < t_end ? stage_step(stage ^ 1, next, next_blk) : 0u;
+    async_commit();
+    step_blocks<UNROLL, TOKENS_PER_WARP>(next_blk, table_row, next + kBlockTokens + sub, page_size,
+                                         max_blocks_per_seq);
+    async_wait<1>();  // this step's copies have landed; the next step's stay in flight
     float s[UNROLL][MAX_GROUP];  // each K element is widened once and used for every head of the block
 #pragma unroll
     for (int u = 0; u < UNROLL; ++u) {
@@ -259,9 +292,10 @@ __device__ __forceinline__ void paged_decode_attention(
       for (int g = 0; g < MAX_GROUP; ++g) s[u][g] = 0.0f;
 #pragma unroll
       for (int j = 0; j < VPL; ++j) {
+        const uint4 kr = *staged_vec(staged, stage, u * VPL + j);
 #pragma unroll
         for (int i = 0; i < VEC; ++i) {
-          const float k = raw_elem<T>(kr[u][j], i);
+          const float k = raw_elem<T>(kr, i);
 #pragma unroll
           for (int g = 0; g < MAX_GROUP; ++g) s[u][g] += qr[g][j * VEC + i] * k;
         }
@@ -279,7 +313,7 @@ __device__ __forceinline__ void paged_decode_attention(
     }
 #pragma unroll
     for (int u = 0; u < UNROLL; ++u) {
-      if (valid[u]) {
+      if (valid >> u & 1u) {
         float alpha[MAX_GROUP];  // the online softmax's rescale of each head's state, and this token's weight
         float p[MAX_GROUP];
 #pragma unroll
@@ -292,18 +326,20 @@ __device__ __forceinline__ void paged_decode_attention(
         }
 #pragma unroll
         for (int j = 0; j < VPL; ++j) {
+          const uint4 vr = *staged_vec(staged, stage, (UNROLL + u) * VPL + j);
 #pragma unroll
           for (int i = 0; i < VEC; ++i) {
-            const float v = raw_elem<T>(vr[u][j], i);  // widened once for every head of the block
+            const float v = raw_elem<T>(vr, i);  // widened once for every head of the block
 #pragma unroll
             for (int g = 0; g < MAX_GROUP; ++g) acc[g][j * VEC + i] = acc[g][j * VEC + i] * alpha[g] + p[g] * v;
           }
         }
       }
     }
-#pragma unroll
-    for (int u = 0; u < UNROLL; ++u) blk[u] = next_blk[u];
+    valid = next_valid;
+    stage ^= 1;
   }
+  async_wait<0>();
 
   // Merge the sub-groups of the warp (lanes with the same dims, different tokens).
 #pragma unroll
@@ -327,9 +363,10 @@ __device__ __forceinline__ void paged_decode_attention(
     }
   }
 
-  // Merge the warps through shared memory: acc [warps][MAX_GROUP][HEAD_DIM], then m and l [warps][MAX_GROUP].
-  DYNAMIC_SHARED(float, smem);
-  float* smem_acc = smem;
+  // Merge the warps through shared memory: acc [warps][MAX_GROUP][HEAD_DIM], then m and l [warps][MAX_GROUP],
+  // over the staging area once every warp is done with it.
+  __syncthreads();
+  float* smem_acc = reinterpret_cast<float*>(staged);
   float* smem_m = smem_acc + kDecodeWarps * MAX_GROUP * HEAD_DIM;
   float* smem_l = smem_m + kDecodeWarps * MAX_GROUP;
   if (sub == 0) {

@@ -247,7 +247,8 @@ def test_write_then_prefill_then_decode_steps(harness):
 
 
 def test_harness_catches_out_of_bounds_and_wrong_block_size(harness):
-    """The safety net itself works: a table entry past the pool and a mismatched launch both fail loudly."""
+    """The safety net itself works: a table entry past the pool and mismatched launches (block size, shared
+    memory below the staging area's) all fail loudly."""
     rng = random.Random(3)
     nh, nkv, hd = 2, 1, 64
     pool = PagedPool(rng, [10], 4, nkv, hd, torch.float32)
@@ -256,9 +257,11 @@ def test_harness_catches_out_of_bounds_and_wrong_block_size(harness):
     with pytest.raises(HarnessError, match="out-of-bounds"):
         _decode(harness, q, pool, nh, nkv, hd, 1, 0)
     cfg = L.decode_launch(1, nh, nkv, hd, torch.float32)
-    bad = L.LaunchConfig(cfg.kernel, cfg.grid, (64, 1, 1), cfg.shared_bytes)
     out = torch.empty_like(q)
-    with pytest.raises(HarnessError, match="trap"):
-        harness.launch(
-            bad, [out, None, None, None, q, pool.k, pool.v, pool.table, pool.seq_lens, nh, nkv, 4, 3, 0, nh * hd, 0.1]
-        )
+    args = [out, None, None, None, q, pool.k, pool.v, pool.table, pool.seq_lens, nh, nkv, 4, 3, 0, nh * hd, 0.1]
+    for bad in (
+        L.LaunchConfig(cfg.kernel, cfg.grid, (64, 1, 1), cfg.shared_bytes),
+        L.LaunchConfig(cfg.kernel, cfg.grid, cfg.block, L.DECODE_WARPS * 2 * (hd + 2) * 4),  # the merge buffer only
+    ):
+        with pytest.raises(HarnessError, match="trap"):
+            harness.launch(bad, args)

@@ -1,7 +1,9 @@
 """Every kernel module compiles with nvcc for Orin (sm_87) and Hopper (sm_90), warnings as errors.
 
-The kernels' only architecture branch is sm_90's dependent launch (``compat.cuh``), so the other Ampere
-parts (sm_80, sm_86) compile the same code as Orin and are not compiled again here.
+The kernels' architecture branches (``compat.cuh``) are sm_90's dependent launch and the asynchronous copies of
+sm_80 and later, so the other Ampere parts (sm_80, sm_86) compile the same code as Orin and are not compiled
+again here; the decode kernel, whose K/V staging is the one user of those copies, is also compiled for Turing
+(sm_75), where the copies are plain loads and stores.
 
 Goes through ``build.compile_cubin`` (the startup builder's compile step) with the strict flags, writing
 cubins to a temporary directory, and checks that each cubin defines exactly the kernels
@@ -76,8 +78,10 @@ def test_all_kernels_compile_for_all_archs_without_warnings(compiled):
 
 
 # A PTX instruction that reads or writes global memory: ld/st not of parameters, shared, local or constant
-# space, or an atomic/reduction.
-MEMORY_OP = re.compile(r"\b(?:(?:ld|st)(?!\.param|\.shared|\.local|\.const)\.[a-z0-9.]+|atom\.|red\.)")
+# space, an atomic/reduction, or an asynchronous copy from global memory.
+MEMORY_OP = re.compile(
+    r"\b(?:(?:ld|st)(?!\.param|\.shared|\.local|\.const)\.[a-z0-9.]+|atom\.|red\.|cp\.async\.c[ag]\.)"
+)
 
 
 def test_every_kernel_waits_for_the_one_before_it_on_hopper_and_not_on_orin(compiled):
@@ -98,3 +102,17 @@ def test_every_kernel_waits_for_the_one_before_it_on_hopper_and_not_on_orin(comp
                 assert 0 <= code.find("prefetch.global.L2") < wait, name
     orin = compiled.ptx_entries("silu_mul", "sm_87")
     assert orin and not any("griddepcontrol" in body for body in orin.values())
+
+
+def test_decode_stages_kv_with_async_copies_from_ampere_on_and_plain_loads_before(compiled, tmp_path):
+    """Every decode kernel's PTX for Orin and Hopper copies K/V into shared memory asynchronously and waits for
+    the copies; for Turing (sm_75, no cp.async) the same source compiles, warnings as errors, without them."""
+    for arch in ARCHS:
+        for name, body in compiled.ptx_entries("paged_decode_attention", arch).items():
+            assert "cp.async.cg.shared.global" in body and "cp.async.wait_group" in body, (arch, name)
+    flags = (*B.STRICT_FLAGS, "--keep", "--keep-dir", str(tmp_path))
+    cfg = B.BuildConfig(arch="sm_75", kernel_dir=find_kernel_sources().directory, cache_dir=tmp_path, nvcc=NVCC,
+                        extra_flags=flags)  # fmt: skip
+    assert B.compile_cubin("paged_decode_attention", cfg, NVCC)[:4] == b"\x7fELF"
+    turing = (tmp_path / "paged_decode_attention.ptx").read_text()
+    assert ".entry paged_decode_attention_f16_d128_g2" in turing and "cp.async" not in turing

@@ -15,6 +15,8 @@ from dataclasses import dataclass
 
 # Mirrors of the kernel constants (kernels/paged_decode_attention.cu, paged_prefill_attention.cu).
 DECODE_WARPS = 4
+DECODE_STAGES = 2  # kDecodeStages: steps of K/V a decode thread has staged in shared memory at once
+DECODE_STAGE_VECS = 8  # kStageVecs: 16-byte vectors a decode thread stages for one step (at most)
 PREFILL_WARPS = 4
 PREFILL_BLOCK_K = 32
 KV_WRITE_THREADS = 128
@@ -212,8 +214,11 @@ def decode_kernel_name(dtype: object, head_dim: int, num_heads: int, num_kv_head
 
 
 def decode_shared_bytes(head_dim: int, group: int) -> int:
-    """Cross-warp merge buffer: acc [warps][group][head_dim] + m, l [warps][group], fp32."""
-    return DECODE_WARPS * group * (head_dim + 2) * 4
+    """The K/V staging area (stages x vectors x threads, 16 bytes each), which the cross-warp merge buffer
+    (acc [warps][group][head_dim] + m, l [warps][group], fp32) reuses after the loop: the larger of the two."""
+    merge = DECODE_WARPS * group * (head_dim + 2) * 4
+    staging = DECODE_STAGES * DECODE_STAGE_VECS * DECODE_WARPS * WARP_SIZE * 16
+    return max(merge, staging)
 
 
 def choose_decode_splits(

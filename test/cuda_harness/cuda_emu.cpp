@@ -173,6 +173,7 @@ const uint3& block_idx() { return g.block_idx; }
 const dim3& block_dim() { return g.block_dim; }
 const dim3& grid_dim() { return g.grid_dim; }
 void* dynamic_smem() { return g.smem; }
+size_t dynamic_smem_bytes() { return g.smem_bytes; }
 int lane_id() { return g.cur->linear % 32; }
 
 void syncthreads() { yield(State::WaitBlock); }

@@ -41,6 +41,7 @@ const uint3& block_idx();
 const dim3& block_dim();
 const dim3& grid_dim();
 void* dynamic_smem();
+size_t dynamic_smem_bytes();
 void syncthreads();
 void syncwarp(unsigned mask);
 [[noreturn]] void trap(const char* why);
