@@ -68,6 +68,10 @@ class BenchConfig:
     gpu_repeats: int = 3
     gpu_kernel_contexts: tuple[int, ...] = (1024, 4096, 16384)
     gpu_kernel_pages: tuple[int, ...] = (16, 64)
+    # Split lengths the kernels part also times at the first page size, where longer than the engine's plan (the
+    # plan's shortest split comes from the GPU's occupancy and the context's square root; a longer one is forced
+    # with min_tokens_per_split): whether the plan still picks the fastest split after a kernel change.
+    gpu_kernel_split_tokens: tuple[int, ...] = (64, 128, 256, 512)
     gpu_startup_context: int = 8192  # max_context_tokens of the startup/memory probe (the 2B preset's)
     gpu_budget_s: float = 0.0  # start no further part of the GPU section after this many seconds (0 = no limit)
     gpu_parts: tuple[str, ...] = ()  # the GPU section's parts to run, by name (empty: every part)

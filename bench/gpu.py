@@ -139,6 +139,7 @@ def _kernels(torch, ctx: BenchContext, res: SectionResult) -> None:
     import torch.nn.functional as F
 
     from orin_vlm_node.cuda import AttentionShape, select_backend
+    from orin_vlm_node.cuda.attention import CudaPagedAttention
     from orin_vlm_node.cuda.graph import device_us
 
     cfg = ctx.config
@@ -179,6 +180,16 @@ def _kernels(torch, ctx: BenchContext, res: SectionResult) -> None:
             res.add(f"{key}.overhead", "fraction", [p / s - 1 for p, s in zip(paged, sdpa, strict=True)],
                     "paged kernel time / contiguous SDPA time - 1", context=context, page=page)  # fmt: skip
             res.add(f"{key}.gbs", "GB/s", [kv_bytes / (p * 1e-6) / 1e9 for p in paged], "paged kernel K/V read rate")
+            if page != cfg.gpu_kernel_pages[0]:
+                continue
+            planned = impl.decode_plan(context, nq, nkv)[1]
+            res.setup["kernels"][f"ctx{context}_split_tokens"] = planned
+            for tokens in (t for t in cfg.gpu_kernel_split_tokens if planned < t < context):
+                longer = CudaPagedAttention(impl.launcher, impl.sm_count, min_tokens_per_split=tokens)
+                decode = functools.partial(longer.attend_decode, q, k_pool, v_pool, table, kv_len, blocks)
+                us = [device_us(decode, stream=stream) for _ in range(cfg.gpu_repeats)]
+                what = f"the same with splits of {tokens} tokens (the plan's: {planned})"
+                res.add(f"{key}.split{tokens}_us", "us", us, what, context=context)
 
 
 def _gemv(torch, ctx: BenchContext, res: SectionResult, bandwidth: float) -> None:
