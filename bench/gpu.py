@@ -193,7 +193,8 @@ def _kernels(torch, ctx: BenchContext, res: SectionResult) -> None:
 
 
 def _gemv(torch, ctx: BenchContext, res: SectionResult, bandwidth: float) -> None:
-    """One row through each projection shape of the 2B decoder (fused q/k/v, o, fused gate/up, down): torch's
+    """One row through each projection shape of the 2B decoder (fused q/k/v, o, fused gate/up, down, and the down
+    product's bytes laid out as twice the columns over half of K): torch's
     fp16 product (cuBLAS) and the GEMV kernels on fp16, INT8 and INT4 weights, device time in CUDA graphs,
     and the rate at which each reads its weight bytes as a fraction of the copy bandwidth: how close each
     product comes to the bound, and which of cuBLAS and the kernel the engine should pick (it times the
@@ -212,6 +213,11 @@ def _gemv(torch, ctx: BenchContext, res: SectionResult, bandwidth: float) -> Non
     if found is None:
         return
     shapes, _, launcher = found
+    # The down product's bytes as twice the columns over half of K: twice the warps, each with half the steps
+    # along its rows. Faster than "down" means the down product waits on its warps' serial steps (too few warps
+    # an SM: 2048 columns are 128 blocks of INT4 warps), the case for splitting K among a block's warps.
+    n_down, k_down = shapes["down"]
+    shapes = {**shapes, "down_wide": (2 * n_down, k_down // 2)}
     gemv, silu_mul = CudaGemv(launcher), CudaFusedOps(launcher).silu_mul
     stream = torch.cuda.Stream()  # every timing graph's capture stream
     copies = 8  # distinct weights called in turn: no call finds its weight in L2 after the one before
