@@ -31,8 +31,9 @@
 // 2N-wide product never goes to memory.
 //
 // gemv_<float|int8|int4>[_swiglu]_<f32|f16|bf16>_r<R>: x, y (and float weights) in the activation type, R =
-// the rows bucket (1, 2, 4, 8; rows <= R). Grid: (ceil(N / (kGemvWarps * kGemvColumns))), N the output
-// columns; block: kGemvWarps warps (launch.py: GEMV_WARPS, GEMV_COLUMNS). Every kernel takes the same
+// the rows bucket (1, 2, 4, 8; rows <= R). Grid: (ceil(N / (kGemvWarps / slices * kGemvColumns))), N the output
+// columns, `slices` warps of a block sharing columns on long rows (gemv_slices); block: kGemvWarps warps
+// (launch.py: GEMV_WARPS, GEMV_COLUMNS, gemv_slices). Every kernel takes the same
 // arguments (y, x, weight, scales, offsets, residual, norm_weight, sum_out, normed, counter, heads_out,
 // q_norm_weight, k_norm_weight, cos, sin_signed, k_pool, v_pool, slots, rows, N, K, group, heads, split,
 // head_dim, eps); those a format or a launch has no use for are null / 0 (a SwiGLU kernel has no epilogue of
@@ -94,6 +95,28 @@ constexpr int kGemvColumns<uint8_t, SWIGLU> = SWIGLU ? 2 : 4;  // int4
 // 2..8 such loads, each waiting out the memory latency in turn). 8 requests a whole 4 KB row of a
 // 2048-wide fp16 projection, or two 2 KB int8 rows, at once.
 constexpr int kGemvInFlight = 8;
+// Weights in one 16-byte vector of a row stored as W (uint8_t: two int4 weights a byte).
+template <typename W>
+constexpr int kGemvChunk = 16 / static_cast<int>(sizeof(W));
+template <>
+constexpr int kGemvChunk<uint8_t> = 32;  // int4
+// Vectors of each of its J rows a lane loads before it uses the first.
+template <int J>
+constexpr int kGemvUnroll = kGemvInFlight / J > 0 ? kGemvInFlight / J : 1;
+
+// Warps of a block that share its columns, each summing a slice of K (1, 2 or kGemvWarps): as many as a warp's
+// pass over a row takes steps (a step: the vectors a lane has in flight, the kGemvUnroll of each row), up to the
+// block's warps. A product with few output columns and long rows (a layer's down product: 2048 columns, 6144
+// long; with int4 weights 128 blocks of 4 warps on 132 SMs) would otherwise leave an SM a few warps, each
+// waiting out its steps' memory round trips one after another; with slices it has as many more warps, each
+// with fewer steps. The slices' sums are added in warp order through shared memory, and the count depends
+// on the shape alone, so every rows bucket still sums an output in one order. launch.py: gemv_slices.
+template <typename W, bool SWIGLU>
+__device__ __forceinline__ int gemv_slices(int K) {
+  constexpr int kStep = kWarpSize * kGemvChunk<W> * kGemvUnroll<kGemvColumns<W, SWIGLU> * (SWIGLU ? 2 : 1)>;
+  const int steps = (K + kStep - 1) / kStep;
+  return steps <= 1 ? 1 : steps == 2 ? 2 : kGemvWarps;
+}
 // Weights widened at a time (from one or two 32-bit words, or one 16-byte vector of 16-bit weights) and
 // matched with the same piece of each row of x; fp32 weights: their vector of 4.
 template <typename W>
@@ -255,13 +278,15 @@ __device__ __forceinline__ void load_x(const T* __restrict__ x, size_t offset, b
 // caller, to the total). X_L2: x was written by this launch (load_x).
 template <typename T, typename Rows, int R, int J, bool X_L2>
 __device__ __forceinline__ void rows_dot(const T* __restrict__ x, const Rows& w, const int* n, int rows, int K,
-                                         int lane, float (&acc)[J][R]) {
+                                         int lane, int slice, int slices, float (&acc)[J][R]) {
   using W = typename Rows::Elem;
   constexpr bool kGrouped = Rows::kGrouped;
   constexpr int kChunk = Rows::kChunk;
+  static_assert(kChunk == kGemvChunk<W>, "gemv_slices counts a row's vectors as the format stores them");
   constexpr int kPiece = kGemvPiece<W>;
   constexpr int kStride = kWarpSize * kChunk;  // weights a warp covers per vector load
-  constexpr int kUnroll = kGemvInFlight / J > 0 ? kGemvInFlight / J : 1;
+  constexpr int kUnroll = kGemvUnroll<J>;
+  const int stride = kStride * slices;  // this slice's vectors: every slices-th of the row, from the slice-th
 #pragma unroll
   for (int j = 0; j < J; ++j)
 #pragma unroll
@@ -270,18 +295,18 @@ __device__ __forceinline__ void rows_dot(const T* __restrict__ x, const Rows& w,
 #pragma unroll
   for (int j = 0; j < J; ++j) row[j] = w.row(n[j]);
   const int vec_end = w.vector_path() ? K : 0;
-  for (int k0 = lane * kChunk; k0 < vec_end; k0 += kStride * kUnroll) {
+  for (int k0 = lane * kChunk + slice * kStride; k0 < vec_end; k0 += stride * kUnroll) {
     uint4 raw[J][kUnroll];
 #pragma unroll
     for (int j = 0; j < J; ++j)
 #pragma unroll
       for (int u = 0; u < kUnroll; ++u) {
-        const int k = k0 + u * kStride;
+        const int k = k0 + u * stride;
         raw[j][u] = k < vec_end ? __ldg(reinterpret_cast<const uint4*>(row[j] + Rows::at(k))) : make_uint4(0, 0, 0, 0);
       }
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
-      const int k = k0 + u * kStride;
+      const int k = k0 + u * stride;
       if (k >= vec_end) break;
       float dot[J][R], xsum[R];
 #pragma unroll
@@ -324,7 +349,7 @@ __device__ __forceinline__ void rows_dot(const T* __restrict__ x, const Rows& w,
       }
     }
   }
-  for (int k = vec_end + lane; k < K; k += kWarpSize) {  // the scalar path
+  for (int k = vec_end + lane + slice * kWarpSize; k < K; k += kWarpSize * slices) {  // the scalar path
 #pragma unroll
     for (int j = 0; j < J; ++j) {
       const float wk = w.scalar(n[j], k);
@@ -346,11 +371,12 @@ __device__ __forceinline__ void warp_rows(int n0, int N, int* n) {
   }
 }
 
-// The first output column of this warp in the block computing `tile` (the product's blocks a kGemvWarps * C
-// columns each: blockIdx.x, or in the chain kernels the block's place in its product).
+// The first output column of this warp in the block computing `tile` (the product's blocks a kGemvWarps / slices * C
+// columns each: blockIdx.x, or in the chain kernels the block's place in its product); `slices` adjacent warps
+// share their columns (gemv_slices).
 template <int C>
-__device__ __forceinline__ int warp_first_column(int tile) {
-  return (tile * kGemvWarps + threadIdx.x / kWarpSize) * C;
+__device__ __forceinline__ int warp_first_column(int tile, int slices) {
+  return (tile * (kGemvWarps / slices) + static_cast<int>(threadIdx.x) / kWarpSize / slices) * C;
 }
 
 // Which of a product's blocks this one is: for a kernel of one product the launch's own (LaunchTile: blockIdx.x of
@@ -366,27 +392,66 @@ struct ChainTile {
   __device__ __forceinline__ int count() const { return n; }
 };
 
-// Blocks of kGemvWarps warps of C columns each for N output columns (launch.py: gemv_launch's grid).
+// Blocks of kGemvWarps warps, `slices` of them sharing C columns, for N output columns (launch.py: gemv_launch's
+// grid).
 template <int C>
-__device__ __forceinline__ int gemv_tiles(int N) {
-  return (N + kGemvWarps * C - 1) / (kGemvWarps * C);
+__device__ __forceinline__ int gemv_tiles(int N, int slices) {
+  const int columns = kGemvWarps / slices * C;
+  return (N + columns - 1) / columns;
+}
+
+// Column n0 + c of row m of y from its sums (with SWIGLU: silu(gate) * up, each sum first rounded to T as the
+// product's output).
+template <typename T, bool SWIGLU>
+__device__ __forceinline__ void store_column(T* __restrict__ y, float gate, float up, int m, int column, int N) {
+  float value = gate;
+  if constexpr (SWIGLU) value = swiglu_value<T>(to_float(from_float<T>(gate)), to_float(from_float<T>(up)));
+  y[static_cast<size_t>(m) * N + column] = from_float<T>(value);
 }
 
 // Columns n0 .. n0 + C - 1 of y (those below N) for each row m: the warp's partial sums reduced (and, with
-// SWIGLU, those of the up rows: silu(gate) * up, each sum first rounded to T as the product's output).
+// SWIGLU, those of the up rows). With slices, every warp of the block calls it (it holds a barrier): each
+// warp's sums go to shared memory and the first warp of the columns' slices adds them in warp order; a warp
+// past N (`active` false) brings zeros.
 template <typename T, int R, int C, bool SWIGLU>
 __device__ __forceinline__ void store_columns(T* __restrict__ y, const float (&acc)[C * (SWIGLU ? 2 : 1)][R],
-                                              int rows, int n0, int N) {
+                                              int rows, int n0, int N, int slices, bool active) {
+  constexpr int J = C * (SWIGLU ? 2 : 1);
+  const int lane = static_cast<int>(threadIdx.x) % kWarpSize;
+  if (slices == 1) {
+    if (!active) return;
+#pragma unroll
+    for (int c = 0; c < C; ++c)
+#pragma unroll
+      for (int m = 0; m < R; ++m) {
+        const float gate = warp_sum(acc[c][m]);
+        const float up = SWIGLU ? warp_sum(acc[J - C + c][m]) : 0.0f;
+        if (m < rows && n0 + c < N && lane == 0) store_column<T, SWIGLU>(y, gate, up, m, n0 + c, N);
+      }
+    return;
+  }
+  __shared__ float sums[kGemvWarps][J][R];
+  const int warp = static_cast<int>(threadIdx.x) / kWarpSize;
+#pragma unroll
+  for (int j = 0; j < J; ++j)
+#pragma unroll
+    for (int m = 0; m < R; ++m) {
+      const float total = warp_sum(acc[j][m]);
+      if (lane == 0) sums[warp][j][m] = total;
+    }
+  __syncthreads();
+  if (!active || warp % slices != 0 || lane != 0) return;
 #pragma unroll
   for (int c = 0; c < C; ++c)
 #pragma unroll
     for (int m = 0; m < R; ++m) {
-      const float total = warp_sum(acc[c][m]);
-      float value = total;
-      if constexpr (SWIGLU)
-        value = swiglu_value<T>(to_float(from_float<T>(total)), to_float(from_float<T>(warp_sum(acc[C + c][m]))));
-      if (m < rows && n0 + c < N && threadIdx.x % kWarpSize == 0)
-        y[static_cast<size_t>(m) * N + n0 + c] = from_float<T>(value);
+      if (m >= rows || n0 + c >= N) continue;
+      float gate = sums[warp][c][m], up = SWIGLU ? sums[warp][J - C + c][m] : 0.0f;
+      for (int s = 1; s < slices; ++s) {
+        gate += sums[warp + s][c][m];
+        if constexpr (SWIGLU) up += sums[warp + s][J - C + c][m];
+      }
+      store_column<T, SWIGLU>(y, gate, up, m, n0 + c, N);
     }
 }
 
@@ -396,14 +461,15 @@ __device__ __forceinline__ void store_columns(T* __restrict__ y, const float (&a
 // before this one finishes, and the loads after the wait find them there. Empty before sm_90 and in the
 // harness.
 template <int C, bool SWIGLU>
-__device__ __forceinline__ void prefetch_weight_rows(const void* w, size_t row_bytes, int N, int tile) {
-  const int n0 = warp_first_column<C>(tile);
+__device__ __forceinline__ void prefetch_weight_rows(const void* w, size_t row_bytes, int N, int tile, int slices) {
+  const int n0 = warp_first_column<C>(tile, slices);
   if (n0 >= N) return;
   constexpr int J = C * (SWIGLU ? 2 : 1);
   int n[J];
   warp_rows<C, SWIGLU>(n0, N, n);
   const char* rows = static_cast<const char*>(w);
-  for (size_t at = static_cast<size_t>(threadIdx.x % kWarpSize) * 128; at < row_bytes; at += kWarpSize * 128)
+  const int lane = static_cast<int>(threadIdx.x % kWarpSize) + static_cast<int>(threadIdx.x) / kWarpSize % slices * kWarpSize;
+  for (size_t at = static_cast<size_t>(lane) * 128; at < row_bytes; at += static_cast<size_t>(kWarpSize) * 128 * slices)
 #pragma unroll
     for (int j = 0; j < J; ++j) prefetch_l2(rows + static_cast<size_t>(n[j]) * row_bytes + at);
 }
@@ -454,21 +520,21 @@ __device__ __forceinline__ void head_rows(const HeadsEpilogue<T>& e, const T* y,
   }
 }
 
-// This block's part of the heads epilogue: each head its columns (kBlock of them) fall in is counted done,
+// This block's part of the heads epilogue: each head its columns (`columns` of them) fall in is counted done,
 // and the heads it finished last it normalises (head_rows). The heads with work are the q and k heads, and
 // the v heads too with a sink. Called, not inlined, as add_rms_norm_rows, and once a block: a call a head
 // from inside this loop put gemv_int4_f16_r1 at 108 registers on sm_90; this way sm_90 keeps the norm
 // epilogue's counts (72), and on sm_87 ptxas gives the int4 and int8 r1 kernels 96 and 88 (5 blocks an SM,
 // still far more loads in flight than an Orin's bandwidth needs) and the int4 main loop 7% fewer instructions.
-template <typename T, int kBlock, typename Tile>
+template <typename T, typename Tile>
 __device__ KERNEL_NOINLINE void heads_epilogue(HeadsEpilogue<T> e, unsigned* counters, const T* y, int rows,
-                                               int N, float eps, Tile tile) {
+                                               int N, float eps, Tile tile, int columns) {
   const int kv_heads = e.heads - e.split;
   if (e.dim < 1 || kv_heads < 1 || N != (e.heads + kv_heads) * e.dim) KERNEL_TRAP();
   const int with_work = e.k_pool != nullptr ? e.heads + kv_heads : e.heads;
-  const int first = tile.index() * kBlock, last = min(first + kBlock, N) - 1;
+  const int first = tile.index() * columns, last = min(first + columns, N) - 1;
   for (int h = first / e.dim; h <= last / e.dim && h < with_work; ++h) {
-    const int blocks = ((h + 1) * e.dim - 1) / kBlock - h * e.dim / kBlock + 1;  // the blocks that compute head h
+    const int blocks = ((h + 1) * e.dim - 1) / columns - h * e.dim / columns + 1;  // the blocks that compute head h
     if (last_to_finish(counters + h, blocks)) head_rows<T>(e, y, h, rows, N, eps);
   }
 }
@@ -501,12 +567,15 @@ __device__ __forceinline__ void gemv(T* __restrict__ y, const T* __restrict__ x,
   if (rows < 1 || rows > R || blockDim.x != kGemvWarps * kWarpSize || (SWIGLU && norm.counter != nullptr) ||
       (qk.heads > 0 && norm.counter == nullptr))
     KERNEL_TRAP();
-  const int n0 = warp_first_column<C>(tile.index());
-  if (n0 < N) {  // a warp past N skips the product as a whole: the reductions stay full-warp
+  const int slices = gemv_slices<typename Rows::Elem, SWIGLU>(K);
+  const int n0 = warp_first_column<C>(tile.index(), slices);
+  const bool active = n0 < N;  // a warp past N skips the product as a whole: the reductions stay full-warp
+  float acc[J][R];
+  if (active) {
     int n[J];
     warp_rows<C, SWIGLU>(n0, N, n);
-    float acc[J][R];
-    rows_dot<T, Rows, R, J, X_L2>(x, w, n, rows, K, threadIdx.x % kWarpSize, acc);
+    const int warp = static_cast<int>(threadIdx.x) / kWarpSize;
+    rows_dot<T, Rows, R, J, X_L2>(x, w, n, rows, K, threadIdx.x % kWarpSize, warp % slices, slices, acc);
     if (row_scales) {
 #pragma unroll
       for (int j = 0; j < J; ++j) {
@@ -515,11 +584,16 @@ __device__ __forceinline__ void gemv(T* __restrict__ y, const T* __restrict__ x,
         for (int m = 0; m < R; ++m) acc[j][m] *= s;
       }
     }
-    store_columns<T, R, C, SWIGLU>(y, acc, rows, n0, N);
+  } else {
+#pragma unroll
+    for (int j = 0; j < J; ++j)
+#pragma unroll
+      for (int m = 0; m < R; ++m) acc[j][m] = 0.0f;
   }
+  store_columns<T, R, C, SWIGLU>(y, acc, rows, n0, N, slices, active);
   if constexpr (!SWIGLU) {
     if (norm.counter == nullptr) return;
-    if (qk.heads > 0) heads_epilogue<T, kGemvWarps * C>(qk, norm.counter, y, rows, N, norm.eps, tile);
+    if (qk.heads > 0) heads_epilogue<T>(qk, norm.counter, y, rows, N, norm.eps, tile, kGemvWarps / slices * C);
     else if (last_to_finish(norm.counter, tile.count())) add_rms_norm_rows<T, X_L2>(norm, y, rows, N);
   }
 }
@@ -537,13 +611,17 @@ struct Link {
   int N, K;
   bool swiglu;
   __device__ __forceinline__ int tiles() const {
-    return swiglu ? gemv_tiles<kGemvColumns<typename Rows::Elem, true>>(N)
-                  : gemv_tiles<kGemvColumns<typename Rows::Elem, false>>(N);
+    using W = typename Rows::Elem;
+    return swiglu ? gemv_tiles<kGemvColumns<W, true>>(N, gemv_slices<W, true>(K))
+                  : gemv_tiles<kGemvColumns<W, false>>(N, gemv_slices<W, false>(K));
   }
   // L2 prefetch of tile `tile`'s weight rows (prefetch_weight_rows).
   __device__ __forceinline__ void prefetch(int tile) const {
-    if (swiglu) prefetch_weight_rows<kGemvColumns<typename Rows::Elem, true>, true>(w.row(0), w.row_bytes(), N, tile);
-    else prefetch_weight_rows<kGemvColumns<typename Rows::Elem, false>, false>(w.row(0), w.row_bytes(), N, tile);
+    using W = typename Rows::Elem;
+    if (swiglu)
+      prefetch_weight_rows<kGemvColumns<W, true>, true>(w.row(0), w.row_bytes(), N, tile, gemv_slices<W, true>(K));
+    else
+      prefetch_weight_rows<kGemvColumns<W, false>, false>(w.row(0), w.row_bytes(), N, tile, gemv_slices<W, false>(K));
   }
 };
 
@@ -610,11 +688,12 @@ __device__ __forceinline__ int group_shift(int group) {
 
 }  // namespace orin_vlm
 
-// A GEMV kernel's KERNEL_PROLOGUE, with its weight rows (`row_bytes` each, `columns` outputs, and their up
-// rows for SwiGLU; C columns a warp) prefetched into L2 between the two halves (prefetch_weight_rows).
-#define ORIN_GEMV_PROLOGUE(C, SWIGLU, weights, row_bytes, columns)                \
-  KERNEL_ALLOW_DEPENDENTS();                                                      \
-  orin_vlm::prefetch_weight_rows<C, SWIGLU>((weights), (row_bytes), (columns), blockIdx.x); \
+// A GEMV kernel's KERNEL_PROLOGUE, with its weight rows (stored as W, `row_bytes` each, K weights, `columns`
+// outputs, and their up rows for SwiGLU) prefetched into L2 between the two halves (prefetch_weight_rows).
+#define ORIN_GEMV_PROLOGUE(W, SWIGLU, weights, row_bytes, K, columns)                                          \
+  KERNEL_ALLOW_DEPENDENTS();                                                                                  \
+  orin_vlm::prefetch_weight_rows<orin_vlm::kGemvColumns<W, SWIGLU>, SWIGLU>(                                  \
+      (weights), (row_bytes), (columns), blockIdx.x, orin_vlm::gemv_slices<W, SWIGLU>(K));                    \
   KERNEL_WAIT_PREDECESSOR()
 
 // The epilogues' parameters (between the weight's and the sizes, and the heads' sizes after those), and the
@@ -632,21 +711,21 @@ __device__ __forceinline__ int group_shift(int group) {
   extern "C" __global__ void gemv_float##E##_##DT##_r##R(T* y, const T* x, const T* weight, const __half* scales,      \
                                                         const __half* offsets, ORIN_GEMV_EPILOGUE_PARAMS(T), int rows,     \
                                                         int n, int k, int group, ORIN_GEMV_HEADS_SIZES, float eps) {                          \
-    ORIN_GEMV_PROLOGUE((orin_vlm::kGemvColumns<T, SWIGLU>), SWIGLU, weight, static_cast<size_t>(k) * sizeof(T), n);              \
+    ORIN_GEMV_PROLOGUE(T, SWIGLU, weight, static_cast<size_t>(k) * sizeof(T), k, n);              \
     orin_vlm::gemv<T, R, SWIGLU>(y, x, orin_vlm::DenseRows<T>{weight, k}, nullptr, rows, n, k, ORIN_GEMV_EPILOGUES, orin_vlm::LaunchTile{});  \
   }                                                                                                                    \
   extern "C" __global__ void gemv_int8##E##_##DT##_r##R(T* y, const T* x, const int8_t* qweight,                       \
                                                        const __half* scales, const __half* offsets,                    \
                                                        ORIN_GEMV_EPILOGUE_PARAMS(T), int rows, int n, int k, int group,    \
                                                        ORIN_GEMV_HEADS_SIZES, float eps) {                                                    \
-    ORIN_GEMV_PROLOGUE((orin_vlm::kGemvColumns<int8_t, SWIGLU>), SWIGLU, qweight, static_cast<size_t>(k), n);                    \
+    ORIN_GEMV_PROLOGUE(int8_t, SWIGLU, qweight, static_cast<size_t>(k), k, n);                    \
     orin_vlm::gemv<T, R, SWIGLU>(y, x, orin_vlm::DenseRows<int8_t>{qweight, k}, scales, rows, n, k, ORIN_GEMV_EPILOGUES, orin_vlm::LaunchTile{}); \
   }                                                                                                                    \
   extern "C" __global__ void gemv_int4##E##_##DT##_r##R(T* y, const T* x, const uint8_t* qweight,                      \
                                                        const __half* scales, const __half* offsets,                    \
                                                        ORIN_GEMV_EPILOGUE_PARAMS(T), int rows, int n, int k, int group,    \
                                                        ORIN_GEMV_HEADS_SIZES, float eps) {                                                    \
-    ORIN_GEMV_PROLOGUE((orin_vlm::kGemvColumns<uint8_t, SWIGLU>), SWIGLU, qweight, static_cast<size_t>(k + 1) / 2, n);           \
+    ORIN_GEMV_PROLOGUE(uint8_t, SWIGLU, qweight, static_cast<size_t>(k + 1) / 2, k, n);           \
     const orin_vlm::Int4Rows rows_ = {qweight, scales, offsets, k, (k + group - 1) / group,                       \
                                          orin_vlm::group_shift(group)};                                               \
     orin_vlm::gemv<T, R, SWIGLU>(y, x, rows_, nullptr, rows, n, k, ORIN_GEMV_EPILOGUES, orin_vlm::LaunchTile{});                              \

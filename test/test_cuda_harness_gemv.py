@@ -32,9 +32,18 @@ RTOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
 
 # (N, K, group): the vector path (K and the group multiples of 32), N not a multiple of the 4, 8 or 16 columns
 # a block computes, K not a multiple of the group, odd K, groups smaller than a vector (the scalar path), and
-# rows long enough that a lane loads more than one batch of vectors, the last one partly (4608: int8 9
-# vectors a lane, int4 4 or 5).
-SHAPES = [(64, 128, 32), (37, 256, 128), (21, 96, 64), (19, 75, 32), (8, 33, 2), (5, 64, 16), (6, 4608, 128)]
+# rows long enough that a warp takes more than one step along them, shared among the block's warps (3072: two
+# warps a column, each with its slice of K; 4608: four, the last slice's vectors fewer).
+SHAPES = [
+    (64, 128, 32),
+    (37, 256, 128),
+    (21, 96, 64),
+    (19, 75, 32),
+    (8, 33, 2),
+    (5, 64, 16),
+    (6, 4608, 128),
+    (10, 3072, 64),
+]
 
 
 def _quantized(n: int, k: int, mode: str, group: int, seed: int) -> QuantizedLinear:
@@ -172,7 +181,7 @@ def _module(mode: str, n: int, k: int, group: int, dtype: torch.dtype, kernels: 
 
 @pytest.mark.parametrize("mode", ["float", "int8", "int4"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("n,k,group", [(37, 96, 32), (64, 128, 32), (2056, 64, 32)])
+@pytest.mark.parametrize("n,k,group", [(37, 96, 32), (64, 128, 32), (2056, 64, 32), (37, 3072, 64)])
 def test_the_norm_epilogue_gives_what_the_product_then_the_add_rms_norm_kernel_give(harness, mode, dtype, n, k, group):
     """The product's launch adds its rows to the residual and normalises them (the block that finishes last,
     in the harness's scrambled block order): the sum and the norm are the separate add_rms_norm kernel's to
@@ -206,7 +215,7 @@ def test_the_norm_epilogue_refuses_rows_that_do_not_belong_to_the_product(harnes
                         (torch.zeros(2, 16).half(), weight)):  # fmt: skip
         with pytest.raises(ValueError, match="a norm epilogue adds"):
             gemv.add_rms_norm(module, x, residual, w, 1e-6)
-    cfg = L.gemv_launch("int8", 2, 8, torch.float32, swiglu=True)
+    cfg = L.gemv_launch("int8", 2, 8, 32, torch.float32, swiglu=True)
     args = [torch.empty(2, 8), x, module.qweight, module.scales, None, torch.zeros(2, 8), torch.ones(8),
             torch.empty(2, 8), torch.empty(2, 8), torch.zeros(1, dtype=torch.int32), *[None] * 8,
             2, 8, 32, 32, 0, 0, 0, 1e-6]  # fmt: skip
@@ -216,7 +225,9 @@ def test_the_norm_epilogue_refuses_rows_that_do_not_belong_to_the_product(harnes
 
 @pytest.mark.parametrize("mode", ["float", "int8", "int4"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("hidden,inter,group", [(37, 64, 32), (64, 96, 32), (2056, 64, 32), (96, 200, 64)])
+@pytest.mark.parametrize(
+    "hidden,inter,group", [(37, 64, 32), (64, 96, 32), (2056, 64, 32), (96, 200, 64), (40, 4608, 64)]
+)
 def test_an_mlp_in_one_launch_gives_what_its_launch_a_product_give(harness, mode, dtype, hidden, inter, group):
     """One row's MLP in one launch (gemv_mlp: the SwiGLU product's blocks, then the down product's with the add +
     norm after it, ordered by the tickets the blocks take as they start, in the harness's scrambled block
@@ -242,7 +253,7 @@ def test_an_mlp_in_one_launch_gives_what_its_launch_a_product_give(harness, mode
 
 @pytest.mark.parametrize("mode", ["float", "int8", "int4"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("hidden,inter,attn", [(37, 64, 48), (64, 96, 32), (2056, 64, 64)])
+@pytest.mark.parametrize("hidden,inter,attn", [(37, 64, 48), (64, 96, 32), (2056, 64, 64), (40, 4608, 3072)])
 def test_a_layer_tail_in_one_launch_gives_what_its_launches_give(harness, mode, dtype, hidden, inter, attn):
     """A layer's rest after attention for one row in one launch (gemv_tail: the o product's blocks with the add +
     post-attention norm, then the SwiGLU product's, then the down product's with the add + norm, each waiting for
@@ -284,8 +295,8 @@ def test_an_mlp_launch_refuses_what_is_not_one_row_of_an_mlp_and_traps_a_wait_on
         assert not gemv.chains((up, dn), rows) or what == "shape"  # a shape is the launch's to check
         with pytest.raises(ValueError, match="a chained launch takes one row"):
             gemv.mlp_add_rms_norm(up, dn, rows, res, weight, 1e-6)
-    cfg = L.gemv_chain_launch("mlp", "int8", 32, 32, torch.float32)
-    up_tiles = L.gemv_launch("int8", 1, 32, torch.float32, swiglu=True).grid[0]
+    cfg = L.gemv_chain_launch("mlp", "int8", 32, 32, 32, torch.float32)
+    up_tiles = L.gemv_launch("int8", 1, 32, 32, torch.float32, swiglu=True).grid[0]
     chain = torch.zeros(L.chain_counters("mlp"), dtype=torch.int32)
     chain[0] = up_tiles  # the first block to start takes the first down ticket
     args = [torch.empty(1, 32), x, gate_up.qweight, gate_up.scales, None, torch.empty(1, 32), down.qweight, down.scales,
@@ -296,13 +307,15 @@ def test_an_mlp_launch_refuses_what_is_not_one_row_of_an_mlp_and_traps_a_wait_on
 
 # (head_dim, q heads, kv heads): Qwen3-VL's GQA of 2 at a small head size; one kv head; heads of 24, which
 # the 16 columns of an int4 block (8 of int8) do not divide, so a block computes parts of two heads.
-HEAD_SHAPES = [(32, 4, 2), (64, 2, 1), (24, 6, 3)]
+HEAD_SHAPES = [(32, 4, 2, 64), (64, 2, 1, 64), (24, 6, 3, 64), (32, 4, 2, 3072)]  # dim, q heads, kv heads, K
 
 
 @pytest.mark.parametrize("mode", ["float", "int8", "int4"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("dim,nq,nkv", HEAD_SHAPES)
-def test_the_heads_epilogue_gives_what_the_product_then_the_norm_rope_kernel_give(harness, mode, dtype, dim, nq, nkv):
+@pytest.mark.parametrize("dim,nq,nkv,k", HEAD_SHAPES)
+def test_the_heads_epilogue_gives_what_the_product_then_the_norm_rope_kernel_give(
+    harness, mode, dtype, dim, nq, nkv, k
+):
     """The q/k/v product's launch normalises and rotates its q and k heads (the block that finishes a head
     last, in the harness's scrambled block order), and with a KV sink stores each rotated key and each value
     at its token's slot, nothing for a padding row (slot -1): the heads, the values and the pools are those of
@@ -310,7 +323,7 @@ def test_the_heads_epilogue_gives_what_the_product_then_the_norm_rope_kernel_giv
     quantized rows: two); the finish counters are zero again after."""
     launcher = RecordingLauncher(harness)
     gemv = CudaGemv(launcher)
-    heads, k = nq + nkv, 64
+    heads = nq + nkv
     module = _module(mode, (nq + 2 * nkv) * dim, k, 32, dtype, gemv)
     gen = torch.Generator().manual_seed(dim)
     q_w, k_w = ((1 + 0.3 * torch.randn(dim, generator=gen)).to(dtype) for _ in range(2))
@@ -358,7 +371,7 @@ def test_the_heads_epilogue_refuses_what_is_not_a_layer_of_heads(harness):
         for q_w, k_w, split, tables, sink in cases:
             with pytest.raises(ValueError, match=message):
                 gemv.norm_rope_heads(module, x, HeadNorms(q_w, k_w, split, 1e-6), tables, sink)
-    cfg = L.gemv_launch("int8", 2, 32, torch.float32)
+    cfg = L.gemv_launch("int8", 2, 32, 32, torch.float32)
     args = [torch.empty(2, 32), x, module.qweight, module.scales, *[None] * 5, None, torch.empty(2, 3, 8), w, w,
             rope.cos, rope.sin_signed, None, None, None, 2, 32, 32, 32, 3, 2, 8, 1e-6]  # fmt: skip
     with pytest.raises(HarnessError, match="trap"):
@@ -675,17 +688,34 @@ def test_a_quantized_projection_routes_decode_rows_to_the_kernels_and_prefill_to
 
 
 def test_gemv_launch_picks_the_rows_bucket_and_refuses_what_no_kernel_takes():
-    assert L.gemv_launch("int8", 3, 37, torch.float16).kernel == "gemv_int8_f16_r4"
-    assert L.gemv_launch("float", 5, 37, torch.float16).kernel == "gemv_float_f16_r8"
-    assert L.gemv_launch("int4", 1, 37, torch.bfloat16).grid == (3, 1, 1)  # 16 columns a block: 4 a warp
-    assert L.gemv_launch("int4", 1, 37, torch.bfloat16, swiglu=True).grid == (5, 1, 1)  # 2 a warp, + up rows
-    assert L.gemv_launch("int8", 1, 37, torch.bfloat16).grid == (5, 1, 1)  # 8 columns a block: 2 a warp
-    assert L.gemv_launch("float", 1, 37, torch.bfloat16).grid == (10, 1, 1)  # 4 columns a block: 1 a warp
-    assert L.gemv_launch("int4", 2, 37, torch.bfloat16, swiglu=True).kernel == "gemv_int4_swiglu_bf16_r2"
+    assert L.gemv_launch("int8", 3, 37, 64, torch.float16).kernel == "gemv_int8_f16_r4"
+    assert L.gemv_launch("float", 5, 37, 64, torch.float16).kernel == "gemv_float_f16_r8"
+    assert L.gemv_launch("int4", 1, 37, 64, torch.bfloat16).grid == (3, 1, 1)  # 16 columns a block: 4 a warp
+    assert L.gemv_launch("int4", 1, 37, 64, torch.bfloat16, swiglu=True).grid == (5, 1, 1)  # 2 a warp, + up rows
+    assert L.gemv_launch("int8", 1, 37, 64, torch.bfloat16).grid == (5, 1, 1)  # 8 columns a block: 2 a warp
+    assert L.gemv_launch("float", 1, 37, 64, torch.bfloat16).grid == (10, 1, 1)  # 4 columns a block: 1 a warp
+    assert L.gemv_launch("int4", 2, 37, 64, torch.bfloat16, swiglu=True).kernel == "gemv_int4_swiglu_bf16_r2"
     with pytest.raises(L.UnsupportedShape, match="1..8 rows"):
-        L.gemv_launch("int8", 9, 37, torch.float16)
+        L.gemv_launch("int8", 9, 37, 64, torch.float16)
     with pytest.raises(L.UnsupportedShape, match="int3"):
-        L.gemv_launch("int3", 1, 37, torch.float16)
+        L.gemv_launch("int3", 1, 37, 64, torch.float16)
+
+
+def test_long_rows_share_a_blocks_columns_among_its_warps_by_their_length_alone():
+    """A warp's pass over a row of 2048 weights is one step in every format (8 vectors a lane in flight: fp16
+    one row of 8, int8 two of 4, int4 four of 2, each 512 weights of int4 a vector), so the 2B's o product keeps
+    a warp to its columns; its down product (K 6144, three steps) shares each column among the block's 4
+    warps, 4 times the blocks; two steps, 2 warps. fp32 vectors hold half the weights (twice the steps)."""
+    assert [L.gemv_slices(m, 2048, torch.float16) for m in L.GEMV_MODES] == [1, 1, 1]
+    assert [L.gemv_slices(m, 4096, torch.float16) for m in L.GEMV_MODES] == [2, 2, 2]
+    assert [L.gemv_slices(m, 6144, torch.float16) for m in L.GEMV_MODES] == [4, 4, 4]
+    assert L.gemv_slices("float", 2048, torch.float32) == 2 and L.gemv_slices("float", 2048, torch.bfloat16) == 1
+    assert L.gemv_slices("int4", 2048, torch.float16, swiglu=True) == 1  # two columns with their up rows: 4 rows
+    assert L.gemv_slices("float", 2048, torch.float16, swiglu=True) == 2  # 2 rows: 4 vectors a row in flight
+    assert L.gemv_launch("int4", 1, 2048, 2048, torch.float16).grid == (128, 1, 1)
+    assert L.gemv_launch("int4", 1, 2048, 6144, torch.float16).grid == (512, 1, 1)  # 4 columns a block
+    assert L.gemv_launch("int8", 1, 2048, 4096, torch.float16).grid == (512, 1, 1)  # 2 warps a column pair
+    assert L.gemv_chain_launch("tail", "int4", 6144, 2048, 2048, torch.float16).grid == (128 + 768 + 512, 1, 1)
     gemv = CudaGemv(None)
     assert gemv.fits(_quantized(8, 32, "int8", 32, seed=0), torch.randn(16, 32))  # a batch of 16: two launches
     assert not gemv.fits(_quantized(8, 32, "int8", 32, seed=0), torch.randn(17, 32))

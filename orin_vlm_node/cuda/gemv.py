@@ -263,7 +263,8 @@ class CudaGemv:
         """Launch the chained products ``kind`` (launch.GEMV_CHAINS) of the row ``x``: the kernel's pointers, the
         chain's counters, its sizes."""
         chain = self._counters_on(x.device)[: L.chain_counters(kind)]  # the counters the launch takes, no more
-        self.launcher.launch(L.gemv_chain_launch(kind, mode, inter, hidden, x.dtype), [*pointers, chain, *sizes])
+        cfg = L.gemv_chain_launch(kind, mode, inter, hidden, x.shape[1], x.dtype)
+        self.launcher.launch(cfg, [*pointers, chain, *sizes])
 
     def norm_rope_heads(
         self, module, x: torch.Tensor, norms: HeadNorms, rope: TextRopeTables, sink: KVSink | None = None
@@ -411,7 +412,7 @@ class CudaGemv:
         y = torch.empty((rows, n), dtype=x.dtype, device=x.device)
         for first in range(0, rows, self.max_rows):
             piece = min(self.max_rows, rows - first)
-            cfg = L.gemv_launch(mode, piece, n, x.dtype, swiglu)
+            cfg = L.gemv_launch(mode, piece, n, k, x.dtype, swiglu)
             pointers, sizes = [None] * 13, [0, 0, 0, 0.0]
             if epilogue is not None:
                 pointers, sizes = epilogue.arguments(first, self._counters_on(x.device)), epilogue.sizes()

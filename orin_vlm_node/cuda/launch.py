@@ -45,13 +45,18 @@ GEMV_ROW_BUCKETS = (1, 2, 4, 8)
 GEMV_MODES = ("float", "int8", "int4")  # how the weight is stored: the activations' dtype, or quantized
 GEMV_EPILOGUES = ("", "_swiglu")  # the product itself, or silu(gate) * up of a fused gate/up weight
 # Chained launches of one decode row (kernels/gemv.cuh, the chain kernels): their products in order, each (output
-# columns, whether SwiGLU) with I the MLP's inter size and D the hidden size: the MLP, and the o product and the MLP.
-GEMV_CHAINS = {"mlp": (("I", True), ("D", False)), "tail": (("D", False), ("I", True), ("D", False))}
+# columns, input columns, whether SwiGLU) with I the MLP's inter size, D the hidden size and A the attention
+# output's width: the MLP, and the o product and the MLP.
+GEMV_CHAINS = {"mlp": (("I", "D", True), ("D", "I", False)),
+               "tail": (("D", "A", False), ("I", "D", True), ("D", "I", False))}  # fmt: skip
 # Output columns one GEMV warp computes, by weight storage and whether the epilogue is SwiGLU (kGemvColumns
 # in kernels/gemv.cuh): quantized weights share each widened piece of x between the weight rows a warp reads
 # (int8 two, int4 four: four columns, or two with their up rows).
 GEMV_COLUMNS = {("float", False): 1, ("float", True): 1, ("int8", False): 2, ("int8", True): 2,
                 ("int4", False): 4, ("int4", True): 2}  # fmt: skip
+
+GEMV_IN_FLIGHT = 8  # kGemvInFlight: 16-byte vectors a lane loads before it uses the first, over its rows
+GEMV_INT4_CHUNK = 32  # kGemvChunk<uint8_t>: int4 weights in a 16-byte vector (others: 16 bytes / element size)
 
 # torch dtype name -> kernel name suffix and element size.
 DTYPE_TAGS = {"float32": "f32", "float16": "f16", "bfloat16": "bf16"}
@@ -313,18 +318,31 @@ def kv_write_launch(num_tokens: int, dtype: object) -> LaunchConfig:
     return _checked(LaunchConfig(f"paged_kv_write_{tag}", (num_tokens, 1, 1), (KV_WRITE_THREADS, 1, 1), 0))
 
 
-def gemv_launch(mode: str, rows: int, out_features: int, dtype: object, swiglu: bool = False) -> LaunchConfig:
-    """Grid (ceil(N / (GEMV_WARPS * GEMV_COLUMNS[mode, swiglu]))), GEMV_WARPS warps; the kernel of the smallest rows
-    bucket that holds ``rows``.
+def gemv_slices(mode: str, in_features: int, dtype: object, swiglu: bool = False) -> int:
+    """Warps of a GEMV block that share its columns, each summing a slice of K (kernels/gemv.cuh: gemv_slices):
+    1, 2 or GEMV_WARPS, as many as a warp's pass over a row takes steps of the vectors a lane has in flight."""
+    columns = GEMV_COLUMNS[mode, swiglu]
+    chunk = GEMV_INT4_CHUNK if mode == "int4" else 16 // (1 if mode == "int8" else DTYPE_BYTES[dtype_name(dtype)])
+    unroll = max(1, GEMV_IN_FLIGHT // (columns * (2 if swiglu else 1)))
+    steps = math.ceil(in_features / (WARP_SIZE * chunk * unroll))
+    return 1 if steps <= 1 else 2 if steps == 2 else GEMV_WARPS
+
+
+def gemv_launch(
+    mode: str, rows: int, out_features: int, in_features: int, dtype: object, swiglu: bool = False
+) -> LaunchConfig:
+    """Grid (ceil(N / (GEMV_WARPS / slices * GEMV_COLUMNS[mode, swiglu]))), GEMV_WARPS warps (``slices`` of them
+    sharing columns: :func:`gemv_slices`); the kernel of the smallest rows bucket that holds ``rows``.
     ``out_features`` N counts the output columns: with ``swiglu`` the weight has 2N rows (gate, then up) and
-    the kernel writes silu(gate) * up."""
+    the kernel writes silu(gate) * up; ``in_features`` K is the rows' length."""
     if mode not in GEMV_MODES:
         raise UnsupportedShape(f"no GEMV kernels for weights stored as {mode!r}; supported: {GEMV_MODES}")
     bucket = next((r for r in GEMV_ROW_BUCKETS if rows <= r), None)
     if rows < 1 or bucket is None:
         raise UnsupportedShape(f"GEMV kernels take 1..{GEMV_ROW_BUCKETS[-1]} rows, got {rows}")
     tag = DTYPE_TAGS[dtype_name(dtype)]
-    grid = (math.ceil(out_features / (GEMV_WARPS * GEMV_COLUMNS[mode, swiglu])), 1, 1)
+    block_columns = GEMV_WARPS // gemv_slices(mode, in_features, dtype, swiglu) * GEMV_COLUMNS[mode, swiglu]
+    grid = (math.ceil(out_features / block_columns), 1, 1)
     kernel = f"gemv_{mode}{GEMV_EPILOGUES[swiglu]}_{tag}_r{bucket}"
     return _checked(LaunchConfig(kernel, grid, (GEMV_WARPS * WARP_SIZE, 1, 1), 0))
 
@@ -335,12 +353,14 @@ def chain_counters(kind: str) -> int:
     return 1 + 2 * len(GEMV_CHAINS[kind])
 
 
-def gemv_chain_launch(kind: str, mode: str, inter: int, hidden: int, dtype: object) -> LaunchConfig:
+def gemv_chain_launch(kind: str, mode: str, inter: int, hidden: int, attn: int, dtype: object) -> LaunchConfig:
     """The products of one decode row chained in one launch (``gemv_<kind>_<mode>_<dtype>``, ``kind`` one of
-    GEMV_CHAINS): each product's blocks as :func:`gemv_launch` sizes them, one after another in one grid; the kernel
-    orders them by the tickets its blocks take, not by their index."""
-    sizes = {"I": inter, "D": hidden}
-    blocks = sum(gemv_launch(mode, 1, sizes[n], dtype, swiglu).grid[0] for n, swiglu in GEMV_CHAINS[kind])
+    GEMV_CHAINS; ``attn`` the attention output's width, the o product's K): each product's blocks as
+    :func:`gemv_launch` sizes them, one after another in one grid; the kernel orders them by the tickets its
+    blocks take, not by their index."""
+    sizes = {"I": inter, "D": hidden, "A": attn}
+    links = GEMV_CHAINS[kind]
+    blocks = sum(gemv_launch(mode, 1, sizes[n], sizes[k], dtype, swiglu).grid[0] for n, k, swiglu in links)
     tag = DTYPE_TAGS[dtype_name(dtype)]
     return _checked(LaunchConfig(f"gemv_{kind}_{mode}_{tag}", (blocks, 1, 1), (GEMV_WARPS * WARP_SIZE, 1, 1), 0))
 
