@@ -568,6 +568,7 @@ __device__ __forceinline__ void gemv(T* __restrict__ y, const T* __restrict__ x,
       (qk.heads > 0 && norm.counter == nullptr))
     KERNEL_TRAP();
   const int slices = gemv_slices<typename Rows::Elem, SWIGLU>(K);
+  if (tile.count() != gemv_tiles<C>(N, slices)) KERNEL_TRAP();  // a grid launch.py sized otherwise
   const int n0 = warp_first_column<C>(tile.index(), slices);
   const bool active = n0 < N;  // a warp past N skips the product as a whole: the reductions stay full-warp
   float acc[J][R];

@@ -716,6 +716,21 @@ def test_long_rows_share_a_blocks_columns_among_its_warps_by_their_length_alone(
     assert L.gemv_launch("int4", 1, 2048, 6144, torch.float16).grid == (512, 1, 1)  # 4 columns a block
     assert L.gemv_launch("int8", 1, 2048, 4096, torch.float16).grid == (512, 1, 1)  # 2 warps a column pair
     assert L.gemv_chain_launch("tail", "int4", 6144, 2048, 2048, torch.float16).grid == (128 + 768 + 512, 1, 1)
+
+
+def test_a_gemv_launch_sized_for_other_slices_traps(harness):
+    """The kernel counts its slices from K as launch.gemv_slices does, and a grid sized otherwise (for one warp a
+    column, or one block more) traps instead of leaving columns unwritten."""
+    module = _quantized(8, 3072, "int8", 32, seed=1)  # int8 rows of 3072: two steps, two warps a column pair
+    x = torch.randn(1, 3072)
+    cfg = L.gemv_launch("int8", 1, 8, 3072, torch.float32)
+    y = torch.full((1, 8), float("nan"))
+    args = [y, x, module.qweight, module.scales, None, *[None] * 13, 1, 8, 3072, 32, 0, 0, 0, 1e-6]
+    harness.launch(cfg, args)
+    torch.testing.assert_close(y, F.linear(x, module.dequantize(torch.float32)), rtol=1e-5, atol=1e-5)
+    for grid in (L.gemv_launch("int8", 1, 8, 64, torch.float32).grid, (cfg.grid[0] + 1, 1, 1)):
+        with pytest.raises(HarnessError, match="trap"):
+            harness.launch(L.LaunchConfig(cfg.kernel, grid, cfg.block, 0), args)
     gemv = CudaGemv(None)
     assert gemv.fits(_quantized(8, 32, "int8", 32, seed=0), torch.randn(16, 32))  # a batch of 16: two launches
     assert not gemv.fits(_quantized(8, 32, "int8", 32, seed=0), torch.randn(17, 32))
