@@ -568,7 +568,6 @@ __device__ __forceinline__ void gemv(T* __restrict__ y, const T* __restrict__ x,
       (qk.heads > 0 && norm.counter == nullptr))
     KERNEL_TRAP();
   const int slices = gemv_slices<typename Rows::Elem, SWIGLU>(K);
-  if (tile.count() != gemv_tiles<C>(N, slices)) KERNEL_TRAP();  // a grid launch.py sized otherwise
   const int n0 = warp_first_column<C>(tile.index(), slices);
   const bool active = n0 < N;  // a warp past N skips the product as a whole: the reductions stay full-warp
   float acc[J][R];
@@ -592,6 +591,7 @@ __device__ __forceinline__ void gemv(T* __restrict__ y, const T* __restrict__ x,
       for (int m = 0; m < R; ++m) acc[j][m] = 0.0f;
   }
   store_columns<T, R, C, SWIGLU>(y, acc, rows, n0, N, slices, active);
+  if (tile.count() != gemv_tiles<C>(N, slices)) KERNEL_TRAP();  // a grid launch.py sized otherwise: columns missed
   if constexpr (!SWIGLU) {
     if (norm.counter == nullptr) return;
     if (qk.heads > 0) heads_epilogue<T>(qk, norm.counter, y, rows, N, norm.eps, tile, kGemvWarps / slices * C);
