@@ -392,12 +392,16 @@ struct ChainTile {
   __device__ __forceinline__ int count() const { return n; }
 };
 
-// Blocks of kGemvWarps warps, `slices` of them sharing C columns, for N output columns (launch.py: gemv_launch's
-// grid).
+// Output columns of a block of kGemvWarps warps, `slices` of them sharing C columns.
+template <int C>
+__device__ __forceinline__ int block_columns(int slices) {
+  return kGemvWarps / slices * C;
+}
+
+// Blocks for N output columns (launch.py: gemv_launch's grid).
 template <int C>
 __device__ __forceinline__ int gemv_tiles(int N, int slices) {
-  const int columns = kGemvWarps / slices * C;
-  return (N + columns - 1) / columns;
+  return (N + block_columns<C>(slices) - 1) / block_columns<C>(slices);
 }
 
 // Column n0 + c of row m of y from its sums (with SWIGLU: silu(gate) * up, each sum first rounded to T as the
@@ -594,7 +598,7 @@ __device__ __forceinline__ void gemv(T* __restrict__ y, const T* __restrict__ x,
   if (tile.count() != gemv_tiles<C>(N, slices)) KERNEL_TRAP();  // a grid launch.py sized otherwise: columns missed
   if constexpr (!SWIGLU) {
     if (norm.counter == nullptr) return;
-    if (qk.heads > 0) heads_epilogue<T>(qk, norm.counter, y, rows, N, norm.eps, tile, kGemvWarps / slices * C);
+    if (qk.heads > 0) heads_epilogue<T>(qk, norm.counter, y, rows, N, norm.eps, tile, block_columns<C>(slices));
     else if (last_to_finish(norm.counter, tile.count())) add_rms_norm_rows<T, X_L2>(norm, y, rows, N);
   }
 }

@@ -31,7 +31,8 @@ constexpr int kDecodeThreads = kDecodeWarps * kWarpSize;
 // K/V staging (see the kernel): kDecodeStages steps of up to kStageVecs 16-byte vectors a thread (its tokens'
 // K, then their V), laid out [stage][vector][thread] so a warp's accesses are adjacent. Mirrored by
 // DECODE_STAGES and DECODE_STAGE_VECS in orin_vlm_node/cuda/launch.py.
-constexpr int kDecodeStages = 2;
+constexpr int kDecodeStages = 2;  // the kernel alternates between them (stage ^ 1)
+static_assert(kDecodeStages == 2, "the decode loop double-buffers: a step is staged while the one before computes");
 constexpr int kStageVecs = 8;
 
 __device__ __forceinline__ uint4* staged_vec(uint4* staged, int stage, int i) {
