@@ -120,11 +120,16 @@ def test_cpu_available_memory_comes_from_meminfo():
         kv_memory.device_memory(torch.device("meta"))
 
 
-def test_chosen_size_is_logged_with_its_reason(caplog):
-    cfg = KVCacheConfig(**SHAPE, page_size=16, num_blocks=4, max_context_tokens=4096)
-    with caplog.at_level(logging.INFO, logger="orin_vlm_node.kvcache.config"):
+def test_chosen_size_is_logged_with_its_reason_once_when_the_pool_is_made(caplog):
+    """Logged by the cache that allocates the pool, once; a plan that only checks a change is not logged."""
+    cfg = KVCacheConfig(**SHAPE, page_size=16, num_blocks=4, max_context_tokens=64)
+    with caplog.at_level(logging.INFO, logger="orin_vlm_node.kvcache"):
+        plan_pool(cfg)
+        assert "KV pool" not in caplog.text
         cache = PagedKVCache(cfg)
-    assert "4 blocks x 16 tokens = 64 tokens, 0.0 MB (kv_pool_blocks=4)" in caplog.text
+        ContiguousKVCache(cfg)
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("KV pool")]
+    assert lines == ["KV pool: 4 blocks x 16 tokens = 64 tokens, 0.0 MB (kv_pool_blocks=4)"] * 2
     assert cache.stats()["pool_bytes"] == 4 * cfg.bytes_per_block
     assert cache.stats()["pool"] == cache.plan.describe()
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from orin_vlm_node.model import CheckpointError, ModelConfig, load_model
+from orin_vlm_node.model import CheckpointError, ModelConfig, load_model, loader
 from orin_vlm_node.model.config import DEFAULT_MROPE_SECTION
 from orin_vlm_node.model.loader import checkpoint_key_to_name, checkpoint_views
 from support.checkpoints import cached_tiny_checkpoint
@@ -70,13 +70,36 @@ def test_unsupported_dtype_is_refused():
         load_model(cached_tiny_checkpoint(**TIED), torch.int8)
 
 
-def test_progress_is_logged(caplog):
+class _SlowClock:
+    """A perf_counter whose every reading is ``step_s`` after the previous one: a load that takes time."""
+
+    def __init__(self, step_s: float) -> None:
+        self.now, self.step_s = 0.0, step_s
+
+    def perf_counter(self) -> float:
+        self.now += self.step_s
+        return self.now
+
+
+@pytest.mark.parametrize("step_s", [0.0, 0.5, 2.0])
+def test_progress_is_logged_at_most_every_interval(caplog, monkeypatch, step_s):
+    """A load reports its progress at most every PROGRESS_INTERVAL_S (2 s) of it: never when it is fast,
+    after every tensor when each takes the interval, in between when slower than that."""
+    monkeypatch.setattr(loader, "time", _SlowClock(step_s))
     with caplog.at_level(logging.INFO, logger="orin_vlm_node.model"):
         load_model(cached_tiny_checkpoint(**TIED))
     messages = [r.getMessage() for r in caplog.records if r.name == "orin_vlm_node.model"]
     assert any("loading" in m and "tensors" in m for m in messages)
-    assert any("100%" in m for m in messages)
     assert any(m.startswith("loaded") for m in messages)
+    shares = [float(m.split("%")[0]) for m in messages if m.endswith("(model.safetensors)")]
+    tensors = len(load_file(cached_tiny_checkpoint(**TIED) / "model.safetensors"))
+    assert shares == sorted(shares) and all(0 < share <= 100 for share in shares)
+    if step_s == 0.0:
+        assert shares == []
+    elif step_s < loader.PROGRESS_INTERVAL_S:
+        assert 0 < len(shares) < tensors
+    else:
+        assert len(shares) == tensors and shares[-1] == 100
 
 
 def test_sharded_checkpoint_loads_like_single_file(tmp_path):

@@ -157,12 +157,19 @@ def test_stale_image_is_ignored_with_a_note(vlm, reference):
 
 
 def test_paging_off_gives_the_same_greedy_answer(vlm, reference):
-    _, client = vlm
+    node, client = vlm
     expected = reference(QUESTION, RGB)[0].text
     set_ok(client, {"use_paged_attention": False})
     try:
         changes = client.events(event="reconfigured")[-1]["changes"]
         assert changes == {"use_paged_attention": False}
+        # The engine's own log line (Python logging of a ROS-free layer) is in the node's ROS log, once; so is
+        # the new pool, made once (the plans that checked the change before it was applied are not logged).
+        log = node.output().splitlines()
+        assert sum("[orin_vlm]: engine reconfigured: use_paged_attention=False" in line for line in log) == 1
+        applied = max(i for i, line in enumerate(log) if "engine reconfigured" in line)
+        before = max(i for i, line in enumerate(log[:applied]) if "engine reconfigured" in line or "ready in" in line)
+        assert sum("[orin_vlm]: KV pool:" in line for line in log[before:applied]) == 1, log[before:applied]
         assert client.get_params(["use_paged_attention"]) == {"use_paged_attention": False}
         client.publish_image(image_msg())
         assert client.ask(QUESTION)["response"] == expected
@@ -273,7 +280,7 @@ def test_cancel_stops_the_running_prompt_and_drops_waiting_ones(vlm):
 
 
 def test_burst_of_20_prompts_respects_the_queue_bound(vlm):
-    _, client = vlm
+    node, client = vlm
     max_queue = PARAMS["max_queue"]
     known = {e["request_id"] for e in client.status}
     for i in range(20):
@@ -299,6 +306,7 @@ def test_burst_of_20_prompts_respects_the_queue_bound(vlm):
             waiting.pop(0)
             assert len(waiting) <= max_queue
             assert "queue full" in e["note"]
+            assert f"{e['request_id']} dropped: {e['note']}" in node.output()  # and in the log
         elif e["event"] == "started":
             waiting.remove(e["request_id"])
             assert len(waiting) <= max_queue
@@ -376,6 +384,8 @@ def test_bad_prompts_give_error_events_and_the_node_keeps_answering(vlm, text, e
     result = client.ask(text, timeout=120)
     assert result["status"]["event"] == "error" and result["status"]["finish_reason"] == "error"
     assert expected in result["status"]["error"]
+    line = f"{result['status']['request_id']}: {result['status']['error']}"  # the log says it too
+    client.wait_for(lambda: line in node.output(), 10, f"the log line {line!r}")
     assert node.alive()
     assert client.ask(QUESTION)["status"]["event"] == "finished"
 

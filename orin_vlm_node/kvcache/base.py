@@ -7,6 +7,7 @@ of tokens whose KV slots are reserved (and, once the step's forward ran, written
 from __future__ import annotations
 
 import itertools
+import logging
 from abc import ABC, abstractmethod
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
@@ -14,9 +15,11 @@ from dataclasses import dataclass
 import torch
 
 from .attention import PagedAttentionImpl
-from .config import KVCacheConfig
+from .config import KVCacheConfig, PoolPlan
 from .errors import ContextLimitExceeded
 from .interface import StepAttention
+
+_log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -79,8 +82,12 @@ class KVCache(ABC):
 
     supports_prefix_caching: bool = False
 
-    def __init__(self, config: KVCacheConfig) -> None:
+    def __init__(self, config: KVCacheConfig, plan: PoolPlan) -> None:
+        """``plan``: the pool's size as :func:`~.config.plan_pool` chose it, logged here, where the pool is
+        really made (a plan is also computed to check a change before it is applied)."""
         self.config = config
+        self.plan = plan
+        _log.info("KV pool: %s", plan.describe())
         self._ids = itertools.count(1)
 
     # -- sequences -------------------------------------------------------------------------------

@@ -11,7 +11,6 @@ than the memory free for it.
 
 from __future__ import annotations
 
-import logging
 import math
 from dataclasses import dataclass
 
@@ -19,8 +18,6 @@ import torch
 
 from .. import settings
 from .memory import device_memory
-
-_log = logging.getLogger(__name__)
 
 MAX_PAGE_SIZE = settings.BY_NAME["page_size"].max
 
@@ -147,7 +144,7 @@ def _auto_blocks(config: KVCacheConfig, contiguous: bool, released_bytes: int) -
 
 
 def plan_pool(config: KVCacheConfig, contiguous: bool = False, released_bytes: int = 0) -> PoolPlan:
-    """Choose the pool size in blocks and log it (``contiguous``: for :class:`ContiguousKVCache` slabs).
+    """Choose the pool size in blocks (``contiguous``: for :class:`ContiguousKVCache` slabs).
 
     ``released_bytes``: memory that will be freed before this pool is allocated (the pool it replaces),
     counted as free. Raises ValueError, with the numbers, when an explicit size does not fit the free
@@ -186,5 +183,4 @@ def plan_pool(config: KVCacheConfig, contiguous: bool = False, released_bytes: i
             f"KV pool too small: {plan.describe()} cannot hold one max_context_tokens="
             f"{config.max_context_tokens} {what}; lower max_context_tokens or enlarge the pool"
         )
-    _log.info("KV pool: %s", plan.describe())
     return plan

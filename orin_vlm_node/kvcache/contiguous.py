@@ -38,8 +38,7 @@ class ContiguousKVCache(KVCache):
     static_table_width = 1  # the slab index
 
     def __init__(self, config: KVCacheConfig) -> None:
-        super().__init__(config)
-        self.plan = plan_pool(config, contiguous=True)
+        super().__init__(config, plan_pool(config, contiguous=True))
         self.num_slabs = self.plan.tokens // config.max_context_tokens
         if config.prefix_caching:
             _log.info("ContiguousKVCache: prefix caching requested but not supported; disabled")

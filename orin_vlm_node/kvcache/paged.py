@@ -54,8 +54,7 @@ class PagedKVCache(KVCache):
     supports_prefix_caching = True
 
     def __init__(self, config: KVCacheConfig, attention_impl: PagedAttentionImpl | None = None) -> None:
-        super().__init__(config)
-        self.plan = plan_pool(config)
+        super().__init__(config, plan_pool(config))
         self.page_size = config.page_size
         self.num_blocks = self.plan.num_blocks
         self.pool = BlockPool(self.num_blocks)

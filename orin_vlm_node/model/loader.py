@@ -32,6 +32,9 @@ logger = logging.getLogger("orin_vlm_node.model")
 
 _PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt")
 _MAX_LISTED = 8  # keys named in one error message
+# A progress line at most this often: an 8B checkpoint from a Jetson's eMMC takes a minute, a small one
+# loads before the first line would be worth reading.
+PROGRESS_INTERVAL_S = 2.0
 
 
 def load_model(
@@ -69,7 +72,7 @@ def load_model(
         else "",
     )
     done_bytes = 0
-    next_report = 0.1
+    last_report = t0
     for file in files:
         keys = [(key, name) for key, (f, name) in plan.items() if f == file]
         with safe_open(str(file), framework="pt", device="cpu") as handle:
@@ -86,9 +89,9 @@ def load_model(
                 del tensor, view
                 if quantizer and name in quantizer.owner:
                     quantizer.loaded(name)
-                if done_bytes >= min(next_report, 1.0) * total:
+                if time.perf_counter() - last_report >= PROGRESS_INTERVAL_S:
                     logger.info("  %3.0f%% (%s)", 100 * done_bytes / total, file.name)
-                    next_report = done_bytes / total + 0.1
+                    last_report = time.perf_counter()
     if quantizer:
         quantizer.finish()
     model.init_buffers()

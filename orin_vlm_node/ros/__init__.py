@@ -5,5 +5,6 @@ services, shutdown), ``worker`` (the thread that runs prompts through the engine
 parameters, derived from the settings schema), ``status`` (the JSON of ``status`` events and the
 ``/diagnostics`` values), ``image`` and ``image_header`` (``sensor_msgs`` images to RGB arrays, sizes read
 before decoding), ``image_inputs`` (image subscriptions matched to their publishers), ``request_queue``
-(the bounded prompt queue) and ``token_stream`` (coalesced token publishing).
+(the bounded prompt queue), ``token_stream`` (coalesced token publishing) and ``log_bridge`` (the ROS-free
+layers' Python log records in the node's ROS log).
 """

@@ -43,6 +43,7 @@ from ..engine import Engine, EngineConfig
 from .channel import Channel, channel_names_problem
 from .image import ImageConversionError, ImageConverter, LatestFrames, stamp_seconds
 from .image_inputs import ImageInputs
+from .log_bridge import PackageLogs
 from .main import NODE_NAME
 from .params import (
     RUNTIME_ENGINE_FIELDS,
@@ -131,6 +132,7 @@ class VlmServing:
     """
 
     def _declare(self) -> None:
+        self._package_logs = PackageLogs(self.get_logger())  # the ROS-free layers' records, in the node's log
         self._lock = threading.Lock()  # guards _values, the channels' session ids and the counters
         self._status_lock = threading.Lock()  # orders status events; guards _ready_announced
         self._ready_announced: set[str] = set()  # channels whose status has carried ``ready``
@@ -447,7 +449,13 @@ class VlmServing:
 
     def _on_channel_status(self, ch: Channel, event: str, request_id: str | None, fields: dict[str, Any]) -> None:
         """Publish one event on the channel's status; ``ready`` always comes first, whichever thread reports
-        first."""
+        first. A prompt that ends without an answer (``error``, ``dropped``) is logged too: the operator reading
+        the node's log sees every prompt that was lost, and why. (Events of no prompt are logged where they
+        arise: image errors throttled, once for every channel that watches the camera.)"""
+        if request_id is not None and event == "error":
+            self.get_logger().warning(f"{request_id}: {fields.get('error')}")
+        elif request_id is not None and event == "dropped":
+            self.get_logger().warning(f"{request_id} dropped: {fields.get('note')}")
         with self._status_lock:
             if ch.name not in self._ready_announced:
                 self._ready_announced.add(ch.name)
@@ -490,6 +498,11 @@ class VlmServing:
     def _new_session_id(self) -> str:
         self._session_counter += 1
         return f"{NODE_NAME}-session-{self._session_counter}"
+
+    def destroy_node(self) -> None:
+        """The rclpy node's teardown, the package's records no longer routed to it."""
+        self._package_logs.detach()
+        super().destroy_node()  # type: ignore[misc]  # the rclpy Node this class is mixed into
 
 
 class VlmNode(VlmServing, Node):

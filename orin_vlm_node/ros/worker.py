@@ -247,7 +247,7 @@ class Worker:
                 answer.finished = event
             return answer.finished is not None
         except Exception as exc:
-            log.error("request %s failed: %r", answer.item.request_id, exc)
+            log.exception("request %s failed", answer.item.request_id)
             answer.error = f"internal error: {exc!r}"
             return True  # _end closes the stream: the engine cancels the request and frees its KV
 
@@ -258,7 +258,7 @@ class Worker:
             outputs.end_tokens()
             self._report(answer)
         except Exception as exc:
-            log.error("request %s failed: %r", item.request_id, exc)
+            log.exception("request %s failed", item.request_id)
             outputs.status("error", item.request_id, finish_reason="error", error=f"internal error: {exc!r}")
         finally:
             try:  # ended or failed: the engine forgets the request (and cancels one cut short) now, not at GC
@@ -297,7 +297,6 @@ class Worker:
             self._revert({k: self._applied[k] for k in changes if k in self._applied})
             return
         self._applied.update(changes)
-        log.info("reconfigured: %s", changes)
         self._broadcast("reconfigured", changes=changes, note=backend_summary(self.engine.describe()))
 
     def _report(self, answer: _Answer) -> None:
