@@ -74,6 +74,7 @@ def _make_node(context, *_args, **_kwargs):
         namespace=LaunchConfiguration("namespace").perform(context),
         parameters=[params_file, overrides] if overrides else [params_file],
         remappings=remappings,
+        arguments=["--stop-with-parent"],  # the node stops when this launch dies, even by SIGTERM
         ros_arguments=["--log-level", LaunchConfiguration("log_level").perform(context)],
         output="screen",
         emulate_tty=True,

@@ -29,6 +29,14 @@ def domain_id_for(salt: str) -> int:
     return value + 1 if value in (42, 77) else value
 
 
+def process_running(pid: int) -> bool:
+    """The process exists and has not exited (a zombie counts as exited: an orphan's reaper may be slow)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+
+
 @contextmanager
 def running_node(
     params: Mapping[str, Any], workdir: Path, salt: str, ready_timeout: float = 120.0

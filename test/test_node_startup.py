@@ -4,15 +4,30 @@ value ends the process with exit status 1 and a log line naming the problem."""
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
+import sys
+import time
+
 import pytest
 
 pytest.importorskip("rclpy", reason="rclpy (ROS 2 wheels) is installed by `make test`")
 
-from ros_harness import domain_id_for  # noqa: E402
+from ros_harness import domain_id_for, process_running  # noqa: E402
 
 from support.checkpoints import cached_tiny_checkpoint  # noqa: E402
 from support.node_client import VlmClient  # noqa: E402
-from support.node_process import NodeProcess  # noqa: E402
+from support.node_process import NodeProcess, node_command, ros_env  # noqa: E402
+
+# A stand-in for ``ros2 launch``: starts the node (argv[2:]) with its output to argv[1], prints its pid, waits.
+LAUNCHER = """
+import subprocess, sys, time
+with open(sys.argv[1], "wb") as log:
+    node = subprocess.Popen(sys.argv[2:], stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+print(node.pid, flush=True)
+time.sleep(600)
+"""
 
 
 def start(tmp_path, *args: str) -> NodeProcess:
@@ -67,3 +82,37 @@ def test_ros_run_style_start_with_namespace_and_remap_then_sigint(tmp_path):
     assert rc == 0, node.output()
     assert elapsed < 5.0
     assert "ready in" in node.output()
+
+
+def test_stop_with_parent_stops_the_node_cleanly_when_its_launcher_dies(tmp_path):
+    """``ros2 launch`` stopped by SIGTERM exits at once and leaves what it started running; the launch file
+    passes ``--stop-with-parent``, so the node gets SIGTERM from the kernel when its parent dies and stops
+    the clean way. The launcher here is killed with SIGKILL once the node serves."""
+    log = tmp_path / "node_output.txt"
+    command = [*node_command(), "--stop-with-parent", "--ros-args", "-p", f"model_path:={cached_tiny_checkpoint()}",
+               "-p", "device:=cpu"]  # fmt: skip
+    launcher = subprocess.Popen(
+        [sys.executable, "-c", LAUNCHER, str(log), *command],
+        stdout=subprocess.PIPE,
+        env=ros_env(domain_id_for(__name__), tmp_path / "ros_log"),
+        start_new_session=True,
+    )
+    node_pid = int(launcher.stdout.readline())
+    try:
+        deadline = time.monotonic() + 120
+        while "ready in" not in log.read_text(errors="replace"):
+            assert time.monotonic() < deadline and process_running(node_pid), log.read_text(errors="replace")[-3000:]
+            time.sleep(0.2)
+        launcher.kill()
+        launcher.wait()
+        deadline = time.monotonic() + 15
+        while process_running(node_pid) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not process_running(node_pid), "the node outlived its launcher"
+        output = log.read_text(errors="replace")
+        assert "shutting down (SIGTERM received)" in output and "Traceback" not in output, output[-3000:]
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+        if process_running(node_pid):
+            os.kill(node_pid, signal.SIGKILL)

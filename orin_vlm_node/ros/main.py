@@ -27,6 +27,7 @@ over ROS came up to 1.6 s late in one or two of five requests. On one thread tha
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
 import signal
@@ -37,6 +38,8 @@ from collections.abc import Callable
 from typing import Any
 
 NODE_NAME = "orin_vlm"
+STOP_WITH_PARENT = "--stop-with-parent"  # the one option of the entry points besides the ROS arguments
+_PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 
 class StopRequested(BaseException):
@@ -142,14 +145,40 @@ def serve(stop: StopSignals, args: list[str] | None = None, managed: bool = Fals
     return 0
 
 
+def stop_with_parent() -> None:
+    """Have the kernel send this process SIGTERM (a stop request, see :class:`StopSignals`) when its parent
+    exits. Linux only; elsewhere, or when the kernel refuses, a line says so and the node runs on.
+
+    Why: ``ros2 launch`` stopped by SIGTERM exits at once and leaves the processes it started running
+    (upstream launch's documented behaviour), and an orphaned node keeps its model in the robot's memory
+    while the launch a supervisor starts next loads a second one beside it. The launch file passes
+    ``--stop-with-parent``; a node started by hand (``ros2 run``, ``nohup``) keeps running on its own.
+    The request survives the ROS wheels' re-exec of the interpreter (same process, no set-user-ID binary).
+    """
+    libc = ctypes.CDLL(None, use_errno=True) if sys.platform.startswith("linux") else None
+    if libc is None or libc.prctl(_PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0) != 0:
+        why = os.strerror(ctypes.get_errno()) if libc is not None else f"not on Linux ({sys.platform})"
+        print(f"{NODE_NAME}: {STOP_WITH_PARENT} ignored: {why}", file=sys.stderr, flush=True)
+        return
+    if os.getppid() == 1:  # the parent exited before the request was in place: nobody will signal
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
 def main(args: list[str] | None = None, managed: bool = False) -> int:
     """Run the node; the exit status is 0 after a stop by signal or ROS shutdown, 1 when it cannot start.
+
+    ``args``: the command line after the program name (default ``sys.argv[1:]``): the ROS arguments, and
+    before them :data:`STOP_WITH_PARENT` (see :func:`stop_with_parent`).
 
     The process ends with ``os._exit`` once output is flushed: the interpreter's own teardown of torch
     takes seconds on a loaded Jetson, and ``ros2 launch`` escalates to SIGKILL when a node lingers.
     """
+    argv = sys.argv[1:] if args is None else args
+    own = argv[: argv.index("--ros-args")] if "--ros-args" in argv else argv
     stop = StopSignals()
     try:
+        if STOP_WITH_PARENT in own:
+            stop_with_parent()
         code = serve(stop, args, managed)
     except StopRequested as why:
         print(f"{NODE_NAME}: {why} during startup: stopped before serving", file=sys.stderr, flush=True)
