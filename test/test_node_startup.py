@@ -40,8 +40,10 @@ def start(tmp_path, *args: str) -> NodeProcess:
         (["-p", "model_path:=/nonexistent/qwen3-vl"], "model_path '/nonexistent/qwen3-vl' is not a Hugging Face model"),
         (["-p", "page_size:=24"], "page_size must be a power of two"),
         (["-p", "channels:=[arm, arm/left]"], "channels entry 'arm/left' is not a channel name"),
+        # A typo that leaves parameters outside the ROS arguments must not start the default model.
+        (["--", "--ros-arg", "-p", "model_path:=/opt/m"], "unknown argument(s) --ros-arg -p model_path:=/opt/m"),
     ],
-    ids=["missing_model", "page_size", "channel_name"],
+    ids=["missing_model", "page_size", "channel_name", "not_ros_arguments"],
 )
 def test_bad_startup_parameters_exit_1_with_a_clear_error(tmp_path, args, expected):
     node = start(tmp_path, *args)

@@ -164,6 +164,23 @@ def stop_with_parent() -> None:
         os.kill(os.getpid(), signal.SIGTERM)
 
 
+def own_arguments(argv: list[str]) -> list[str]:
+    """The command line's arguments outside its ROS arguments (each ``--ros-args`` up to ``--`` or the end).
+
+    Why they are checked at all: rclpy leaves what it does not know to the program, so a typo such as
+    ``--ros-arg -p model_path:=...`` would otherwise start the node on the default model without a word.
+    """
+    own, in_ros = [], False
+    for arg in argv:
+        if arg == "--ros-args":
+            in_ros = True
+        elif in_ros and arg == "--":
+            in_ros = False
+        elif not in_ros:
+            own.append(arg)
+    return own
+
+
 def main(args: list[str] | None = None, managed: bool = False) -> int:
     """Run the node; the exit status is 0 after a stop by signal or ROS shutdown, 1 when it cannot start.
 
@@ -173,8 +190,13 @@ def main(args: list[str] | None = None, managed: bool = False) -> int:
     The process ends with ``os._exit`` once output is flushed: the interpreter's own teardown of torch
     takes seconds on a loaded Jetson, and ``ros2 launch`` escalates to SIGKILL when a node lingers.
     """
-    argv = sys.argv[1:] if args is None else args
-    own = argv[: argv.index("--ros-args")] if "--ros-args" in argv else argv
+    own = own_arguments(sys.argv[1:] if args is None else args)
+    unknown = [arg for arg in own if arg != STOP_WITH_PARENT]
+    if unknown:
+        print(f"{NODE_NAME}: cannot start: unknown argument(s) {' '.join(unknown)}; the node takes "
+              f"{STOP_WITH_PARENT} and ROS arguments after --ros-args (e.g. --ros-args -p model_path:=<dir>)",
+              file=sys.stderr, flush=True)  # fmt: skip
+        return 1
     stop = StopSignals()
     try:
         if STOP_WITH_PARENT in own:
