@@ -266,7 +266,9 @@ class VlmClient:
         return {name: parameter_value_to_python(v) for name, v in zip(names, result.values, strict=True)}
 
     def close(self) -> None:
+        """Stop spinning, then destroy: the spin thread must be out of its wait set before the node and the
+        context it waits on go away (destroying them under a wait crashed the test process once)."""
         self._executor.shutdown(timeout_sec=2.0)
+        self._spin.join(timeout=5.0)
         self.node.destroy_node()
         self._rclpy.try_shutdown(context=self.context)
-        self._spin.join(timeout=5.0)

@@ -67,7 +67,7 @@ def test_model_dir_without_weights_exits_1(tmp_path):
 
 def test_ros_run_style_start_with_namespace_and_remap_then_sigint(tmp_path):
     checkpoint = cached_tiny_checkpoint()
-    args = ["-p", f"model_path:={checkpoint}", "-p", "max_new_tokens:=4", "-p", "device:=cpu"]
+    args = ["-p", f"model_path:={checkpoint}", "-p", "max_new_tokens:=4", "-p", "device:=cpu", "-p", "max_new_token:=9"]
     client = VlmClient(domain_id_for(__name__), namespace="robot7", prompt_topic="question")  # listening first
     node = start(tmp_path, *args, "-r", "__ns:=/robot7", "-r", "prompt:=question")
     try:
@@ -84,6 +84,7 @@ def test_ros_run_style_start_with_namespace_and_remap_then_sigint(tmp_path):
     assert rc == 0, node.output()
     assert elapsed < 5.0
     assert "ready in" in node.output()
+    assert "unknown parameter(s) ignored: max_new_token (did you mean max_new_tokens?)" in node.output()
 
 
 def test_stop_with_parent_stops_the_node_cleanly_when_its_launcher_dies(tmp_path):

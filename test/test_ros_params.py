@@ -24,6 +24,7 @@ from orin_vlm_node.ros.params import (
     engine_kwargs,
     max_sessions,
     sampling_params,
+    unknown_parameters_problem,
 )
 from orin_vlm_node.settings import BY_NAME
 
@@ -179,3 +180,14 @@ def test_each_channel_gets_its_override_parameters_declared_unset(ros_context):
     refused = node.set_parameters([Parameter("arm.image_topics", value=["front"])])[0]
     assert not refused.successful and "read-only" in refused.reason
     node.destroy_node()
+
+
+def test_unknown_parameters_are_named_with_the_nearest_known_name():
+    """rclpy drops a given parameter that is never declared; the node names each such one (typos first of all)."""
+    known = [*defaults(), "use_sim_time", "arm.max_new_tokens"]
+    assert unknown_parameters_problem(["page_size", "arm.max_new_tokens", "use_sim_time"], known) is None
+    problem = unknown_parameters_problem(["kv_pool_mbs", "zzz", "arm.max_new_tokes", "page_size"], known)
+    assert problem == (
+        "unknown parameter(s) ignored: arm.max_new_tokes (did you mean arm.max_new_tokens?), "
+        "kv_pool_mbs (did you mean kv_pool_mb?), zzz"
+    )

@@ -54,6 +54,7 @@ from .params import (
     engine_config,
     engine_kwargs,
     sampling_params,
+    unknown_parameters_problem,
 )
 from .request_queue import PendingPrompt, RequestQueue
 from .status import backend_summary, engine_diagnostics, status_json
@@ -137,6 +138,10 @@ class VlmServing:
         self._status_lock = threading.Lock()  # orders status events; guards _ready_announced
         self._ready_announced: set[str] = set()  # channels whose status has carried ``ready``
         self._values: dict[str, Any] = declare_parameters(self)
+        given = getattr(self, "_parameter_overrides", {})  # rclpy keeps no public list of what it was given
+        unknown = unknown_parameters_problem(given, self.list_parameters([], 0).names)
+        if unknown:
+            self.get_logger().warning(unknown)
         self._engine: Engine | None = None  # None until loaded (a managed node before configure)
         self._worker: Worker | None = None
         self._refusing: str | None = "node not serving"  # why prompts are refused; None while serving

@@ -14,7 +14,8 @@ graph.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import difflib
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 from .. import settings
@@ -111,6 +112,26 @@ def declare_parameters(node: Any) -> dict[str, Value]:
             param = node.declare_parameter(name, _parameter_type(s.type), _descriptor(s, name, channel))
             values[name] = None if param.value is None else _value(s, param.value)
     return values
+
+
+def unknown_parameters_problem(given: Iterable[str], known: Iterable[str]) -> str | None:
+    """The parameters given at startup (a params file, ``-p``, launch overrides) that the node does not have,
+    each with the nearest known name; None when there are none.
+
+    Why: rclpy ignores a given parameter that is never declared without a word, so a typo in a robot's
+    YAML file (``kv_pool_mbs``) would leave the setting at its default. A warning, not a refusal: a params
+    file's ``/**`` section may hold parameters meant for other nodes.
+    """
+    known = list(known)
+    unknown = sorted(set(given) - set(known))
+    if not unknown:
+        return None
+
+    def named(name: str) -> str:
+        near = difflib.get_close_matches(name, known, n=1)
+        return f"{name} (did you mean {near[0]}?)" if near else name
+
+    return f"unknown parameter(s) ignored: {', '.join(named(name) for name in unknown)}"
 
 
 def _descriptor(s: settings.Setting, name: str, channel: str = "") -> Any:
