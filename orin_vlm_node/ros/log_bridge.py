@@ -5,7 +5,7 @@ Why: the ROS-free layers (engine, KV cache, model loading, kernel build, the wor
 through ``logging.lastResort`` (not in ``/rosout``, ``rqt_console`` or the launch log files), and their
 INFO lines (a reconfiguration applied, a kernel cache rebuilt) were lost. While the node lives, every record
 of the ``orin_vlm_node`` loggers goes to the node's logger at the matching severity, and the Python level
-follows the ROS logger's (``--ros-args --log-level debug`` shows the layers' debug lines too).
+follows the ROS logger's (``--ros-args --log-level warn`` quiets the layers' INFO lines as well).
 """
 
 from __future__ import annotations
