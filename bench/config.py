@@ -58,6 +58,7 @@ class BenchConfig:
     ros_rounds: int = 16
     ros_repeats: int = 2  # alternating pairs per round
     ros_startup_timeout_s: float = 120.0
+    ros_idle_camera_s: float = 10.0  # per round: the node's CPU with a 30 Hz 720p camera and no prompt
     # continuous batching
     batch_sizes: tuple[int, ...] = (1, 2, 4, 8)
     batch_tokens: int = 64  # default model, per member (fixed length)
@@ -123,6 +124,7 @@ QUICK = replace(
     ros_rounds=2,  # the round loop runs in CI too
     ros_repeats=1,
     ros_startup_timeout_s=60.0,
+    ros_idle_camera_s=1.0,
 )
 
 PRESETS = {"full": FULL, "medium": MEDIUM, "quick": QUICK}

@@ -64,6 +64,7 @@ class _Round:
     engine: list[_Stream]
     ros: list[_Stream]
     startup_s: float
+    idle_camera_cpu_pct: float = 0.0
     peak_rss_mb: float | None = None
     exit: dict = field(default_factory=dict)
 
@@ -196,6 +197,7 @@ def _round(ctx: BenchContext, node, model_dir: Path, domain: int, k: int) -> _Ro
             return s
 
         runs = alternate({"engine": alone, "ros": through_ros}, repeats=cfg.ros_repeats, warmup=cfg.warmup)
+        idle_cpu = _idle_camera_cpu_pct(ctx, node, client)  # last: its frames must not reach the pairs' prompts
     finally:
         client.close()
         if worker is not None:
@@ -204,7 +206,35 @@ def _round(ctx: BenchContext, node, model_dir: Path, domain: int, k: int) -> _Ro
                 worker.wait(timeout=20)
             except subprocess.TimeoutExpired:
                 worker.kill()
-    return _Round(engine=runs["engine"], ros=runs["ros"], startup_s=startup_s)
+    return _Round(engine=runs["engine"], ros=runs["ros"], startup_s=startup_s, idle_camera_cpu_pct=idle_cpu)
+
+
+def _process_cpu_s(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
+
+
+def _idle_camera_cpu_pct(ctx: BenchContext, node, client) -> float:
+    """The node's CPU, in % of a core, while a 1280x720 JPEG camera publishes at 30 Hz and nobody asks: what a
+    robot pays for the node between prompts (frames are decoded only when a prompt takes them)."""
+    import cv2
+    from sensor_msgs.msg import CompressedImage
+
+    ok, jpeg = cv2.imencode(".jpg", ctx.image(720, 1280, seed=5)[:, :, ::-1], [cv2.IMWRITE_JPEG_QUALITY, 90])
+    if not ok:
+        raise RuntimeError("cannot encode the camera frame")
+    msg = CompressedImage(format="jpeg")
+    msg.data = jpeg.tobytes()
+    period = 1 / 30
+    for _ in range(15):  # matched and flowing before the clock starts
+        client.compressed_pub.publish(msg)
+        time.sleep(period)
+    cpu0, t0, sent = _process_cpu_s(node.proc.pid), time.monotonic(), 0
+    while time.monotonic() - t0 < ctx.config.ros_idle_camera_s:
+        client.compressed_pub.publish(msg)
+        sent += 1
+        time.sleep(max(0.0, t0 + sent * period - time.monotonic()))
+    return 100 * (_process_cpu_s(node.proc.pid) - cpu0) / (time.monotonic() - t0)
 
 
 def _first(s: _Stream) -> float:
@@ -252,6 +282,12 @@ def _figures(res: SectionResult, rounds: list[_Round]) -> None:
         side="ros",
     )
     res.add("node.startup_s", "s", [rnd.startup_s for rnd in rounds], "node process start -> connected (per round)")
+    res.add(
+        "node.idle_camera_cpu_pct",
+        "% of a core",
+        [rnd.idle_camera_cpu_pct for rnd in rounds],
+        "node CPU with a 1280x720 JPEG camera at 30 Hz and no prompt (per round)",
+    )
     peaks = [rnd.peak_rss_mb for rnd in rounds if rnd.peak_rss_mb is not None]
     if peaks:
         res.add("node.peak_rss_mb", "MB", peaks, "peak RSS of the node process (VmHWM) after its round's requests")

@@ -1,4 +1,5 @@
-"""Frames of several cameras (``image_topics``): what a prompt takes, in order, and what it says about the rest."""
+"""Frames of several cameras (``image_topics``): what a prompt takes, in order, and what it says about the rest;
+each frame converted only when a prompt takes it, at most once, and a frame that does not convert reported."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import pytest
 pytest.importorskip("rclpy")  # the ros package's modules come with the ROS wheels
 
 from orin_vlm_node.ros import image as image_module  # noqa: E402
-from orin_vlm_node.ros.image import LatestFrames, PickedFrames  # noqa: E402
+from orin_vlm_node.ros.image import ImageConversionError, LatestFrames, PickedFrames  # noqa: E402
 
 
 class Clock:
@@ -26,8 +27,21 @@ def clock(monkeypatch) -> Clock:
     return c
 
 
-def _frame(value: int) -> np.ndarray:
-    return np.full((4, 6, 3), value, dtype=np.uint8)
+class Conversion:
+    """A frame's conversion that counts its runs; ``error`` makes it fail as a corrupt frame does."""
+
+    def __init__(self, value: int, error: str | None = None) -> None:
+        self.value, self.error, self.runs = value, error, 0
+
+    def __call__(self) -> np.ndarray:
+        self.runs += 1
+        if self.error is not None:
+            raise ImageConversionError(self.error)
+        return np.full((4, 6, 3), self.value, dtype=np.uint8)
+
+
+def _frame(value: int) -> Conversion:
+    return Conversion(value)
 
 
 def test_fresh_frames_come_in_topic_order_not_arrival_order(clock):
@@ -67,3 +81,29 @@ def test_newest_frame_of_a_topic_wins(clock):
     frames.set("head", _frame(2), 2.0)
     picked = frames.pick(1.0)
     assert picked.used == (("head", 2.0),) and int(picked.images[0][0, 0, 0]) == 2
+
+
+def test_frames_are_converted_when_taken_and_only_once(clock):
+    frames = LatestFrames(["head"])
+    skipped, kept = _frame(1), _frame(2)
+    frames.set("head", skipped, 1.0)
+    frames.set("head", kept, 2.0)
+    assert skipped.runs == 0 and kept.runs == 0  # nothing converted on arrival
+    first, second = frames.pick(1.0), frames.pick(1.0)
+    assert skipped.runs == 0 and kept.runs == 1  # the newest frame, once for two prompts
+    assert first.images[0] is second.images[0] and int(first.images[0][0, 0, 0]) == 2
+
+
+def test_a_frame_that_does_not_convert_is_reported_and_the_others_still_used(clock):
+    frames = LatestFrames(["head", "wrist"])
+    corrupt = Conversion(1, error="compressed image rejected: cannot decode compressed image (jpeg)")
+    frames.set("head", corrupt, 5.0)
+    frames.set("wrist", _frame(2), 6.0)
+    picked = frames.pick(2.0)
+    assert picked.used == (("wrist", 6.0),)
+    assert picked.note == "head: compressed image rejected: cannot decode compressed image (jpeg)"
+    assert picked.errors == (("head", "compressed image rejected: cannot decode compressed image (jpeg)", 5.0),)
+    assert frames.pick(2.0).errors == picked.errors and corrupt.runs == 1  # remembered, not decoded again
+    frames.set("head", _frame(3), 7.0)  # the camera recovers
+    recovered = frames.pick(2.0)
+    assert recovered.used == (("head", 7.0), ("wrist", 6.0)) and recovered.errors == () and recovered.note is None

@@ -15,9 +15,9 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import cv2
 import numpy as np
@@ -157,9 +157,17 @@ def _convert_raw(msg: Any, layout: _Layout) -> np.ndarray:
     return np.array(rgb, dtype=np.uint8, order="C", copy=True)
 
 
-def compressed_to_rgb(msg: Any, max_pixels: int) -> np.ndarray:
-    """Decode a CompressedImage with OpenCV once its header's size is within ``max_pixels``; corrupt, empty,
-    oversized or unsupported data raises ImageConversionError."""
+class _Declared(NamedTuple):
+    data: np.ndarray  # the compressed bytes, uint8, not copied
+    fmt: str  # the message's format field
+    kind: str  # what the header says it is (jpeg, png, ...)
+    width: int
+    height: int
+
+
+def check_compressed(msg: Any, max_pixels: int) -> _Declared:
+    """Read a CompressedImage's header (no pixel decoded): empty data, an unknown or cut header, an empty or
+    oversized declared size raise ImageConversionError."""
     data = np.frombuffer(msg.data, dtype=np.uint8)
     fmt = str(getattr(msg, "format", "")) or "unknown format"
     if data.size == 0:
@@ -171,6 +179,13 @@ def compressed_to_rgb(msg: Any, max_pixels: int) -> np.ndarray:
     if width <= 0 or height <= 0:
         raise ImageConversionError(f"empty image: {kind} declares {width}x{height} pixels")
     _check_size(width, height, max_pixels)
+    return _Declared(data, fmt, kind, width, height)
+
+
+def compressed_to_rgb(msg: Any, max_pixels: int) -> np.ndarray:
+    """Decode a CompressedImage with OpenCV once its header passes :func:`check_compressed`; corrupt, empty,
+    oversized or unsupported data raises ImageConversionError."""
+    data, fmt, kind, width, height = check_compressed(msg, max_pixels)
     try:
         bgr = cv2.imdecode(data, cv2.IMREAD_COLOR)
     except cv2.error as exc:
@@ -209,31 +224,55 @@ def stamp_seconds(stamp: Any) -> float:
     return float(stamp.sec) + float(stamp.nanosec) * 1e-9
 
 
+class Pick(NamedTuple):
+    """What one topic gives a prompt: its frame, or a note why not (``error`` when the frame was rejected)."""
+
+    rgb: np.ndarray | None = None
+    stamp: float | None = None  # the header stamp of the newest frame, used or not
+    note: str | None = None
+    error: str | None = None
+
+
 class LatestImage:
-    """The newest decoded frame, shared by the image callbacks and the prompt callback."""
+    """The newest frame of one topic, kept as received and converted the first time a prompt takes it.
+
+    Why not on arrival: most frames of a 30 Hz camera are never used, and decoding a 720p JPEG costs about
+    5 ms of CPU, 15% of a core for one idle camera. What can be checked cheaply (sizes, encoding, the
+    compressed header) is checked on arrival by the caller, so a bad camera is still reported at once.
+    """
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._rgb: np.ndarray | None = None
+        self._frame: np.ndarray | Callable[[], np.ndarray] | None = None  # converted, or its conversion
+        self._error: str | None = None  # why the newest frame could not be converted
         self._stamp: float | None = None
         self._received = 0.0
 
-    def set(self, rgb: np.ndarray, stamp: float) -> None:
+    def set(self, convert: Callable[[], np.ndarray], stamp: float) -> None:
+        """A new frame: ``convert()`` returns its RGB array or raises ImageConversionError (run at most once)."""
         with self._lock:
-            self._rgb, self._stamp, self._received = rgb, stamp, time.monotonic()
+            self._frame, self._error, self._stamp, self._received = convert, None, stamp, time.monotonic()
 
-    def pick(self, max_age_s: float) -> tuple[np.ndarray | None, float | None, str | None]:
-        """(image, header stamp, note): the frame if it is fresh enough, else a note saying why not."""
+    def pick(self, max_age_s: float) -> Pick:
+        """The frame if it is fresh enough and converts, else a note saying why not."""
         if max_age_s <= 0:
-            return None, None, None
-        with self._lock:
-            rgb, stamp, received = self._rgb, self._stamp, self._received
-        if rgb is None:
-            return None, None, None
-        age = time.monotonic() - received
-        if age > max_age_s:
-            return None, stamp, f"image ignored: received {age:.1f} s ago (image_max_age_s={max_age_s:g})"
-        return rgb, stamp, None
+            return Pick()
+        with self._lock:  # converted under the lock: a frame taken twice is converted once
+            if self._frame is None and self._error is None:
+                return Pick()
+            age = time.monotonic() - self._received
+            if age > max_age_s:
+                return Pick(
+                    stamp=self._stamp, note=f"image ignored: received {age:.1f} s ago (image_max_age_s={max_age_s:g})"
+                )
+            if callable(self._frame):
+                try:
+                    self._frame = self._frame()
+                except ImageConversionError as exc:
+                    self._frame, self._error = None, str(exc)
+            if self._error is not None:
+                return Pick(stamp=self._stamp, note=self._error, error=self._error)
+            return Pick(rgb=self._frame, stamp=self._stamp)
 
 
 @dataclass(frozen=True)
@@ -243,6 +282,7 @@ class PickedFrames:
     images: tuple[np.ndarray, ...] = ()  # (H, W, 3) uint8 RGB each
     used: tuple[tuple[str, float], ...] = ()  # (topic, header stamp) of each image, same order
     note: str | None = None  # the topics left out and why
+    errors: tuple[tuple[str, str, float], ...] = ()  # (topic, error, header stamp) of each frame rejected now
 
     @property
     def first_stamp(self) -> float | None:
@@ -256,8 +296,9 @@ class LatestFrames:
         self.topics = list(topics)
         self._latest = {topic: LatestImage() for topic in self.topics}
 
-    def set(self, topic: str, rgb: np.ndarray, stamp: float) -> None:
-        self._latest[topic].set(rgb, stamp)
+    def set(self, topic: str, convert: Callable[[], np.ndarray], stamp: float) -> None:
+        """The topic's newest frame, converted when a prompt first takes it (see :class:`LatestImage`)."""
+        self._latest[topic].set(convert, stamp)
 
     def pick(self, max_age_s: float, topics: Sequence[str] | None = None) -> PickedFrames:
         """The frame of each of ``topics`` (default: all, in order) if it is fresh enough; the note names
@@ -269,14 +310,16 @@ class LatestFrames:
         if max_age_s <= 0:
             return PickedFrames()
         topics = self.topics if topics is None else list(topics)
-        images, used, notes = [], [], []
+        images, used, notes, errors = [], [], [], []
         for topic in topics:
-            rgb, stamp, why = self._latest[topic].pick(max_age_s)
-            if rgb is not None:
-                images.append(rgb)
-                used.append((topic, stamp))
-            elif why is not None:
-                notes.append(why if len(topics) == 1 else f"{topic}: {why}")
+            pick = self._latest[topic].pick(max_age_s)
+            if pick.rgb is not None:
+                images.append(pick.rgb)
+                used.append((topic, pick.stamp))
+            elif pick.note is not None:
+                notes.append(pick.note if len(topics) == 1 else f"{topic}: {pick.note}")
             elif len(topics) > 1:
                 notes.append(f"{topic}: no image received yet")
-        return PickedFrames(tuple(images), tuple(used), "; ".join(notes) or None)
+            if pick.error is not None:
+                errors.append((topic, pick.error, pick.stamp))
+        return PickedFrames(tuple(images), tuple(used), "; ".join(notes) or None, tuple(errors))

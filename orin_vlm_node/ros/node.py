@@ -23,9 +23,10 @@ import functools
 import gc
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+import numpy as np
 import torch
 from diagnostic_msgs.msg import DiagnosticArray, DiagnosticStatus, KeyValue
 from rcl_interfaces.msg import SetParametersResult
@@ -41,7 +42,14 @@ from std_srvs.srv import Trigger
 
 from ..engine import Engine, EngineConfig
 from .channel import Channel, channel_names_problem
-from .image import ImageConversionError, ImageConverter, LatestFrames, stamp_seconds
+from .image import (
+    ImageConversionError,
+    ImageConverter,
+    LatestFrames,
+    check_compressed,
+    stamp_seconds,
+    validate_image_msg,
+)
 from .image_inputs import ImageInputs
 from .log_bridge import PackageLogs
 from .main import NODE_NAME
@@ -292,24 +300,39 @@ class VlmServing:
     # ---------------------------------------------------------------- inputs (the executor's thread)
 
     def _on_image(self, topic: str, msg: Image) -> None:
-        if float(self._values["image_max_age_s"]) <= 0:
-            return  # images disabled: do not spend CPU converting frames nobody will use
-        stamp = stamp_seconds(msg.header.stamp)
-        try:
-            rgb = self._converter.image_to_rgb(msg, int(self._values["image_max_input_pixels"]))
-            self._frames.set(topic, rgb, stamp)
-        except ImageConversionError as exc:
-            self._report_image_error(topic, f"image rejected{self._from(topic)}: {exc}", stamp)
+        self._take_frame(topic, msg, "image", validate_image_msg, self._converter.image_to_rgb)
 
     def _on_compressed(self, topic: str, msg: CompressedImage) -> None:
+        self._take_frame(topic, msg, "compressed image", check_compressed, self._converter.compressed_to_rgb)
+
+    def _take_frame(
+        self,
+        topic: str,
+        msg: Image | CompressedImage,
+        kind: str,
+        check: Callable[[Any, int], object],
+        convert: Callable[[Any, int], np.ndarray],
+    ) -> None:
+        """Keep the topic's newest frame: checked now (sizes, encoding, the compressed header: microseconds,
+        and a bad camera is reported at once), converted only when a prompt takes it (``LatestImage``)."""
         if float(self._values["image_max_age_s"]) <= 0:
-            return
+            return  # images disabled: nothing to keep
         stamp = stamp_seconds(msg.header.stamp)
+        max_pixels = int(self._values["image_max_input_pixels"])
+        rejected = f"{kind} rejected{self._from(topic)}"
         try:
-            rgb = self._converter.compressed_to_rgb(msg, int(self._values["image_max_input_pixels"]))
-            self._frames.set(topic, rgb, stamp)
+            check(msg, max_pixels)
         except ImageConversionError as exc:
-            self._report_image_error(topic, f"compressed image rejected{self._from(topic)}: {exc}", stamp)
+            self._report_image_error(topic, f"{rejected}: {exc}", stamp)
+            return
+
+        def converted() -> np.ndarray:
+            try:
+                return convert(msg, max_pixels)
+            except ImageConversionError as exc:
+                raise ImageConversionError(f"{rejected}: {exc}") from None
+
+        self._frames.set(topic, converted, stamp)
 
     def _from(self, topic: str) -> str:
         """`` from <topic>`` when there are several cameras to tell apart."""
@@ -339,6 +362,8 @@ class VlmServing:
             ch.status("error", request_id, finish_reason="error", error=refused)
             return
         frames = self._frames.pick(float(values["image_max_age_s"]), values["image_topics"])
+        for topic, error, stamp in frames.errors:  # a frame whose header passed but whose data did not
+            self._report_image_error(topic, error, stamp)
         system_prompt = str(values["system_prompt"]) or None
         item = PendingPrompt(
             request_id=request_id,
