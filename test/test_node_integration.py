@@ -279,6 +279,33 @@ def test_cancel_stops_the_running_prompt_and_drops_waiting_ones(vlm):
     assert client.ask(QUESTION)["status"]["event"] == "finished"  # still answering
 
 
+def test_a_setting_changed_twice_while_a_prompt_runs_takes_the_last_value(vlm, reference):
+    """Engine settings wait for the running prompt; a second change of the same one replaces the first
+    (it once crashed the node: both went to the engine's check as the same keyword)."""
+    node, client = vlm
+    expected = reference(QUESTION, RGB)[0].text
+    set_ok(client, {"max_new_tokens": 3000, "image_max_age_s": 0.0})
+    try:
+        n = len(client.status)
+        client.send_prompt(LONG_PROMPT)
+        client.wait_for(lambda: any(e["event"] == "started" for e in client.status[n:]), 30, "the long prompt")
+        for values in ({"page_size": 32, "prefix_caching": False}, {"page_size": 8}, {"prefix_caching": True}):
+            assert all(r.successful for r in client.set_params(values)), values
+        assert not [e for e in client.status[n:] if e["event"] == "reconfigured"]  # they wait for the prompt
+        client.trigger("cancel")
+        event = client.wait_for(
+            lambda: next((e for e in client.status[n:] if e["event"] == "reconfigured"), None), 30, "reconfigured"
+        )
+        assert event["changes"] == {"page_size": 8}  # prefix_caching went off and back on: no change
+        assert client.get_params(["page_size", "prefix_caching"]) == {"page_size": 8, "prefix_caching": True}
+        assert node.alive()
+    finally:
+        set_ok(client, {"page_size": 16, "max_new_tokens": PARAMS["max_new_tokens"]})
+        set_ok(client, {"image_max_age_s": PARAMS["image_max_age_s"]})
+    client.publish_image(image_msg())
+    assert client.ask(QUESTION)["response"] == expected
+
+
 def test_burst_of_20_prompts_respects_the_queue_bound(vlm):
     node, client = vlm
     max_queue = PARAMS["max_queue"]

@@ -426,8 +426,8 @@ class VlmServing:
             name: value for name, value in after_kw.items() if name in changes or value != before_kw[name]
         }
         try:
-            if pending or engine_changes:
-                self._engine.validate_changes(**pending, **engine_changes)
+            if pending or engine_changes:  # a change still waiting for the running prompt is replaced by a new one
+                self._engine.validate_changes(**{**pending, **engine_changes})
             if any(name.rpartition(".")[2] in SAMPLING_FIELDS for name in changes):
                 for channel in self._channels:  # checked now, used per request
                     self._engine.validate_changes(sampling=sampling_params(channel_values(after, channel)))
