@@ -147,7 +147,7 @@ class VlmServing:
         self._ready_announced: set[str] = set()  # channels whose status has carried ``ready``
         self._values: dict[str, Any] = declare_parameters(self)
         given = getattr(self, "_parameter_overrides", {})  # rclpy keeps no public list of what it was given
-        unknown = unknown_parameters_problem(given, self.list_parameters([], 0).names)
+        unknown = unknown_parameters_problem(given, self.get_parameters_by_prefix(""))  # all declared names
         if unknown:
             self.get_logger().warning(unknown)
         self._engine: Engine | None = None  # None until loaded (a managed node before configure)
