@@ -177,7 +177,8 @@ SETTINGS: tuple[Setting, ...] = (
     _s("seed", int, -1, "sampling seed; -1 = a fresh random seed per prompt", S, NEXT, min=-1, max=2**31 - 1),
     # -- node
     _s("system_prompt", str, "", "system message of every conversation; '' = none", N, NEXT, per_channel=True),
-    _s("multi_turn", bool, False, "keep the conversation (one engine session) until ~/reset", N, NEXT),
+    _s("multi_turn", bool, False, "keep the conversation (one engine session) until ~/reset; one that would "
+       "pass max_context_tokens starts over with the prompt", N, NEXT),
     _s("image_max_input_pixels", int, 4096 * 3072, "largest camera frame accepted, checked from the header "
        "before decoding (a compressed frame declaring more is refused undecoded); the default takes 4K and 12 MP "
        "cameras", N, NEXT, unit="pixels", min=1, max=64 * MEGA),

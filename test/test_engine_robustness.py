@@ -196,14 +196,31 @@ def test_special_token_text_in_a_prompt_is_answered_as_plain_text(engine):
     _healthy(engine)
 
 
-def test_session_turn_over_context_limit_leaves_session_intact(tmp_path_factory):
+def test_a_full_conversation_starts_over_with_a_turn_that_fits_alone(tmp_path_factory):
+    """A session turn that does not fit after the earlier turns (but does alone) starts the conversation
+    over: the same answer and session as a fresh conversation, the tokens forgotten in the metrics. A turn
+    too long even alone is an error that leaves the conversation as it was."""
     engine, _ = scripted_engine(tmp_path_factory, max_context_tokens=96)
+    turn = Turn("more " * 20)
+    fresh = _finish(engine, Request(turn, GREEDY, session_id="fresh"))
+    assert fresh.finish_reason == "stop" and fresh.metrics["forgotten_tokens"] == 0
+    fresh_conversation = engine.session_token_ids("fresh")  # before "s" takes the one session kept
     assert _finish(engine, Request(Turn("Go."), GREEDY, session_id="s")).finish_reason == "stop"
-    before = engine.session_token_ids("s")
-    final = _finish(engine, Request(Turn("more " * 60), GREEDY, session_id="s"))
-    assert final.finish_reason == "error" and "earlier turns" in final.error and "96" in final.error
-    assert engine.session_token_ids("s") == before
+    before, held = engine.session_token_ids("s"), len(engine.session_store.get("s").token_ids)
+    assert len(before) + fresh.metrics["prompt_tokens"] > 96  # the turn does not fit after the first one
+    final = _finish(engine, Request(turn, GREEDY, session_id="s"))
+    assert final.finish_reason == "stop" and final.error is None
+    assert (final.text, final.token_ids) == (fresh.text, fresh.token_ids)
+    assert final.metrics["forgotten_tokens"] == held  # the earlier turns' tokens in the KV
+    assert final.metrics["prompt_tokens"] == fresh.metrics["prompt_tokens"]
+    assert engine.session_token_ids("s") == fresh_conversation
+    after = engine.session_token_ids("s")
+    final = _finish(engine, Request(Turn("more " * 200), GREEDY, session_id="s"))
+    assert final.finish_reason == "error" and "prompt is too long" in final.error and "96" in final.error
+    assert "earlier turns" not in final.error  # too long alone: starting over would not help
+    assert engine.session_token_ids("s") == after
     assert _finish(engine, Request(Turn("Go."), GREEDY, session_id="s")).text == SCRIPT
+    _healthy(engine)
 
 
 @pytest.mark.parametrize("fail_at_call", [1, 4], ids=["prefill", "decode"])

@@ -66,3 +66,12 @@ def test_a_preempted_request_says_so_in_its_note():
     )
     assert request_note({"preemptions": 0.0}, None) is None
     assert request_note({}, "a remark") == "a remark"
+
+
+def test_a_conversation_that_started_over_says_so_in_its_note():
+    metrics = {"forgotten_tokens": 4016.0, "preemptions": 0.0}
+    assert request_note(metrics, "rear: no image received yet") == (
+        "rear: no image received yet; the conversation was full (4016 tokens of earlier turns): "
+        "it started over with this prompt"
+    )
+    assert request_note({"forgotten_tokens": 0.0}) is None

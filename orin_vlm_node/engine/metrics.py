@@ -24,6 +24,7 @@ class RequestMetrics:
     batch_size: int = 1  # the most requests that decoded together with this one (itself included)
     preemptions: int = 0  # times the KV pool ran out and this request's KV was freed to make room
     preempted_tokens: int = 0  # KV tokens those preemptions freed (recomputed, less prefix-cache hits)
+    forgotten_tokens: int = 0  # tokens of earlier turns dropped: the conversation was full and started over
     peak_memory_mb: float = 0.0
     ttft_s: float = 0.0
     prefill_s: float = 0.0
@@ -64,6 +65,7 @@ class RequestMetrics:
             "batch_size": float(self.batch_size),
             "preemptions": float(self.preemptions),
             "preempted_tokens": float(self.preempted_tokens),
+            "forgotten_tokens": float(self.forgotten_tokens),
             "peak_memory_mb": self.peak_memory_mb,
         }
 

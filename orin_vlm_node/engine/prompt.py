@@ -24,6 +24,17 @@ from .images import image_keys, token_extra_keys
 from .session import Session
 
 
+class ConversationFull(ValueError):
+    """A continuing conversation has no room left for the next turn: ``history`` tokens of earlier turns
+    and the turn's own ``new`` would pass ``limit``."""
+
+    def __init__(self, history: int, new: int, limit: int) -> None:
+        super().__init__(
+            f"prompt is too long: {history + new} tokens ({history} from earlier turns), max_context_tokens is {limit}"
+        )
+        self.history = history
+
+
 @dataclass
 class PreparedTurn:
     """What one turn adds to its sequence."""
@@ -61,7 +72,8 @@ class TurnPreparer:
     def prepare(
         self, turn: Turn, system_prompt: str | None, session: Session | None, limit: int, plain_text: bool = True
     ) -> PreparedTurn:
-        """ValueError (a ProcessingError among them) for a bad turn or one past ``limit`` tokens in all.
+        """ValueError (a ProcessingError among them) for a bad turn or one past ``limit`` tokens in all
+        (:class:`ConversationFull` when the session's earlier turns take part of that).
         Message text is plain text unless ``plain_text=False`` (``processing.prompt``)."""
         check_turn(turn)
         batch = self.image_processor.preprocess(list(turn.images), color=turn.color) if turn.images else None
@@ -74,10 +86,9 @@ class TurnPreparer:
             new_ids, messages = self.renderer.first_turn(system_prompt, turn, counts, plain_text)
             history, start, text_before = 0, 0, 0
         if history + len(new_ids) > limit:
-            earlier = f" ({history} from earlier turns)" if history else ""
-            raise ValueError(
-                f"prompt is too long: {history + len(new_ids)} tokens{earlier}, max_context_tokens is {limit}"
-            )
+            if history:
+                raise ConversationFull(history, len(new_ids), limit)
+            raise ValueError(f"prompt is too long: {len(new_ids)} tokens, max_context_tokens is {limit}")
         positions, next_position = mrope_positions(
             new_ids,
             batch.grid_thw if batch is not None else None,

@@ -26,7 +26,7 @@ from .decode_loop import DecodeLoop
 from .events import Finished, Request, TextDelta
 from .images import encode_needed
 from .metrics import RequestMetrics, peak_memory_mb, reset_peak_memory
-from .prompt import PreparedTurn
+from .prompt import ConversationFull, PreparedTurn
 from .sampling import ResolvedSampling, resolve_sampling
 from .session import Session, SessionSnapshot
 
@@ -232,14 +232,27 @@ class RequestRun:
         e, request = self.engine, self.request
         self._params = resolve_sampling(e.generation_defaults, self.config.sampling, request.sampling)
         self.session = e.session_store.get(request.session_id)
-        self._turn = e.turns.prepare(
-            request.turn,
-            request.system_prompt,
-            self.session,
+        try:
+            self._turn = self._prepare_turn(self.session)
+        except ConversationFull as full:
+            # The conversation starts over with this turn (when the turn fits alone; else its error, the
+            # conversation kept): refusing every later prompt until someone calls reset would leave a robot
+            # that talks in multi-turn mode unanswered once its conversation is long enough.
+            self._turn = self._prepare_turn(None)
+            log.info("request %s: %s; the conversation starts over with this prompt", self.rid, full)
+            e.session_store.drop(self.session.session_id)  # the session is this request's alone while it runs
+            self.session = None
+            self.metrics.forgotten_tokens = full.history
+        self.metrics.prompt_tokens = self._turn.total_tokens
+
+    def _prepare_turn(self, session: Session | None) -> PreparedTurn:
+        return self.engine.turns.prepare(
+            self.request.turn,
+            self.request.system_prompt,
+            session,
             self.config.max_context_tokens,
             plain_text=not self.config.prompt_special_tokens,
         )
-        self.metrics.prompt_tokens = self._turn.total_tokens
 
     def _begin_prefill(self) -> _Prefill:
         """What this turn must compute into the KV: the turn's tokens, and after a preemption the tokens

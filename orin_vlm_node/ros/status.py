@@ -8,7 +8,8 @@ Every status message is one JSON object with the same keys, so consumers never t
 ``finish_reason``, ``error``, ``metrics``, ``image_stamp`` (the header stamp of the prompt's first image),
 ``images`` (every frame the prompt uses: ``[{"topic": ..., "stamp": ...}]``, in ``image_topics`` order),
 plus ``note`` (a human-readable remark, e.g. which cameras' frames were missing or too old, and why, or
-that the request was preempted when the KV pool ran out and its tokens recomputed;
+that a multi-turn conversation was full and started over with the prompt, or that the request was
+preempted when the KV pool ran out and its tokens recomputed;
 for ``ready`` and ``reconfigured`` the attention path: ``kernels: on (...)`` or ``kernels: off
 (<reason>)``, the decode path and the KV pool size and why) and ``changes`` (the applied parameter
 values of a ``reconfigured``).
@@ -40,8 +41,14 @@ def _clean(value: Any) -> Any:
 
 
 def request_note(metrics: Mapping[str, float], *remarks: str | None) -> str | None:
-    """The ``note`` of a request's terminal event: the given remarks, then its preemptions if it had any."""
+    """The ``note`` of a request's terminal event: the given remarks, then that its conversation started over
+    and its preemptions, if they happened."""
     parts = [r for r in remarks if r]
+    if metrics.get("forgotten_tokens"):
+        parts.append(
+            f"the conversation was full ({int(metrics['forgotten_tokens'])} tokens of earlier turns): "
+            "it started over with this prompt"
+        )
     if metrics.get("preemptions"):
         parts.append(
             f"preempted {int(metrics['preemptions'])}x when the KV pool ran out "
