@@ -47,7 +47,7 @@ def wheels(tmp_path_factory) -> Path:
 def test_gpu_wheels_holds_what_a_bare_cuda_machine_lacks(wheels):
     names = sorted(p.name for p in wheels.iterdir())
     assert any(n.startswith("pycuda-") and n.endswith(".tar.gz") for n in names), names
-    for package in ("pytools", "platformdirs", "mako", "siphash24", "transformers-5.23.0"):
+    for package in ("pytools", "platformdirs", "mako", "siphash24", "transformers-"):  # pins per Python: Makefile
         assert any(n.startswith(package) and n.endswith(".whl") for n in names), (package, names)
     deps = sorted(p.name for p in (wheels / "deps").iterdir())  # what transformers needs on a bare machine
     for package in ("tokenizers-", "huggingface_hub-", "safetensors-", "numpy-", "regex-"):

@@ -11,7 +11,12 @@ import torch
 import torch.nn.functional as F
 from torch.profiler import ProfilerActivity, profile
 
-from orin_vlm_node.kvcache.fused_prefill import fused_causal_attention, step_attention, uses_fused_prefill
+from orin_vlm_node.kvcache.fused_prefill import (
+    cpu_sdpa_maps_kv_heads,
+    fused_causal_attention,
+    step_attention,
+    uses_fused_prefill,
+)
 from orin_vlm_node.kvcache.reference import causal_attention
 
 
@@ -69,6 +74,10 @@ def test_half_precision_within_rounding_of_the_reference(dtype):
     torch.testing.assert_close(out.float(), ref, rtol=0, atol=3e-2)
 
 
+@pytest.mark.skipif(
+    not cpu_sdpa_maps_kv_heads(torch.__version__),
+    reason="this torch repeats K/V on the CPU: the product keeps the reference",
+)
 def test_kv_heads_are_not_repeated():
     """The kernel maps each query head to its KV head itself: no op copies K/V per query head."""
     q, k, v = _qkv(16, 16, 8, 2, 32, seed=7)
@@ -79,10 +88,21 @@ def test_kv_heads_are_not_repeated():
     assert not names & {"aten::repeat_interleave", "aten::index_select", "aten::repeat", "aten::clone"}, names
 
 
+@pytest.mark.parametrize(
+    ("version", "fused"),
+    [("2.5.1+cu124", False), ("2.8.0+cu128", False), ("2.9.1", True), ("2.13.0+cpu", True), ("3.0.0", True)],
+)
+def test_the_kernel_is_taken_only_from_the_torch_that_maps_kv_heads_on_the_cpu(version, fused):
+    """Before 2.9 the CPU dispatch of a GQA call is the math kernel, which repeats K/V per query head."""
+    assert cpu_sdpa_maps_kv_heads(version) is fused
+
+
 def test_step_attention_takes_the_kernel_for_multi_token_steps_only():
     q, k, v = _qkv(6, 10, 4, 2, 8, seed=8)
-    assert uses_fused_prefill(q) and not uses_fused_prefill(q[:1])
-    assert torch.equal(step_attention(q, [k], [v], 4), fused_causal_attention(q, [k], [v], 4))
+    fused_here = cpu_sdpa_maps_kv_heads(torch.__version__)
+    assert uses_fused_prefill(q) is fused_here and not uses_fused_prefill(q[:1])
+    multi = fused_causal_attention(q, [k], [v], 4) if fused_here else causal_attention(q, k, v, 4)
+    assert torch.equal(step_attention(q, [k], [v], 4), multi)
     assert torch.equal(step_attention(q[-1:], [k], [v], 9), causal_attention(q[-1:], k, v, 9))
 
 

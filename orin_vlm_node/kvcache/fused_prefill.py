@@ -29,13 +29,19 @@ import torch.nn.functional as F
 from .reference import causal_attention_parts
 
 
-def _torch_has_sdpa_gqa() -> bool:
-    """``enable_gqa`` arrived in torch 2.5; older torch (some Jetson wheels) keeps the reference."""
-    major, minor = (int(p) for p in torch.__version__.split(".")[:2])
-    return (major, minor) >= (2, 5)
+def cpu_sdpa_maps_kv_heads(torch_version: str) -> bool:
+    """Whether this torch's CPU flash kernel serves ``enable_gqa`` itself (torch 2.9 on).
+
+    ``enable_gqa`` arrived in torch 2.5, but up to 2.8 the CPU dispatch sends a GQA call to the math
+    kernel, which repeats K/V per query head and builds the whole score matrix (seen in the profiler with
+    2.5.1, 2.6.0, 2.7.1 and 2.8.0; 2.9.1 runs the flash kernel). Older torch, as Jetson wheels often are,
+    keeps the reference.
+    """
+    major, minor = (int(p) for p in torch_version.split(".")[:2])
+    return (major, minor) >= (2, 9)
 
 
-_SDPA_GQA = _torch_has_sdpa_gqa()
+_SDPA_GQA = cpu_sdpa_maps_kv_heads(torch.__version__)
 
 
 def uses_fused_prefill(q: torch.Tensor) -> bool:
