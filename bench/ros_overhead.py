@@ -77,10 +77,10 @@ def run(ctx: BenchContext) -> SectionResult:
         import rclpy  # noqa: F401
 
         from support.node_client import VlmClient  # noqa: F401
-        from support.node_process import NodeProcess
+        from support.node_process import NodeProcess, domain_id_for
     except ImportError as exc:
         return skipped("ros", f"rclpy or the node's process helpers not importable: {exc}")
-    domain = 51 + os.getpid() % 50  # Linux: domain ids above 101 collide with ephemeral ports
+    domain = domain_id_for("bench.ros_overhead")
     model_dir = ctx.talkative_checkpoint()
     what = "random weights, the default model's dimensions, EOS never greedy"
     n_new = cfg.ros_max_new_tokens

@@ -17,6 +17,7 @@ import signal
 import subprocess
 import sys
 import time
+import zlib
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -40,6 +41,14 @@ def ros_env(domain_id: int, log_dir: Path, base: Mapping[str, str] | None = None
     if (PACKAGE_ROOT / "setup.py").is_file():  # a source checkout, not site-packages
         env["PYTHONPATH"] = os.pathsep.join([str(PACKAGE_ROOT), *filter(None, [env.get("PYTHONPATH")])])
     return env
+
+
+def domain_id_for(salt: str) -> int:
+    """A ROS_DOMAIN_ID in 1..101 for this process and ``salt`` (who asks: a test module, the demo, a benchmark),
+    never 42 or 77 (the defaults of conftest and the Makefile, which other runs on this machine may use), so
+    concurrent runs on one machine do not hear each other. Ids above 101 collide with Linux's ephemeral ports."""
+    value = (os.getpid() * 7 + zlib.crc32(salt.encode())) % 100 + 1
+    return value + 1 if value in (42, 77) else value
 
 
 MANAGED = "managed"  # ``executable`` for the lifecycle node of this interpreter's orin_vlm_node

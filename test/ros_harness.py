@@ -9,24 +9,16 @@ machine do not hear each other.
 from __future__ import annotations
 
 import os
-import zlib
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 from support.node_client import VlmClient
-from support.node_process import NodeProcess
+from support.node_process import NodeProcess, domain_id_for
 
 # Small answers keep the node tests fast; greedy so answers can be compared.
 FAST_PARAMS: dict[str, Any] = {"max_new_tokens": 12, "temperature": 0.0, "image_max_age_s": 30.0}
-
-
-def domain_id_for(salt: str) -> int:
-    """A ROS_DOMAIN_ID in 1..101 for this process and ``salt`` (the test module name), never 42 or 77
-    (the defaults of conftest and the Makefile, which other runs on this machine may use)."""
-    value = (os.getpid() * 7 + zlib.crc32(salt.encode())) % 100 + 1
-    return value + 1 if value in (42, 77) else value
 
 
 def process_running(pid: int) -> bool:

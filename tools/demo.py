@@ -68,8 +68,9 @@ def main() -> int:
     args = parser.parse_args()
 
     # This process joins the node's private domain on localhost only; set before rclpy is imported.
-    domain = (os.getpid() * 7 + 13) % 100 + 1  # 1..100, not the Makefile's/CI's usual 77 or 42
-    domain = domain + 1 if domain in (42, 77) else domain
+    from support.node_process import domain_id_for
+
+    domain = domain_id_for("tools.demo")
     workdir = Path(tempfile.mkdtemp(prefix="orin_vlm_demo_"))
     os.environ.update(
         ROS_AUTOMATIC_DISCOVERY_RANGE="LOCALHOST", ROS_DOMAIN_ID=str(domain), ROS_LOG_DIR=str(workdir / "ros_log")

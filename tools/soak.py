@@ -1,0 +1,239 @@
+"""Run the node the way a robot does for a while and check it stays whole: ``python -m tools.soak``.
+
+The node (the installed ``vlm_node`` when there is one, the embedded default model unless ``--model-path``)
+sees a 1280x720 JPEG camera the whole time (a few distinct frames in turn, so the vision cache churns) and
+a random mix of what operators and other nodes do: bursts of prompts past ``max_queue``, single prompts,
+prompts long enough to fill a multi-turn conversation, ``~/cancel`` mid-answer, ``~/reset``, and runtime
+parameter changes (paging, page size, prefix caching, multi-turn, batch size, sampling), often while a
+prompt runs. The mix is drawn from ``--seed``; the timing is the machine's, so two runs differ in detail.
+
+It checks what must hold whatever the timing: every prompt ends with exactly one ``finished``, ``dropped``
+or ``error`` event; every parameter change is either applied or refused with a reason; the node logs no
+traceback, is alive at the end and stops with exit code 0 on SIGINT. It samples the node's resident memory
+(all its processes) every 15 s. It prints a summary, writes it as JSON with ``--out`` and exits non-zero
+when a check fails. Why a tool and not a test: it found a crash that no test had (a setting changed twice
+while a prompt ran), but only after minutes of such traffic; the tests keep the case it found.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import cv2
+import numpy as np
+
+WORDS = "describe the scene what color is the box count the objects is there a person in view answer briefly".split()
+PARAMETER_CHANGES: list[tuple[str, list[Any]]] = [
+    ("max_new_tokens", [8, 32, 64, 96]),
+    ("use_paged_attention", [True, False]),
+    ("page_size", [8, 16, 32]),
+    ("multi_turn", [True, False]),
+    ("prefix_caching", [True, False]),
+    ("vision_cache_images", [0, 2, 4]),
+    ("temperature", [0.0, 0.7]),
+    ("max_batch", [1, 2, 4]),
+]
+
+
+def camera_frames(count: int, seed: int) -> list[bytes]:
+    """``count`` distinct 1280x720 JPEGs: a flat colour with a patch of noise in a different place each."""
+    rng = np.random.default_rng(seed)
+    frames = []
+    for i in range(count):
+        image = np.full((720, 1280, 3), rng.integers(0, 256, 3), dtype=np.uint8)
+        image[80 * i : 80 * i + 200, 200:600] = rng.integers(0, 256, (200, 400, 3))
+        frames.append(cv2.imencode(".jpg", image)[1].tobytes())
+    return frames
+
+
+def group_rss_mb(group: int) -> float:
+    """Resident memory of every process in process group ``group`` (the node and anything it started)."""
+    total_kb = 0
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            if int(Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[2]) != group:
+                continue
+            status = Path(f"/proc/{entry}/status").read_text().splitlines()
+        except (OSError, IndexError, ValueError):  # the process ended meanwhile
+            continue
+        total_kb += sum(int(line.split()[1]) for line in status if line.startswith("VmRSS:"))
+    return total_kb / 1024
+
+
+class Soak:
+    """The client side: the camera thread, the actions, the bookkeeping of prompts and refusals."""
+
+    def __init__(self, client: Any, node: Any, rng: random.Random, frames: list[bytes]) -> None:
+        self.client, self.node, self.rng, self.frames = client, node, rng, frames
+        self.sent = 0
+        self.actions: dict[str, int] = {}
+        self.refused: list[str] = []
+        self.rss: list[tuple[float, float, int]] = []  # (seconds, MB, prompts sent)
+        self._stop = threading.Event()
+        self._scanned = self._ends = 0
+
+    def camera(self, hz: float) -> None:
+        from sensor_msgs.msg import CompressedImage
+
+        i = 0
+        while not self._stop.is_set():
+            msg = CompressedImage(format="jpeg", data=self.frames[(i // 45) % len(self.frames)])
+            msg.header.stamp = self.client.node.get_clock().now().to_msg()
+            self.client.publish_compressed(msg)
+            i += 1
+            time.sleep(1 / hz)
+
+    def _ended(self) -> int:
+        """Terminal events so far, counting only the events that came since the last call (a soak collects
+        tens of thousands, and this runs on every message the client receives while it waits)."""
+        new = self.client.status[self._scanned :]
+        self._scanned += len(new)
+        self._ends += sum(1 for event in new if event["event"] in ("finished", "dropped", "error"))
+        return self._ends
+
+    def _wait_all_ended(self, timeout: float = 300.0) -> None:
+        self.client.wait_for(lambda: self._ended() >= self.sent, timeout, f"{self.sent} prompts to end")
+
+    def _prompt(self, words: int) -> None:
+        self.client.send_prompt(" ".join(self.rng.choice(WORDS) for _ in range(words)))
+        self.sent += 1
+
+    def step(self) -> None:
+        action = self.rng.choice(["burst", "burst", "burst", "single", "long", "parameter", "cancel", "reset"])
+        self.actions[action] = self.actions.get(action, 0) + 1
+        if action == "burst":  # more than max_queue at once: the oldest waiting ones are dropped
+            for _ in range(self.rng.randint(2, 9)):
+                self._prompt(self.rng.randint(2, 60))
+        elif action in ("single", "long"):  # long prompts fill a multi-turn conversation
+            self._prompt(self.rng.randint(2, 60) if action == "single" else 600)
+        elif action == "parameter":
+            name, values = self.rng.choice(PARAMETER_CHANGES)
+            value = self.rng.choice(values)
+            (result,) = self.client.set_params({name: value})
+            if not result.successful:
+                self.refused.append(f"{name}={value!r}: {result.reason}")
+            return  # no wait: the next action often finds the change still waiting for a running prompt
+        elif action == "cancel":
+            self._prompt(40)
+            time.sleep(self.rng.uniform(0.05, 1.0))
+            self.client.trigger("cancel")
+        else:
+            self.client.trigger("reset")
+            return
+        self._wait_all_ended()
+
+    def run(self, duration_s: float, camera_hz: float) -> None:
+        threading.Thread(target=self.camera, args=(camera_hz,), name="soak_camera", daemon=True).start()
+        t0, next_sample = time.monotonic(), 0.0
+        try:
+            while (elapsed := time.monotonic() - t0) < duration_s:
+                if elapsed >= next_sample:
+                    self.rss.append((round(elapsed, 1), round(group_rss_mb(self.node.proc.pid), 1), self.sent))
+                    next_sample = elapsed + 15.0
+                self.step()
+            self._wait_all_ended()
+            self.rss.append((round(time.monotonic() - t0, 1), round(group_rss_mb(self.node.proc.pid), 1), self.sent))
+        finally:
+            self._stop.set()
+
+    def problems(self) -> list[str]:
+        """What broke the checks (empty: all held)."""
+        ends: dict[str, int] = {}
+        for event in self.client.events():
+            if event["event"] in ("finished", "dropped", "error"):
+                ends[event["request_id"]] = ends.get(event["request_id"], 0) + 1
+        found = []
+        if sum(ends.values()) != self.sent:
+            found.append(f"{self.sent} prompts sent, {sum(ends.values())} terminal events")
+        found += [f"{rid} ended {n} times" for rid, n in ends.items() if n != 1]
+        found += [f"refused without a reason: {r}" for r in self.refused if r.endswith(": ")]
+        if not self.node.alive():
+            found.append("the node died")
+        return found
+
+    def summary(self) -> dict[str, Any]:
+        kinds: dict[str, int] = {}
+        reasons: dict[str, int] = {}
+        for event in self.client.events():
+            kinds[event["event"]] = kinds.get(event["event"], 0) + 1
+            if event["event"] == "finished":
+                reasons[event["finish_reason"]] = reasons.get(event["finish_reason"], 0) + 1
+        notes = [e["note"] for e in self.client.events(event="finished") if "started over" in (e["note"] or "")]
+        return {
+            "prompts": self.sent,
+            "events": kinds,
+            "finish_reasons": reasons,
+            "conversations_started_over": len(notes),
+            "actions": self.actions,
+            "parameter_changes_refused": self.refused,
+            "rss_mb": self.rss,
+        }
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--duration", type=float, default=600.0, help="seconds of traffic")
+    parser.add_argument("--seed", type=int, default=0, help="draws the mix of actions")
+    parser.add_argument("--model-path", default="", help="model directory ('' = the embedded default model)")
+    parser.add_argument("--camera-hz", type=float, default=15.0)
+    parser.add_argument("--out", type=Path, help="write the summary here as JSON")
+    args = parser.parse_args()
+
+    from support.node_process import domain_id_for
+
+    domain = domain_id_for("tools.soak")
+    workdir = Path(tempfile.mkdtemp(prefix="orin_vlm_soak_"))
+    os.environ.update(ROS_AUTOMATIC_DISCOVERY_RANGE="LOCALHOST", ROS_DOMAIN_ID=str(domain))  # before rclpy loads
+    from support.node_client import VlmClient
+    from support.node_process import NodeProcess
+
+    installed = Path(sys.executable).with_name("vlm_node")
+    params = {"model_path": args.model_path, "max_new_tokens": 48, "image_max_age_s": 5.0}
+    node = NodeProcess(
+        params,
+        workdir,
+        domain,
+        executable=str(installed) if installed.exists() else None,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    client = VlmClient(domain)
+    soak = Soak(client, node, random.Random(args.seed), camera_frames(6, args.seed))
+    try:
+        client.wait_until_connected(node, timeout=300.0)
+        client.wait_for(lambda: client.events(event="ready"), 300.0, "the ready event")
+        print(f"node ready; {args.duration:.0f} s of traffic, logs in {workdir}", flush=True)
+        soak.run(args.duration, args.camera_hz)
+        problems = soak.problems()
+    except AssertionError as exc:  # the client's timeouts: the node stopped answering
+        problems = [f"stopped answering: {exc}"]
+    finally:
+        client.close()
+        rc, elapsed = node.stop(timeout=10.0)
+    output = node.output()
+    if "Traceback" in output:
+        problems.append("a traceback in the node's log")
+    if rc != 0:
+        problems.append(f"the node stopped with exit code {rc} (after {elapsed:.1f} s)")
+    result = {**soak.summary(), "node_exit_code": rc, "problems": problems, "log_dir": str(workdir)}
+    for key, value in result.items():
+        print(f"{key}: {json.dumps(value)}")
+    if args.out:
+        args.out.write_text(json.dumps(result, indent=1))
+    if problems:
+        print(f"--- node output (end) ---\n{output[-4000:]}", file=sys.stderr)
+    return 1 if problems else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
