@@ -51,6 +51,13 @@ def domain_id_for(salt: str) -> int:
     return value + 1 if value in (42, 77) else value
 
 
+def installed_executable() -> str | None:
+    """This interpreter's installed ``vlm_node`` entry point (what a user runs), or None where the package is
+    not installed (then :func:`node_command` runs ``python -m orin_vlm_node.ros.main``)."""
+    path = Path(sys.executable).with_name("vlm_node")
+    return str(path) if path.exists() else None
+
+
 MANAGED = "managed"  # ``executable`` for the lifecycle node of this interpreter's orin_vlm_node
 
 

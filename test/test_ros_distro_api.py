@@ -10,6 +10,7 @@ against it. A new use outside these lists fails: check that Humble has it, then 
 from __future__ import annotations
 
 import ast
+import functools
 from pathlib import Path
 
 import pytest
@@ -53,7 +54,9 @@ HUMBLE_NODE_API = set(
 )
 
 
+@functools.cache
 def _trees() -> list[tuple[Path, ast.AST]]:
+    """The product's sources, parsed once for both checks."""
     return [(path, ast.parse(path.read_text(), str(path))) for path in PRODUCT_SOURCES]
 
 

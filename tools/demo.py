@@ -79,17 +79,17 @@ def main() -> int:
 
     from orin_vlm_node.ros.image import rgb_to_image_msg
     from support.node_client import VlmClient
-    from support.node_process import NodeProcess
+    from support.node_process import NodeProcess, installed_executable
 
-    installed = Path(sys.executable).with_name("vlm_node")
+    installed = installed_executable()
     params = {"model_path": args.model_path, "max_new_tokens": args.max_new_tokens, "temperature": 0.0}
     print(
-        f"starting the node ({installed if installed.exists() else 'python -m orin_vlm_node.ros.main'}), "
+        f"starting the node ({installed or 'python -m orin_vlm_node.ros.main'}), "
         f"ROS_DOMAIN_ID={domain}, localhost discovery, logs in {workdir}",
         flush=True,
     )
     t0 = time.monotonic()
-    node = NodeProcess(params, workdir, domain, executable=str(installed) if installed.exists() else None)
+    node = NodeProcess(params, workdir, domain, executable=installed)
     client = None
     failures = 0
     try:

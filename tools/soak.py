@@ -196,15 +196,14 @@ def main() -> int:
     workdir = Path(tempfile.mkdtemp(prefix="orin_vlm_soak_"))
     os.environ.update(ROS_AUTOMATIC_DISCOVERY_RANGE="LOCALHOST", ROS_DOMAIN_ID=str(domain))  # before rclpy loads
     from support.node_client import VlmClient
-    from support.node_process import NodeProcess
+    from support.node_process import NodeProcess, installed_executable
 
-    installed = Path(sys.executable).with_name("vlm_node")
     params = {"model_path": args.model_path, "max_new_tokens": 48, "image_max_age_s": 5.0}
     node = NodeProcess(
         params,
         workdir,
         domain,
-        executable=str(installed) if installed.exists() else None,
+        executable=installed_executable(),
         env={**os.environ, "OMP_NUM_THREADS": "1"},
     )
     client = VlmClient(domain)
