@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import weakref
 
 import numpy as np
 import pytest
@@ -302,6 +303,27 @@ def test_reconfigure_applies_settings(engine):
     assert "dynamic" in info["decode_path"] and info["kv_cache"]["kind"] == "contiguous"
     # The engine default (3 tokens) still applies; the request's own limit wins over it.
     assert _finish(engine, Request(Turn("Go."), SamplingParams(max_new_tokens=64))).text == SCRIPT
+
+
+def test_a_model_reload_frees_the_old_model_and_pool_before_loading(engine, monkeypatch):
+    """A runtime dtype change loads the model again: the old weights, KV pool and decode step are gone by
+    then (on a Jetson two models at once would not fit beside the robot's other software), and the engine
+    answers with the new dtype."""
+    import orin_vlm_node.engine.engine as engine_module
+
+    old_model, old_cache = weakref.ref(engine.model), weakref.ref(engine.cache)
+    alive_at_load = []
+    load = engine_module.load_model
+
+    def load_and_record(*args, **kwargs):
+        alive_at_load.append((old_model() is not None, old_cache() is not None))
+        return load(*args, **kwargs)
+
+    monkeypatch.setattr(engine_module, "load_model", load_and_record)
+    engine.reconfigure(dtype="bf16")
+    assert alive_at_load == [(False, False)]
+    assert engine.describe()["dtype"] == "bfloat16"
+    assert _finish(engine, Request(Turn("Go."), GREEDY)).finish_reason in ("stop", "length")
 
 
 def test_reconfigure_waits_for_in_flight_request(engine):

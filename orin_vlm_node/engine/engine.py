@@ -45,7 +45,7 @@ from ..cuda.fused import CudaFusedOps
 from ..cuda.gemv import CudaGemv
 from ..cuda.graph import device_us
 from ..kvcache import KVCache, build_kv_cache, check_page_size
-from ..model import load_model
+from ..model import Qwen3VLModel, load_model
 from ..model.config import ModelConfig
 from ..model.cpu_linear import KERNEL_ROWS, quant_refusal, use_cpu_gemm
 from ..model.errors import CheckpointError
@@ -88,6 +88,7 @@ class Engine:
         self._cancelled: set[str] = set()
         self._last_metrics: dict[str, float] = {}
         self._requests_served = 0
+        self.model: Qwen3VLModel | None = None
         self.cache: KVCache | None = None
         self._capture_streams: dict[torch.device, torch.cuda.Stream] = {}  # see _capture_stream
         try:
@@ -105,6 +106,7 @@ class Engine:
     def _build(self, parts: set[str]) -> None:
         """(Re)build the parts a change touches (keys of ``config.REBUILDS``), in dependency order."""
         if "model" in parts:
+            self._release(model=True)
             self._load_model()
         if parts & {"model", "images"}:
             self._load_processing()
@@ -130,6 +132,21 @@ class Engine:
             )  # fmt: skip
             log.log(logging.WARNING if self.attention.degraded else logging.INFO, "%s", self.attention.status)
             log.info("decode path: %s", decode_path(self.attention, self.decode_step))
+
+    def _release(self, *, model: bool) -> None:
+        """Free the KV pool, the sessions and the decode step (whose CUDA graphs hold the pool), and with
+        ``model`` the weights too, before their replacements are built: old and new never share the robot's
+        memory (a runtime ``dtype`` change would otherwise hold two models and a pool at once). A collection
+        frees what reference cycles still hold; the first build has nothing to free and skips it (it costs a
+        fifth of a second in a process with a large heap)."""
+        if self.cache is None and (not model or self.model is None):
+            return
+        self.cache = self.decode_step = self.session_store = None
+        if model:
+            self.model = None
+        gc.collect()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
 
     def _capture_stream(self) -> torch.cuda.Stream | None:
         """The side stream of every CUDA-graph capture on this device (decode graphs, the GEMV timing), one
@@ -167,11 +184,8 @@ class Engine:
         self.generation_defaults = load_generation_defaults(cfg.model_dir)
 
     def _build_cache(self) -> None:
-        """A new KV cache (sessions dropped). The old pool is freed first, so both never coexist."""
-        self.cache = self.decode_step = None
-        gc.collect()
-        if self.device.type == "cuda":
-            torch.cuda.empty_cache()
+        """A new KV cache (sessions dropped), built after the old pool is freed (``_release``)."""
+        self._release(model=False)
         kv = kv_cache_config(self._config, self.model_config, self.dtype, self.device)
         self.cache = build_kv_cache(kv, self._config.use_paged_attention, self.attention.attention_impl)
         self.session_store = SessionStore(self.cache, self._config.max_sessions)
