@@ -9,7 +9,6 @@ interpreter's Python so the install step can run here. PyCUDA's build is not run
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -20,11 +19,32 @@ REPO = Path(__file__).resolve().parent.parent
 CONFIG_2B = REPO.parent / "shared" / "model-configs" / "Qwen3-VL-2B-Instruct.config.json"
 
 
+def _stand_in_prebuilt(folder: Path) -> Path:
+    """An archive named as a CUDA machine's PyCUDA build is (``prebuilt_name``), holding a package that stands
+    in for the build: importable, with a driver module."""
+    import tarfile
+
+    from tools.gpu_check import prebuilt_name
+
+    package = folder.parent / "stand-in" / "pycuda"
+    package.mkdir(parents=True)
+    (package / "__init__.py").write_text('VERSION_TEXT = "prebuilt-stand-in"\n')
+    (package / "driver.py").write_text("")
+    folder.mkdir(parents=True, exist_ok=True)
+    with tarfile.open(folder / prebuilt_name(), "w:gz") as tar:
+        tar.add(package, arcname="pycuda")
+    return folder / prebuilt_name()
+
+
 @pytest.fixture(scope="module")
 def wheels(tmp_path_factory) -> Path:
+    """``make gpu-wheels`` into a folder where an earlier run on a CUDA machine left its PyCUDA build: the
+    download replaces what it fetches and keeps the build (which only a CUDA machine can make)."""
     if not CONFIG_2B.is_file():
         pytest.skip(f"{CONFIG_2B} not found (the 2B config travels with the wheels)")
     out = tmp_path_factory.mktemp("gpu") / "wheels"
+    prebuilt = _stand_in_prebuilt(out)
+    (out / "pycuda-0.1.tar.gz").write_text("an earlier download")  # fetched again: replaced
     version = f"{sys.version_info.major}.{sys.version_info.minor}"
     proc = subprocess.run(
         [
@@ -41,6 +61,7 @@ def wheels(tmp_path_factory) -> Path:
         timeout=600,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert prebuilt.is_file() and not (out / "pycuda-0.1.tar.gz").exists()
     return out
 
 
@@ -120,35 +141,17 @@ def test_gpu_check_without_the_wheels_says_how_to_get_them(tmp_path):
     assert "make gpu-wheels" in reason and "PyCUDA sdist" in reason
 
 
-def test_gpu_check_takes_the_pycuda_an_earlier_run_archived_and_gpu_wheels_keeps_it(wheels, tmp_path):
-    import shutil
-    import tarfile
-
+def test_gpu_check_takes_the_pycuda_an_earlier_run_archived(wheels, tmp_path):
+    """The fixture's folder holds a stand-in for the build (``_stand_in_prebuilt``): the check installs it
+    instead of building the sdist."""
     from tools.gpu_check import prebuilt_name
 
-    folder = tmp_path / "wheels"
-    shutil.copytree(wheels, folder)
-    package = tmp_path / "pkg" / "pycuda"  # stands in for a build: importable, with a driver module
-    package.mkdir(parents=True)
-    (package / "__init__.py").write_text('VERSION_TEXT = "prebuilt-stand-in"\n')
-    (package / "driver.py").write_text("")
-    with tarfile.open(folder / prebuilt_name(), "w:gz") as tar:
-        tar.add(package, arcname="pycuda")
     out = tmp_path / "out"
     subprocess.run(
-        [sys.executable, "-m", "tools.gpu_check", "--wheels", str(folder), "--out", str(out),
+        [sys.executable, "-m", "tools.gpu_check", "--wheels", str(wheels), "--out", str(out),
          "--steps", "preflight,wheels,pycuda"],
         cwd=REPO, capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     step = json.loads((out / "gpu_check.json").read_text())["steps"]["pycuda"]
     assert step["status"] == "ok", step
     assert step["prebuilt"] == prebuilt_name() and step["version"] == "prebuilt-stand-in"
-    # Fetching the wheels again keeps the archive (it can only be made on a CUDA machine). pip takes them
-    # from the first download this time (the index was already proven by the fixture's).
-    version = f"{sys.version_info.major}.{sys.version_info.minor}"
-    make = ["make", "-s", "gpu-wheels", f"GPU_WHEELS_DIR={folder}", f"GPU_PY_VERSION={version}"]
-    local = dict(os.environ, PIP_NO_INDEX="1", PIP_FIND_LINKS=f"{wheels} {wheels / 'deps'}")
-    proc = subprocess.run([*make, f"GPU_BIG_CONFIG={CONFIG_2B}"], cwd=REPO, env=local, capture_output=True, text=True,
-                          timeout=600)  # fmt: skip
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert (folder / prebuilt_name()).is_file() and list(folder.glob("pycuda-*.tar.gz"))
