@@ -4,7 +4,7 @@ The node (the installed ``vlm_node`` when there is one, the embedded default mod
 sees a 1280x720 JPEG camera the whole time (a few distinct frames in turn, so the vision cache churns) and
 a random mix of what operators and other nodes do: bursts of prompts past ``max_queue``, single prompts,
 prompts long enough to fill a multi-turn conversation, ``~/cancel`` mid-answer, ``~/reset``, and runtime
-parameter changes (paging, page size, prefix caching, multi-turn, batch size, sampling), often while a
+parameter changes (paging, page size, prefix caching, multi-turn, batch size, sampling, dtype), often while a
 prompt runs. The mix is drawn from ``--seed``; the timing is the machine's, so two runs differ in detail.
 
 It checks what must hold whatever the timing: every prompt ends with exactly one ``finished``, ``dropped``
@@ -41,6 +41,7 @@ PARAMETER_CHANGES: list[tuple[str, list[Any]]] = [
     ("vision_cache_images", [0, 2, 4]),
     ("temperature", [0.0, 0.7]),
     ("max_batch", [1, 2, 4]),
+    ("dtype", ["fp32", "bf16", "auto"]),  # reloads the model
 ]
 
 

@@ -13,13 +13,18 @@ Public API (the engine uses these names; the model layer takes the kernels as ``
   (``gemm.Int4Weight``, which the model's int4 projections are). ``CpuGemm.few_rows(x, w)`` and
   ``many_rows(x, w)`` bind and multiply in one call.
 
+``bound_onednn_caches()`` bounds the caches in which oneDNN (torch's bf16 matmuls on the CPU) keeps a compiled
+kernel per shape: unbounded, prompts of many lengths grew the node by a gigabyte (``onednn.py``).
+
 ``gemm.native_bf16()`` says whether the CPU has bf16 arithmetic (then torch's bf16 GEMM is the faster one
 for a prefill; ``CpuGemm.torch_bf16_prefill`` carries it to the model layer).
 
-Layout: ``build.py`` (compiler, cache key, compile, load), ``gemm.py`` (the ctypes binding and probe).
+Layout: ``build.py`` (compiler, cache key, compile, load), ``gemm.py`` (the ctypes binding and probe),
+``onednn.py`` (the oneDNN cache bound).
 """
 
 from .build import CpuKernelUnavailable
 from .gemm import CpuGemm, cpu_gemm_for, load_cpu_gemm
+from .onednn import bound_onednn_caches
 
-__all__ = ["CpuGemm", "CpuKernelUnavailable", "cpu_gemm_for", "load_cpu_gemm"]
+__all__ = ["CpuGemm", "CpuKernelUnavailable", "bound_onednn_caches", "cpu_gemm_for", "load_cpu_gemm"]

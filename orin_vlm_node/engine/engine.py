@@ -39,7 +39,7 @@ from typing import Any
 
 import torch
 
-from ..cpu import cpu_gemm_for
+from ..cpu import bound_onednn_caches, cpu_gemm_for
 from ..cuda import KernelsUnavailable, LaunchModes
 from ..cuda.fused import CudaFusedOps
 from ..cuda.gemv import CudaGemv
@@ -165,6 +165,8 @@ class Engine:
         self.model_config = ModelConfig.from_dir(cfg.model_dir)
         self.device = resolve_device(cfg.device)
         self.dtype = resolve_dtype(cfg.dtype, self.device, self.model_config.torch_dtype)
+        if self.device.type == "cpu":
+            log.debug("oneDNN shape caches: %s", bound_onednn_caches())
         self.model = load_model(cfg.model_dir, dtype=self.dtype, device=self.device, quant=cfg.quant).eval()
         # The CPU GEMM kernels (None elsewhere or when they cannot run): float and quantized projections.
         self._cpu_gemm, why = cpu_gemm_for(self.device, self.dtype, cfg.kernel_dir, cfg.kernel_cache_dir)
