@@ -30,6 +30,7 @@ from typing import Any
 
 import cv2
 import numpy as np
+import yaml
 
 WORDS = "describe the scene what color is the box count the objects is there a person in view answer briefly".split()
 PARAMETER_CHANGES: list[tuple[str, list[Any]]] = [
@@ -188,8 +189,21 @@ def main() -> int:
     parser.add_argument("--seed", type=int, default=0, help="draws the mix of actions")
     parser.add_argument("--model-path", default="", help="model directory ('' = the embedded default model)")
     parser.add_argument("--camera-hz", type=float, default=15.0)
+    parser.add_argument(
+        "--param",
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="a startup parameter of the node (YAML value), e.g. --param weight_quant=int4; repeatable",
+    )
     parser.add_argument("--out", type=Path, help="write the summary here as JSON")
     args = parser.parse_args()
+    startup = {}
+    for item in args.param:
+        name, sep, value = item.partition("=")
+        if not sep or not name:
+            parser.error(f"--param {item!r}: expected NAME=VALUE")
+        startup[name] = yaml.safe_load(value)
 
     from support.node_process import domain_id_for
 
@@ -199,7 +213,7 @@ def main() -> int:
     from support.node_client import VlmClient
     from support.node_process import NodeProcess, installed_executable
 
-    params = {"model_path": args.model_path, "max_new_tokens": 48, "image_max_age_s": 5.0}
+    params = {"model_path": args.model_path, "max_new_tokens": 48, "image_max_age_s": 5.0, **startup}
     node = NodeProcess(
         params,
         workdir,
