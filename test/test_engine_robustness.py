@@ -326,6 +326,34 @@ def test_a_model_reload_frees_the_old_model_and_pool_before_loading(engine, monk
     assert _finish(engine, Request(Turn("Go."), GREEDY)).finish_reason in ("stop", "length")
 
 
+def test_describe_during_a_model_reload_gives_the_description_from_before(engine, monkeypatch):
+    """The node's diagnostics ask every second, from their own thread: while a reconfiguration loads the model
+    again (seconds on a Jetson), they get the description from before it, marked busy, not an error from a
+    half-built engine; afterwards the new one."""
+    import orin_vlm_node.engine.engine as engine_module
+
+    loading, finish = threading.Event(), threading.Event()
+    load = engine_module.load_model
+
+    def held_load(*args, **kwargs):
+        loading.set()
+        assert finish.wait(30)
+        return load(*args, **kwargs)
+
+    monkeypatch.setattr(engine_module, "load_model", held_load)
+    before = engine.describe()
+    worker = threading.Thread(target=lambda: engine.reconfigure(dtype="bf16"))
+    worker.start()
+    try:
+        assert loading.wait(30)
+        during = engine.describe()
+    finally:
+        finish.set()
+        worker.join(30)
+    assert during == {**before, "busy": True}
+    assert engine.describe()["dtype"] == "bfloat16" and engine.describe()["busy"] is False
+
+
 def test_reconfigure_waits_for_in_flight_request(engine):
     events = engine.generate(Request(Turn("Go."), GREEDY))
     next(events)  # the request now holds the engine

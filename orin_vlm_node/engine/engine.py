@@ -90,6 +90,8 @@ class Engine:
         self._requests_served = 0
         self.model: Qwen3VLModel | None = None
         self.cache: KVCache | None = None
+        self._parts = threading.Lock()  # held while a reconfiguration rebuilds parts, and while describe reads them
+        self._description: dict = {}  # describe's last answer, given while parts are rebuilt
         self._capture_streams: dict[torch.device, torch.cuda.Stream] = {}  # see _capture_stream
         try:
             check_fields(dataclasses.asdict(self._config) | {"sampling": self._config.sampling})
@@ -97,6 +99,7 @@ class Engine:
             check_page_size(self._config.page_size)  # before the model loads: a typo should not cost a load
             self._config.quant.check()
             self._build({"model", "kv_cache", "backend", "images", "vision_cache"})
+            self.describe()  # kept: what describe gives while a reconfiguration rebuilds parts
         except (CheckpointError, ProcessingError, KernelsUnavailable, ValueError, OSError) as exc:
             raise EngineError(f"cannot start the engine: {exc}") from exc
 
@@ -280,16 +283,17 @@ class Engine:
             if not changed:
                 return
             old = self._config
-            self._config = dataclasses.replace(old, **fields)
-            try:
-                self._build(rebuilds(changed))
-                if "prefix_caching" in changed:
-                    self.cache.set_prefix_caching(self._config.prefix_caching and self._config.use_paged_attention)
-            except Exception as exc:
-                # Keep serving with the old settings rather than with a half-built engine.
-                self._config = old
-                self._build(rebuilds(changed) | {"kv_cache"})
-                raise ValueError(f"reconfiguration failed, previous settings restored: {exc}") from exc
+            with self._parts:
+                self._config = dataclasses.replace(old, **fields)
+                try:
+                    self._build(rebuilds(changed))
+                    if "prefix_caching" in changed:
+                        self.cache.set_prefix_caching(self._config.prefix_caching and self._config.use_paged_attention)
+                except Exception as exc:
+                    # Keep serving with the old settings rather than with a half-built engine.
+                    self._config = old
+                    self._build(rebuilds(changed) | {"kv_cache"})
+                    raise ValueError(f"reconfiguration failed, previous settings restored: {exc}") from exc
             log.info("engine reconfigured: %s", ", ".join(f"{k}={fields[k]!r}" for k in sorted(changed)))
 
     @property
@@ -322,12 +326,22 @@ class Engine:
         """Diagnostics for the node: model, device, paging, pool usage, kernel/graph path, last metrics.
 
         Safe to call from any thread: while a request runs (``busy``), the KV figures are those taken
-        at the end of the previous request, so the cache is never read while it changes.
+        at the end of the previous request, so the cache is never read while it changes; while a
+        reconfiguration rebuilds parts of the engine (a model reload takes seconds), the description taken
+        before it, marked ``busy`` (the node's 1 Hz diagnostics would otherwise read half-built parts).
         """
         with self.scheduler.if_idle() as idle:
             if idle:
                 self._stats_snapshot = self.cache.stats()
-        busy = not idle
+        if not self._parts.acquire(blocking=False):
+            return {**self._description, "busy": True}
+        try:
+            self._description = self._describe_parts(busy=not idle)
+        finally:
+            self._parts.release()
+        return self._description
+
+    def _describe_parts(self, busy: bool) -> dict:
         stats = dict(self._stats_snapshot)
         cfg = self._config
         return {
