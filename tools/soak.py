@@ -9,10 +9,11 @@ prompt runs. The mix is drawn from ``--seed``; the timing is the machine's, so t
 
 It checks what must hold whatever the timing: every prompt ends with exactly one ``finished``, ``dropped``
 or ``error`` event; every parameter change is either applied or refused with a reason; the node logs no
-traceback, is alive at the end and stops with exit code 0 on SIGINT. It samples the node's resident memory
-(all its processes) every 15 s. It prints a summary, writes it as JSON with ``--out`` and exits non-zero
-when a check fails. Why a tool and not a test: it found a crash that no test had (a setting changed twice
-while a prompt ran), but only after minutes of such traffic; the tests keep the case it found.
+traceback, reports nothing above OK on ``/diagnostics``, is alive at the end and stops with exit code 0 on
+SIGINT. It samples the node's resident memory (all its processes) every 15 s. It prints a summary, writes it
+as JSON with ``--out`` and exits non-zero when a check fails. Why a tool and not a test: it found a crash
+that no test had (a setting changed twice while a prompt ran), but only after minutes of such traffic; the
+tests keep the case it found.
 """
 
 from __future__ import annotations
@@ -162,6 +163,16 @@ class Soak:
         found += [f"refused without a reason: {r}" for r in self.refused if r.endswith(": ")]
         if not self.node.alive():
             found.append("the node died")
+        warned = [
+            f"{status.message} ({', '.join(f'{v.key}={v.value}' for v in status.values[:3])})"
+            for array in self.client.diagnostics
+            for status in array.status
+            if status.level != b"\x00"
+        ]  # fmt: skip (the node is alone in the soak's ROS domain)
+        if warned:
+            found.append(f"{len(warned)} /diagnostics reports above OK, the first: {warned[0]}")
+        if not self.client.diagnostics:
+            found.append("no /diagnostics report arrived")
         return found
 
     def summary(self) -> dict[str, Any]:
@@ -222,6 +233,7 @@ def main() -> int:
         env={**os.environ, "OMP_NUM_THREADS": "1"},
     )
     client = VlmClient(domain)
+    client.subscribe_diagnostics()
     soak = Soak(client, node, random.Random(args.seed), camera_frames(6, args.seed))
     try:
         client.wait_until_connected(node, timeout=300.0)
