@@ -5,7 +5,9 @@ sees a 1280x720 JPEG camera the whole time (a few distinct frames in turn, so th
 a random mix of what operators and other nodes do: bursts of prompts past ``max_queue``, single prompts,
 prompts long enough to fill a multi-turn conversation, ``~/cancel`` mid-answer, ``~/reset``, and runtime
 parameter changes (paging, page size, prefix caching, multi-turn, batch size, sampling, dtype), often while a
-prompt runs. The mix is drawn from ``--seed``; the timing is the machine's, so two runs differ in detail.
+prompt runs. With ``--managed`` it runs the lifecycle node, which it also deactivates mid-answer and activates
+again; ``--param`` sets startup settings. The mix is drawn from ``--seed``; the timing is the machine's, so
+two runs differ in detail.
 
 It checks what must hold whatever the timing: every prompt ends with exactly one ``finished``, ``dropped``
 or ``error`` event; every parameter change is either applied or refused with a reason; the node logs no
@@ -77,8 +79,9 @@ def group_rss_mb(group: int) -> float:
 class Soak:
     """The client side: the camera thread, the actions, the bookkeeping of prompts and refusals."""
 
-    def __init__(self, client: Any, node: Any, rng: random.Random, frames: list[bytes]) -> None:
+    def __init__(self, client: Any, node: Any, rng: random.Random, frames: list[bytes], managed: bool = False) -> None:
         self.client, self.node, self.rng, self.frames = client, node, rng, frames
+        self.managed = managed  # the lifecycle node: deactivated and activated again among the actions
         self.sent = 0
         self.actions: dict[str, int] = {}
         self.refused: list[str] = []
@@ -113,7 +116,8 @@ class Soak:
         self.sent += 1
 
     def step(self) -> None:
-        action = self.rng.choice(["burst", "burst", "burst", "single", "long", "parameter", "cancel", "reset"])
+        actions = ["burst", "burst", "burst", "single", "long", "parameter", "cancel", "reset"]
+        action = self.rng.choice([*actions, "lifecycle"] if self.managed else actions)
         self.actions[action] = self.actions.get(action, 0) + 1
         if action == "burst":  # more than max_queue at once: the oldest waiting ones are dropped
             for _ in range(self.rng.randint(2, 9)):
@@ -131,13 +135,29 @@ class Soak:
             self._prompt(40)
             time.sleep(self.rng.uniform(0.05, 1.0))
             self.client.trigger("cancel")
+        elif action == "lifecycle":  # deactivated mid-answer: the answer ends cancelled; then active again
+            self._prompt(40)
+            time.sleep(self.rng.uniform(0.0, 0.5))
+            self._transition("deactivate")
+            self._wait_all_ended()
+            self.client.wait_for(
+                lambda: self.client.prompt_pub.get_subscription_count() == 0, 30.0, "the prompt subscription to go"
+            )
+            self._transition("activate")
+            self.client.wait_until_connected(self.node)
+            return
         else:
             self.client.trigger("reset")
             return
         self._wait_all_ended()
 
+    def _transition(self, label: str) -> None:
+        if not self.client.change_state(label):
+            self.refused.append(f"lifecycle {label}: refused")
+
     def run(self, duration_s: float, camera_hz: float) -> None:
-        threading.Thread(target=self.camera, args=(camera_hz,), name="soak_camera", daemon=True).start()
+        camera = threading.Thread(target=self.camera, args=(camera_hz,), name="soak_camera", daemon=True)
+        camera.start()
         t0, next_sample = time.monotonic(), 0.0
         try:
             while (elapsed := time.monotonic() - t0) < duration_s:
@@ -149,6 +169,7 @@ class Soak:
             self.rss.append((round(time.monotonic() - t0, 1), round(group_rss_mb(self.node.proc.pid), 1), self.sent))
         finally:
             self._stop.set()
+            camera.join(5.0)  # before the client closes: a publish on a destroyed publisher raises
 
     def problems(self) -> list[str]:
         """What broke the checks (empty: all held)."""
@@ -161,6 +182,7 @@ class Soak:
             found.append(f"{self.sent} prompts sent, {sum(ends.values())} terminal events")
         found += [f"{rid} ended {n} times" for rid, n in ends.items() if n != 1]
         found += [f"refused without a reason: {r}" for r in self.refused if r.endswith(": ")]
+        found += [r for r in self.refused if r.startswith("lifecycle ")]
         if not self.node.alive():
             found.append("the node died")
         warned = [
@@ -207,6 +229,12 @@ def main() -> int:
         metavar="NAME=VALUE",
         help="a startup parameter of the node (YAML value), e.g. --param weight_quant=int4; repeatable",
     )
+    parser.add_argument(
+        "--managed",
+        action="store_true",
+        help="the lifecycle node (vlm_lifecycle_node): configured and activated, then deactivated mid-answer and "
+        "activated again among the actions",
+    )
     parser.add_argument("--out", type=Path, help="write the summary here as JSON")
     args = parser.parse_args()
     startup = {}
@@ -222,20 +250,24 @@ def main() -> int:
     workdir = Path(tempfile.mkdtemp(prefix="orin_vlm_soak_"))
     os.environ.update(ROS_AUTOMATIC_DISCOVERY_RANGE="LOCALHOST", ROS_DOMAIN_ID=str(domain))  # before rclpy loads
     from support.node_client import VlmClient
-    from support.node_process import NodeProcess, installed_executable
+    from support.node_process import MANAGED, NodeProcess, installed_executable
 
     params = {"model_path": args.model_path, "max_new_tokens": 48, "image_max_age_s": 5.0, **startup}
     node = NodeProcess(
         params,
         workdir,
         domain,
-        executable=installed_executable(),
+        executable=MANAGED if args.managed else installed_executable(),
         env={**os.environ, "OMP_NUM_THREADS": "1"},
     )
     client = VlmClient(domain)
     client.subscribe_diagnostics()
-    soak = Soak(client, node, random.Random(args.seed), camera_frames(6, args.seed))
+    soak = Soak(client, node, random.Random(args.seed), camera_frames(6, args.seed), managed=args.managed)
     try:
+        if args.managed:
+            client.wait_for(lambda: f"{client.fqn}/change_state" in dict(client.node.get_service_names_and_types()),
+                            300.0, "the lifecycle services")  # fmt: skip
+            assert client.change_state("configure") and client.change_state("activate"), node.output()[-3000:]
         client.wait_until_connected(node, timeout=300.0)
         client.wait_for(lambda: client.events(event="ready"), 300.0, "the ready event")
         print(f"node ready; {args.duration:.0f} s of traffic, logs in {workdir}", flush=True)
