@@ -305,21 +305,26 @@ def test_reconfigure_applies_settings(engine):
     assert _finish(engine, Request(Turn("Go."), SamplingParams(max_new_tokens=64))).text == SCRIPT
 
 
+def _before_model_loads(monkeypatch, hook) -> None:
+    """Run ``hook()`` each time the engine is about to load a model (then load it)."""
+    import orin_vlm_node.engine.engine as engine_module
+
+    load = engine_module.load_model
+
+    def hooked(*args, **kwargs):
+        hook()
+        return load(*args, **kwargs)
+
+    monkeypatch.setattr(engine_module, "load_model", hooked)
+
+
 def test_a_model_reload_frees_the_old_model_and_pool_before_loading(engine, monkeypatch):
     """A runtime dtype change loads the model again: the old weights, KV pool and decode step are gone by
     then (on a Jetson two models at once would not fit beside the robot's other software), and the engine
     answers with the new dtype."""
-    import orin_vlm_node.engine.engine as engine_module
-
     old_model, old_cache = weakref.ref(engine.model), weakref.ref(engine.cache)
     alive_at_load = []
-    load = engine_module.load_model
-
-    def load_and_record(*args, **kwargs):
-        alive_at_load.append((old_model() is not None, old_cache() is not None))
-        return load(*args, **kwargs)
-
-    monkeypatch.setattr(engine_module, "load_model", load_and_record)
+    _before_model_loads(monkeypatch, lambda: alive_at_load.append((old_model() is not None, old_cache() is not None)))
     engine.reconfigure(dtype="bf16")
     assert alive_at_load == [(False, False)]
     assert engine.describe()["dtype"] == "bfloat16"
@@ -330,17 +335,13 @@ def test_describe_during_a_model_reload_gives_the_description_from_before(engine
     """The node's diagnostics ask every second, from their own thread: while a reconfiguration loads the model
     again (seconds on a Jetson), they get the description from before it, marked busy, not an error from a
     half-built engine; afterwards the new one."""
-    import orin_vlm_node.engine.engine as engine_module
-
     loading, finish = threading.Event(), threading.Event()
-    load = engine_module.load_model
 
-    def held_load(*args, **kwargs):
+    def hold() -> None:
         loading.set()
         assert finish.wait(30)
-        return load(*args, **kwargs)
 
-    monkeypatch.setattr(engine_module, "load_model", held_load)
+    _before_model_loads(monkeypatch, hold)
     before = engine.describe()
     worker = threading.Thread(target=lambda: engine.reconfigure(dtype="bf16"))
     worker.start()

@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+import ast
 import importlib
 import pkgutil
+import re
+import sys
+import xml.etree.ElementTree as ET
+from pathlib import Path
 
 import orin_vlm_node
 
@@ -27,9 +32,6 @@ NVIDIA_WHEEL = {"torch"}
 
 def _imported_top_level_modules() -> set[str]:
     """Top-level names of every absolute import in the package and the launch file (the code a robot runs)."""
-    import ast
-    from pathlib import Path
-
     root = Path(orin_vlm_node.__file__).resolve().parent.parent
     files = [*(root / "orin_vlm_node").rglob("*.py"), *(root / "launch").glob("*.py")]
     names = set()
@@ -45,11 +47,6 @@ def _imported_top_level_modules() -> set[str]:
 def test_every_import_comes_with_the_install_a_robot_does():
     """``rosdep install`` brings package.xml's exec_depends and ``pip install -r requirements-jetson.txt`` the
     rest (README's Jetson steps): an import missing from both fails on a freshly set-up robot, at startup."""
-    import re
-    import sys
-    import xml.etree.ElementTree as ET
-    from pathlib import Path
-
     root = Path(orin_vlm_node.__file__).resolve().parent.parent
     depends = {e.text for e in ET.parse(root / "package.xml").getroot().iter("exec_depend")}
     pip = {

@@ -85,6 +85,7 @@ class Soak:
         self.sent = 0
         self.actions: dict[str, int] = {}
         self.refused: list[str] = []
+        self.failed_transitions: list[str] = []
         self.rss: list[tuple[float, float, int]] = []  # (seconds, MB, prompts sent)
         self._stop = threading.Event()
         self._scanned = self._ends = 0
@@ -153,7 +154,7 @@ class Soak:
 
     def _transition(self, label: str) -> None:
         if not self.client.change_state(label):
-            self.refused.append(f"lifecycle {label}: refused")
+            self.failed_transitions.append(f"lifecycle {label} refused")
 
     def run(self, duration_s: float, camera_hz: float) -> None:
         camera = threading.Thread(target=self.camera, args=(camera_hz,), name="soak_camera", daemon=True)
@@ -182,15 +183,17 @@ class Soak:
             found.append(f"{self.sent} prompts sent, {sum(ends.values())} terminal events")
         found += [f"{rid} ended {n} times" for rid, n in ends.items() if n != 1]
         found += [f"refused without a reason: {r}" for r in self.refused if r.endswith(": ")]
-        found += [r for r in self.refused if r.startswith("lifecycle ")]
+        found += self.failed_transitions
         if not self.node.alive():
             found.append("the node died")
-        warned = [
+        from diagnostic_msgs.msg import DiagnosticStatus
+
+        warned = [  # every report is the node's: it is alone in the soak's ROS domain
             f"{status.message} ({', '.join(f'{v.key}={v.value}' for v in status.values[:3])})"
             for array in self.client.diagnostics
             for status in array.status
-            if status.level != b"\x00"
-        ]  # fmt: skip (the node is alone in the soak's ROS domain)
+            if status.level != DiagnosticStatus.OK
+        ]
         if warned:
             found.append(f"{len(warned)} /diagnostics reports above OK, the first: {warned[0]}")
         if not self.client.diagnostics:
