@@ -117,6 +117,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         for k in (
             "device",
             "dtype",
+            "checkpoint_weights",
             "weight_quant",
             "lm_head",
             "weight_mb",

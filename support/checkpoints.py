@@ -16,6 +16,7 @@ Token ids follow the tiny tokenizer (:mod:`support.tokenizer`): ``<|endoftext|>`
   heads, head_dim 128) with a narrow hidden size and few layers: paging overhead lives in attention, so
   this keeps attention's share of a step realistic at a fraction of the 2B's cost. It is talkative (see
   :func:`make_tiny_checkpoint`): the paged benchmark steps engines one streamed token at a time.
+* :func:`fp8_copy`: a checkpoint's linear weights rewritten in FP8 with block scales, Qwen's ``-FP8`` layout.
 * :func:`big_checkpoint`: every text and vision dimension of a real config (e.g. Qwen3-VL-2B: vocab 151936,
   28 layers, 24-layer vision tower), stored bf16 (~4.3 GB).
 """
@@ -222,6 +223,59 @@ def big_checkpoint(out: Path, config: dict, device: str = "cpu") -> Path:
         dtype=torch.bfloat16,
         device=device,
     )
+
+
+def fp8_copy(
+    src: Path,
+    dst: Path,
+    block: tuple[int, int] | None,
+    scale_dtype: torch.dtype = torch.float32,
+    activation_scales: bool = False,
+) -> Path:
+    """A copy of checkpoint ``src`` in ``dst`` stored as fine-grained FP8, the layout Qwen's ``-FP8`` models use.
+
+    Every 2-D ``.weight`` other than the embedding tables and the LM head (the linear layers, what FP8
+    conversion converts) becomes float8_e4m3fn with a ``weight_scale_inv`` per ``block`` (rows, columns) of
+    weights, or one per tensor with ``block`` None: the block's largest magnitude / 448 (e4m3's largest), as
+    a power of two above it for ``float8_e8m0fnu`` scales. Blocks that do not divide a dimension leave a partial
+    last block. ``activation_scales`` adds the ``input_scale`` a static activation scheme stores.
+    """
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, dst)
+    tensors = load_file(str(dst / "model.safetensors"))
+    out: dict[str, torch.Tensor] = {}
+    for key, w in tensors.items():
+        if w.ndim != 2 or not key.endswith(".weight") or "embed" in key or key.startswith("lm_head"):
+            out[key] = w
+            continue
+        n, k = w.shape
+        bn, bk = block or (n, k)
+        grid = (-(-n // bn), -(-k // bk))
+        padded = torch.nn.functional.pad(w.float(), (0, grid[1] * bk - k, 0, grid[0] * bn - n))
+        blocks = padded.view(grid[0], bn, grid[1], bk)
+        scale = (blocks.abs().amax(dim=(1, 3)) / 448.0).clamp_min(2.0**-30)  # (grid rows, grid columns)
+        if scale_dtype == torch.float8_e8m0fnu:
+            scale = torch.exp2(torch.ceil(torch.log2(scale)))
+        scale = scale.to(scale_dtype)
+        q = (blocks / scale.float()[:, None, :, None]).clamp(-448, 448).view(padded.shape)[:n, :k]
+        out[key] = q.to(torch.float8_e4m3fn)
+        module = key.removesuffix(".weight")
+        out[module + ".weight_scale_inv"] = scale if block else scale.reshape(())
+        if activation_scales:
+            out[module + ".input_scale"] = torch.ones((), dtype=torch.float32)
+    save_file(out, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((dst / "config.json").read_text())
+    config["quantization_config"] = {
+        "quant_method": "fp8",
+        "fmt": "e4m3",
+        "activation_scheme": "static" if activation_scales else "dynamic",
+        "weight_block_size": list(block) if block else None,
+        "modules_to_not_convert": ["lm_head"],
+        **({"scale_fmt": "ue8m0"} if scale_dtype == torch.float8_e8m0fnu else {}),
+    }
+    _write_json(dst / "config.json", config)
+    return dst
 
 
 @functools.cache

@@ -17,6 +17,7 @@ import torch
 
 from .dtypes import checkpoint_dtype
 from .errors import CheckpointError
+from .fp8_weights import Fp8Weights, stored_weights
 
 DEFAULT_MROPE_SECTION = (24, 20, 20)
 DEFAULT_VISION_ROPE_THETA = 10000.0
@@ -83,6 +84,7 @@ class ModelConfig:
     vision_end_token_id: int = 151653
     tie_word_embeddings: bool = False
     checkpoint_dtype: str | None = None  # "bfloat16" etc. as written in config.json, None if absent
+    fp8: Fp8Weights | None = None  # linear weights stored in FP8 (widened on load); None: stored as floats
     raw: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
 
     @property
@@ -146,6 +148,7 @@ class ModelConfig:
             vision_end_token_id=_int(data, "vision_end_token_id", 151653),
             tie_word_embeddings=bool(tie),
             checkpoint_dtype=dtype if isinstance(dtype, str) else None,
+            fp8=stored_weights(data),
             raw=data,
         )
 

@@ -7,7 +7,8 @@ target device, and every checkpoint tensor is read from its safetensors file and
 (cast on the way). Peak memory is about the model size plus the largest single tensor.
 
 All headers are checked before any data is read: missing/unexpected keys, shape mismatches, missing
-shard files and pickle-only checkpoints raise :class:`CheckpointError` naming the files and keys.
+shard files, pickle-only checkpoints and FP8 weights without a fitting scale raise :class:`CheckpointError`
+naming the files and keys. FP8 checkpoints (:mod:`.fp8_weights`) are widened to ``dtype`` tensor by tensor.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from torch import nn
 from .config import ModelConfig
 from .dtypes import resolve_dtype
 from .errors import CheckpointError
+from .fp8_weights import ACTIVATION_SCALE_SUFFIXES, SCALE_SUFFIX, WEIGHT_DTYPE, Fp8Weights
 from .quant import QuantizedLinear, WeightQuant, weight_bytes
 from .qwen3_vl import Qwen3VLModel
 from .text import FusedLinear
@@ -49,24 +51,25 @@ def load_model(
         raise CheckpointError(f"{root}: model directory does not exist")
     target = resolve_dtype(dtype)
     config = ModelConfig.from_dir(root)
-    refuse_quantized_checkpoint(root)
     files = weight_files(root)
     with torch.device("meta"):
         model = Qwen3VLModel(config)
     expected = {name: tuple(view.shape) for name, view in checkpoint_views(model).items()}
-    plan = _plan(files, expected, config.tie_word_embeddings)
+    plan, scale_keys = _plan(files, expected, config.tie_word_embeddings, config.fp8)
+    scales = _read(scale_keys)  # parameter name -> scale of its FP8 weight (small: one number per block)
     quantizer = _QuantizeOnLoad(model, quant, target, torch.device(device)) if quant and quant.mode != "none" else None
     _materialize(model, target, torch.device(device), skip=quantizer.deferred if quantizer else frozenset())
     views = checkpoint_views(model)
     total = sum(views[name].numel() for _, name in plan.values()) * torch.empty((), dtype=target).element_size()
     logger.info(
-        "loading %s: %d tensors from %d file(s), %.1f MB as %s on %s%s",
+        "loading %s: %d tensors from %d file(s), %.1f MB as %s on %s%s%s",
         root,
         len(plan),
         len(files),
         total / 1e6,
         str(target).replace("torch.", ""),
         device,
+        f", {len(scales)} of them widened from {config.fp8.describe()}" if config.fp8 else "",
         f", decoder projections as {quant.mode}{', LM head as ' + quant.head.mode if quant.head else ''}"
         if quantizer
         else "",
@@ -84,7 +87,10 @@ def load_model(
                 if not tensor.is_floating_point():
                     raise CheckpointError(f"{file.name}: tensor {key} has non-float dtype {tensor.dtype}")
                 view = quantizer.target(name) if quantizer and name in quantizer.owner else views[name]
-                view.copy_(tensor)
+                if name in scales:
+                    config.fp8.widen_into(view, tensor, scales.pop(name))
+                else:
+                    view.copy_(tensor)
                 done_bytes += view.numel() * view.element_size()
                 del tensor, view
                 if quantizer and name in quantizer.owner:
@@ -104,23 +110,6 @@ def load_model(
         weight_bytes(model) / 1e6,
     )
     return model
-
-
-def refuse_quantized_checkpoint(root: Path) -> None:
-    """A checkpoint already stored quantized (AWQ, GPTQ, compressed-tensors, bitsandbytes, ...) is not read:
-    CheckpointError naming its format, before any weight is."""
-    try:
-        raw = json.loads((root / "config.json").read_text())
-    except (OSError, ValueError):
-        return  # ModelConfig.from_dir has reported what is wrong with config.json
-    for holder in (raw, raw.get("text_config") or {}):
-        spec = holder.get("quantization_config") or holder.get("compression_config")
-        if spec:
-            fmt = (spec.get("quant_method") or spec.get("format")) if isinstance(spec, dict) else None
-            raise CheckpointError(
-                f"{root}: the checkpoint is already quantized ({fmt or 'unknown format'}); this node reads float "
-                "checkpoints (fp32/fp16/bf16) and quantizes them itself with weight_quant=int8 or int4"
-            )
 
 
 class _QuantizeOnLoad:
@@ -257,12 +246,17 @@ def checkpoint_views(model: nn.Module) -> dict[str, torch.Tensor]:
     return views
 
 
-def _plan(files: list[Path], expected: dict[str, tuple[int, ...]], tied: bool) -> dict[str, tuple[Path, str]]:
-    """checkpoint key -> (file, parameter name), after checking every header against the model."""
+def _plan(
+    files: list[Path], expected: dict[str, tuple[int, ...]], tied: bool, fp8: Fp8Weights | None
+) -> tuple[dict[str, tuple[Path, str]], dict[str, tuple[Path, str]]]:
+    """(checkpoint key -> (file, parameter name), parameter name -> (file, key) of its FP8 scale), after
+    checking every header against the model."""
     plan: dict[str, tuple[Path, str]] = {}
     seen: dict[str, str] = {}  # parameter name -> key that provides it
     unexpected: list[str] = []
     mismatched: list[str] = []
+    stored_fp8: dict[str, tuple[str, str, tuple[int, ...]]] = {}  # name -> (key, dtype, shape) of FP8 weights
+    scales: dict[str, tuple[Path, str, str, tuple[int, ...]]] = {}  # parameter name -> (file, key, dtype, shape)
     for file in files:
         try:
             handle_ctx = safe_open(str(file), framework="pt", device="cpu")
@@ -270,6 +264,13 @@ def _plan(files: list[Path], expected: dict[str, tuple[int, ...]], tied: bool) -
             raise CheckpointError(f"{file}: cannot open as safetensors ({exc})") from exc
         with handle_ctx as handle:
             for key in handle.keys():
+                if fp8 and key.endswith(SCALE_SUFFIX):
+                    meta = handle.get_slice(key)
+                    owner = checkpoint_key_to_name(key.removesuffix(SCALE_SUFFIX))
+                    scales[owner] = (file, key, meta.get_dtype(), tuple(meta.get_shape()))
+                    continue
+                if fp8 and key.endswith(ACTIVATION_SCALE_SUFFIXES):
+                    continue  # activations stay in the model's dtype (fp8_weights)
                 name = checkpoint_key_to_name(key)
                 if name not in expected:
                     if tied and name == "lm_head.weight":
@@ -278,14 +279,18 @@ def _plan(files: list[Path], expected: dict[str, tuple[int, ...]], tied: bool) -
                     continue
                 if name in seen:
                     raise CheckpointError(f"{file.name}: {key} duplicates {seen[name]} (both map to {name})")
-                shape = tuple(handle.get_slice(key).get_shape())
+                meta = handle.get_slice(key)
+                shape = tuple(meta.get_shape())
+                if meta.get_dtype().startswith("F8_"):
+                    stored_fp8[name] = (key, meta.get_dtype(), shape)
                 if shape != expected[name]:
                     mismatched.append(
                         f"{file.name}:{key} has shape {list(shape)}, config.json implies {list(expected[name])}"
                     )
                 seen[name] = key
                 plan[key] = (file, name)
-    problems = []
+    problems = _fp8_problems(stored_fp8, scales, fp8)
+    unexpected += [f"{file.name}:{key}" for name, (file, key, _, _) in scales.items() if name not in stored_fp8]
     if mismatched:
         problems.append(f"shape mismatch: {_listing(mismatched)}")
     if unexpected:
@@ -296,7 +301,40 @@ def _plan(files: list[Path], expected: dict[str, tuple[int, ...]], tied: bool) -
     if problems:
         where = files[0].parent
         raise CheckpointError(f"{where}: checkpoint does not match config.json; " + "; ".join(problems))
-    return plan
+    return plan, {name: (file, key) for name, (file, key, _, _) in scales.items()}
+
+
+def _fp8_problems(
+    stored: dict[str, tuple[str, str, tuple[int, ...]]],
+    scales: dict[str, tuple[Path, str, str, tuple[int, ...]]],
+    fp8: Fp8Weights | None,
+) -> list[str]:
+    """What keeps the FP8 weights ``stored`` (name -> (key, dtype, shape)) from being widened."""
+    if not stored:
+        return []
+    if fp8 is None:
+        keys = [key for key, _, _ in stored.values()]
+        return [f"FP8 weights but config.json has no quantization_config with quant_method fp8: {_listing(keys)}"]
+    found = []
+    for name, (key, dtype, shape) in stored.items():
+        scale = scales.get(name)
+        why = (
+            f"{key} is {dtype}; FP8 weights are read as {WEIGHT_DTYPE}"
+            if dtype != WEIGHT_DTYPE
+            else fp8.problem(key, shape, scale[2:] if scale else None)
+        )
+        if why:
+            found.append(why)
+    return [f"FP8 weights: {_listing(found)}"] if found else []
+
+
+def _read(keys: dict[str, tuple[Path, str]]) -> dict[str, torch.Tensor]:
+    """name -> the tensor stored under (file, key), every file opened once."""
+    tensors: dict[str, torch.Tensor] = {}
+    for file in sorted({file for file, _ in keys.values()}):
+        with safe_open(str(file), framework="pt", device="cpu") as handle:
+            tensors.update({name: handle.get_tensor(key) for name, (f, key) in keys.items() if f == file})
+    return tensors
 
 
 def _listing(items: list[str]) -> str:

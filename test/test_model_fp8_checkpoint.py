@@ -1,0 +1,181 @@
+"""Checkpoints stored as fine-grained FP8 (Qwen's ``-FP8`` layout) are widened on load exactly as transformers
+widens them, also with partial blocks, power-of-two scales and quantization on top; malformed ones are refused
+by name before any weight is read."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from orin_vlm_node.engine import Engine, EngineConfig
+from orin_vlm_node.model import CheckpointError, load_model
+from orin_vlm_node.model import fp8_weights as fp8_module
+from orin_vlm_node.model.loader import checkpoint_views, name_to_checkpoint_key
+from orin_vlm_node.model.quant import QuantizedLinear, WeightQuant
+from support.checkpoints import cached_tiny_checkpoint, fp8_copy
+
+DEQ_KEY = "model.language_model.layers.0.mlp.down_proj.weight"
+
+
+@pytest.fixture(scope="module")
+def source():
+    return cached_tiny_checkpoint(layers=2, tie=False, dtype=torch.bfloat16)
+
+
+def widened(stored: dict[str, torch.Tensor], key: str, block: tuple[int, int] | None) -> torch.Tensor:
+    """``w[n, k] = q[n, k] * s[n // bn, k // bk]`` in fp32, each weight's scale picked by index."""
+    q, s = stored[key].float(), stored[key.removesuffix(".weight") + ".weight_scale_inv"].float()
+    if block is None:
+        return q * s
+    rows = torch.arange(q.shape[0]) // block[0]
+    cols = torch.arange(q.shape[1]) // block[1]
+    return q * s[rows][:, cols]
+
+
+def fp8_keys(stored: dict[str, torch.Tensor]) -> list[str]:
+    return [k for k, v in stored.items() if v.dtype == torch.float8_e4m3fn]
+
+
+def test_an_fp8_checkpoint_loads_to_the_weights_transformers_widens_it_to(source, tmp_path):
+    from transformers import Qwen3VLForConditionalGeneration
+
+    ckpt = fp8_copy(source, tmp_path / "fp8", block=(16, 32))
+    reference = Qwen3VLForConditionalGeneration.from_pretrained(ckpt, dtype=torch.float32).state_dict()
+    model = load_model(ckpt, dtype=torch.float32)
+    views = checkpoint_views(model)
+    assert set(map(name_to_checkpoint_key, views)) <= set(reference)
+    for name, view in views.items():
+        assert torch.equal(view, reference[name_to_checkpoint_key(name)]), name
+    stored = load_file(str(ckpt / "model.safetensors"))
+    assert len(fp8_keys(stored)) == 2 * 7 + 3 * 4 + 2 * 3  # decoder, vision blocks, merger + DeepStack mergers
+    assert not torch.equal(reference[DEQ_KEY], load_file(str(source / "model.safetensors"))[DEQ_KEY].float())
+
+
+@pytest.mark.parametrize(
+    "block, scale_dtype, dtype",
+    [
+        ((24, 40), torch.float32, torch.bfloat16),  # partial last blocks along both dimensions
+        ((24, 40), torch.float8_e8m0fnu, torch.float32),  # ue8m0: power-of-two scales
+        (None, torch.float32, torch.float16),  # one scale per tensor
+        ((1, 256), torch.bfloat16, torch.float32),  # a block wider than some matrices
+    ],
+)
+def test_every_fp8_weight_is_its_values_times_the_scale_of_its_block(
+    source, tmp_path, monkeypatch, block, scale_dtype, dtype
+):
+    monkeypatch.setattr(fp8_module, "WIDEN_ELEMENTS", 1000)  # many pieces per matrix
+    ckpt = fp8_copy(source, tmp_path / "fp8", block=block, scale_dtype=scale_dtype)
+    stored = load_file(str(ckpt / "model.safetensors"))
+    views = {name_to_checkpoint_key(name): view for name, view in checkpoint_views(load_model(ckpt, dtype)).items()}
+    for key in fp8_keys(stored):
+        assert torch.equal(views[key], widened(stored, key, block).to(dtype)), key
+    for key, value in stored.items():
+        if key in views and key not in fp8_keys(stored):
+            assert torch.equal(views[key], value.to(dtype)), key
+
+
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+def test_weight_quant_stores_the_widened_weights(source, tmp_path, mode):
+    ckpt = fp8_copy(source, tmp_path / "fp8", block=(16, 32))
+    quant = WeightQuant(mode, group_size=32)
+    quantized = load_model(ckpt, torch.float32, quant=quant).language_model.layers[1].mlp.down_proj
+    widened_model = load_model(ckpt, torch.float32).language_model.layers[1].mlp.down_proj
+    expected = QuantizedLinear.from_weight(widened_model.weight, quant)
+    for buffer in ("qweight", "scales") + (("offsets",) if mode == "int4" else ()):
+        assert torch.equal(getattr(quantized, buffer), getattr(expected, buffer)), buffer
+
+
+def test_scales_in_another_shard_than_their_weights_are_found(source, tmp_path):
+    ckpt = fp8_copy(source, tmp_path / "fp8", block=(16, 32))
+    stored = load_file(str(ckpt / "model.safetensors"))
+    (ckpt / "model.safetensors").unlink()
+    shards = {
+        "model-00001-of-00002.safetensors": [k for k in stored if not k.endswith("_scale_inv")],
+        "model-00002-of-00002.safetensors": [k for k in stored if k.endswith("_scale_inv")],
+    }
+    for file, keys in shards.items():
+        save_file({k: stored[k] for k in keys}, str(ckpt / file), metadata={"format": "pt"})
+    weight_map = {k: file for file, keys in shards.items() for k in keys}
+    (ckpt / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    views = {name_to_checkpoint_key(n): v for n, v in checkpoint_views(load_model(ckpt)).items()}
+    for key in fp8_keys(stored):
+        assert torch.equal(views[key], widened(stored, key, (16, 32))), key
+
+
+def test_static_activation_scales_are_not_needed(source, tmp_path):
+    ckpt = fp8_copy(source, tmp_path / "fp8", block=(16, 32), activation_scales=True)
+    stored = load_file(str(ckpt / "model.safetensors"))
+    assert any(k.endswith(".input_scale") for k in stored)
+    model = load_model(ckpt)
+    key = fp8_keys(stored)[0]
+    view = {name_to_checkpoint_key(n): v for n, v in checkpoint_views(model).items()}[key]
+    assert torch.equal(view, widened(stored, key, (16, 32)))
+
+
+def test_the_engine_reports_the_stored_format(source, tmp_path):
+    ckpt = fp8_copy(source, tmp_path / "fp8", block=(16, 32))
+    assert Engine(EngineConfig(model_path=str(ckpt), device="cpu")).describe()["checkpoint_weights"] == (
+        "fp8 e4m3, a scale per 16x32 block"
+    )
+    assert Engine(EngineConfig(model_path=str(source), device="cpu")).describe()["checkpoint_weights"] == "float"
+
+
+def rewrite(ckpt, change) -> None:
+    """Apply ``change(tensors)`` to the checkpoint's tensors in place."""
+    tensors = load_file(str(ckpt / "model.safetensors"))
+    change(tensors)
+    save_file(tensors, str(ckpt / "model.safetensors"), metadata={"format": "pt"})
+
+
+def edit_config(ckpt, change) -> None:
+    config = json.loads((ckpt / "config.json").read_text())
+    change(config)
+    (ckpt / "config.json").write_text(json.dumps(config))
+
+
+@pytest.mark.parametrize(
+    "damage, message",
+    [
+        (
+            lambda t: t.pop(DEQ_KEY.replace("weight", "weight_scale_inv")),
+            rf"{DEQ_KEY} is FP8 but the checkpoint has no {DEQ_KEY}_scale_inv",
+        ),
+        (
+            lambda t: t.update({DEQ_KEY.replace("weight", "weight_scale_inv"): torch.ones(1, 1)}),
+            r"down_proj.weight_scale_inv has shape \[1, 1\], expected \[4, 4\]",
+        ),
+        (
+            lambda t: t.update({DEQ_KEY.replace("weight", "weight_scale_inv"): torch.ones(4, 4, dtype=torch.int32)}),
+            r"weight_scale_inv is I32",
+        ),
+        (lambda t: t.update({DEQ_KEY: t[DEQ_KEY].to(torch.float8_e5m2)}), r"down_proj.weight is F8_E5M2"),
+        (
+            lambda t: t.update({"model.language_model.norm.weight_scale_inv": torch.ones(())}),
+            r"unexpected keys: .*language_model.norm.weight_scale_inv",
+        ),
+    ],
+)
+def test_an_fp8_weight_without_a_fitting_scale_is_refused_naming_it(source, tmp_path, damage, message):
+    ckpt = fp8_copy(source, tmp_path / "fp8", block=(16, 32))
+    rewrite(ckpt, damage)
+    with pytest.raises(CheckpointError, match=message):
+        load_model(ckpt)
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (lambda c: c.pop("quantization_config"), r"FP8 weights but config.json has no quantization_config"),
+        (lambda c: c["quantization_config"].update(fmt="e5m2"), r"fmt 'e5m2': only e4m3"),
+        (lambda c: c["quantization_config"].update(weight_block_size=[128]), r"weight_block_size must be two"),
+        (lambda c: c["quantization_config"].update(quant_method="gptq"), r"already quantized \(gptq\)"),
+    ],
+)
+def test_a_config_that_does_not_describe_the_fp8_weights_is_refused(source, tmp_path, change, message):
+    ckpt = fp8_copy(source, tmp_path / "fp8", block=(16, 32))
+    edit_config(ckpt, change)
+    with pytest.raises(CheckpointError, match=message):
+        load_model(ckpt)
