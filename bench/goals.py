@@ -196,6 +196,14 @@ GOALS: list[Goal] = [
         _worst_over("quantization", ".int4.exact_match_drop", False, prefix="default."),
     ),
     Goal(
+        "fp8_checkpoint_accuracy",
+        "the default model read from an FP8 copy (128x128 blocks) loses <= 1 point of held-out exact match",
+        "points",
+        1.0,
+        False,
+        _worst_over("quantization", ".fp8_none.exact_match_drop", False, prefix="default."),
+    ),
+    Goal(
         "quant_int4_gpu_speedup",
         "GPU decode with weight_quant=int4 >= 1.8x fp16 weights (kernels + graphs, batch 1, 2B shape)",
         "x",
