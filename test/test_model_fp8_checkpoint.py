@@ -13,6 +13,7 @@ from safetensors.torch import load_file, save_file
 from orin_vlm_node.engine import Engine, EngineConfig
 from orin_vlm_node.model import CheckpointError, load_model
 from orin_vlm_node.model import fp8_weights as fp8_module
+from orin_vlm_node.model.fp8_weights import Fp8Weights, Fp8Widener
 from orin_vlm_node.model.loader import checkpoint_views, name_to_checkpoint_key
 from orin_vlm_node.model.quant import QuantizedLinear, WeightQuant
 from support.checkpoints import cached_tiny_checkpoint, fp8_copy
@@ -75,6 +76,19 @@ def test_every_fp8_weight_is_its_values_times_the_scale_of_its_block(
     for key, value in stored.items():
         if key in views and key not in fp8_keys(stored):
             assert torch.equal(views[key], value.to(dtype)), key
+
+
+@pytest.mark.parametrize("block", [(3, 5), None])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_every_finite_e4m3_code_widens_to_torchs_value_of_it(block, dtype):
+    codes = torch.arange(256, dtype=torch.uint8)
+    finite = codes[~codes.view(torch.float8_e4m3fn).float().isnan()]  # 254: both zeros, subnormals, up to +-448
+    weight = torch.cat([finite, finite.flip(0)]).view(torch.float8_e4m3fn).view(4, 127)  # each code in 2 blocks
+    scale = torch.rand(2, 26) * 2.0**-6 if block else torch.tensor(3.0e-3)
+    out = torch.empty(4, 127, dtype=dtype)
+    Fp8Widener(Fp8Weights(block), torch.device("cpu")).widen_into(out, weight, scale)
+    stored = {"w.weight": weight, "w.weight_scale_inv": scale}
+    assert torch.equal(out, widened(stored, "w.weight", block).to(dtype))
 
 
 @pytest.mark.parametrize("mode", ["int8", "int4"])

@@ -25,7 +25,7 @@ from torch import nn
 from .config import ModelConfig
 from .dtypes import resolve_dtype
 from .errors import CheckpointError
-from .fp8_weights import ACTIVATION_SCALE_SUFFIXES, SCALE_SUFFIX, WEIGHT_DTYPE, Fp8Weights
+from .fp8_weights import ACTIVATION_SCALE_SUFFIXES, SCALE_SUFFIX, WEIGHT_DTYPE, Fp8Weights, Fp8Widener
 from .quant import QuantizedLinear, WeightQuant, weight_bytes
 from .qwen3_vl import Qwen3VLModel
 from .text import FusedLinear
@@ -57,6 +57,7 @@ def load_model(
     expected = {name: tuple(view.shape) for name, view in checkpoint_views(model).items()}
     plan, scale_keys = _plan(files, expected, config.tie_word_embeddings, config.fp8)
     scales = _read(scale_keys)  # parameter name -> scale of its FP8 weight (small: one number per block)
+    widener = Fp8Widener(config.fp8, torch.device(device)) if config.fp8 else None
     quantizer = _QuantizeOnLoad(model, quant, target, torch.device(device)) if quant and quant.mode != "none" else None
     _materialize(model, target, torch.device(device), skip=quantizer.deferred if quantizer else frozenset())
     views = checkpoint_views(model)
@@ -88,7 +89,7 @@ def load_model(
                     raise CheckpointError(f"{file.name}: tensor {key} has non-float dtype {tensor.dtype}")
                 view = quantizer.target(name) if quantizer and name in quantizer.owner else views[name]
                 if name in scales:
-                    config.fp8.widen_into(view, tensor, scales.pop(name))
+                    widener.widen_into(view, tensor, scales.pop(name))
                 else:
                     view.copy_(tensor)
                 done_bytes += view.numel() * view.element_size()
@@ -100,6 +101,9 @@ def load_model(
                     last_report = time.perf_counter()
     if quantizer:
         quantizer.finish()
+    del widener
+    if torch.device(device).type == "cuda":
+        torch.cuda.empty_cache()  # the working copies of widening and quantizing: on a Jetson, the robot's RAM
     model.init_buffers()
     model.eval()
     logger.info(
