@@ -16,7 +16,8 @@ Token ids follow the tiny tokenizer (:mod:`support.tokenizer`): ``<|endoftext|>`
   heads, head_dim 128) with a narrow hidden size and few layers: paging overhead lives in attention, so
   this keeps attention's share of a step realistic at a fraction of the 2B's cost. It is talkative (see
   :func:`make_tiny_checkpoint`): the paged benchmark steps engines one streamed token at a time.
-* :func:`fp8_copy`: a checkpoint's linear weights rewritten in FP8 with block scales, Qwen's ``-FP8`` layout.
+* :func:`fp8_copy`: a checkpoint's linear weights rewritten in FP8 with scales, in Qwen's ``-FP8`` layout or
+  llm-compressor's.
 * :func:`big_checkpoint`: every text and vision dimension of a real config (e.g. Qwen3-VL-2B: vocab 151936,
   28 layers, 24-layer vision tower), stored bf16 (~4.3 GB).
 """
@@ -231,14 +232,20 @@ def fp8_copy(
     block: tuple[int, int] | None,
     scale_dtype: torch.dtype = torch.float32,
     activation_scales: bool = False,
+    compressed_tensors: str | None = None,
 ) -> Path:
-    """A copy of checkpoint ``src`` in ``dst`` stored as fine-grained FP8, the layout Qwen's ``-FP8`` models use.
+    """A copy of checkpoint ``src`` in ``dst`` with its linear weights stored in FP8.
 
     Every 2-D ``.weight`` other than the embedding tables and the LM head (the linear layers, what FP8
-    conversion converts) becomes float8_e4m3fn with a ``weight_scale_inv`` per ``block`` (rows, columns) of
-    weights, or one per tensor with ``block`` None: the block's largest magnitude / 448 (e4m3's largest), as
-    a power of two above it for ``float8_e8m0fnu`` scales. Blocks that do not divide a dimension leave a partial
-    last block. ``activation_scales`` adds the ``input_scale`` a static activation scheme stores.
+    conversion converts) becomes float8_e4m3fn with a scale per block of weights: the block's largest
+    magnitude / 448 (e4m3's largest), as a power of two above it for ``float8_e8m0fnu`` scales. Blocks that
+    do not divide a dimension leave a partial last block. ``activation_scales`` adds the ``input_scale`` a
+    static activation scheme stores.
+
+    Layout: Qwen's ``-FP8`` one (``quant_method: fp8``, ``weight_scale_inv``, ``block`` (rows, columns) or
+    one scale per tensor with None), or with ``compressed_tensors`` set to a strategy (``tensor``,
+    ``channel``, ``group``: blocks of (1, ``block[1]``), ``block``: of ``block``) llm-compressor's
+    float-quantized one (``quant_method: compressed-tensors``, ``weight_scale``).
     """
     from safetensors.torch import load_file, save_file
 
@@ -250,7 +257,8 @@ def fp8_copy(
             out[key] = w
             continue
         n, k = w.shape
-        bn, bk = block or (n, k)
+        strategy = compressed_tensors or ("block" if block else "tensor")
+        bn, bk = {"tensor": (n, k), "channel": (1, k), "group": (1, block[1] if block else k)}.get(strategy, block)
         grid = (-(-n // bn), -(-k // bk))
         padded = torch.nn.functional.pad(w.float(), (0, grid[1] * bk - k, 0, grid[0] * bn - n))
         blocks = padded.view(grid[0], bn, grid[1], bk)
@@ -260,22 +268,51 @@ def fp8_copy(
         scale = scale.to(scale_dtype)
         q = (blocks / scale.float()[:, None, :, None]).clamp(-448, 448).view(padded.shape)[:n, :k]
         out[key] = q.to(torch.float8_e4m3fn)
-        module = key.removesuffix(".weight")
-        out[module + ".weight_scale_inv"] = scale if block else scale.reshape(())
+        if strategy == "tensor":
+            scale = scale.reshape((1,) if compressed_tensors else ())
+        out[key + ("_scale" if compressed_tensors else "_scale_inv")] = scale
         if activation_scales:
-            out[module + ".input_scale"] = torch.ones((), dtype=torch.float32)
+            out[key.removesuffix(".weight") + ".input_scale"] = torch.ones((), dtype=torch.float32)
     save_file(out, str(dst / "model.safetensors"), metadata={"format": "pt"})
     config = json.loads((dst / "config.json").read_text())
-    config["quantization_config"] = {
-        "quant_method": "fp8",
-        "fmt": "e4m3",
-        "activation_scheme": "static" if activation_scales else "dynamic",
-        "weight_block_size": list(block) if block else None,
-        "modules_to_not_convert": ["lm_head"],
-        **({"scale_fmt": "ue8m0"} if scale_dtype == torch.float8_e8m0fnu else {}),
-    }
+    config["quantization_config"] = (
+        _compressed_tensors_config(compressed_tensors, block, activation_scales)
+        if compressed_tensors
+        else {
+            "quant_method": "fp8",
+            "fmt": "e4m3",
+            "activation_scheme": "static" if activation_scales else "dynamic",
+            "weight_block_size": list(block) if block else None,
+            "modules_to_not_convert": ["lm_head"],
+            **({"scale_fmt": "ue8m0"} if scale_dtype == torch.float8_e8m0fnu else {}),
+        }
+    )
     _write_json(dst / "config.json", config)
     return dst
+
+
+def _compressed_tensors_config(strategy: str, block: tuple[int, int] | None, static: bool) -> dict:
+    """llm-compressor's quantization_config for FP8 weights with ``strategy`` (an FP8_DYNAMIC-like scheme)."""
+    weights = {
+        "num_bits": 8,
+        "type": "float",
+        "symmetric": True,
+        "dynamic": False,
+        "strategy": strategy,
+        "group_size": block[1] if strategy == "group" and block else None,
+        "block_structure": list(block) if strategy == "block" and block else None,
+        "observer": "minmax",
+    }
+    activations = {"num_bits": 8, "type": "float", "symmetric": True, "observer": None,
+                   "strategy": "tensor" if static else "token", "dynamic": not static}  # fmt: skip
+    return {
+        "quant_method": "compressed-tensors",
+        "format": "float-quantized",
+        "quantization_status": "compressed",
+        "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights, "input_activations": activations}},
+        "ignore": ["lm_head"],
+        "kv_cache_scheme": None,
+    }
 
 
 @functools.cache

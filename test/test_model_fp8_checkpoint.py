@@ -1,6 +1,6 @@
-"""Checkpoints stored as fine-grained FP8 (Qwen's ``-FP8`` layout) are widened on load exactly as transformers
-widens them, also with partial blocks, power-of-two scales and quantization on top; malformed ones are refused
-by name before any weight is read."""
+"""Checkpoints whose linear weights are stored in FP8 (Qwen's ``-FP8`` layout, llm-compressor's float-quantized
+one) are widened on load exactly as transformers widens them, also with partial blocks, power-of-two scales and
+quantization on top; malformed ones are refused by name before any weight is read."""
 
 from __future__ import annotations
 
@@ -26,53 +26,81 @@ def source():
     return cached_tiny_checkpoint(layers=2, tie=False, dtype=torch.bfloat16)
 
 
-def widened(stored: dict[str, torch.Tensor], key: str, block: tuple[int, int] | None) -> torch.Tensor:
+def covered(strategy: str, block: tuple[int, int] | None, shape: tuple[int, int]) -> tuple[int, int]:
+    """(rows, columns) one scale covers in a weight of ``shape``."""
+    n, k = shape
+    return {"tensor": (n, k), "channel": (1, k), "group": (1, block[1] if block else k)}.get(strategy, block)
+
+
+def widened(stored: dict[str, torch.Tensor], key: str, strategy: str, block) -> torch.Tensor:
     """``w[n, k] = q[n, k] * s[n // bn, k // bk]`` in fp32, each weight's scale picked by index."""
-    q, s = stored[key].float(), stored[key.removesuffix(".weight") + ".weight_scale_inv"].float()
-    if block is None:
-        return q * s
-    rows = torch.arange(q.shape[0]) // block[0]
-    cols = torch.arange(q.shape[1]) // block[1]
-    return q * s[rows][:, cols]
+    q = stored[key].float()
+    s = (stored.get(key + "_scale_inv", stored.get(key + "_scale"))).float()
+    bn, bk = covered(strategy, block, tuple(q.shape))
+    grid = s.reshape(-(-q.shape[0] // bn), -(-q.shape[1] // bk))
+    return q * grid[torch.arange(q.shape[0]) // bn][:, torch.arange(q.shape[1]) // bk]
 
 
 def fp8_keys(stored: dict[str, torch.Tensor]) -> list[str]:
     return [k for k, v in stored.items() if v.dtype == torch.float8_e4m3fn]
 
 
-def test_an_fp8_checkpoint_loads_to_the_weights_transformers_widens_it_to(source, tmp_path):
-    from transformers import Qwen3VLForConditionalGeneration
-
-    ckpt = fp8_copy(source, tmp_path / "fp8", block=(16, 32))
-    reference = Qwen3VLForConditionalGeneration.from_pretrained(ckpt, dtype=torch.float32).state_dict()
-    model = load_model(ckpt, dtype=torch.float32)
-    views = checkpoint_views(model)
-    assert set(map(name_to_checkpoint_key, views)) <= set(reference)
-    for name, view in views.items():
-        assert torch.equal(view, reference[name_to_checkpoint_key(name)]), name
-    stored = load_file(str(ckpt / "model.safetensors"))
-    assert len(fp8_keys(stored)) == 2 * 7 + 3 * 4 + 2 * 3  # decoder, vision blocks, merger + DeepStack mergers
-    assert not torch.equal(reference[DEQ_KEY], load_file(str(source / "model.safetensors"))[DEQ_KEY].float())
+def by_key(model) -> dict[str, torch.Tensor]:
+    return {name_to_checkpoint_key(name): view for name, view in checkpoint_views(model).items()}
 
 
 @pytest.mark.parametrize(
-    "block, scale_dtype, dtype",
+    "layout, block, scale_dtype, dtype",
     [
-        ((24, 40), torch.float32, torch.bfloat16),  # partial last blocks along both dimensions
-        ((24, 40), torch.float8_e8m0fnu, torch.float32),  # ue8m0: power-of-two scales
-        (None, torch.float32, torch.float16),  # one scale per tensor
-        ((1, 256), torch.bfloat16, torch.float32),  # a block wider than some matrices
+        (None, (16, 32), torch.float32, torch.float32),  # Qwen's -FP8: fp32 scales per block
+        ("channel", None, torch.bfloat16, torch.bfloat16),  # llm-compressor FP8_DYNAMIC
+        ("block", (16, 32), torch.bfloat16, torch.bfloat16),
+        ("group", (1, 32), torch.bfloat16, torch.bfloat16),
+        ("tensor", None, torch.bfloat16, torch.bfloat16),
+    ],
+)
+@pytest.mark.filterwarnings("ignore:You passed `quantization_config`:UserWarning")  # dequantize=True on purpose
+def test_an_fp8_checkpoint_loads_to_the_weights_transformers_widens_it_to(
+    source, tmp_path, layout, block, scale_dtype, dtype
+):
+    """transformers widens a compressed-tensors checkpoint in the scales' dtype (bf16 here) and a fine-grained
+    FP8 one in fp32: in that dtype the values are the same to the bit."""
+    from transformers import CompressedTensorsConfig, Qwen3VLForConditionalGeneration
+
+    ckpt = fp8_copy(source, tmp_path / "fp8", block=block, scale_dtype=scale_dtype, compressed_tensors=layout)
+    extra = {"quantization_config": CompressedTensorsConfig(dequantize=True)} if layout else {}
+    reference = Qwen3VLForConditionalGeneration.from_pretrained(ckpt, dtype=dtype, **extra).state_dict()
+    views = by_key(load_model(ckpt, dtype=dtype))
+    assert set(views) <= set(reference)
+    for key, view in views.items():
+        assert torch.equal(view, reference[key]), key
+    stored = load_file(str(ckpt / "model.safetensors"))
+    assert len(fp8_keys(stored)) == 2 * 7 + 3 * 4 + 2 * 3  # decoder, vision blocks, merger + DeepStack mergers
+    assert not torch.equal(reference[DEQ_KEY], load_file(str(source / "model.safetensors"))[DEQ_KEY].to(dtype))
+
+
+@pytest.mark.parametrize(
+    "layout, block, scale_dtype, dtype",
+    [
+        (None, (24, 40), torch.float32, torch.bfloat16),  # partial last blocks along both dimensions
+        (None, (24, 40), torch.float8_e8m0fnu, torch.float32),  # ue8m0: power-of-two scales
+        (None, None, torch.float32, torch.float16),  # one scale per tensor
+        (None, (1, 256), torch.bfloat16, torch.float32),  # a block wider than some matrices
+        ("block", (24, 40), torch.float32, torch.float32),
+        ("group", (1, 48), torch.float16, torch.float32),  # a group that does not divide K
+        ("channel", None, torch.float32, torch.float32),
     ],
 )
 def test_every_fp8_weight_is_its_values_times_the_scale_of_its_block(
-    source, tmp_path, monkeypatch, block, scale_dtype, dtype
+    source, tmp_path, monkeypatch, layout, block, scale_dtype, dtype
 ):
     monkeypatch.setattr(fp8_module, "WIDEN_ELEMENTS", 1000)  # many pieces per matrix
-    ckpt = fp8_copy(source, tmp_path / "fp8", block=block, scale_dtype=scale_dtype)
+    ckpt = fp8_copy(source, tmp_path / "fp8", block=block, scale_dtype=scale_dtype, compressed_tensors=layout)
     stored = load_file(str(ckpt / "model.safetensors"))
-    views = {name_to_checkpoint_key(name): view for name, view in checkpoint_views(load_model(ckpt, dtype)).items()}
+    views = by_key(load_model(ckpt, dtype))
+    strategy = layout or ("block" if block else "tensor")
     for key in fp8_keys(stored):
-        assert torch.equal(views[key], widened(stored, key, block).to(dtype)), key
+        assert torch.equal(views[key], widened(stored, key, strategy, block).to(dtype)), key
     for key, value in stored.items():
         if key in views and key not in fp8_keys(stored):
             assert torch.equal(views[key], value.to(dtype)), key
@@ -86,9 +114,10 @@ def test_every_finite_e4m3_code_widens_to_torchs_value_of_it(block, dtype):
     weight = torch.cat([finite, finite.flip(0)]).view(torch.float8_e4m3fn).view(4, 127)  # each code in 2 blocks
     scale = torch.rand(2, 26) * 2.0**-6 if block else torch.tensor(3.0e-3)
     out = torch.empty(4, 127, dtype=dtype)
-    Fp8Widener(Fp8Weights(block), torch.device("cpu")).widen_into(out, weight, scale)
+    strategy = "block" if block else "tensor"
+    Fp8Widener(Fp8Weights(strategy, block, "_scale_inv"), torch.device("cpu")).widen_into(out, weight, scale)
     stored = {"w.weight": weight, "w.weight_scale_inv": scale}
-    assert torch.equal(out, widened(stored, "w.weight", block).to(dtype))
+    assert torch.equal(out, widened(stored, "w.weight", strategy, block).to(dtype))
 
 
 @pytest.mark.parametrize("mode", ["int8", "int4"])
@@ -116,7 +145,7 @@ def test_scales_in_another_shard_than_their_weights_are_found(source, tmp_path):
     (ckpt / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
     views = {name_to_checkpoint_key(n): v for n, v in checkpoint_views(load_model(ckpt)).items()}
     for key in fp8_keys(stored):
-        assert torch.equal(views[key], widened(stored, key, (16, 32))), key
+        assert torch.equal(views[key], widened(stored, key, "block", (16, 32))), key
 
 
 def test_static_activation_scales_are_not_needed(source, tmp_path):
@@ -126,7 +155,7 @@ def test_static_activation_scales_are_not_needed(source, tmp_path):
     model = load_model(ckpt)
     key = fp8_keys(stored)[0]
     view = {name_to_checkpoint_key(n): v for n, v in checkpoint_views(model).items()}[key]
-    assert torch.equal(view, widened(stored, key, (16, 32)))
+    assert torch.equal(view, widened(stored, key, "block", (16, 32)))
 
 
 def test_the_engine_reports_the_stored_format(source, tmp_path):
@@ -135,6 +164,10 @@ def test_the_engine_reports_the_stored_format(source, tmp_path):
         "fp8 e4m3, a scale per 16x32 block"
     )
     assert Engine(EngineConfig(model_path=str(source), device="cpu")).describe()["checkpoint_weights"] == "float"
+    channels = fp8_copy(source, tmp_path / "channels", block=None, compressed_tensors="channel")
+    assert Engine(EngineConfig(model_path=str(channels), device="cpu")).describe()["checkpoint_weights"] == (
+        "fp8 e4m3, a scale per output channel"
+    )
 
 
 def rewrite(ckpt, change) -> None:
@@ -190,6 +223,33 @@ def test_an_fp8_weight_without_a_fitting_scale_is_refused_naming_it(source, tmp_
 )
 def test_a_config_that_does_not_describe_the_fp8_weights_is_refused(source, tmp_path, change, message):
     ckpt = fp8_copy(source, tmp_path / "fp8", block=(16, 32))
+    edit_config(ckpt, change)
+    with pytest.raises(CheckpointError, match=message):
+        load_model(ckpt)
+
+
+def weights_of(config: dict) -> dict:
+    return config["quantization_config"]["config_groups"]["group_0"]["weights"]
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (
+            lambda c: c["quantization_config"].update(format="pack-quantized"),
+            r"already quantized \(compressed-tensors, format 'pack-quantized'\)",
+        ),
+        (lambda c: weights_of(c).update(type="int", num_bits=4), r"reads FP8 weights \(float-quantized, 8-bit float\)"),
+        (lambda c: weights_of(c).update(symmetric=False), r"mixed or asymmetric weight schemes"),
+        (lambda c: weights_of(c).update(strategy="tensor_group"), r"strategy 'tensor_group'"),
+        (lambda c: c["quantization_config"].update(kv_cache_scheme={"num_bits": 8}), r"quantized KV cache"),
+        (lambda c: c["quantization_config"].update(quantization_status="frozen"), r"status 'frozen'"),
+    ],
+)
+def test_a_compressed_tensors_checkpoint_that_is_not_fp8_weights_is_refused_naming_why(
+    source, tmp_path, change, message
+):
+    ckpt = fp8_copy(source, tmp_path / "ct", block=None, compressed_tensors="channel")
     edit_config(ckpt, change)
     with pytest.raises(CheckpointError, match=message):
         load_model(ckpt)

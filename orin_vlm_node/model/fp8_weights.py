@@ -1,23 +1,30 @@
-"""Checkpoints whose linear weights are stored in FP8 with block scales (config.json ``quant_method: fp8``).
+"""Checkpoints whose linear weights are stored in FP8 with scales, widened to the model's dtype on load.
 
-Why: Qwen publishes Qwen3-VL in this format beside bf16 (the ``-FP8`` model repositories), at about half
-the download and disk size -- what a robot with a small eMMC and a slow uplink wants to fetch. A Jetson
-Orin (sm_87) has no FP8 arithmetic, so each weight is widened to the model's dtype as it streams in; with
-``weight_quant`` the decoder projections are then stored as INT8/INT4 from the widened values, as from any
-float checkpoint.
+Why: Qwen publishes Qwen3-VL in FP8 beside bf16 (the ``-FP8`` model repositories), and llm-compressor's
+``FP8_DYNAMIC`` checkpoints (e.g. RedHatAI's) are the other common FP8 release, at about half the download
+and disk size -- what a robot with a small eMMC and a slow uplink wants to fetch. A Jetson Orin (sm_87) has
+no FP8 arithmetic, so each weight is widened to the model's dtype as it streams in; with ``weight_quant``
+the decoder projections are then stored as INT8/INT4 from the widened values, as from any float checkpoint.
 
-Layout ("fine-grained FP8", as transformers saves it): a converted linear's ``<module>.weight`` is
-float8_e4m3fn (N, K) and ``<module>.weight_scale_inv`` holds one scale per block of ``weight_block_size =
-[bn, bk]`` weights, shape (ceil(N / bn), ceil(K / bk)): ``w[n, k] = q[n, k] * s[n // bn, k // bk]`` (a last
-block row or column that the block size does not divide is a partial block with its own scale). Without
-``weight_block_size`` the scale is one number for the whole tensor. Scales are float32, or powers of two
-stored as float8_e8m0fnu (``scale_fmt: ue8m0``). Modules listed in ``modules_to_not_convert`` are ordinary
-float tensors. Activation scales (``activation_scheme: static``) are not used: activations stay in the
-model's dtype, which only removes a rounding step.
+In both layouts a converted linear's ``<module>.weight`` is float8_e4m3fn (N, K) and a scale tensor beside
+it holds one scale per block of (bn, bk) weights, shape (ceil(N / bn), ceil(K / bk)):
+``w[n, k] = q[n, k] * s[n // bn, k // bk]`` (a last block row or column that the block size does not divide
+is a partial block with its own scale). The two layouts differ in names and in which blocks they allow:
 
-Every other stored-quantized format (AWQ, GPTQ, compressed-tensors, bitsandbytes, ...) is refused by name:
-their 4-bit layouts differ from this node's INT4, and reading one wrongly would give a running model with
-wrong answers.
+* ``quant_method: fp8`` ("fine-grained FP8", Qwen's and DeepSeek's; as transformers saves it): the scale
+  is ``<module>.weight_scale_inv``, blocks of ``weight_block_size = [bn, bk]`` or, without it, one scale
+  for the tensor. Scales are float32, or powers of two stored as float8_e8m0fnu (``scale_fmt: ue8m0``).
+* ``quant_method: compressed-tensors`` with ``format: float-quantized`` (llm-compressor): the scale is
+  ``<module>.weight_scale``; the config group's ``weights`` (8-bit float, symmetric) say the ``strategy``:
+  ``tensor`` (one scale), ``channel`` (one per output row, (N, 1)), ``group`` (1 x ``group_size``) or
+  ``block`` (``block_structure``).
+
+Modules left unconverted are ordinary float tensors. Activation scales (a static activation scheme) are
+not used: activations stay in the model's dtype, which only removes a rounding step.
+
+Every other stored-quantized format (AWQ, GPTQ, compressed-tensors' packed integers, bitsandbytes, ...) is
+refused by name: their 4-bit layouts differ from this node's INT4, and reading one wrongly would give a
+running model with wrong answers.
 """
 
 from __future__ import annotations
@@ -29,41 +36,90 @@ import torch
 
 from .errors import CheckpointError
 
-SCALE_SUFFIX = "_scale_inv"  # "<module>.weight" + this = its scale's key
 ACTIVATION_SCALE_SUFFIXES = (".input_scale", ".activation_scale")
 WEIGHT_DTYPE = "F8_E4M3"  # safetensors' name for float8_e4m3fn
 SCALE_DTYPES = ("F32", "BF16", "F16", "F8_E8M0")
 WIDEN_ELEMENTS = 1 << 24  # weights widened at a time (64 MB of fp32 working copy)
+STRATEGIES = ("tensor", "channel", "group", "block")
 
 
 @dataclass(frozen=True)
 class Fp8Weights:
-    """How a checkpoint's FP8 weights are scaled: one scale per ``block`` (rows, columns), or per tensor."""
+    """How a checkpoint's FP8 weights are scaled: which ``strategy`` (one of STRATEGIES), the block a scale
+    covers where that is fixed (``block``: (rows, columns); group: (1, group size)), and the key suffix of a
+    weight's scale (``"_scale_inv"``: ``<module>.weight_scale_inv``)."""
 
+    strategy: str
     block: tuple[int, int] | None
+    scale_suffix: str
 
     @classmethod
-    def from_spec(cls, spec: dict[str, Any]) -> Fp8Weights:
-        """From config.json's ``quantization_config`` (``quant_method: fp8``); CheckpointError if it names an
-        FP8 variant this node does not read."""
+    def from_fp8_spec(cls, spec: dict[str, Any]) -> Fp8Weights:
+        """From a ``quant_method: fp8`` quantization_config; CheckpointError for a variant not read here."""
         fmt = spec.get("fmt", "e4m3")
         if fmt != "e4m3":
             raise CheckpointError(f"FP8 checkpoint with fmt {fmt!r}: only e4m3 weights are read")
         block = spec.get("weight_block_size")
         if block is None:
-            return cls(None)
-        if not (
-            isinstance(block, (list, tuple))
-            and len(block) == 2
-            and all(isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in block)
+            return cls("tensor", None, "_scale_inv")
+        return cls("block", _block(block, "quantization_config.weight_block_size"), "_scale_inv")
+
+    @classmethod
+    def from_compressed_tensors(cls, spec: dict[str, Any]) -> Fp8Weights:
+        """From a ``quant_method: compressed-tensors`` quantization_config whose weights are stored as
+        symmetric 8-bit floats (``format: float-quantized``, every config group alike); CheckpointError naming
+        what else it stores."""
+        fmt, status = spec.get("format"), spec.get("quantization_status", "compressed")
+        groups = spec.get("config_groups")
+        weights = [g.get("weights") for g in groups.values()] if isinstance(groups, dict) else []
+        if (
+            fmt not in ("float-quantized", "naive-quantized")
+            or status != "compressed"
+            or not weights
+            or any(not isinstance(w, dict) or w.get("type") != "float" or w.get("num_bits") != 8 for w in weights)
         ):
-            raise CheckpointError(f"quantization_config.weight_block_size must be two positive integers, got {block!r}")
-        return cls((block[0], block[1]))
+            what = f"format {fmt!r}" + (f", status {status!r}" if status != "compressed" else "")
+            raise CheckpointError(
+                f"the checkpoint is already quantized (compressed-tensors, {what}); of compressed-tensors "
+                "checkpoints this node reads FP8 weights (float-quantized, 8-bit float) only"
+            )
+        if any(w != weights[0] for w in weights) or not weights[0].get("symmetric", True):
+            raise CheckpointError("compressed-tensors FP8 checkpoint with mixed or asymmetric weight schemes")
+        if spec.get("kv_cache_scheme"):
+            raise CheckpointError("compressed-tensors checkpoint with a quantized KV cache: not read")
+        w = weights[0]
+        strategy = w.get("strategy")
+        if strategy == "block":
+            return cls("block", _block(w.get("block_structure"), "weights.block_structure"), "_scale")
+        if strategy == "group":
+            size = w.get("group_size")
+            return cls("group", (1, _block([1, size], "weights.group_size")[1]), "_scale")
+        if strategy in ("tensor", "channel"):
+            return cls(strategy, None, "_scale")
+        raise CheckpointError(f"compressed-tensors FP8 weights with strategy {strategy!r}: {', '.join(STRATEGIES)}")
 
     def describe(self) -> str:
         """For logs and diagnostics, e.g. ``fp8 e4m3, a scale per 128x128 block``."""
-        per = f"{self.block[0]}x{self.block[1]} block" if self.block else "tensor"
+        per = {
+            "tensor": "tensor",
+            "channel": "output channel",
+            "group": f"group of {self.block[1] if self.block else 0}",
+            "block": f"{self.block[0]}x{self.block[1]} block" if self.block else "",
+        }[self.strategy]
         return f"fp8 e4m3, a scale per {per}"
+
+    def scale_key(self, weight_key: str) -> str:
+        return weight_key + self.scale_suffix
+
+    def grid(self, shape: tuple[int, int]) -> tuple[int, int]:
+        """The shape of the scales of a weight of ``shape`` (N, K)."""
+        n, k = shape
+        if self.strategy == "tensor":
+            return 1, 1
+        if self.strategy == "channel":
+            return n, 1
+        bn, bk = self.block or (1, 1)
+        return -(-n // bn), -(-k // bk)
 
     def problem(self, key: str, shape: tuple[int, ...], scale: tuple[str, tuple[int, ...]] | None) -> str | None:
         """What is wrong with the FP8 tensor ``key`` of ``shape`` and its scale (safetensors dtype, shape), or
@@ -71,24 +127,47 @@ class Fp8Weights:
         if len(shape) != 2:
             return f"{key} is FP8 with shape {list(shape)}; only 2-D linear weights are read as FP8"
         if scale is None:
-            return f"{key} is FP8 but the checkpoint has no {key}{SCALE_SUFFIX}"
+            return f"{key} is FP8 but the checkpoint has no {self.scale_key(key)}"
         dtype, scale_shape = scale
         if dtype not in SCALE_DTYPES:
-            return f"{key}{SCALE_SUFFIX} is {dtype}; scales are read as {', '.join(SCALE_DTYPES)}"
-        if self.block is None:
-            fits = len(scale_shape) <= 2 and all(d == 1 for d in scale_shape)
-            want = "one number"
-        else:
-            grid = (-(-shape[0] // self.block[0]), -(-shape[1] // self.block[1]))
-            fits, want = tuple(scale_shape) == grid, str(list(grid))
-        return None if fits else f"{key}{SCALE_SUFFIX} has shape {list(scale_shape)}, expected {want}"
+            return f"{self.scale_key(key)} is {dtype}; scales are read as {', '.join(SCALE_DTYPES)}"
+        grid = self.grid((shape[0], shape[1]))
+        kept = [d for d in scale_shape if d != 1]  # (N,) for (N, 1) and () for (1, 1) are the same scales
+        if len(scale_shape) <= 2 and kept == [d for d in grid if d != 1]:
+            return None
+        return f"{self.scale_key(key)} has shape {list(scale_shape)}, expected {list(grid)}"
+
+    def blocks(self, scale: torch.Tensor, shape: tuple[int, int]) -> tuple[torch.Tensor, int, int]:
+        """(scales as a (rows, columns) grid, rows a scale covers, columns a scale covers) for a weight of
+        ``shape``; one scale for the tensor is a column of N equal scales (a view), so that pieces of a few
+        rows stay the unit of work."""
+        n, k = shape
+        if self.strategy == "tensor":
+            return scale.reshape(1, 1).expand(n, 1), 1, k
+        if self.strategy == "channel":
+            return scale.reshape(n, 1), 1, k
+        bn, bk = self.block or (1, 1)
+        return scale.reshape(self.grid(shape)), bn, bk
+
+
+def _block(value: Any, where: str) -> tuple[int, int]:
+    if not (
+        isinstance(value, (list, tuple))
+        and len(value) == 2
+        and all(isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in value)
+    ):
+        raise CheckpointError(f"{where} must be two positive integers, got {value!r}")
+    return value[0], value[1]
 
 
 class Fp8Widener:
     """Widens the FP8 weights of one checkpoint load into their parameters, on ``device``.
 
-    ``out = q * s`` is computed in fp32 (an e4m3 value is exact in fp32) and rounded once to ``out``'s dtype,
-    which is what transformers loads from the same files. On the target device (the one byte a weight
+    ``out = q * s`` is computed in fp32 (an e4m3 value is exact in fp32) and rounded once to ``out``'s dtype.
+    That is what transformers loads from the same files: it widens fine-grained FP8 the same way, and
+    compressed-tensors weights in their scales' dtype, which gives the same values when the model runs in
+    that dtype (a bf16 scale's product with an e4m3 value is exact in fp32, so both round once) and less
+    exact ones otherwise. On the target device (the one byte a weight
     travels, not four) and WIDEN_ELEMENTS weights at a time, in two work buffers reused from piece to piece
     and dropped with the widener (96 MB at most, next to the 8B's largest matrices of 50M weights).
 
@@ -99,28 +178,19 @@ class Fp8Widener:
     """
 
     def __init__(self, stored: Fp8Weights, device: torch.device) -> None:
-        self.block, self.device = stored.block, device
+        self.stored, self.device = stored, device
         self._bits: torch.Tensor | None = None  # int16 work buffer
         self._wide: torch.Tensor | None = None  # fp32 work buffer, as many elements
 
     def widen_into(self, out: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> None:
         """``out`` (N, K), in its own dtype, = the FP8 ``weight`` (N, K) times its ``scale`` (module docstring)."""
         n, k = weight.shape
-        s = scale.to(self.device, torch.float32) * 256.0  # _as_fp16 gives the value / 2^8
-        if self.block is None:
-            bn, by_column = 1, s.reshape(1, 1).expand(n, k)  # every row its own "block" of the one scale
-        else:
-            bn, bk = self.block
-            by_column = s.repeat_interleave(bk, dim=1)[:, :k]  # (ceil(N / bn), K)
+        grid, bn, bk = self.stored.blocks(scale.to(self.device, torch.float32) * 256.0, (n, k))  # _as_fp16: / 2^8
         step = max(1, WIDEN_ELEMENTS // (k * bn)) * bn  # whole block rows
         for first in range(0, n, step):
             rows = min(step, n - first)
             wide = self._as_fp16(weight[first : first + rows], rows * k)  # (rows, K) fp32, the values / 2^8
-            whole, lead = rows // bn, first // bn
-            if whole:
-                wide[: whole * bn].view(whole, bn, k).mul_(by_column[lead : lead + whole, None, :])
-            if rows % bn:
-                wide[whole * bn :].mul_(by_column[lead + whole])
+            _scale_in_place(wide, grid[first // bn : -(-(first + rows) // bn)], bn, bk)
             out[first : first + rows].copy_(wide)
 
     def _as_fp16(self, weight: torch.Tensor, count: int) -> torch.Tensor:
@@ -141,6 +211,23 @@ class Fp8Widener:
         return wide.copy_(bits.view(torch.float16))
 
 
+def _scale_in_place(wide: torch.Tensor, grid: torch.Tensor, bn: int, bk: int) -> None:
+    """``wide`` (rows, K) times its scales ``grid`` (ceil(rows / bn), ceil(K / bk)), each scale over its
+    block of bn x bk, through views (no scale is repeated in memory): the whole blocks, then a last block
+    row and a last block column that bn and bk do not divide."""
+    rows, k = wide.shape
+    whole_rows, whole_cols = rows // bn, k // bk
+    for r0, r1, g in ((0, whole_rows * bn, grid[:whole_rows]), (whole_rows * bn, rows, grid[whole_rows:])):
+        if r0 == r1:
+            continue
+        region = wide[r0:r1]
+        for c0, c1, part in ((0, whole_cols * bk, g[:, :whole_cols]), (whole_cols * bk, k, g[:, whole_cols:])):
+            if c0 == c1:
+                continue
+            tall, broad = (r1 - r0) // part.shape[0], (c1 - c0) // part.shape[1]
+            region[:, c0:c1].view(part.shape[0], tall, part.shape[1], broad).mul_(part[:, None, :, None])
+
+
 def stored_weights(config: dict[str, Any]) -> Fp8Weights | None:
     """How config.json says the weights are stored: None for float weights, :class:`Fp8Weights` for FP8;
     CheckpointError naming any other quantized format."""
@@ -150,10 +237,12 @@ def stored_weights(config: dict[str, Any]) -> Fp8Weights | None:
             continue
         method = (spec.get("quant_method") or spec.get("format")) if isinstance(spec, dict) else None
         if method == "fp8":
-            return Fp8Weights.from_spec(spec)
+            return Fp8Weights.from_fp8_spec(spec)
+        if method == "compressed-tensors":
+            return Fp8Weights.from_compressed_tensors(spec)
         raise CheckpointError(
             f"the checkpoint is already quantized ({method or 'unknown format'}); this node reads float "
-            "checkpoints (fp32/fp16/bf16) and FP8 ones with block scales (quant_method fp8), and quantizes them "
-            "itself with weight_quant=int8 or int4"
+            "checkpoints (fp32/fp16/bf16) and FP8 ones (quant_method fp8, or compressed-tensors float-quantized), "
+            "and quantizes them itself with weight_quant=int8 or int4"
         )
     return None

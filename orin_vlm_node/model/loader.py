@@ -25,7 +25,7 @@ from torch import nn
 from .config import ModelConfig
 from .dtypes import resolve_dtype
 from .errors import CheckpointError
-from .fp8_weights import ACTIVATION_SCALE_SUFFIXES, SCALE_SUFFIX, WEIGHT_DTYPE, Fp8Weights, Fp8Widener
+from .fp8_weights import ACTIVATION_SCALE_SUFFIXES, WEIGHT_DTYPE, Fp8Weights, Fp8Widener
 from .quant import QuantizedLinear, WeightQuant, weight_bytes
 from .qwen3_vl import Qwen3VLModel
 from .text import FusedLinear
@@ -268,9 +268,9 @@ def _plan(
             raise CheckpointError(f"{file}: cannot open as safetensors ({exc})") from exc
         with handle_ctx as handle:
             for key in handle.keys():
-                if fp8 and key.endswith(SCALE_SUFFIX):
+                if fp8 and key.endswith(".weight" + fp8.scale_suffix):
                     meta = handle.get_slice(key)
-                    owner = checkpoint_key_to_name(key.removesuffix(SCALE_SUFFIX))
+                    owner = checkpoint_key_to_name(key.removesuffix(fp8.scale_suffix))
                     scales[owner] = (file, key, meta.get_dtype(), tuple(meta.get_shape()))
                     continue
                 if fp8 and key.endswith(ACTIVATION_SCALE_SUFFIXES):
