@@ -9,9 +9,10 @@
   alone (what the mode sets) and the whole model (the LM head in int8, a tied one as a copy beside the
   embedding table; embeddings, norms and the vision tower in fp16).
 
-* Default model stored as FP8 (Qwen's ``-FP8`` layout: e4m3 weights, a scale per 128x128 block, written by
-  ``support.checkpoints.fp8_copy``): held-out exact match of the widened model, and with ``int4`` on top
-  (goal: within 1 point of the float checkpoint, like int8: FP8 keeps 3 mantissa bits per weight).
+* Default model stored as FP8 (written by ``support.checkpoints.fp8_copy``; Qwen's ``-FP8`` layout, e4m3
+  weights with a scale per 128x128 block, and llm-compressor's FP8_DYNAMIC one, a scale per output
+  channel): held-out exact match of the widened model, and with ``int4`` on top (goal: within 1 point of
+  the float checkpoint without int4, like int8: FP8 keeps 3 mantissa bits per weight).
 
 * CPU decode speed per mode on the 2B-shape checkpoint (fp32 activations, the CPU GEMM kernels reading the
   stored int8 / int4 weights): tokens/s of fixed-length answers, and each as a ratio to ``none``. No goal
@@ -37,8 +38,10 @@ BIG_TOKENS = 64
 BIG_PROMPT = "Describe what the robot sees in front of it and what it should do next."
 SPEED_TOKENS = 16  # per timed answer on the 2B-shape checkpoint (about a third of a second each on one core)
 SPEED_REPEATS = 3  # timed answers per mode, after one warm-up
-FP8_BLOCK = (128, 128)  # the block of Qwen's FP8 releases
-FP8_MODES = ("none", "int4")  # weight_quant on the widened FP8 checkpoint
+# FP8 copies of the default model: Qwen's -FP8 layout (128x128 blocks) and llm-compressor's FP8_DYNAMIC one
+# (a scale per output channel); each read with weight_quant none and int4.
+FP8_COPIES = {"fp8": {"block": (128, 128)}, "fp8_channel": {"block": None, "compressed_tensors": "channel"}}
+FP8_MODES = ("none", "int4")
 
 
 def _exact_match(model_dir: Path, mode: str, held_out: int) -> tuple[float, float]:
@@ -150,14 +153,15 @@ def _fp8(ctx: BenchContext, res: SectionResult, model_dir: Path, float_score: fl
     from support.checkpoints import fp8_copy
 
     with tempfile.TemporaryDirectory(prefix="fp8_default_") as tmp:
-        fp8 = fp8_copy(model_dir, Path(tmp) / "fp8", block=FP8_BLOCK)
-        for mode in FP8_MODES:
-            ctx.log(f"quantization: default model stored as FP8, weight_quant={mode}")
-            score, _ = _exact_match(fp8, mode, ctx.config.quant_held_out)
-            res.add(f"default.fp8_{mode}.exact_match", "fraction", [score],
-                    f"held-out greedy exact match, FP8 checkpoint, weight_quant={mode}", mode=mode)  # fmt: skip
-            res.add(f"default.fp8_{mode}.exact_match_drop", "points", [100 * (float_score - score)],
-                    "exact-match points lost vs the float checkpoint (none)", mode=mode)  # fmt: skip
+        for name, layout in FP8_COPIES.items():
+            fp8 = fp8_copy(model_dir, Path(tmp) / name, **layout)
+            for mode in FP8_MODES:
+                ctx.log(f"quantization: default model stored as {name}, weight_quant={mode}")
+                score, _ = _exact_match(fp8, mode, ctx.config.quant_held_out)
+                res.add(f"default.{name}_{mode}.exact_match", "fraction", [score],
+                        f"held-out greedy exact match, {name} copy, weight_quant={mode}", mode=mode)  # fmt: skip
+                res.add(f"default.{name}_{mode}.exact_match_drop", "points", [100 * (float_score - score)],
+                        "exact-match points lost vs the float checkpoint (none)", mode=mode)  # fmt: skip
 
 
 def run(ctx: BenchContext) -> SectionResult:
@@ -185,8 +189,8 @@ def run(ctx: BenchContext) -> SectionResult:
         held_out=held_out,
         big_tokens=BIG_TOKENS,
         summary=(
-            f"{what}: held-out exact match per weight_quant (int4 group 128), also read from an FP8 copy "
-            f"({FP8_BLOCK[0]}x{FP8_BLOCK[1]} blocks); 2B-shape random checkpoint: "
+            f"{what}: held-out exact match per weight_quant (int4 group 128), also read from FP8 copies "
+            f"({', '.join(FP8_COPIES)}); 2B-shape random checkpoint: "
             f"{BIG_TOKENS} greedy fp32 tokens fed through int8/int4 models, logit error and top-1 agreement; "
             f"CPU decode tok/s per mode ({SPEED_REPEATS} answers of {SPEED_TOKENS} tokens); weight bytes vs fp16."
         ),
