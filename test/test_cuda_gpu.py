@@ -646,3 +646,21 @@ def test_gpu_fused_norms_rope_and_silu_match_torch_ops_on_the_gpu(backend, dtype
     got = ops.silu_mul(gate_up)
     torch.testing.assert_close(got, want, rtol=tol, atol=tol)
     assert (got == want).float().mean() >= 0.99  # one exp, one division, one product: torch's very ops
+
+
+@pytest.mark.parametrize("layout", [None, "channel"])
+def test_gpu_an_fp8_checkpoint_widens_on_the_device_to_the_values_it_has_on_the_cpu(tmp_path, layout):
+    """On CUDA the FP8 weights travel as bytes and are widened on the GPU (integer shifts, an fp16 view, the
+    scales multiplied in place): the same values as the CPU load, which the CPU suite holds to transformers'."""
+    from orin_vlm_node.model import load_model
+    from orin_vlm_node.model.loader import checkpoint_views
+    from support.checkpoints import cached_tiny_checkpoint, fp8_copy
+
+    source = cached_tiny_checkpoint(layers=2, tie=False, dtype=torch.bfloat16)
+    block = None if layout else (24, 40)  # Qwen's layout with partial blocks; llm-compressor's per channel
+    ckpt = fp8_copy(source, tmp_path / "fp8", block=block, compressed_tensors=layout)
+    on_cpu = checkpoint_views(load_model(ckpt, torch.bfloat16))
+    on_gpu = checkpoint_views(load_model(ckpt, torch.bfloat16, device="cuda"))
+    assert all(v.is_cuda for v in on_gpu.values())
+    for name, value in on_cpu.items():
+        assert torch.equal(on_gpu[name].cpu(), value), name
