@@ -258,7 +258,7 @@ def fp8_copy(
             continue
         n, k = w.shape
         strategy = compressed_tensors or ("block" if block else "tensor")
-        bn, bk = {"tensor": (n, k), "channel": (1, k), "group": (1, block[1] if block else k)}.get(strategy, block)
+        bn, bk = fp8_covered(strategy, block, (n, k))
         grid = (-(-n // bn), -(-k // bk))
         padded = torch.nn.functional.pad(w.float(), (0, grid[1] * bk - k, 0, grid[0] * bn - n))
         blocks = padded.view(grid[0], bn, grid[1], bk)
@@ -289,6 +289,13 @@ def fp8_copy(
     )
     _write_json(dst / "config.json", config)
     return dst
+
+
+def fp8_covered(strategy: str, block: tuple[int, int] | None, shape: tuple[int, int]) -> tuple[int, int]:
+    """(rows, columns) one scale covers in a weight of ``shape`` written by :func:`fp8_copy` with ``strategy``
+    (``tensor``, ``channel``, ``group``: (1, ``block[1]``), ``block``: ``block``)."""
+    n, k = shape
+    return {"tensor": (n, k), "channel": (1, k), "group": (1, block[1] if block else k)}.get(strategy, block)
 
 
 def _compressed_tensors_config(strategy: str, block: tuple[int, int] | None, static: bool) -> dict:

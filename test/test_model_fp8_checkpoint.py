@@ -16,7 +16,7 @@ from orin_vlm_node.model import fp8_weights as fp8_module
 from orin_vlm_node.model.fp8_weights import Fp8Weights, Fp8Widener
 from orin_vlm_node.model.loader import checkpoint_views, name_to_checkpoint_key
 from orin_vlm_node.model.quant import QuantizedLinear, WeightQuant
-from support.checkpoints import cached_tiny_checkpoint, fp8_copy
+from support.checkpoints import cached_tiny_checkpoint, fp8_copy, fp8_covered
 
 DEQ_KEY = "model.language_model.layers.0.mlp.down_proj.weight"
 
@@ -26,17 +26,11 @@ def source():
     return cached_tiny_checkpoint(layers=2, tie=False, dtype=torch.bfloat16)
 
 
-def covered(strategy: str, block: tuple[int, int] | None, shape: tuple[int, int]) -> tuple[int, int]:
-    """(rows, columns) one scale covers in a weight of ``shape``."""
-    n, k = shape
-    return {"tensor": (n, k), "channel": (1, k), "group": (1, block[1] if block else k)}.get(strategy, block)
-
-
 def widened(stored: dict[str, torch.Tensor], key: str, strategy: str, block) -> torch.Tensor:
     """``w[n, k] = q[n, k] * s[n // bn, k // bk]`` in fp32, each weight's scale picked by index."""
     q = stored[key].float()
     s = (stored.get(key + "_scale_inv", stored.get(key + "_scale"))).float()
-    bn, bk = covered(strategy, block, tuple(q.shape))
+    bn, bk = fp8_covered(strategy, block, tuple(q.shape))
     grid = s.reshape(-(-q.shape[0] // bn), -(-q.shape[1] // bk))
     return q * grid[torch.arange(q.shape[0]) // bn][:, torch.arange(q.shape[1]) // bk]
 

@@ -93,33 +93,38 @@ class Fp8Weights:
             return cls("block", _block(w.get("block_structure"), "weights.block_structure"), "_scale")
         if strategy == "group":
             size = w.get("group_size")
-            return cls("group", (1, _block([1, size], "weights.group_size")[1]), "_scale")
+            if not _positive(size):
+                raise CheckpointError(f"weights.group_size must be a positive integer, got {size!r}")
+            return cls("group", (1, size), "_scale")
         if strategy in ("tensor", "channel"):
             return cls(strategy, None, "_scale")
         raise CheckpointError(f"compressed-tensors FP8 weights with strategy {strategy!r}: {', '.join(STRATEGIES)}")
 
     def describe(self) -> str:
         """For logs and diagnostics, e.g. ``fp8 e4m3, a scale per 128x128 block``."""
-        per = {
-            "tensor": "tensor",
-            "channel": "output channel",
-            "group": f"group of {self.block[1] if self.block else 0}",
-            "block": f"{self.block[0]}x{self.block[1]} block" if self.block else "",
-        }[self.strategy]
+        per = {"tensor": "tensor", "channel": "output channel"}.get(self.strategy)
+        if per is None:
+            bn, bk = self.covered((0, 0))  # group and block: the block they carry
+            per = f"group of {bk}" if self.strategy == "group" else f"{bn}x{bk} block"
         return f"fp8 e4m3, a scale per {per}"
 
     def scale_key(self, weight_key: str) -> str:
         return weight_key + self.scale_suffix
 
-    def grid(self, shape: tuple[int, int]) -> tuple[int, int]:
-        """The shape of the scales of a weight of ``shape`` (N, K)."""
+    def covered(self, shape: tuple[int, int]) -> tuple[int, int]:
+        """(rows, columns) one scale covers in a weight of ``shape`` (N, K)."""
         n, k = shape
         if self.strategy == "tensor":
-            return 1, 1
+            return n, k
         if self.strategy == "channel":
-            return n, 1
-        bn, bk = self.block or (1, 1)
-        return -(-n // bn), -(-k // bk)
+            return 1, k
+        assert self.block is not None  # group and block strategies always carry one
+        return self.block
+
+    def grid(self, shape: tuple[int, int]) -> tuple[int, int]:
+        """The shape of the scales of a weight of ``shape`` (N, K)."""
+        bn, bk = self.covered(shape)
+        return -(-shape[0] // bn), -(-shape[1] // bk)
 
     def problem(self, key: str, shape: tuple[int, ...], scale: tuple[str, tuple[int, ...]] | None) -> str | None:
         """What is wrong with the FP8 tensor ``key`` of ``shape`` and its scale (safetensors dtype, shape), or
@@ -141,21 +146,17 @@ class Fp8Weights:
         """(scales as a (rows, columns) grid, rows a scale covers, columns a scale covers) for a weight of
         ``shape``; one scale for the tensor is a column of N equal scales (a view), so that pieces of a few
         rows stay the unit of work."""
-        n, k = shape
         if self.strategy == "tensor":
-            return scale.reshape(1, 1).expand(n, 1), 1, k
-        if self.strategy == "channel":
-            return scale.reshape(n, 1), 1, k
-        bn, bk = self.block or (1, 1)
-        return scale.reshape(self.grid(shape)), bn, bk
+            return scale.reshape(1, 1).expand(shape[0], 1), 1, shape[1]
+        return scale.reshape(self.grid(shape)), *self.covered(shape)
+
+
+def _positive(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0
 
 
 def _block(value: Any, where: str) -> tuple[int, int]:
-    if not (
-        isinstance(value, (list, tuple))
-        and len(value) == 2
-        and all(isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in value)
-    ):
+    if not (isinstance(value, (list, tuple)) and len(value) == 2 and all(map(_positive, value))):
         raise CheckpointError(f"{where} must be two positive integers, got {value!r}")
     return value[0], value[1]
 
