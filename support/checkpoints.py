@@ -18,6 +18,8 @@ Token ids follow the tiny tokenizer (:mod:`support.tokenizer`): ``<|endoftext|>`
   :func:`make_tiny_checkpoint`): the paged benchmark steps engines one streamed token at a time.
 * :func:`fp8_copy`: a checkpoint's linear weights rewritten in FP8 with scales, in Qwen's ``-FP8`` layout or
   llm-compressor's.
+* :func:`int_copy`: the same with 4- or 8-bit integer weights, written by compressed-tensors (llm-compressor's
+  W4A16-like layouts).
 * :func:`big_checkpoint`: every text and vision dimension of a real config (e.g. Qwen3-VL-2B: vocab 151936,
   28 layers, 24-layer vision tower), stored bf16 (~4.3 GB).
 """
@@ -253,7 +255,7 @@ def fp8_copy(
     tensors = load_file(str(dst / "model.safetensors"))
     out: dict[str, torch.Tensor] = {}
     for key, w in tensors.items():
-        if w.ndim != 2 or not key.endswith(".weight") or "embed" in key or key.startswith("lm_head"):
+        if not _converted(key, w):
             out[key] = w
             continue
         n, k = w.shape
@@ -289,6 +291,73 @@ def fp8_copy(
     )
     _write_json(dst / "config.json", config)
     return dst
+
+
+def int_copy(
+    src: Path,
+    dst: Path,
+    bits: int = 4,
+    strategy: str = "group",
+    group_size: int | None = 32,
+    symmetric: bool = True,
+    fmt: str = "pack-quantized",
+    vision: bool = True,
+) -> Path:
+    """A copy of checkpoint ``src`` in ``dst`` with its linear weights stored as ``bits``-bit integers the way
+    llm-compressor saves them (a W4A16 / W4A16_ASYM / W8A16-like scheme): the scales and zero points from
+    compressed-tensors' own ``calculate_qparams`` over each group's min and max (round to nearest, as its
+    ``minmax`` observer), the stored tensors from its own compressor for ``fmt`` (``pack-quantized`` or
+    ``int-quantized``), so the files are the reference library's. Scales in the weights' dtype; the linear
+    layers of :func:`fp8_copy` are converted, the LM head stays (``ignore: [lm_head]``), and without ``vision``
+    the vision tower too (``re:.*visual.*``, as the Qwen-VL recipes of llm-compressor leave it)."""
+    from compressed_tensors.compressors import BaseCompressor
+    from compressed_tensors.quantization import QuantizationArgs, QuantizationConfig, QuantizationScheme
+    from compressed_tensors.quantization.utils import calculate_qparams
+    from safetensors.torch import load_file, save_file
+
+    args = QuantizationArgs(
+        num_bits=bits,
+        type="int",
+        symmetric=symmetric,
+        strategy=strategy,
+        group_size=group_size if strategy == "group" else None,
+    )
+    scheme = QuantizationScheme(targets=["Linear"], weights=args)
+    compressor = BaseCompressor.get_value_from_registry(fmt)
+    shutil.copytree(src, dst, ignore=shutil.ignore_patterns("*.safetensors"))  # rewritten below
+    tensors = load_file(str(src / "model.safetensors"))
+    out: dict[str, torch.Tensor] = {}
+    for key, w in tensors.items():
+        if not _converted(key, w) or (not vision and "visual" in key):
+            out[key] = w
+            continue
+        n, k = w.shape
+        cols = group_size if strategy == "group" else k
+        groups = w.float().view(n, k // cols, cols)  # compressed-tensors takes only groups that divide K
+        lo, hi = groups.amin(dim=2), groups.amax(dim=2)  # (n, groups)
+        if strategy == "tensor":
+            lo, hi = lo.amin().reshape(1), hi.amax().reshape(1)
+        scale, zero = calculate_qparams(lo, hi, args)
+        state = {"weight": w, "weight_scale": scale.to(w.dtype), "weight_zero_point": zero.to(torch.int8)}
+        module = key.removesuffix(".weight")
+        out.update({f"{module}.{name}": t.contiguous() for name, t in compressor.compress(state, scheme).items()})
+    save_file(out, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((dst / "config.json").read_text())
+    spec = QuantizationConfig(
+        config_groups={"group_0": scheme},
+        format=fmt,
+        quantization_status="compressed",
+        ignore=["lm_head"] + ([] if vision else ["re:.*visual.*"]),
+    )
+    config["quantization_config"] = json.loads(spec.model_dump_json())
+    _write_json(dst / "config.json", config)
+    return dst
+
+
+def _converted(key: str, w: torch.Tensor) -> bool:
+    """Whether a quantizing tool converts checkpoint tensor ``key``: the linear layers' weights (2-D ``.weight``
+    other than the embedding tables and the LM head)."""
+    return w.ndim == 2 and key.endswith(".weight") and "embed" not in key and not key.startswith("lm_head")
 
 
 def fp8_covered(strategy: str, block: tuple[int, int] | None, shape: tuple[int, int]) -> tuple[int, int]:

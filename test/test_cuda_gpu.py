@@ -664,3 +664,36 @@ def test_gpu_an_fp8_checkpoint_widens_on_the_device_to_the_values_it_has_on_the_
     assert all(v.is_cuda for v in on_gpu.values())
     for name, value in on_cpu.items():
         assert torch.equal(on_gpu[name].cpu(), value), name
+
+
+@pytest.mark.parametrize("symmetric", [True, False])
+def test_gpu_an_int4_checkpoint_is_kept_on_the_device_as_on_the_cpu_and_the_kernels_run_it(
+    tmp_path_factory, tmp_path, kernel_cache, symmetric
+):
+    """On CUDA a pack-quantized checkpoint's stored nibbles, scales and offsets go to the device as they are (no
+    widening): the kept projections hold the CPU load's bytes, the rest the CPU load's values, and the engine's
+    GEMV kernels answer inside the decode graphs as the torch path does on the same stored weights."""
+    from orin_vlm_node.engine import Engine, EngineConfig, Request, SamplingParams, Turn
+    from orin_vlm_node.model import load_model
+    from orin_vlm_node.model.quant import WeightQuant
+    from support.checkpoints import int_copy
+
+    ckpt = int_copy(
+        _tiny(tmp_path_factory, 64), tmp_path / "w4", bits=4, strategy="group", group_size=32, symmetric=symmetric
+    )
+    quant = WeightQuant("int4", 32)
+    on_cpu = load_model(ckpt, torch.float32, quant=quant).state_dict()
+    on_gpu = load_model(ckpt, torch.float32, device="cuda", quant=quant).state_dict()
+    assert on_cpu.keys() == on_gpu.keys()
+    for name, value in on_cpu.items():
+        assert torch.equal(on_gpu[name].cpu(), value), name
+    common = dict(model_path=str(ckpt), device="cuda", dtype="fp32", max_context_tokens=512,
+                  kernel_cache_dir=kernel_cache, weight_quant="int4", weight_quant_group_size=32)  # fmt: skip
+    fast = Engine(EngineConfig(**common, allow_kernel_fallback=False))
+    slow = Engine(EngineConfig(**common, use_cuda_kernels=False, use_cuda_graph=False))
+    sampling = SamplingParams(temperature=0.0, max_new_tokens=64, ignore_eos=True)
+    turn = Turn("Tell the robot what to do next.")
+    a = list(fast.generate(Request(turn, sampling)))[-1]
+    b = list(slow.generate(Request(turn, sampling)))[-1]
+    assert a.finish_reason == b.finish_reason == "length"
+    assert a.token_ids == b.token_ids

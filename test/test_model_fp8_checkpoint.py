@@ -229,10 +229,10 @@ def weights_of(config: dict) -> dict:
     [
         (
             lambda c: c["quantization_config"].update(format="pack-quantized"),
-            r"already quantized \(compressed-tensors, format 'pack-quantized'\)",
+            r"already quantized \(compressed-tensors, format 'pack-quantized', 8-bit float weights\)",
         ),
-        (lambda c: weights_of(c).update(type="int", num_bits=4), r"reads FP8 weights \(float-quantized, 8-bit float\)"),
-        (lambda c: weights_of(c).update(symmetric=False), r"mixed or asymmetric weight schemes"),
+        (lambda c: weights_of(c).update(type="int", num_bits=4), r"'float-quantized', 4-bit int weights\); .* reads"),
+        (lambda c: weights_of(c).update(symmetric=False), r"FP8 weights with zero points"),
         (lambda c: weights_of(c).update(strategy="tensor_group"), r"strategy 'tensor_group'"),
         (lambda c: c["quantization_config"].update(kv_cache_scheme={"num_bits": 8}), r"quantized KV cache"),
         (lambda c: c["quantization_config"].update(quantization_status="frozen"), r"status 'frozen'"),

@@ -349,7 +349,7 @@ class Engine:
             "model_path": str(cfg.model_dir),
             "device": str(self.device),
             "dtype": str(self.dtype).replace("torch.", ""),
-            "checkpoint_weights": self.model_config.fp8.describe() if self.model_config.fp8 else "float",
+            "checkpoint_weights": fmt.describe() if (fmt := self.model_config.weight_format) else "float",
             "weight_quant": cfg.weight_quant,
             "lm_head": self.lm_head_storage,
             "weight_mb": round(self.weight_bytes / 1e6, 3),

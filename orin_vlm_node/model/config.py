@@ -17,7 +17,7 @@ import torch
 
 from .dtypes import checkpoint_dtype
 from .errors import CheckpointError
-from .fp8_weights import Fp8Weights, stored_weights
+from .stored_format import StoredFormat, stored_format
 
 DEFAULT_MROPE_SECTION = (24, 20, 20)
 DEFAULT_VISION_ROPE_THETA = 10000.0
@@ -84,7 +84,8 @@ class ModelConfig:
     vision_end_token_id: int = 151653
     tie_word_embeddings: bool = False
     checkpoint_dtype: str | None = None  # "bfloat16" etc. as written in config.json, None if absent
-    fp8: Fp8Weights | None = None  # linear weights stored in FP8 (widened on load); None: stored as floats
+    # How the linear weights are stored when not as floats (FP8 or integers with scales: stored_format); None: floats
+    weight_format: StoredFormat | None = None
     raw: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
 
     @property
@@ -148,7 +149,7 @@ class ModelConfig:
             vision_end_token_id=_int(data, "vision_end_token_id", 151653),
             tie_word_embeddings=bool(tie),
             checkpoint_dtype=dtype if isinstance(dtype, str) else None,
-            fp8=stored_weights(data),
+            weight_format=stored_format(data),
             raw=data,
         )
 

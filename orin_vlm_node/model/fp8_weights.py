@@ -22,13 +22,13 @@ is a partial block with its own scale). The two layouts differ in names and in w
 Modules left unconverted are ordinary float tensors. Activation scales (a static activation scheme) are
 not used: activations stay in the model's dtype, which only removes a rounding step.
 
-Every other stored-quantized format (AWQ, GPTQ, compressed-tensors' packed integers, bitsandbytes, ...) is
-refused by name: their 4-bit layouts differ from this node's INT4, and reading one wrongly would give a
-running model with wrong answers.
+Integer weights are :mod:`.int_weights`; which format a checkpoint is in, and the refusal of the others, is
+:mod:`.stored_format`.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -65,40 +65,43 @@ class Fp8Weights:
         return cls("block", _block(block, "quantization_config.weight_block_size"), "_scale_inv")
 
     @classmethod
-    def from_compressed_tensors(cls, spec: dict[str, Any]) -> Fp8Weights:
-        """From a ``quant_method: compressed-tensors`` quantization_config whose weights are stored as
-        symmetric 8-bit floats (``format: float-quantized``, every config group alike); CheckpointError naming
-        what else it stores."""
-        fmt, status = spec.get("format"), spec.get("quantization_status", "compressed")
-        groups = spec.get("config_groups")
-        weights = [g.get("weights") for g in groups.values()] if isinstance(groups, dict) else []
-        if (
-            fmt not in ("float-quantized", "naive-quantized")
-            or status != "compressed"
-            or not weights
-            or any(not isinstance(w, dict) or w.get("type") != "float" or w.get("num_bits") != 8 for w in weights)
-        ):
-            what = f"format {fmt!r}" + (f", status {status!r}" if status != "compressed" else "")
-            raise CheckpointError(
-                f"the checkpoint is already quantized (compressed-tensors, {what}); of compressed-tensors "
-                "checkpoints this node reads FP8 weights (float-quantized, 8-bit float) only"
-            )
-        if any(w != weights[0] for w in weights) or not weights[0].get("symmetric", True):
-            raise CheckpointError("compressed-tensors FP8 checkpoint with mixed or asymmetric weight schemes")
-        if spec.get("kv_cache_scheme"):
-            raise CheckpointError("compressed-tensors checkpoint with a quantized KV cache: not read")
-        w = weights[0]
-        strategy = w.get("strategy")
+    def from_compressed_tensors(cls, weights: dict[str, Any]) -> Fp8Weights:
+        """From a compressed-tensors config group's ``weights`` (8-bit float, saved float-quantized);
+        CheckpointError naming what is not read."""
+        if not weights.get("symmetric", True):
+            raise CheckpointError("compressed-tensors FP8 weights with zero points (asymmetric): not read")
+        strategy = weights.get("strategy")
         if strategy == "block":
-            return cls("block", _block(w.get("block_structure"), "weights.block_structure"), "_scale")
+            return cls("block", _block(weights.get("block_structure"), "weights.block_structure"), "_scale")
         if strategy == "group":
-            size = w.get("group_size")
+            size = weights.get("group_size")
             if not _positive(size):
                 raise CheckpointError(f"weights.group_size must be a positive integer, got {size!r}")
             return cls("group", (1, size), "_scale")
         if strategy in ("tensor", "channel"):
             return cls(strategy, None, "_scale")
         raise CheckpointError(f"compressed-tensors FP8 weights with strategy {strategy!r}: {', '.join(STRATEGIES)}")
+
+    # ---- what the loader reads (the interface int_weights.IntWeights shares) ---------------------------------
+
+    weight_suffix = ".weight"  # a converted module's weight is <module>.weight, float8_e4m3fn
+    stored_dtype = WEIGHT_DTYPE
+    ignored_suffixes = ACTIVATION_SCALE_SUFFIXES
+
+    @property
+    def companions(self) -> dict[str, str]:
+        """What :meth:`Fp8Widener.widen_into` takes beside the weight, by keyword: key suffix."""
+        return {"scale": ".weight" + self.scale_suffix}
+
+    def stored_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
+        return shape
+
+    def keeps(self, quant) -> None:
+        """FP8 weights are always widened (an Orin has no FP8 arithmetic)."""
+        return None
+
+    def widener(self, device: torch.device) -> Fp8Widener:
+        return Fp8Widener(self, device)
 
     def describe(self) -> str:
         """For logs and diagnostics, e.g. ``fp8 e4m3, a scale per 128x128 block``."""
@@ -126,16 +129,21 @@ class Fp8Weights:
         bn, bk = self.covered(shape)
         return -(-shape[0] // bn), -(-shape[1] // bk)
 
-    def problem(self, key: str, shape: tuple[int, ...], scale: tuple[str, tuple[int, ...]] | None) -> str | None:
-        """What is wrong with the FP8 tensor ``key`` of ``shape`` and its scale (safetensors dtype, shape), or
-        None when it can be widened."""
+    def problem(
+        self, key: str, dtype: str, shape: tuple[int, ...], companions: dict[str, tuple[str, tuple[int, ...]] | None]
+    ) -> str | None:
+        """What is wrong with the FP8 tensor ``key`` (safetensors ``dtype``) of a parameter of ``shape`` and its
+        ``companions`` (``scale``: (dtype, shape), None when absent), or None when it can be widened."""
+        if dtype != WEIGHT_DTYPE:
+            return f"{key} is {dtype}; FP8 weights are read as {WEIGHT_DTYPE}"
         if len(shape) != 2:
             return f"{key} is FP8 with shape {list(shape)}; only 2-D linear weights are read as FP8"
+        scale = companions.get("scale")
         if scale is None:
             return f"{key} is FP8 but the checkpoint has no {self.scale_key(key)}"
-        dtype, scale_shape = scale
-        if dtype not in SCALE_DTYPES:
-            return f"{self.scale_key(key)} is {dtype}; scales are read as {', '.join(SCALE_DTYPES)}"
+        scale_dtype, scale_shape = scale
+        if scale_dtype not in SCALE_DTYPES:
+            return f"{self.scale_key(key)} is {scale_dtype}; scales are read as {', '.join(SCALE_DTYPES)}"
         grid = self.grid((shape[0], shape[1]))
         kept = [d for d in scale_shape if d != 1]  # (N,) for (N, 1) and () for (1, 1) are the same scales
         if len(scale_shape) <= 2 and kept == [d for d in grid if d != 1]:
@@ -191,7 +199,7 @@ class Fp8Widener:
         for first in range(0, n, step):
             rows = min(step, n - first)
             wide = self._as_fp16(weight[first : first + rows], rows * k)  # (rows, K) fp32, the values / 2^8
-            _scale_in_place(wide, grid[first // bn : -(-(first + rows) // bn)], bn, bk)
+            apply_blockwise_(wide, grid[first // bn : -(-(first + rows) // bn)], bn, bk, torch.Tensor.mul_)
             out[first : first + rows].copy_(wide)
 
     def _as_fp16(self, weight: torch.Tensor, count: int) -> torch.Tensor:
@@ -212,10 +220,11 @@ class Fp8Widener:
         return wide.copy_(bits.view(torch.float16))
 
 
-def _scale_in_place(wide: torch.Tensor, grid: torch.Tensor, bn: int, bk: int) -> None:
-    """``wide`` (rows, K) times its scales ``grid`` (ceil(rows / bn), ceil(K / bk)), each scale over its
-    block of bn x bk, through views (no scale is repeated in memory): the whole blocks, then a last block
-    row and a last block column that bn and bk do not divide."""
+def apply_blockwise_(wide: torch.Tensor, grid: torch.Tensor, bn: int, bk: int, op: Callable) -> None:
+    """``op(wide_block, value)`` in place (``torch.Tensor.mul_``: times a scale) for ``wide`` (rows, K) and its
+    values ``grid`` (ceil(rows / bn), ceil(K / bk)), each over its block of bn x bk, through views (no value is
+    repeated in memory): the whole blocks, then a last block row and a last block column that bn and bk do not
+    divide."""
     rows, k = wide.shape
     whole_rows, whole_cols = rows // bn, k // bk
     for r0, r1, g in ((0, whole_rows * bn, grid[:whole_rows]), (whole_rows * bn, rows, grid[whole_rows:])):
@@ -226,24 +235,4 @@ def _scale_in_place(wide: torch.Tensor, grid: torch.Tensor, bn: int, bk: int) ->
             if c0 == c1:
                 continue
             tall, broad = (r1 - r0) // part.shape[0], (c1 - c0) // part.shape[1]
-            region[:, c0:c1].view(part.shape[0], tall, part.shape[1], broad).mul_(part[:, None, :, None])
-
-
-def stored_weights(config: dict[str, Any]) -> Fp8Weights | None:
-    """How config.json says the weights are stored: None for float weights, :class:`Fp8Weights` for FP8;
-    CheckpointError naming any other quantized format."""
-    for holder in (config, config.get("text_config") or {}):
-        spec = holder.get("quantization_config") or holder.get("compression_config")
-        if not spec:
-            continue
-        method = (spec.get("quant_method") or spec.get("format")) if isinstance(spec, dict) else None
-        if method == "fp8":
-            return Fp8Weights.from_fp8_spec(spec)
-        if method == "compressed-tensors":
-            return Fp8Weights.from_compressed_tensors(spec)
-        raise CheckpointError(
-            f"the checkpoint is already quantized ({method or 'unknown format'}); this node reads float "
-            "checkpoints (fp32/fp16/bf16) and FP8 ones (quant_method fp8, or compressed-tensors float-quantized), "
-            "and quantizes them itself with weight_quant=int8 or int4"
-        )
-    return None
+            op(region[:, c0:c1].view(part.shape[0], tall, part.shape[1], broad), part[:, None, :, None])

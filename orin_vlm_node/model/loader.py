@@ -7,8 +7,10 @@ target device, and every checkpoint tensor is read from its safetensors file and
 (cast on the way). Peak memory is about the model size plus the largest single tensor.
 
 All headers are checked before any data is read: missing/unexpected keys, shape mismatches, missing
-shard files, pickle-only checkpoints and FP8 weights without a fitting scale raise :class:`CheckpointError`
-naming the files and keys. FP8 checkpoints (:mod:`.fp8_weights`) are widened to ``dtype`` tensor by tensor.
+shard files, pickle-only checkpoints and quantized weights without fitting scales raise :class:`CheckpointError`
+naming the files and keys. Weights stored quantized (:mod:`.stored_format`) are widened to ``dtype`` tensor
+by tensor (FP8: :mod:`.fp8_weights`), or kept as stored where ``weight_quant`` asks for their integer format
+(:mod:`.int_weights`); a weight's scales are read with it, from whichever shard holds them.
 """
 
 from __future__ import annotations
@@ -16,7 +18,9 @@ from __future__ import annotations
 import json
 import logging
 import time
+from contextlib import ExitStack
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import safe_open
@@ -25,9 +29,10 @@ from torch import nn
 from .config import ModelConfig
 from .dtypes import resolve_dtype
 from .errors import CheckpointError
-from .fp8_weights import ACTIVATION_SCALE_SUFFIXES, WEIGHT_DTYPE, Fp8Weights, Fp8Widener
+from .int_weights import PACKED_SUFFIX, IntWeights
 from .quant import QuantizedLinear, WeightQuant, weight_bytes
 from .qwen3_vl import Qwen3VLModel
+from .stored_format import StoredFormat
 from .text import FusedLinear
 
 logger = logging.getLogger("orin_vlm_node.model")
@@ -37,6 +42,7 @@ _MAX_LISTED = 8  # keys named in one error message
 # A progress line at most this often: an 8B checkpoint from a Jetson's eMMC takes a minute, a small one
 # loads before the first line would be worth reading.
 PROGRESS_INTERVAL_S = 2.0
+FLOAT_DTYPES = ("F64", "F32", "F16", "BF16")  # safetensors' names; a weight in another dtype is stored quantized
 
 
 def load_model(
@@ -51,17 +57,22 @@ def load_model(
         raise CheckpointError(f"{root}: model directory does not exist")
     target = resolve_dtype(dtype)
     config = ModelConfig.from_dir(root)
+    fmt = config.weight_format
     files = weight_files(root)
     with torch.device("meta"):
         model = Qwen3VLModel(config)
     expected = {name: tuple(view.shape) for name, view in checkpoint_views(model).items()}
-    plan, scale_keys = _plan(files, expected, config.tie_word_embeddings, config.fp8)
-    scales = _read(scale_keys)  # parameter name -> scale of its FP8 weight (small: one number per block)
-    widener = Fp8Widener(config.fp8, torch.device(device)) if config.fp8 else None
-    quantizer = _QuantizeOnLoad(model, quant, target, torch.device(device)) if quant and quant.mode != "none" else None
+    plan, companions = _plan(files, expected, config.tie_word_embeddings, fmt)
+    quantizer = (
+        _QuantizeOnLoad(model, quant, target, torch.device(device), fmt, frozenset(companions))
+        if quant and quant.mode != "none"
+        else None
+    )
     _materialize(model, target, torch.device(device), skip=quantizer.deferred if quantizer else frozenset())
     views = checkpoint_views(model)
-    total = sum(views[name].numel() for _, name in plan.values()) * torch.empty((), dtype=target).element_size()
+    element = torch.empty((), dtype=target).element_size()
+    total = sum(views[name].numel() for _, name in plan.values()) * element
+    kept = quantizer.kept_views() if quantizer else set()
     logger.info(
         "loading %s: %d tensors from %d file(s), %.1f MB as %s on %s%s%s",
         root,
@@ -70,30 +81,32 @@ def load_model(
         total / 1e6,
         str(target).replace("torch.", ""),
         device,
-        f", {len(scales)} of them widened from {config.fp8.describe()}" if config.fp8 else "",
+        f", {len(companions)} of them stored as {fmt.describe()}, {len(kept)} kept as stored" if fmt else "",
         f", decoder projections as {quant.mode}{', LM head as ' + quant.head.mode if quant.head else ''}"
         if quantizer
         else "",
     )
+    _warn_widened_integers(fmt, set(companions) - kept, quant, target)
+    widener = fmt.widener(torch.device(device)) if fmt else None
     done_bytes = 0
     last_report = t0
-    for file in files:
-        keys = [(key, name) for key, (f, name) in plan.items() if f == file]
-        with safe_open(str(file), framework="pt", device="cpu") as handle:
-            for key, name in keys:
-                try:
-                    tensor = handle.get_tensor(key)
-                except Exception as exc:  # truncated/corrupt data section
-                    raise CheckpointError(f"{file}: cannot read tensor {key} ({exc})") from exc
-                if not tensor.is_floating_point():
-                    raise CheckpointError(f"{file.name}: tensor {key} has non-float dtype {tensor.dtype}")
-                view = quantizer.target(name) if quantizer and name in quantizer.owner else views[name]
-                if name in scales:
-                    widener.widen_into(view, tensor, scales.pop(name))
+    with ExitStack() as stack:
+        handles = {file: stack.enter_context(safe_open(str(file), framework="pt", device="cpu")) for file in files}
+        for file in files:
+            for key, name in [(key, name) for key, (f, name) in plan.items() if f == file]:
+                tensor = _get(handles, file, key)
+                parts = {role: _get(handles, *where) for role, where in companions.get(name, {}).items()}
+                if name in kept:
+                    quantizer.store(name, tensor, parts)
                 else:
-                    view.copy_(tensor)
-                done_bytes += view.numel() * view.element_size()
-                del tensor, view
+                    view = quantizer.target(name) if quantizer and name in quantizer.owner else views[name]
+                    if parts:
+                        widener.widen_into(view, tensor, **parts)
+                    else:
+                        view.copy_(tensor)
+                    del view
+                done_bytes += views[name].numel() * element
+                del tensor, parts
                 if quantizer and name in quantizer.owner:
                     quantizer.loaded(name)
                 if time.perf_counter() - last_report >= PROGRESS_INTERVAL_S:
@@ -116,23 +129,61 @@ def load_model(
     return model
 
 
+def _get(handles: dict[Path, Any], file: Path, key: str) -> torch.Tensor:
+    """Tensor ``key`` of ``file`` (open in ``handles``); CheckpointError when its data cannot be read."""
+    try:
+        return handles[file].get_tensor(key)
+    except Exception as exc:  # truncated/corrupt data section
+        raise CheckpointError(f"{file}: cannot read tensor {key} ({exc})") from exc
+
+
+def _warn_widened_integers(
+    fmt: StoredFormat | None, widened: set[str], quant: WeightQuant | None, dtype: torch.dtype
+) -> None:
+    """A warning when integer decoder weights are widened: the robot then holds (and reads every token) two to
+    four times the bytes it downloaded, or quantizes them a second time."""
+    decoder = [name for name in widened if name.startswith("language_model.layers.")]
+    if not isinstance(fmt, IntWeights) or not decoder:
+        return
+    mode = quant.mode if quant else "none"
+    logger.warning(
+        "%d decoder weights are stored as %s: weight_quant=%s widens them to %s%s; %s",
+        len(decoder),
+        fmt.describe(),
+        mode,
+        str(dtype).replace("torch.", ""),
+        f" and quantizes them again as {mode}" if mode != "none" else "",
+        f"weight_quant={fmt.mode} keeps them as stored"
+        if fmt.keeps(WeightQuant(fmt.mode))
+        else f"the node's {fmt.mode} cannot hold this layout as stored",
+    )
+
+
 class _QuantizeOnLoad:
     """The decoder projections (and the LM head, ``WeightQuant.head``) quantized while the checkpoint streams in.
 
     Each projection's float weight is allocated when its first checkpoint matrix arrives (not up front),
     filled, quantized once all of its matrices are in, and dropped; so the float copy of only a few
-    projections exists at any time. A head tied to the embedding table is quantized from the table once
-    the checkpoint is in (:meth:`finish`); the table stays.
+    projections exists at any time. A projection whose matrices are all stored as integers that its quantized
+    format holds unchanged (``IntWeights.keeps``) is filled from them instead, with no float copy. A head tied to
+    the embedding table is quantized from the table once the checkpoint is in (:meth:`finish`); the table stays.
     """
 
-    def __init__(self, model: Qwen3VLModel, quant: WeightQuant, dtype: torch.dtype, device: torch.device) -> None:
-        self.model, self.dtype, self.device = model, dtype, device
+    def __init__(
+        self,
+        model: Qwen3VLModel,
+        quant: WeightQuant,
+        dtype: torch.dtype,
+        device: torch.device,
+        fmt: StoredFormat | None,
+        stored: frozenset[str],
+    ) -> None:
+        self.model, self.dtype, self.device, self.fmt = model, dtype, device, fmt
         # module name -> (parent, attr, module, how it is stored)
         self.modules: dict[str, tuple[nn.Module, str, nn.Module, WeightQuant]] = {}
         self.owner: dict[str, str] = {}  # checkpoint view name -> module name
         self.remaining: dict[str, set[str]] = {}
         self.tied_head = quant.head if model.config.tie_word_embeddings else None
-        inputs = []
         for i, layer in enumerate(model.language_model.layers):
             for sub, attr in layer.PROJECTIONS:
                 parent = getattr(layer, sub)
@@ -143,13 +194,30 @@ class _QuantizeOnLoad:
                 self.modules[name] = (parent, attr, module, quant)
                 self.remaining[name] = set(views)
                 self.owner.update(dict.fromkeys(views, name))
-                inputs.append(module.weight.shape[1])
-        quant.check(tuple(inputs))
         if quant.head and not self.tied_head:
             self.modules["lm_head"] = (model, "lm_head", model.lm_head, quant.head)
             self.remaining["lm_head"] = {"lm_head.weight"}
             self.owner["lm_head.weight"] = "lm_head"
         self.deferred = frozenset(id(m.weight) for _, _, m, _ in self.modules.values())
+        # module name -> how it keeps the checkpoint's stored values (all of its matrices are stored so)
+        self.keeping: dict[str, WeightQuant] = {}
+        for name, (_, _, _, how) in self.modules.items():
+            keep = fmt.keeps(how) if fmt and self.remaining[name] <= stored else None
+            if keep:
+                self.keeping[name] = keep
+        # The group size applies where the node picks the groups: not to projections kept in the checkpoint's.
+        quant.check(
+            tuple(
+                module.weight.shape[1]
+                for name, (_, _, module, how) in self.modules.items()
+                if how is quant and self.keeping.get(name, quant).group_size == quant.group_size
+            )
+        )
+        self.building: dict[str, QuantizedLinear] = {}  # kept modules being filled
+
+    def kept_views(self) -> set[str]:
+        """The checkpoint views whose stored values are kept (:meth:`store`, not :meth:`target`)."""
+        return {view for view, name in self.owner.items() if name in self.keeping}
 
     def target(self, view: str) -> torch.Tensor:
         """The tensor the checkpoint matrix ``view`` is copied into (its projection allocated if need be)."""
@@ -158,22 +226,37 @@ class _QuantizeOnLoad:
             module.weight = nn.Parameter(
                 torch.empty(module.weight.shape, dtype=self.dtype, device=self.device), requires_grad=False
             )
-        if not isinstance(module, FusedLinear):
-            return module.weight
-        part = view.rsplit(".", 2)[-2]
-        return module.weight[module.part_rows()[part]]
+        return module.weight[self._rows(module, view)]
+
+    def store(self, view: str, tensor: torch.Tensor, parts: dict[str, torch.Tensor]) -> None:
+        """The stored matrix ``view`` (and its scales etc., ``parts``) into its kept projection's rows."""
+        name = self.owner[view]
+        _, _, module, _ = self.modules[name]
+        if name not in self.building:
+            keep = self.keeping[name]
+            n, k = module.weight.shape
+            self.building[name] = QuantizedLinear(n, k, keep.mode, keep.group_size, device=self.device)
+        self.fmt.store_into(self.building[name], self._rows(module, view), tensor, **parts)
 
     def loaded(self, view: str) -> None:
         name = self.owner[view]
         self.remaining[name].discard(view)
         if not self.remaining[name]:
             parent, attr, module, quant = self.modules.pop(name)
-            setattr(parent, attr, QuantizedLinear.from_weight(module.weight, quant))
+            built = self.building.pop(name, None)
+            setattr(parent, attr, built if built is not None else QuantizedLinear.from_weight(module.weight, quant))
 
     def finish(self) -> None:
         """After the last tensor: a tied head quantized from the embedding table (which stays as it is)."""
         if self.tied_head:
             self.model.lm_head = QuantizedLinear.from_weight(self.model.lm_head.weight, self.tied_head)
+
+    @staticmethod
+    def _rows(module: nn.Module, view: str) -> slice:
+        """The rows of ``module``'s weight that the checkpoint matrix ``view`` fills."""
+        if not isinstance(module, FusedLinear):
+            return slice(0, module.weight.shape[0])
+        return module.part_rows()[view.rsplit(".", 2)[-2]]
 
 
 def weight_files(root: Path) -> list[Path]:
@@ -251,16 +334,18 @@ def checkpoint_views(model: nn.Module) -> dict[str, torch.Tensor]:
 
 
 def _plan(
-    files: list[Path], expected: dict[str, tuple[int, ...]], tied: bool, fp8: Fp8Weights | None
-) -> tuple[dict[str, tuple[Path, str]], dict[str, tuple[Path, str]]]:
-    """(checkpoint key -> (file, parameter name), parameter name -> (file, key) of its FP8 scale), after
-    checking every header against the model."""
+    files: list[Path], expected: dict[str, tuple[int, ...]], tied: bool, fmt: StoredFormat | None
+) -> tuple[dict[str, tuple[Path, str]], dict[str, dict[str, tuple[Path, str]]]]:
+    """(checkpoint key -> (file, parameter name), parameter name -> {keyword: (file, key)} of the tensors its
+    quantized weight is read with: the parameters stored quantized, each with its scales and zero points),
+    after checking every header against the model and ``fmt``."""
     plan: dict[str, tuple[Path, str]] = {}
     seen: dict[str, str] = {}  # parameter name -> key that provides it
     unexpected: list[str] = []
     mismatched: list[str] = []
-    stored_fp8: dict[str, tuple[str, str, tuple[int, ...]]] = {}  # name -> (key, dtype, shape) of FP8 weights
-    scales: dict[str, tuple[Path, str, str, tuple[int, ...]]] = {}  # parameter name -> (file, key, dtype, shape)
+    stored: dict[str, tuple[str, str]] = {}  # name -> (key, dtype) of the weights stored quantized
+    found: dict[str, dict[str, tuple[Path, str, str, tuple[int, ...]]]] = {}  # name -> keyword -> (file, key, ...)
+    roles = {suffix: role for role, suffix in fmt.companions.items()} if fmt else {}
     for file in files:
         try:
             handle_ctx = safe_open(str(file), framework="pt", device="cpu")
@@ -268,14 +353,20 @@ def _plan(
             raise CheckpointError(f"{file}: cannot open as safetensors ({exc})") from exc
         with handle_ctx as handle:
             for key in handle.keys():
-                if fp8 and key.endswith(".weight" + fp8.scale_suffix):
-                    meta = handle.get_slice(key)
-                    owner = checkpoint_key_to_name(key.removesuffix(fp8.scale_suffix))
-                    scales[owner] = (file, key, meta.get_dtype(), tuple(meta.get_shape()))
+                meta = handle.get_slice(key)
+                dtype, shape = meta.get_dtype(), tuple(meta.get_shape())
+                suffix = next((s for s in roles if key.endswith(s)), None)
+                if suffix:
+                    owner = checkpoint_key_to_name(key.removesuffix(suffix) + ".weight")
+                    found.setdefault(owner, {})[roles[suffix]] = (file, key, dtype, shape)
                     continue
-                if fp8 and key.endswith(ACTIVATION_SCALE_SUFFIXES):
-                    continue  # activations stay in the model's dtype (fp8_weights)
-                name = checkpoint_key_to_name(key)
+                if fmt and key.endswith(fmt.ignored_suffixes):
+                    continue  # activations stay in the model's dtype; config.json gives the shapes
+                if fmt and key.endswith(fmt.weight_suffix):
+                    key_name = key.removesuffix(fmt.weight_suffix) + ".weight"
+                else:
+                    key_name = key
+                name = checkpoint_key_to_name(key_name)
                 if name not in expected:
                     if tied and name == "lm_head.weight":
                         continue  # tied: lm_head is embed_tokens; a saved copy is redundant
@@ -283,18 +374,21 @@ def _plan(
                     continue
                 if name in seen:
                     raise CheckpointError(f"{file.name}: {key} duplicates {seen[name]} (both map to {name})")
-                meta = handle.get_slice(key)
-                shape = tuple(meta.get_shape())
-                if meta.get_dtype().startswith("F8_"):
-                    stored_fp8[name] = (key, meta.get_dtype(), shape)
-                if shape != expected[name]:
-                    mismatched.append(
-                        f"{file.name}:{key} has shape {list(shape)}, config.json implies {list(expected[name])}"
-                    )
+                want = expected[name]
+                if dtype not in FLOAT_DTYPES:
+                    stored[name] = (key, dtype)
+                    want = fmt.stored_shape(want) if fmt and len(want) == 2 else want
+                if shape != want:
+                    mismatched.append(f"{file.name}:{key} has shape {list(shape)}, config.json implies {list(want)}")
                 seen[name] = key
                 plan[key] = (file, name)
-    problems = _fp8_problems(stored_fp8, scales, fp8)
-    unexpected += [f"{file.name}:{key}" for name, (file, key, _, _) in scales.items() if name not in stored_fp8]
+    problems = _stored_problems(stored, found, fmt, expected)
+    packed = [key for key in unexpected if key.endswith(PACKED_SUFFIX)]
+    if packed and fmt is None:
+        problems.append(f"packed integer weights but config.json has no quantization_config: {_listing(packed)}")
+    unexpected += [
+        f"{file.name}:{key}" for name, parts in found.items() if name not in stored for file, key, *_ in parts.values()
+    ]
     if mismatched:
         problems.append(f"shape mismatch: {_listing(mismatched)}")
     if unexpected:
@@ -305,40 +399,31 @@ def _plan(
     if problems:
         where = files[0].parent
         raise CheckpointError(f"{where}: checkpoint does not match config.json; " + "; ".join(problems))
-    return plan, {name: (file, key) for name, (file, key, _, _) in scales.items()}
+    companions = {name: {role: part[:2] for role, part in found.get(name, {}).items()} for name in stored}
+    return plan, companions
 
 
-def _fp8_problems(
-    stored: dict[str, tuple[str, str, tuple[int, ...]]],
-    scales: dict[str, tuple[Path, str, str, tuple[int, ...]]],
-    fp8: Fp8Weights | None,
+def _stored_problems(
+    stored: dict[str, tuple[str, str]],
+    found: dict[str, dict[str, tuple[Path, str, str, tuple[int, ...]]]],
+    fmt: StoredFormat | None,
+    expected: dict[str, tuple[int, ...]],
 ) -> list[str]:
-    """What keeps the FP8 weights ``stored`` (name -> (key, dtype, shape)) from being widened."""
+    """What keeps the weights ``stored`` quantized (name -> (key, dtype)) from being read as ``fmt`` with the
+    scales etc. ``found`` beside them."""
     if not stored:
         return []
-    if fp8 is None:
-        keys = [key for key, _, _ in stored.values()]
-        return [f"FP8 weights but config.json has no quantization_config with quant_method fp8: {_listing(keys)}"]
-    found = []
-    for name, (key, dtype, shape) in stored.items():
-        scale = scales.get(name)
-        why = (
-            f"{key} is {dtype}; FP8 weights are read as {WEIGHT_DTYPE}"
-            if dtype != WEIGHT_DTYPE
-            else fp8.problem(key, shape, scale[2:] if scale else None)
-        )
-        if why:
-            found.append(why)
-    return [f"FP8 weights: {_listing(found)}"] if found else []
-
-
-def _read(keys: dict[str, tuple[Path, str]]) -> dict[str, torch.Tensor]:
-    """name -> the tensor stored under (file, key), every file opened once."""
-    tensors: dict[str, torch.Tensor] = {}
-    for file in sorted({file for file, _ in keys.values()}):
-        with safe_open(str(file), framework="pt", device="cpu") as handle:
-            tensors.update({name: handle.get_tensor(key) for name, (f, key) in keys.items() if f == file})
-    return tensors
+    if fmt is None:
+        dtypes = {dtype for _, dtype in stored.values()}
+        kind = "FP8" if all(d.startswith("F8_") for d in dtypes) else "/".join(sorted(dtypes))
+        keys = [key for key, _ in stored.values()]
+        return [f"{kind} weights but config.json has no quantization_config that describes them: {_listing(keys)}"]
+    why = [
+        fmt.problem(key, dtype, expected[name], {role: part[2:] for role, part in found.get(name, {}).items()})
+        for name, (key, dtype) in stored.items()
+    ]
+    shown = [w for w in why if w]
+    return [f"quantized weights: {_listing(shown)}"] if shown else []
 
 
 def _listing(items: list[str]) -> str:

@@ -1,0 +1,257 @@
+"""Checkpoints whose linear weights are stored as 4- or 8-bit integers with scales (compressed-tensors'
+``pack-quantized`` and ``int-quantized`` formats): kept as the node's INT4 / INT8 where ``weight_quant`` asks
+for that format and the layout maps onto it, widened to the model's dtype otherwise.
+
+Why: the 4-bit releases of Qwen3-VL that vLLM serves are llm-compressor's (W4A16, W4A16_ASYM, AWQ or GPTQ
+recipes saved as compressed-tensors; W8A16 and W8A8 for 8 bits). Their weights were quantized offline on a big
+machine, often with calibration (GPTQ's error feedback, AWQ's activation-aware scales), which gives better
+answers than the round-to-nearest INT4 this node computes at load; and a robot with a small eMMC and a slow
+uplink fetches a quarter of the bytes. Widening them to fp16 and quantizing again would lose both.
+
+Layout of a converted linear ``<module>`` whose weight is (N, K), b bits a value (4 or 8):
+
+* ``pack-quantized``: ``<module>.weight_packed`` int32 (N, ceil(K * b / 32)): value k of a row at bits
+  b * k .. b * k + b - 1 of the row's words (little-endian), stored plus 2^(b-1), so q = stored - 2^(b-1) lies
+  in -2^(b-1) .. 2^(b-1) - 1; ``<module>.weight_shape`` int64 [N, K] (config.json fixes the shape already).
+* ``int-quantized``: ``<module>.weight`` int8 (N, K), q itself (8 bits only here).
+* ``<module>.weight_scale`` s, float: (N, ceil(K / group_size)) for the ``group`` strategy (a last group that
+  the group size does not divide is shorter), (N, 1) for ``channel``, one value for ``tensor``.
+* asymmetric schemes also ``<module>.weight_zero_point`` z in q's range, (N, G) like the scale: pack-quantized
+  packs it like the weight but along N (int32 (ceil(N * b / 32), G)), int-quantized stores int8.
+
+``w[n, k] = (q[n, k] - z[n, g]) * s[n, g]`` with g = k // group_size (z = 0 when symmetric).
+
+**Kept** (:meth:`IntWeights.keeps`), the stored values are the node's format with no requantization:
+
+* 4 bits as ``int4``: the packed bytes are already its layout (two values a byte, even k in the low nibble,
+  q + 8 in 0..15); scale s and offset -(z + 8) * s. Symmetric schemes map exactly (the offset is -8 s, a power
+  of two times s); for asymmetric ones the offset is rounded to fp16, at most 2^-11 of |offset| <= 15 s away:
+  under 0.8% of one quantization step. A ``channel`` or ``tensor`` scale is repeated over groups of
+  ``weight_quant_group_size``; a ``group`` size must be a power of two (the CUDA kernels shift by it).
+* 8 bits as ``int8``, symmetric per channel or tensor: q and s as stored (q may be -128, which the kernels take).
+
+Scales are stored in fp16: a bf16 or fp16 scale converts exactly (above fp16's smallest normal, 6e-5); an
+fp32 one rounds to 11 significant bits.
+
+Everything else is **widened**: ``(q - z) * s`` in fp32 (exact for bf16/fp16 scales), rounded once to the
+model's dtype, as transformers loads the same files in the scales' dtype. That covers the vision tower,
+``weight_quant=none``, another mode than the stored one, 8-bit groups or zero points, and group sizes that are
+not powers of two; ``weight_quant`` then quantizes the widened projections as from a float checkpoint.
+
+Activation quantization (W8A8's int8 activations) is not used: activations stay in the model's dtype, which
+only removes a rounding step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from .errors import CheckpointError
+from .fp8_weights import apply_blockwise_
+from .quant import QuantizedLinear, WeightQuant
+
+FORMATS = ("pack-quantized", "int-quantized")
+STRATEGIES = ("tensor", "channel", "group")
+SCALE_DTYPES = ("F32", "BF16", "F16")
+WIDEN_ELEMENTS = 1 << 24  # weights widened at a time (64 MB of fp32 working copy)
+PACKED_SUFFIX = ".weight_packed"  # a pack-quantized module's stored weight
+
+
+@dataclass(frozen=True)
+class IntWeights:
+    """How a checkpoint's integer weights are stored: ``bits`` a value (4 or 8), the scales' ``strategy`` (one of
+    STRATEGIES) with its ``group_size`` (``group`` only), whether they are ``symmetric`` (no zero points) and
+    ``packed`` (pack-quantized int32 words; else int-quantized int8)."""
+
+    bits: int
+    strategy: str
+    group_size: int | None
+    symmetric: bool
+    packed: bool
+
+    @classmethod
+    def from_compressed_tensors(cls, weights: dict[str, Any], fmt: str) -> IntWeights:
+        """From a compressed-tensors config group's ``weights`` (integer type) saved with ``fmt``; CheckpointError
+        naming what is not read."""
+        bits, strategy, symmetric = weights.get("num_bits"), weights.get("strategy"), weights.get("symmetric", True)
+        packed = fmt == "pack-quantized"
+        if bits not in ((4, 8) if packed else (8,)):
+            raise CheckpointError(
+                f"compressed-tensors {fmt} weights of {bits} bits: this node reads 4- and 8-bit pack-quantized and "
+                "8-bit int-quantized integer weights"
+            )
+        if strategy not in STRATEGIES:
+            raise CheckpointError(
+                f"compressed-tensors integer weights with strategy {strategy!r}: {', '.join(STRATEGIES)} are read"
+            )
+        if weights.get("actorder") in ("group", "dynamic"):
+            raise CheckpointError(
+                "compressed-tensors integer weights with activation-ordered groups (actorder "
+                f"{weights['actorder']!r}, a weight_g_idx per projection): groups of consecutive inputs are read"
+            )
+        if not symmetric and strategy == "tensor":
+            raise CheckpointError("compressed-tensors asymmetric integer weights with one scale per tensor: not read")
+        size = weights.get("group_size")
+        if strategy == "group" and not (isinstance(size, int) and not isinstance(size, bool) and size > 0):
+            raise CheckpointError(f"weights.group_size must be a positive integer, got {size!r}")
+        return cls(bits, strategy, size if strategy == "group" else None, bool(symmetric), packed)
+
+    # ---- what the loader reads -------------------------------------------------------------------------------
+
+    @property
+    def weight_suffix(self) -> str:
+        """The key suffix of a converted module's stored weight (``<module>.weight_packed``)."""
+        return PACKED_SUFFIX if self.packed else ".weight"
+
+    @property
+    def stored_dtype(self) -> str:
+        """safetensors' name of the stored weight's dtype."""
+        return "I32" if self.packed else "I8"
+
+    @property
+    def companions(self) -> dict[str, str]:
+        """What :meth:`widen_into` and :meth:`store_into` take beside the weight, by keyword: key suffix."""
+        return {"scale": ".weight_scale"} | ({} if self.symmetric else {"zero_point": ".weight_zero_point"})
+
+    @property
+    def ignored_suffixes(self) -> tuple[str, ...]:
+        """Keys read past: the packed shape (config.json gives it) and activation quantization's parameters."""
+        return (".weight_shape", ".input_scale", ".input_zero_point")
+
+    def widener(self, device: torch.device) -> IntWeights:
+        """What widens this checkpoint's weights: the format itself (no work buffers to keep)."""
+        return self
+
+    @property
+    def mode(self) -> str:
+        """The node's format with as many bits."""
+        return "int4" if self.bits == 4 else "int8"
+
+    def describe(self) -> str:
+        """For logs and diagnostics, e.g. ``int4 (pack-quantized, symmetric), a scale per group of 128``."""
+        per = {"tensor": "tensor", "channel": "output channel"}.get(self.strategy, f"group of {self.group_size}")
+        kind = "symmetric" if self.symmetric else "with zero points"
+        return f"int{self.bits} ({'pack' if self.packed else 'int'}-quantized, {kind}), a scale per {per}"
+
+    def stored_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
+        """The stored weight's shape for a weight of ``shape`` (N, K)."""
+        n, k = shape
+        return (n, -(-k * self.bits // 32)) if self.packed else (n, k)
+
+    def problem(
+        self, key: str, dtype: str, shape: tuple[int, int], companions: dict[str, tuple[str, tuple[int, ...]] | None]
+    ) -> str | None:
+        """What is wrong with the stored weight ``key`` (safetensors ``dtype``) of a weight of ``shape`` (N, K) and
+        its ``companions`` (keyword -> (dtype, shape), None when absent), or None when it can be read."""
+        if dtype != self.stored_dtype:
+            return f"{key} is {dtype}; {self.describe()} weights are stored as {self.stored_dtype}"
+        n, k = shape
+        groups = self._columns(k)
+        expected = {"scale": (1, 1) if self.strategy == "tensor" else (n, groups)}
+        if not self.symmetric:
+            expected["zero_point"] = (-(-n * self.bits // 32), groups) if self.packed else (n, groups)
+        base = key.removesuffix(self.weight_suffix)
+        for role, want in expected.items():
+            name = base + self.companions[role]
+            found = companions.get(role)
+            if found is None:
+                return f"{key} is stored as integers but the checkpoint has no {name}"
+            found_dtype, found_shape = found
+            dtypes = SCALE_DTYPES if role == "scale" else (self.stored_dtype,)
+            if found_dtype not in dtypes:
+                return f"{name} is {found_dtype}; expected {' or '.join(dtypes)}"
+            if [d for d in found_shape if d != 1] != [d for d in want if d != 1] or len(found_shape) > 2:
+                return f"{name} has shape {list(found_shape)}, expected {list(want)}"
+        return None
+
+    # ---- widening and keeping --------------------------------------------------------------------------------
+
+    def keeps(self, quant: WeightQuant | None) -> WeightQuant | None:
+        """How a projection to be stored as ``quant`` holds this checkpoint's values unchanged (module docstring),
+        or None when they are widened."""
+        if quant is None or quant.mode != self.mode:
+            return None
+        if self.bits == 8:
+            return quant if self.symmetric and self.strategy != "group" else None
+        if self.strategy != "group":
+            return quant
+        g = self.group_size
+        return WeightQuant("int4", g, quant.lm_head) if g and g >= 2 and not g & (g - 1) else None
+
+    def widen_into(
+        self, out: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor | None = None
+    ) -> None:
+        """``out`` (N, K), in its own dtype, = ``(q - z) * s`` of the stored ``weight`` (module docstring), computed
+        in fp32 WIDEN_ELEMENTS weights at a time on ``out``'s device."""
+        n, k = out.shape
+        device = out.device
+        scales, width = self._grid(scale, n).to(device, torch.float32), self._width(k)
+        zeros = None if zero_point is None else self._zero_grid(zero_point, n, k).to(device, torch.float32)
+        step = max(1, WIDEN_ELEMENTS // k)
+        for first in range(0, n, step):
+            rows = slice(first, first + step)
+            wide = self._values(weight[rows].to(device), k).to(torch.float32)  # (rows, K)
+            if self.packed:
+                wide -= 1 << (self.bits - 1)  # q
+            if zeros is not None:
+                apply_blockwise_(wide, zeros[rows], 1, width, torch.Tensor.sub_)
+            apply_blockwise_(wide, scales[rows], 1, width, torch.Tensor.mul_)
+            out[rows].copy_(wide)
+
+    def store_into(
+        self,
+        module: QuantizedLinear,
+        rows: slice,
+        weight: torch.Tensor,
+        scale: torch.Tensor,
+        zero_point: torch.Tensor | None = None,
+    ) -> None:
+        """Rows ``rows`` of ``module`` (stored as :meth:`keeps` said) from the stored ``weight`` as they are."""
+        device, k = module.qweight.device, module.in_features
+        n = rows.stop - rows.start
+        s = self._grid(scale, n).to(device, torch.float32)  # (n, groups of the checkpoint)
+        if self.bits == 8:
+            q = self._values(weight.to(device), k)
+            module.qweight[rows].copy_((q ^ 0x80).view(torch.int8) if self.packed else q)  # q + 128 -> q
+            module.scales[rows].copy_(s[:, 0])
+            return
+        module.qweight[rows].copy_(weight.to(device).contiguous().view(torch.uint8)[:, : -(-k // 2)])
+        if self.strategy != "group":
+            s = s.expand(n, module.scales.shape[1])  # one scale a row, repeated over the node's groups
+        z = 0.0 if zero_point is None else self._zero_grid(zero_point, n, k).to(device, torch.float32)
+        module.scales[rows].copy_(s)
+        module.offsets[rows].copy_(-(z + 8.0) * s)  # w = (q + 8) * s + offset
+
+    def _values(self, stored: torch.Tensor, k: int) -> torch.Tensor:
+        """The first ``k`` values of each row of ``stored``: int8 q for int-quantized, else the unsigned stored
+        values (q + 2^(b-1)) as uint8. Words are read as little-endian bytes (x86, Arm)."""
+        if not self.packed:
+            return stored
+        data = stored.contiguous().view(torch.uint8)  # (rows, 4 * words): byte j holds values 2j, 2j+1 or j
+        if self.bits == 4:
+            data = torch.stack((data & 0xF, data >> 4), dim=-1).flatten(-2)
+        return data[:, :k]
+
+    def _zero_grid(self, zero_point: torch.Tensor, n: int, k: int) -> torch.Tensor:
+        """z as stored (packed along N for pack-quantized) -> (N, groups) int16 in q's range."""
+        if not self.packed:
+            return zero_point.to(torch.int16).reshape(n, -1)
+        unsigned = self._values(zero_point.t(), n).t()  # (N, groups)
+        return unsigned.to(torch.int16) - (1 << (self.bits - 1))
+
+    def _grid(self, scale: torch.Tensor, n: int) -> torch.Tensor:
+        """The scales as a (N, groups) grid; one for the tensor is a column of N equal scales (a view)."""
+        if self.strategy == "tensor":
+            return scale.reshape(1, 1).expand(n, 1)
+        return scale.reshape(n, -1)
+
+    def _columns(self, k: int) -> int:
+        """Scale columns of a weight with ``k`` inputs."""
+        return -(-k // self.group_size) if self.strategy == "group" else 1
+
+    def _width(self, k: int) -> int:
+        """Inputs one scale column covers."""
+        return self.group_size if self.strategy == "group" else k
