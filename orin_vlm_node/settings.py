@@ -111,10 +111,11 @@ SETTINGS: tuple[Setting, ...] = (
     _s("dtype", str, "auto", "weights and activations; auto = the checkpoint's on CUDA, fp32 on CPU", E, BETWEEN,
        choices=("auto", "bf16", "fp16", "fp32")),
     _s("weight_quant", str, "none", "store the text decoder's projection weights quantized at load: int8 (per "
-       "output channel) or int4 (per group of weight_quant_group_size inputs); activations stay in dtype", E, RO,
+       "output channel) or int4 (per group of weight_quant_group_size inputs); activations stay in dtype. A "
+       "checkpoint stored in integers of that width (compressed-tensors) is kept as stored", E, RO,
        choices=("none", "int8", "int4")),
     _s("weight_quant_group_size", int, 128, "int4: weights per scale and offset along the input; a power of two "
-       "no larger than any projection's input", E, RO, min=2, max=8192),
+       "no larger than any projection's input (a 4-bit checkpoint's own groups are kept)", E, RO, min=2, max=8192),
     _s("weight_quant_lm_head", bool, True, "with weight_quant int8 or int4, store the LM head in int8 too (per "
        "output channel, whatever the mode: every logit goes through it); a head tied to the embedding table is "
        "a copy beside it, half its bytes", E, RO),
