@@ -204,6 +204,24 @@ GOALS: list[Goal] = [
         _worst_over("quantization", "_none.exact_match_drop", False, prefix="default.fp8"),
     ),
     Goal(
+        "int4_checkpoint_accuracy",
+        "the default model read from 4-bit compressed-tensors copies (W4A16, W4A16_ASYM; kept as int4) loses <= 3 "
+        "points of held-out exact match",
+        "points",
+        3.0,
+        False,
+        _worst_over("quantization", ".exact_match_drop", False, prefix="default.w4a16"),
+    ),
+    Goal(
+        "int8_checkpoint_accuracy",
+        "the default model read from a W8A16 compressed-tensors copy (kept as int8) loses <= 1 point of held-out "
+        "exact match",
+        "points",
+        1.0,
+        False,
+        _worst_over("quantization", ".exact_match_drop", False, prefix="default.w8a16"),
+    ),
+    Goal(
         "quant_int4_gpu_speedup",
         "GPU decode with weight_quant=int4 >= 1.8x fp16 weights (kernels + graphs, batch 1, 2B shape)",
         "x",

@@ -13,6 +13,13 @@
   weights with a scale per 128x128 block, and llm-compressor's FP8_DYNAMIC one, a scale per output
   channel): held-out exact match of the widened model, and with ``int4`` on top (goal: within 1 point of
   the float checkpoint without int4, like int8: FP8 keeps 3 mantissa bits per weight).
+* Default model stored as integers (``support.checkpoints.int_copy``: compressed-tensors' W4A16 and
+  W4A16_ASYM, group 128, and W8A16 per channel, round to nearest; the vision tower in float), read with the
+  ``weight_quant`` that keeps the stored values (goals: the 4-bit copies within 3 points of the float
+  checkpoint, the 8-bit one within 1, as the node's own int4 and int8).
+
+* Loading the 2B shape as int4 (fresh processes, alternating, one thread): from the bf16 checkpoint,
+  quantized while it streams in, against a W4A16 copy kept as stored; seconds and peak RSS. No goal.
 
 * CPU decode speed per mode on the 2B-shape checkpoint (fp32 activations, the CPU GEMM kernels reading the
   stored int8 / int4 weights): tokens/s of fixed-length answers, and each as a ratio to ``none``. No goal
@@ -22,12 +29,16 @@
 from __future__ import annotations
 
 import gc
+import json
 import statistics
+import subprocess
+import sys
 import tempfile
 from pathlib import Path
 
 import torch
 
+from bench.config import REPO
 from bench.context import BenchContext
 from bench.section import SectionResult
 from bench.timing import run_engine
@@ -42,6 +53,16 @@ SPEED_REPEATS = 3  # timed answers per mode, after one warm-up
 # (a scale per output channel); each read with weight_quant none and int4.
 FP8_COPIES = {"fp8": {"block": (128, 128)}, "fp8_channel": {"block": None, "compressed_tensors": "channel"}}
 FP8_MODES = ("none", "int4")
+LOAD_GROUP = 128  # int4 group of the 2B-shape load comparison (the default, and llm-compressor's W4A16)
+LOAD_REPEATS = 2  # fresh-process loads per checkpoint, alternating (about a minute each from bf16)
+# Integer copies of the default model as llm-compressor saves its W4A16 / W4A16_ASYM / W8A16 schemes
+# (compressed-tensors, round to nearest, the vision tower left in float), each read with the weight_quant that
+# keeps the stored values.
+INT_COPIES = {
+    "w4a16": ({"bits": 4, "group_size": 128, "symmetric": True}, "int4"),
+    "w4a16_asym": ({"bits": 4, "group_size": 128, "symmetric": False}, "int4"),
+    "w8a16": ({"bits": 8, "strategy": "channel", "group_size": None, "symmetric": True}, "int8"),
+}
 
 
 def _exact_match(model_dir: Path, mode: str, held_out: int) -> tuple[float, float]:
@@ -148,6 +169,37 @@ def _big(ctx: BenchContext, res: SectionResult) -> None:
     res.setup["2b_checkpoint"] = ctx.big_checkpoint_origin
 
 
+def _load(ctx: BenchContext, res: SectionResult) -> None:
+    """Loading the 2B shape as int4 from its bf16 checkpoint (quantized while it streams in) and from a W4A16
+    copy of it (kept as stored): seconds and peak RSS, each load a fresh process, alternating."""
+    from support.checkpoints import int_copy
+
+    copy = ctx.scratch / "big_w4a16"
+    if not (copy / "model.safetensors").is_file():
+        int_copy(ctx.big_checkpoint(), copy, bits=4, group_size=LOAD_GROUP, symmetric=True, vision=False)
+    sources = {"float": ctx.big_checkpoint(), "w4a16": copy}
+    runs: dict[str, list[dict]] = {name: [] for name in sources}
+    for i in range(LOAD_REPEATS):
+        for name, path in sources.items():
+            ctx.log(f"quantization: 2B-shape int4 load from the {name} checkpoint ({i + 1}/{LOAD_REPEATS})")
+            cmd = [sys.executable, "-m", "bench.load_probe", str(path), "bf16", "int4", str(LOAD_GROUP)]
+            out = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=900)
+            if out.returncode != 0:
+                raise RuntimeError(f"load_probe failed ({out.returncode}): {out.stderr[-1500:]}")
+            runs[name].append(json.loads(out.stdout.strip().splitlines()[-1]))
+    for name, found in runs.items():
+        how = "quantized while it loads" if name == "float" else "kept as stored"
+        res.add(f"2b.load.{name}_int4.load_s", "s", [r["load_s"] for r in found],
+                f"load_model, bf16, int4 group {LOAD_GROUP} from the {name} checkpoint ({how}), one thread",
+                mode="int4")  # fmt: skip
+        res.add(f"2b.load.{name}_int4.peak_rss_mb", "MB", [r["peak_rss_mb"] for r in found],
+                "peak RSS of the loading process", mode="int4")  # fmt: skip
+        res.add(f"2b.load.{name}_int4.weight_mb", "MB", [found[0]["weight_mb"]], "weights as loaded", mode="int4")
+    float_s = statistics.median(r["load_s"] for r in runs["float"])
+    res.add("2b.load.w4a16_vs_float", "x", [r["load_s"] / float_s for r in runs["w4a16"]],
+            "int4 load time from the W4A16 copy / from the bf16 checkpoint (median)", mode="int4")  # fmt: skip
+
+
 def _fp8(ctx: BenchContext, res: SectionResult, model_dir: Path, float_score: float) -> None:
     """Held-out exact match of the default model read from an FP8 copy of it, without and with ``int4``."""
     from support.checkpoints import fp8_copy
@@ -164,6 +216,22 @@ def _fp8(ctx: BenchContext, res: SectionResult, model_dir: Path, float_score: fl
                         "exact-match points lost vs the float checkpoint (none)", mode=mode)  # fmt: skip
 
 
+def _int(ctx: BenchContext, res: SectionResult, model_dir: Path, float_score: float) -> None:
+    """Held-out exact match of the default model read from integer copies of it, kept as stored."""
+    from support.checkpoints import int_copy
+
+    with tempfile.TemporaryDirectory(prefix="int_default_") as tmp:
+        for name, (layout, mode) in INT_COPIES.items():
+            copy = int_copy(model_dir, Path(tmp) / name, vision=False, **layout)
+            ctx.log(f"quantization: default model stored as {name}, weight_quant={mode} (kept as stored)")
+            score, mb = _exact_match(copy, mode, ctx.config.quant_held_out)
+            res.add(f"default.{name}.exact_match", "fraction", [score],
+                    f"held-out greedy exact match, {name} copy kept as {mode}", mode=mode)  # fmt: skip
+            res.add(f"default.{name}.exact_match_drop", "points", [100 * (float_score - score)],
+                    "exact-match points lost vs the float checkpoint (none)", mode=mode)  # fmt: skip
+            res.add(f"default.{name}.weight_mb", "MB", [mb], "weights as stored (fp32 run)", mode=mode)
+
+
 def run(ctx: BenchContext) -> SectionResult:
     res = SectionResult("quantization")
     model_dir, what = ctx.default_model()
@@ -178,19 +246,22 @@ def run(ctx: BenchContext) -> SectionResult:
         res.add(f"default.{mode}.exact_match_drop", "points", [100 * (scores["none"] - scores[mode])],
                 "exact-match points lost vs none", mode=mode)  # fmt: skip
     _fp8(ctx, res, model_dir, scores["none"])
+    _int(ctx, res, model_dir, scores["none"])
     missing = ctx.big_checkpoint_missing()
     if missing:
         res.skip_part("2b", missing)
     else:
         ctx.log("quantization: 2B-shape checkpoint, teacher-forced logits vs fp32")
         _big(ctx, res)
+        _load(ctx, res)
     res.setup.update(
         model=what,
         held_out=held_out,
         big_tokens=BIG_TOKENS,
         summary=(
             f"{what}: held-out exact match per weight_quant (int4 group 128), also read from FP8 copies "
-            f"({', '.join(FP8_COPIES)}); 2B-shape random checkpoint: "
+            f"({', '.join(FP8_COPIES)}) and integer ones kept as stored ({', '.join(INT_COPIES)}); "
+            f"2B-shape random checkpoint: "
             f"{BIG_TOKENS} greedy fp32 tokens fed through int8/int4 models, logit error and top-1 agreement; "
             f"CPU decode tok/s per mode ({SPEED_REPEATS} answers of {SPEED_TOKENS} tokens); weight bytes vs fp16."
         ),
