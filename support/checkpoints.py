@@ -302,14 +302,15 @@ def int_copy(
     symmetric: bool = True,
     fmt: str = "pack-quantized",
     vision: bool = True,
+    head: bool = False,
 ) -> Path:
     """A copy of checkpoint ``src`` in ``dst`` with its linear weights stored as ``bits``-bit integers the way
     llm-compressor saves them (a W4A16 / W4A16_ASYM / W8A16-like scheme): the scales and zero points from
     compressed-tensors' own ``calculate_qparams`` over each group's min and max (round to nearest, as its
     ``minmax`` observer), the stored tensors from its own compressor for ``fmt`` (``pack-quantized`` or
     ``int-quantized``), so the files are the reference library's. Scales in the weights' dtype; the linear
-    layers of :func:`fp8_copy` are converted, the LM head stays (``ignore: [lm_head]``), and without ``vision``
-    the vision tower too (``re:.*visual.*``, as the Qwen-VL recipes of llm-compressor leave it)."""
+    layers of :func:`fp8_copy` are converted, and with ``head`` the LM head (else ``ignore: [lm_head]``); without
+    ``vision`` the vision tower stays too (``re:.*visual.*``, as the Qwen-VL recipes of llm-compressor leave it)."""
     from compressed_tensors.compressors import BaseCompressor
     from compressed_tensors.quantization import QuantizationArgs, QuantizationConfig, QuantizationScheme
     from compressed_tensors.quantization.utils import calculate_qparams
@@ -328,7 +329,8 @@ def int_copy(
     tensors = load_file(str(src / "model.safetensors"))
     out: dict[str, torch.Tensor] = {}
     for key, w in tensors.items():
-        if not _converted(key, w) or (not vision and "visual" in key):
+        wanted = _converted(key, w) or (head and key == "lm_head.weight")
+        if not wanted or (not vision and "visual" in key):
             out[key] = w
             continue
         n, k = w.shape
@@ -347,7 +349,7 @@ def int_copy(
         config_groups={"group_0": scheme},
         format=fmt,
         quantization_status="compressed",
-        ignore=["lm_head"] + ([] if vision else ["re:.*visual.*"]),
+        ignore=([] if head else ["lm_head"]) + ([] if vision else ["re:.*visual.*"]),
     )
     config["quantization_config"] = json.loads(spec.model_dump_json())
     _write_json(dst / "config.json", config)

@@ -252,3 +252,22 @@ def test_int8_weights_in_a_checkpoint_without_a_quantization_config_are_refused(
     edit_config(ckpt, lambda c: c.pop("quantization_config"))
     with pytest.raises(CheckpointError, match=r"I8 weights but config.json has no quantization_config"):
         load_model(ckpt)
+
+
+@pytest.mark.parametrize("layout", ["w4a16", "w8a16"])
+def test_an_lm_head_stored_as_integers_becomes_the_int8_head(source, tmp_path, layout):
+    """The LM head is stored in int8 whatever the mode: a W8A16 head is kept as stored, a 4-bit one widened and
+    quantized to int8; without an int8 head it is widened into the checkpoint dtype's head."""
+    args = LAYOUTS[layout]
+    ckpt = int_copy(source, tmp_path / layout, head=True, **args)
+    stored = load_file(str(ckpt / "model.safetensors"))
+    assert "lm_head.weight_scale" in stored
+    widened = load_model(ckpt, torch.float32).lm_head.weight
+    assert torch.equal(widened, exact(stored, "lm_head", args)[0])
+    head = load_model(ckpt, torch.float32, quant=WeightQuant("int4" if args["bits"] == 4 else "int8", 32)).lm_head
+    assert isinstance(head, QuantizedLinear) and head.mode == "int8"
+    if layout == "w8a16":  # kept: exactly the stored values
+        assert torch.equal(head.dequantize(torch.float32), exact(stored, "lm_head", args)[0])
+    else:
+        expected = QuantizedLinear.from_weight(widened, WeightQuant("int8"))
+        assert torch.equal(head.qweight, expected.qweight) and torch.equal(head.scales, expected.scales)
