@@ -200,6 +200,17 @@ def _load(ctx: BenchContext, res: SectionResult) -> None:
             "int4 load time from the W4A16 copy / from the bf16 checkpoint (median)", mode="int4")  # fmt: skip
 
 
+def _copy_accuracy(ctx: BenchContext, res: SectionResult, copy: Path, name: str, mode: str, float_score: float) -> None:
+    """Held-out exact match of the default model's ``copy`` read with ``weight_quant=mode``, as figures
+    ``default.<name>.*``: the score, the points lost against the float checkpoint and the weight bytes."""
+    score, mb = _exact_match(copy, mode, ctx.config.quant_held_out)
+    res.add(f"default.{name}.exact_match", "fraction", [score],
+            f"held-out greedy exact match, {name} copy, weight_quant={mode}", mode=mode)  # fmt: skip
+    res.add(f"default.{name}.exact_match_drop", "points", [100 * (float_score - score)],
+            "exact-match points lost vs the float checkpoint (none)", mode=mode)  # fmt: skip
+    res.add(f"default.{name}.weight_mb", "MB", [mb], "weights as stored (fp32 run)", mode=mode)
+
+
 def _fp8(ctx: BenchContext, res: SectionResult, model_dir: Path, float_score: float) -> None:
     """Held-out exact match of the default model read from an FP8 copy of it, without and with ``int4``."""
     from support.checkpoints import fp8_copy
@@ -209,11 +220,7 @@ def _fp8(ctx: BenchContext, res: SectionResult, model_dir: Path, float_score: fl
             fp8 = fp8_copy(model_dir, Path(tmp) / name, **layout)
             for mode in FP8_MODES:
                 ctx.log(f"quantization: default model stored as {name}, weight_quant={mode}")
-                score, _ = _exact_match(fp8, mode, ctx.config.quant_held_out)
-                res.add(f"default.{name}_{mode}.exact_match", "fraction", [score],
-                        f"held-out greedy exact match, {name} copy, weight_quant={mode}", mode=mode)  # fmt: skip
-                res.add(f"default.{name}_{mode}.exact_match_drop", "points", [100 * (float_score - score)],
-                        "exact-match points lost vs the float checkpoint (none)", mode=mode)  # fmt: skip
+                _copy_accuracy(ctx, res, fp8, f"{name}_{mode}", mode, float_score)
 
 
 def _int(ctx: BenchContext, res: SectionResult, model_dir: Path, float_score: float) -> None:
@@ -224,12 +231,7 @@ def _int(ctx: BenchContext, res: SectionResult, model_dir: Path, float_score: fl
         for name, (layout, mode) in INT_COPIES.items():
             copy = int_copy(model_dir, Path(tmp) / name, vision=False, **layout)
             ctx.log(f"quantization: default model stored as {name}, weight_quant={mode} (kept as stored)")
-            score, mb = _exact_match(copy, mode, ctx.config.quant_held_out)
-            res.add(f"default.{name}.exact_match", "fraction", [score],
-                    f"held-out greedy exact match, {name} copy kept as {mode}", mode=mode)  # fmt: skip
-            res.add(f"default.{name}.exact_match_drop", "points", [100 * (float_score - score)],
-                    "exact-match points lost vs the float checkpoint (none)", mode=mode)  # fmt: skip
-            res.add(f"default.{name}.weight_mb", "MB", [mb], "weights as stored (fp32 run)", mode=mode)
+            _copy_accuracy(ctx, res, copy, name, mode, float_score)
 
 
 def run(ctx: BenchContext) -> SectionResult:

@@ -32,7 +32,7 @@ import json
 import math
 import shutil
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
@@ -354,6 +354,22 @@ def int_copy(
     config["quantization_config"] = json.loads(spec.model_dump_json())
     _write_json(dst / "config.json", config)
     return dst
+
+
+def rewrite_tensors(ckpt: Path, change: Callable[[dict[str, torch.Tensor]], object]) -> None:
+    """Apply ``change(tensors)`` to a single-file checkpoint's tensors in place (tests of damaged files)."""
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(str(ckpt / "model.safetensors"))
+    change(tensors)
+    save_file(tensors, str(ckpt / "model.safetensors"), metadata={"format": "pt"})
+
+
+def edit_config(ckpt: Path, change: Callable[[dict], object]) -> None:
+    """Apply ``change(config)`` to a checkpoint's config.json in place."""
+    config = json.loads((ckpt / "config.json").read_text())
+    change(config)
+    _write_json(ckpt / "config.json", config)
 
 
 def _converted(key: str, w: torch.Tensor) -> bool:

@@ -157,6 +157,18 @@ def test_gpu_graph_decode_replays_across_page_boundaries(backend):
     assert runner.captured and runner.replays >= 29, runner.describe()
 
 
+def same_greedy_answer(fast, slow, text: str, tokens: int):
+    """The greedy answers of engines ``fast`` and ``slow`` to ``text``, ``tokens`` long (EOS ignored), are full
+    length and the same tokens."""
+    from orin_vlm_node.engine import Request, SamplingParams, Turn
+
+    request = Request(Turn(text), SamplingParams(temperature=0.0, max_new_tokens=tokens, ignore_eos=True))
+    a = list(fast.generate(request))[-1]
+    b = list(slow.generate(request))[-1]
+    assert a.finish_reason == b.finish_reason == "length"
+    assert a.token_ids == b.token_ids
+
+
 def _tiny(tmp_path_factory, head_dim: int):
     from support.checkpoints import make_tiny_checkpoint
 
@@ -172,7 +184,7 @@ def test_gpu_engine_kernels_and_graphs_match_the_torch_path_across_context_bucke
 ):
     """fp32, 300 greedy tokens from a 1024-token limit: the static step moves from the 256 to the 512
     bucket (a second graph) and crosses many pages; tokens equal the eager torch path's."""
-    from orin_vlm_node.engine import Engine, EngineConfig, Request, SamplingParams, Turn
+    from orin_vlm_node.engine import Engine, EngineConfig
 
     path = str(_tiny(tmp_path_factory, head_dim))
     common = dict(model_path=path, device="cuda", dtype="fp32", max_context_tokens=1024, kernel_cache_dir=kernel_cache)
@@ -181,12 +193,7 @@ def test_gpu_engine_kernels_and_graphs_match_the_torch_path_across_context_bucke
     info = fast.describe()
     assert info["kernels"].startswith("kernels: on") and info["decode_path"] == "kernels+graphs (static step)"
     assert slow.describe()["decode_path"] == "torch reference (static step)"
-    sampling = SamplingParams(temperature=0.0, max_new_tokens=300, ignore_eos=True)
-    turn = Turn("Tell the robot what to do next, step by step.")
-    a = list(fast.generate(Request(turn, sampling)))[-1]
-    b = list(slow.generate(Request(turn, sampling)))[-1]
-    assert a.finish_reason == b.finish_reason == "length"
-    assert a.token_ids == b.token_ids
+    same_greedy_answer(fast, slow, "Tell the robot what to do next, step by step.", 300)
     decode = fast.describe()["decode"]
     assert decode["graphs"] == "on" and decode["graphs_captured"] >= 2, decode
 
@@ -498,7 +505,7 @@ def test_gpu_engine_float_gemv_says_what_it_measured_and_answers_as_without_kern
     """fp32: the float projections the GEMV kernel won (timed at startup) inside the captured decode graphs
     give the tokens of torch's products, 200 greedy tokens; turning the kernels off at runtime puts the
     model back as loaded."""
-    from orin_vlm_node.engine import Engine, EngineConfig, Request, SamplingParams, Turn
+    from orin_vlm_node.engine import Engine, EngineConfig
     from orin_vlm_node.model.gemv_linear import GemvLinear
 
     path = str(_tiny(tmp_path_factory, 64))
@@ -508,12 +515,7 @@ def test_gpu_engine_float_gemv_says_what_it_measured_and_answers_as_without_kern
     path_used = fast.describe()["weight_path"]
     assert path_used.startswith("float weights: GEMV kernels for decode rows: ") and "kernel vs F.linear" in path_used
     assert slow.describe()["weight_path"].startswith("float weights: F.linear")
-    sampling = SamplingParams(temperature=0.0, max_new_tokens=200, ignore_eos=True)
-    turn = Turn("Tell the robot what to do next, step by step.")
-    a = list(fast.generate(Request(turn, sampling)))[-1]
-    b = list(slow.generate(Request(turn, sampling)))[-1]
-    assert a.finish_reason == b.finish_reason == "length"
-    assert a.token_ids == b.token_ids
+    same_greedy_answer(fast, slow, "Tell the robot what to do next, step by step.", 200)
     fast.reconfigure(use_cuda_kernels=False)
     assert not any(isinstance(m, GemvLinear) for m in fast.model.modules())
 
@@ -559,7 +561,7 @@ def test_gpu_engine_quantized_kernels_and_graphs_match_the_torch_path(tmp_path_f
     a launch a product and a launch a norm) and on (the norms in the products' launches, a layer's products
     between two attentions in one)."""
     from orin_vlm_node.cuda.gemv import CudaGemv
-    from orin_vlm_node.engine import Engine, EngineConfig, Request, SamplingParams, Turn
+    from orin_vlm_node.engine import Engine, EngineConfig
 
     path = str(_tiny(tmp_path_factory, 64))
     common = dict(model_path=path, device="cuda", dtype="fp32", max_context_tokens=512, kernel_cache_dir=kernel_cache,
@@ -568,19 +570,14 @@ def test_gpu_engine_quantized_kernels_and_graphs_match_the_torch_path(tmp_path_f
     slow = Engine(EngineConfig(**common, use_cuda_kernels=False, use_cuda_graph=False))
     assert fast.describe()["weight_path"].startswith(f"{mode}: GEMV kernels")
     assert slow.describe()["weight_path"].startswith(f"{mode}: torch")
-    sampling = SamplingParams(temperature=0.0, max_new_tokens=200, ignore_eos=True)
-    turn = Turn("Tell the robot what to do next, step by step.")
-    a = list(fast.generate(Request(turn, sampling)))[-1]
-    b = list(slow.generate(Request(turn, sampling)))[-1]
-    assert a.finish_reason == b.finish_reason == "length"
-    assert a.token_ids == b.token_ids
+    same_greedy_answer(fast, slow, "Tell the robot what to do next, step by step.", 200)
     fused = Engine(EngineConfig(**common, allow_kernel_fallback=False, fuse_decode_launches=True))
     for engine, on in ((fast, False), (fused, True)):
         kernels = {m.kernels for m in engine.model.modules() if isinstance(getattr(m, "kernels", None), CudaGemv)}
         assert [(k.norm_epilogue, k.mlp_chain, k.tail_chain) for k in kernels] == [(on, on, on)]
     assert fast.describe()["weight_path"].endswith(": off (fuse_decode_launches)")
     assert fused.describe()["weight_path"].endswith("between two attentions in one: on")
-    assert list(fused.generate(Request(turn, sampling)))[-1].token_ids == a.token_ids
+    same_greedy_answer(fused, fast, "Tell the robot what to do next, step by step.", 200)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
@@ -673,7 +670,7 @@ def test_gpu_an_int4_checkpoint_is_kept_on_the_device_as_on_the_cpu_and_the_kern
     """On CUDA a pack-quantized checkpoint's stored nibbles, scales and offsets go to the device as they are (no
     widening): the kept projections hold the CPU load's bytes, the rest the CPU load's values, and the engine's
     GEMV kernels answer inside the decode graphs as the torch path does on the same stored weights."""
-    from orin_vlm_node.engine import Engine, EngineConfig, Request, SamplingParams, Turn
+    from orin_vlm_node.engine import Engine, EngineConfig
     from orin_vlm_node.model import load_model
     from orin_vlm_node.model.quant import WeightQuant
     from support.checkpoints import int_copy
@@ -691,9 +688,4 @@ def test_gpu_an_int4_checkpoint_is_kept_on_the_device_as_on_the_cpu_and_the_kern
                   kernel_cache_dir=kernel_cache, weight_quant="int4", weight_quant_group_size=32)  # fmt: skip
     fast = Engine(EngineConfig(**common, allow_kernel_fallback=False))
     slow = Engine(EngineConfig(**common, use_cuda_kernels=False, use_cuda_graph=False))
-    sampling = SamplingParams(temperature=0.0, max_new_tokens=64, ignore_eos=True)
-    turn = Turn("Tell the robot what to do next.")
-    a = list(fast.generate(Request(turn, sampling)))[-1]
-    b = list(slow.generate(Request(turn, sampling)))[-1]
-    assert a.finish_reason == b.finish_reason == "length"
-    assert a.token_ids == b.token_ids
+    same_greedy_answer(fast, slow, "Tell the robot what to do next.", 64)

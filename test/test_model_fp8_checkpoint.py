@@ -16,7 +16,7 @@ from orin_vlm_node.model import fp8_weights as fp8_module
 from orin_vlm_node.model.fp8_weights import Fp8Weights, Fp8Widener
 from orin_vlm_node.model.loader import checkpoint_views, name_to_checkpoint_key
 from orin_vlm_node.model.quant import QuantizedLinear, WeightQuant
-from support.checkpoints import cached_tiny_checkpoint, fp8_copy, fp8_covered
+from support.checkpoints import cached_tiny_checkpoint, edit_config, fp8_copy, fp8_covered, rewrite_tensors
 
 DEQ_KEY = "model.language_model.layers.0.mlp.down_proj.weight"
 
@@ -162,19 +162,6 @@ def test_the_engine_reports_the_stored_format(source, tmp_path):
     )
 
 
-def rewrite(ckpt, change) -> None:
-    """Apply ``change(tensors)`` to the checkpoint's tensors in place."""
-    tensors = load_file(str(ckpt / "model.safetensors"))
-    change(tensors)
-    save_file(tensors, str(ckpt / "model.safetensors"), metadata={"format": "pt"})
-
-
-def edit_config(ckpt, change) -> None:
-    config = json.loads((ckpt / "config.json").read_text())
-    change(config)
-    (ckpt / "config.json").write_text(json.dumps(config))
-
-
 @pytest.mark.parametrize(
     "damage, message",
     [
@@ -199,7 +186,7 @@ def edit_config(ckpt, change) -> None:
 )
 def test_an_fp8_weight_without_a_fitting_scale_is_refused_naming_it(source, tmp_path, damage, message):
     ckpt = fp8_copy(source, tmp_path / "fp8", block=(16, 32))
-    rewrite(ckpt, damage)
+    rewrite_tensors(ckpt, damage)
     with pytest.raises(CheckpointError, match=message):
         load_model(ckpt)
 

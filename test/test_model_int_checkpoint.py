@@ -5,20 +5,19 @@ name where malformed or in a format not read."""
 
 from __future__ import annotations
 
-import json
 import logging
 
 import pytest
 import torch
 from compressed_tensors.compressors.pack_quantized.helpers import unpack_from_int32
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from orin_vlm_node.engine import Engine, EngineConfig, Request, SamplingParams, Turn
 from orin_vlm_node.model import CheckpointError, load_model
 from orin_vlm_node.model import int_weights as int_module
 from orin_vlm_node.model.loader import checkpoint_views, name_to_checkpoint_key
 from orin_vlm_node.model.quant import QuantizedLinear, WeightQuant
-from support.checkpoints import cached_tiny_checkpoint, int_copy
+from support.checkpoints import cached_tiny_checkpoint, edit_config, int_copy, rewrite_tensors
 
 LAYOUTS = {  # name: int_copy arguments
     "w4a16": dict(bits=4, strategy="group", group_size=32, symmetric=True),
@@ -182,18 +181,6 @@ def test_the_engine_runs_a_kept_int4_checkpoint_as_the_widened_one_computes(sour
     assert answers["int4"].token_ids == answers["none"].token_ids
 
 
-def rewrite(ckpt, change) -> None:
-    tensors = load_file(str(ckpt / "model.safetensors"))
-    change(tensors)
-    save_file(tensors, str(ckpt / "model.safetensors"), metadata={"format": "pt"})
-
-
-def edit_config(ckpt, change) -> None:
-    config = json.loads((ckpt / "config.json").read_text())
-    change(config)
-    (ckpt / "config.json").write_text(json.dumps(config))
-
-
 def weights_of(config: dict) -> dict:
     return config["quantization_config"]["config_groups"]["group_0"]["weights"]
 
@@ -216,7 +203,7 @@ def weights_of(config: dict) -> dict:
 )  # fmt: skip
 def test_integer_weights_without_fitting_scales_are_refused_naming_them(source, tmp_path, layout, damage, message):
     ckpt = int_copy(source, tmp_path / layout, **LAYOUTS[layout])
-    rewrite(ckpt, damage)
+    rewrite_tensors(ckpt, damage)
     with pytest.raises(CheckpointError, match=message):
         load_model(ckpt)
 
