@@ -75,7 +75,7 @@ class Fp8Weights:
             return cls("block", _block(weights.get("block_structure"), "weights.block_structure"), "_scale")
         if strategy == "group":
             size = weights.get("group_size")
-            if not _positive(size):
+            if not positive_int(size):
                 raise CheckpointError(f"weights.group_size must be a positive integer, got {size!r}")
             return cls("group", (1, size), "_scale")
         if strategy in ("tensor", "channel"):
@@ -159,12 +159,13 @@ class Fp8Weights:
         return scale.reshape(self.grid(shape)), *self.covered(shape)
 
 
-def _positive(value: Any) -> bool:
+def positive_int(value: Any) -> bool:
+    """Whether a config.json value is a positive integer (JSON's true is not one)."""
     return isinstance(value, int) and not isinstance(value, bool) and value > 0
 
 
 def _block(value: Any, where: str) -> tuple[int, int]:
-    if not (isinstance(value, (list, tuple)) and len(value) == 2 and all(map(_positive, value))):
+    if not (isinstance(value, (list, tuple)) and len(value) == 2 and all(map(positive_int, value))):
         raise CheckpointError(f"{where} must be two positive integers, got {value!r}")
     return value[0], value[1]
 

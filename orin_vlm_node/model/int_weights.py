@@ -50,7 +50,7 @@ from typing import Any
 import torch
 
 from .errors import CheckpointError
-from .fp8_weights import apply_blockwise_
+from .fp8_weights import apply_blockwise_, positive_int
 from .quant import QuantizedLinear, WeightQuant
 
 FORMATS = ("pack-quantized", "int-quantized")
@@ -95,7 +95,7 @@ class IntWeights:
         if not symmetric and strategy == "tensor":
             raise CheckpointError("compressed-tensors asymmetric integer weights with one scale per tensor: not read")
         size = weights.get("group_size")
-        if strategy == "group" and not (isinstance(size, int) and not isinstance(size, bool) and size > 0):
+        if strategy == "group" and not positive_int(size):
             raise CheckpointError(f"weights.group_size must be a positive integer, got {size!r}")
         return cls(bits, strategy, size if strategy == "group" else None, bool(symmetric), packed)
 
