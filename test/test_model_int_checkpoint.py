@@ -258,3 +258,10 @@ def test_an_lm_head_stored_as_integers_becomes_the_int8_head(source, tmp_path, l
     else:
         expected = QuantizedLinear.from_weight(widened, WeightQuant("int8"))
         assert torch.equal(head.qweight, expected.qweight) and torch.equal(head.scales, expected.scales)
+
+
+def test_a_saved_copy_of_a_tied_head_stored_as_integers_is_skipped_with_its_scales(source, tmp_path):
+    ckpt = int_copy(source, tmp_path / "w4", head=True, **LAYOUTS["w4a16"])
+    edit_config(ckpt, lambda c: c.update(tie_word_embeddings=True))
+    model = load_model(ckpt, torch.float32)
+    assert model.lm_head.weight is model.language_model.embed_tokens.weight

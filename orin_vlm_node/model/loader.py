@@ -386,9 +386,10 @@ def _plan(
     packed = [key for key in unexpected if key.endswith(PACKED_SUFFIX)]
     if packed and fmt is None:
         problems.append(f"packed integer weights but config.json has no quantization_config: {_listing(packed)}")
-    unexpected += [
-        f"{file.name}:{key}" for name, parts in found.items() if name not in stored for file, key, *_ in parts.values()
-    ]
+    strays = {name: parts for name, parts in found.items() if name not in stored}
+    if tied:
+        strays.pop("lm_head.weight", None)  # the scales of a saved copy of the tied head, skipped with it
+    unexpected += [f"{file.name}:{key}" for parts in strays.values() for file, key, *_ in parts.values()]
     if mismatched:
         problems.append(f"shape mismatch: {_listing(mismatched)}")
     if unexpected:
