@@ -135,9 +135,10 @@ def _widened(module: QuantizedLinear) -> torch.Tensor:
 
 
 # int4 groups: the smallest the kernels take, one that K is not a multiple of, the default; odd K (the last
-# byte's high nibble is padding), K below one vector
-QUANTIZED = [("int8", 128, 5, 3), ("int8", 128, 130, 1027), ("int4", 8, 37, 64), ("int4", 16, 130, 1027),
-             ("int4", 128, 1210, 1000), ("int4", 8, 5, 3), ("int4", 32, 41, 75)]  # fmt: skip
+# byte's high nibble is padding), K below one block of 16 or one vector, K whose last group is one block
+QUANTIZED = [("int8", 128, 5, 3), ("int8", 128, 130, 1027), ("int4", 16, 37, 64), ("int4", 16, 130, 1027),
+             ("int4", 128, 1210, 1000), ("int4", 16, 5, 3), ("int4", 32, 41, 75), ("int4", 64, 9, 15),
+             ("int4", 64, 23, 208)]  # fmt: skip
 
 
 @pytest.mark.parametrize("mode,group,n,k", QUANTIZED)
@@ -195,8 +196,9 @@ def test_bf16_activations_with_int4_weights_compute_in_fp32(gemm):
 @pytest.mark.parametrize("kernel", ["few_rows", "many_rows"])
 def test_int4_weights_the_kernel_cannot_read_are_refused_with_the_reason(gemm, kernel):
     x = torch.randn(2, 64)
-    with pytest.raises(ValueError, match="in groups of a power of two >= 8: 64 inputs in groups of 4"):
-        getattr(gemm, kernel)(x, _quantized(16, 64, "int4", 4, seed=1))
+    for group in (4, 8):
+        with pytest.raises(ValueError, match=f"in groups of a power of two >= 16: 64 inputs in groups of {group}"):
+            getattr(gemm, kernel)(x, _quantized(16, 64, "int4", group, seed=1))
     module = _quantized(16, 64, "int4", 16, seed=1)
     module.scales = module.scales.t().contiguous().t()  # same values, columns apart
     with pytest.raises(ValueError, match=r"scales is torch.float16 \(16, 4\), not contiguous torch.float16"):
@@ -294,12 +296,20 @@ def test_an_edited_source_is_rebuilt(tmp_path, gemm, cpu_kernel_cache):
     assert len(list((tmp_path / "cache").glob("cpu_gemm-*.so.cache"))) == 2
 
 
-# the weight of every panel row scaled, the nibbles of a byte swapped, the scale of a group as its offset
+# the weight of every panel row scaled, the nibbles of a byte swapped (as the panels widen them, as the few-rows
+# tile does), the activations not reordered to match, the scale of a group as its offset
 WRONG = [
     ("few_rows", "torch.float32", "fma8(wv[r], xv, acc[m][r])", "fma8(wv[r] * 1.01f, xv, acc[m][r])"),
     ("many_rows", "torch.float32", "acc[m][1] = fma8(w1, b, acc[m][1])", "acc[m][1] = fma8(w1 * 1.01f, b, acc[m][1])"),
-    ("few_rows", "int4 (group 16)", "shifts = {0, 4, 8, 12,", "shifts = {4, 0, 8, 12,"),
-    ("few_rows", "int4 (group 16)", "half_to_float(offsets[(size_t)n0", "half_to_float(scales[(size_t)n0"),
+    ("many_rows", "int4 (group 32)", "shifts = {0, 4, 8, 12,", "shifts = {4, 0, 8, 12,"),
+    (
+        "few_rows",
+        "int4 (group 32)",
+        "even = __builtin_convertvector(v & 15, v8)",
+        "even = __builtin_convertvector(v >> 4, v8)",
+    ),
+    ("few_rows", "int4 (group 32)", "row[j + t] = from[j + 2 * t];", "row[j + t] = from[j + t];"),
+    ("few_rows", "int4 (group 32)", "half_to_float(offsets[(size_t)n0", "half_to_float(scales[(size_t)n0"),
 ]
 
 

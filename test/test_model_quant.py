@@ -166,7 +166,7 @@ def gemm(cpu_kernel_cache):
     return load_cpu_gemm(cache_dir=cpu_kernel_cache)
 
 
-@pytest.mark.parametrize("quant", [WeightQuant("int8"), WeightQuant("int4", 32), WeightQuant("int4", 8)])
+@pytest.mark.parametrize("quant", [WeightQuant("int8"), WeightQuant("int4", 32), WeightQuant("int4", 16)])
 def test_the_cpu_kernels_compute_what_the_torch_path_computes(checkpoint, gemm, quant):
     with_kernels, torch_path = load_model(checkpoint, quant=quant), load_model(checkpoint, quant=quant)
     layers = with_kernels.language_model.layers
@@ -220,10 +220,10 @@ def test_an_engine_with_quantized_weights_uses_the_cpu_kernels_and_answers_as_th
 
 def test_int4_groups_smaller_than_the_cpu_kernels_take_stay_on_the_torch_path_and_say_so(checkpoint):
     engine = Engine(
-        EngineConfig(model_path=str(checkpoint), device="cpu", weight_quant="int4", weight_quant_group_size=4)
+        EngineConfig(model_path=str(checkpoint), device="cpu", weight_quant="int4", weight_quant_group_size=8)
     )
     assert engine.describe()["weight_path"] == (
-        "int4: torch (weights widened for each product; the CPU GEMM kernels take groups of 8 or more, not 4)"
+        "int4: torch (weights widened for each product; the CPU GEMM kernels take groups of 16 or more, not 8)"
     )
     final = list(engine.generate(Request(Turn("Hello."), SamplingParams(temperature=0.0, max_new_tokens=8))))[-1]
     assert final.finish_reason in ("stop", "length") and final.error is None

@@ -8,8 +8,9 @@ weights widened in registers, fp32 sums.
   copied to fp32 in memory and the arithmetic runs near the FMA units' peak.
 
 A quantized weight is read as stored: int8 gives the product with the integer values (the caller applies the
-per-row scale, where it factors out of the sum); int4 is an :class:`Int4Weight`, widened with its groups'
-scales and offsets in the kernel.
+per-row scale, where it factors out of the sum); int4 is an :class:`Int4Weight`, its groups' scales and
+offsets applied in the kernel (``many_rows`` widens each weight; ``few_rows`` sums ``x * q`` and ``x`` over a
+group and applies the group's scale and offset once, half the work a value).
 """
 
 from __future__ import annotations
@@ -33,15 +34,14 @@ _log = logging.getLogger(__name__)
 SOURCE = "cpu_gemm.cpp"
 # Below this many weight elements one thread is faster than handing chunks to torch's OpenMP workers.
 PARALLEL_MIN_WEIGHTS = 1 << 20
-INT4_MIN_GROUP = 8  # the kernels widen 8 consecutive values with one scale and offset: groups of 8, 16, ...
+INT4_MIN_GROUP = 16  # the few-rows kernel reads 16 consecutive values of a group at once: groups of 16, 32, ...
 
 
 class Int4Weight(Protocol):
     """An (n, k) weight of 4-bit values as the kernels read it (``model.quant.QuantizedLinear`` in int4 mode is
     one): ``qweight`` (n, ceil(k / 2)) uint8, two values a byte along k, even k in the low nibble; ``scales``
     and ``offsets`` (n, ceil(k / group_size)) fp16, one pair per group of ``group_size`` consecutive k (a
-    power of two >= ``INT4_MIN_GROUP``); a weight is ``q * scale + offset`` of its group, the product and the
-    sum each rounded to fp32."""
+    power of two >= ``INT4_MIN_GROUP``); a weight is ``q * scale + offset`` of its group."""
 
     qweight: torch.Tensor
     scales: torch.Tensor
@@ -178,13 +178,14 @@ class _Int4Probe(NamedTuple):
 
 def _probe_weights(w: torch.Tensor, gen: torch.Generator) -> list[tuple[str, Weight, torch.Tensor]]:
     """(name, weight as the kernel takes it, the fp32 values it stands for) for every weight format: ``w``'s
-    values in fp32, bf16 and int8, and 4-bit values with groups of 16 (k not a multiple of the group, odd k:
-    the last byte's high nibble is padding) widened as :class:`Int4Weight` says."""
+    values in fp32, bf16 and int8, and 4-bit values with groups of 32 (two blocks of 16 a group; k not a
+    multiple of the group, nor of 16, and odd: the last byte's high nibble is padding) widened as
+    :class:`Int4Weight` says."""
     weights: list[tuple[str, Weight, torch.Tensor]] = []
     for dtype in (torch.float32, torch.bfloat16, torch.int8):
         stored = w.to(dtype)
         weights.append((str(dtype), stored, stored.float()))
-    n, k, group = w.shape[0], w.shape[1], 16
+    n, k, group = w.shape[0], w.shape[1], 32
     values = torch.randint(0, 16, (n, k + k % 2), generator=gen, dtype=torch.uint8)
     values[:, k:] = 0
     scales = (torch.rand(n, -(-k // group), generator=gen) / 8).half()
@@ -192,7 +193,7 @@ def _probe_weights(w: torch.Tensor, gen: torch.Generator) -> list[tuple[str, Wei
     widened = values[:, :k].float() * scales.float().repeat_interleave(group, 1)[:, :k]
     widened = widened + offsets.float().repeat_interleave(group, 1)[:, :k]
     packed = _Int4Probe((values[:, 0::2] | (values[:, 1::2] << 4)).contiguous(), scales, offsets, k, group)
-    weights.append(("int4 (group 16)", packed, widened))
+    weights.append(("int4 (group 32)", packed, widened))
     return weights
 
 
