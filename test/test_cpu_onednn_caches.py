@@ -82,7 +82,6 @@ def test_the_bound_keeps_a_process_of_many_shapes_small(cpu_kernel_cache, operat
     clean, operator_env = _environments()
     bounded, operator = _run(cpu_kernel_cache, clean, SHAPES), _run(cpu_kernel_cache, operator_env, SHAPES)
     # 500 shapes: about 350 MB with oneDNN's own capacities; the bound keeps 128 of them.
-    print(
-        f"\n{SHAPES} bf16 shapes: the process grew {bounded['grew_mb']:.0f} MB bounded, {operator['grew_mb']:.0f} MB not"
-    )
+    grew = f"{bounded['grew_mb']:.0f} MB bounded, {operator['grew_mb']:.0f} MB not"
+    print(f"\n{SHAPES} bf16 shapes: the process grew {grew}")
     assert bounded["grew_mb"] < operator["grew_mb"] / 2, (bounded, operator)
