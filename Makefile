@@ -54,8 +54,12 @@ lint: venv
 	$(VENV)/bin/ruff format --check $(LINT_PATHS)
 
 # pytest exits 5 when it collected nothing: that is a failure here, never a pass.
+# The suite runs on every core (pytest-xdist), a test file a worker, so a file's module fixtures (the nvcc
+# builds, the node a ROS module starts) are made once, the files in collection order (conftest.py puts the
+# longest first); TEST_WORKERS=0 runs it in this process.
+TEST_WORKERS ?= auto
 test: lint install
-	@$(PY) -m pytest; rc=$$?; \
+	@$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder; rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "make test: pytest collected no tests" >&2; fi; exit $$rc
 
 demo: install

@@ -46,9 +46,15 @@ def ros_env(domain_id: int, log_dir: Path, base: Mapping[str, str] | None = None
 def domain_id_for(salt: str) -> int:
     """A ROS_DOMAIN_ID in 1..101 for this process and ``salt`` (who asks: a test module, the demo, a benchmark),
     never 42 or 77 (the defaults of conftest and the Makefile, which other runs on this machine may use), so
-    concurrent runs on one machine do not hear each other. Ids above 101 collide with Linux's ephemeral ports."""
-    value = (os.getpid() * 7 + zlib.crc32(salt.encode())) % 100 + 1
-    return value + 1 if value in (42, 77) else value
+    concurrent runs on one machine do not hear each other. Ids above 101 collide with Linux's ephemeral ports.
+
+    Where the suite runs in parallel (pytest-xdist sets ``PYTEST_XDIST_WORKER`` = ``gw<i>`` and the worker
+    count), worker i takes only ids congruent to i modulo the count: modules that run at the same time in
+    different workers then never share a domain, whatever their process ids."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    worker = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw"))
+    ids = [i for i in range(1, 102) if i not in (42, 77) and i % workers == worker % workers]
+    return ids[(os.getpid() * 7 + zlib.crc32(salt.encode())) % len(ids)]
 
 
 def installed_executable() -> str | None:

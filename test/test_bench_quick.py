@@ -16,6 +16,8 @@ import pytest
 from bench.report import TITLES
 from bench.schema import SECTIONS, validate_result
 
+pytestmark = pytest.mark.starts_first
+
 REPO = Path(__file__).resolve().parent.parent
 
 

@@ -5,9 +5,12 @@ sm_80 and later, so the other Ampere parts (sm_80, sm_86) compile the same code 
 again here; the decode kernel, whose K/V staging is the one user of those copies, is also compiled for Turing
 (sm_75), where the copies are plain loads and stores.
 
-Goes through ``build.compile_cubin`` (the startup builder's compile step) with the strict flags, writing
-cubins to a temporary directory, and checks that each cubin defines exactly the kernels
-``launch.KERNEL_MODULES`` says it does (the names the runtime and the harness look up).
+Goes through ``build.compile_cubin`` (the startup builder's compile step) with the strict flags, and checks
+that each cubin defines exactly the kernels ``launch.KERNEL_MODULES`` says it does (the names the runtime and
+the harness look up). A build whose inputs an earlier run compiled already (same sources and headers, arch,
+flags and nvcc) is read from that run's result in ``~/.cache/orin_vlm_node/nvcc-check`` (``$XDG_CACHE_HOME``
+if set; delete the folder to compile everything again), as the node reads its kernel cache: a fresh machine,
+CI's, compiles everything.
 """
 
 from __future__ import annotations
@@ -16,12 +19,14 @@ import os
 import re
 import shutil
 import time
+import zlib
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
+from orin_vlm_node.artifact_cache import default_cache_dir, read_cached, write_cached
 from orin_vlm_node.cuda import build as B
 from orin_vlm_node.cuda.launch import KERNEL_MODULES
 from orin_vlm_node.cuda.sources import find_kernel_sources
@@ -30,16 +35,19 @@ NVCC = shutil.which("nvcc") or ("/usr/local/bin/nvcc" if os.path.exists("/usr/lo
 ARCHS = ["sm_87", "sm_90"]
 TURING = ("sm_75", "paged_decode_attention")  # the one module whose code differs before Ampere
 
-pytestmark = pytest.mark.skipif(NVCC is None, reason="nvcc not found on PATH or at /usr/local/bin/nvcc")
+pytestmark = [
+    pytest.mark.skipif(NVCC is None, reason="nvcc not found on PATH or at /usr/local/bin/nvcc"),
+    pytest.mark.starts_first,
+]
 
 
 @dataclass(frozen=True)
 class Compiled:
-    """Every module's strict build for every arch: (arch, module) -> (cubin, seconds); and the PTX that
-    nvcc wrote on the way to each cubin (``--keep``), in ``ptx_dir / arch``, which the dependent-launch
-    check reads."""
+    """Every module's strict build for every arch: (arch, module) -> (cubin, seconds compiling or None when
+    taken from ``CACHE``); and the PTX that nvcc wrote on the way to each cubin (``--keep``), in
+    ``ptx_dir / arch``, which the dependent-launch check reads."""
 
-    cubins: dict[tuple[str, str], tuple[bytes, float]]
+    cubins: dict[tuple[str, str], tuple[bytes, float | None]]
     ptx_dir: Path
 
     def ptx_entries(self, module: str, arch: str) -> dict[str, str]:
@@ -48,33 +56,58 @@ class Compiled:
         return {body.split("(")[0]: body for body in bodies}
 
 
+# Strict builds of earlier runs, keyed as the node keys its kernel cache (sources with their headers, arch,
+# flags, nvcc's version): a run that changed none of these takes a build's cubin and PTX from here instead of
+# compiling everything again (about 350 CPU-seconds, a third of the suite's). Stored compressed; each module and
+# arch keeps its artifact_cache.KEEP_PER_ARTIFACT most recent builds.
+CACHE = default_cache_dir().parent / "nvcc-check"
+
+
+def strict_build(arch: str, module: str, kernels: Path, keep_dir: Path) -> tuple[bytes, bytes, float | None]:
+    """(cubin, PTX, seconds compiling; None when both came from ``CACHE``) of ``module`` for ``arch`` with the
+    strict flags; the PTX is what nvcc writes on the way to the cubin (``--keep``)."""
+    key = B.cache_key(module, B.BuildConfig(arch, kernels, nvcc=NVCC, extra_flags=B.STRICT_FLAGS), NVCC)[:24]
+    entry = {kind: CACHE / f"{module}-{arch}-{key}.{kind}.z" for kind in ("cubin", "ptx")}
+    cached = [read_cached(path) for path in entry.values()]
+    if None not in cached:
+        return zlib.decompress(cached[0]), zlib.decompress(cached[1]), None
+    keep_dir.mkdir(parents=True)
+    flags = (*B.STRICT_FLAGS, "--keep", "--keep-dir", str(keep_dir))
+    t0 = time.perf_counter()
+    cubin = B.compile_cubin(module, B.BuildConfig(arch, kernels, nvcc=NVCC, extra_flags=flags), NVCC)
+    seconds = time.perf_counter() - t0
+    ptx = (keep_dir / f"{module}.ptx").read_bytes()
+    for kind, payload in (("cubin", cubin), ("ptx", ptx)):
+        write_cached(entry[kind], zlib.compress(payload), f"{module}-{arch}-*.{kind}.z")
+    return cubin, ptx, seconds
+
+
 @pytest.fixture(scope="module")
 def compiled(tmp_path_factory) -> Compiled:
-    """The modules compiled once for the tests below, in parallel (nvcc one process a job): every module for
+    """The modules built once for the tests below, in parallel (nvcc one process a job): every module for
     ``ARCHS``, and the decode kernel for Turing, submitted first as it is one of the longest compiles (the two
     workers then finish close together)."""
     out = tmp_path_factory.mktemp("nvcc")
     kernels = find_kernel_sources().directory
     jobs = [TURING] + [(arch, module) for arch in ARCHS for module in B.module_names(kernels)]
 
-    def compile_one(job):
+    def build_one(job):
         arch, module = job
+        cubin, ptx, seconds = strict_build(arch, module, kernels, out / "keep" / arch / module)
         (out / arch).mkdir(exist_ok=True)
-        flags = (*B.STRICT_FLAGS, "--keep", "--keep-dir", str(out / arch))
-        cfg = B.BuildConfig(arch=arch, kernel_dir=kernels, cache_dir=out, nvcc=NVCC, extra_flags=flags)
-        t0 = time.perf_counter()
-        cubin = B.compile_cubin(module, cfg, NVCC)
-        return job, (cubin, time.perf_counter() - t0)
+        (out / arch / f"{module}.ptx").write_bytes(ptx)
+        return job, (cubin, seconds)
 
     with ThreadPoolExecutor(max_workers=max(2, os.cpu_count() or 2)) as pool:
-        return Compiled(dict(pool.map(compile_one, jobs)), out)
+        return Compiled(dict(pool.map(build_one, jobs)), out)
 
 
 def test_all_kernels_compile_for_all_archs_without_warnings(compiled):
     assert {m for a, m in compiled.cubins if a in ARCHS} == set(KERNEL_MODULES)
     assert {a for a, _ in compiled.cubins} == {*ARCHS, TURING[0]}
     for (arch, module), (cubin, seconds) in compiled.cubins.items():
-        print(f"{module:26s} {arch}: {seconds:5.1f} s, {len(cubin)} bytes")
+        built = "from the cache" if seconds is None else f"{seconds:5.1f} s"
+        print(f"{module:26s} {arch}: {built}, {len(cubin)} bytes")
         assert cubin[:4] == b"\x7fELF", f"{module} for {arch} is not a cubin"
         for kernel in KERNEL_MODULES[module]:
             assert kernel.encode() + b"\0" in cubin, f"{kernel} missing from {module}.cu ({arch})"

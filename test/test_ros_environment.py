@@ -18,6 +18,8 @@ from rclpy.node import Node  # noqa: E402
 from sensor_msgs.msg import Image  # noqa: E402
 from std_msgs.msg import String  # noqa: E402
 
+from support.node_process import domain_id_for  # noqa: E402
+
 PEER = Path(__file__).with_name("ros_echo_peer.py")
 
 
@@ -25,10 +27,10 @@ def test_discovery_is_localhost_only():
     assert os.environ["ROS_AUTOMATIC_DISCOVERY_RANGE"] == "LOCALHOST"
 
 
-def test_two_processes_exchange_image_and_string(tmp_path):
-    domain = str(100 + os.getpid() % 100)
+def test_two_processes_exchange_image_and_string(tmp_path, monkeypatch):
+    domain = str(domain_id_for(__name__))
     env = dict(os.environ, ROS_DOMAIN_ID=domain, ROS_LOG_DIR=str(tmp_path), ROS_AUTOMATIC_DISCOVERY_RANGE="LOCALHOST")
-    os.environ["ROS_DOMAIN_ID"] = domain  # this process joins the same private domain
+    monkeypatch.setenv("ROS_DOMAIN_ID", domain)  # this process joins the same private domain
     peer = subprocess.Popen(
         [sys.executable, str(PEER)], env=env, stdout=subprocess.PIPE, text=True, start_new_session=True
     )

@@ -6,7 +6,6 @@ device and image limits in test_engine_robustness.) Only the last test creates a
 from __future__ import annotations
 
 import dataclasses
-import os
 from pathlib import Path
 
 import pytest
@@ -27,6 +26,7 @@ from orin_vlm_node.ros.params import (
     unknown_parameters_problem,
 )
 from orin_vlm_node.settings import BY_NAME
+from support.node_process import domain_id_for
 
 CONFIG = Path(__file__).resolve().parent.parent / "config"
 
@@ -103,7 +103,7 @@ def ros_context(tmp_path, monkeypatch):
     rclpy = pytest.importorskip("rclpy", reason="rclpy (ROS 2 wheels) is installed by `make test`")
     monkeypatch.setenv("ROS_LOG_DIR", str(tmp_path))
     context = rclpy.Context()
-    rclpy.init(context=context, domain_id=(os.getpid() % 90) + 10)
+    rclpy.init(context=context, domain_id=domain_id_for(__name__))
     try:
         yield context
     finally:
