@@ -19,7 +19,8 @@
 // bytes, a mask and a shift for the low and high nibbles, two conversions: 16 values) and applies the group's
 // two factors once per row, where widening each value to q * scale + offset took twice the instructions and
 // made int4 slower than int8 (2B gate+up, one AVX2 core: 4.7 ms against 6.3 before). The low nibbles are the
-// even k and the high ones the odd k, so the activations are reordered once per call to match.
+// even k and the high ones the odd k, so the activations are reordered once per call to match, and their sums
+// over each group are made then too (not in every tile, where they also took registers: 4 rows 7.8 ms, was 9.1).
 //
 // Many rows. A prefill has tens to thousands of rows, so it is bound by arithmetic, not by the weight: the
 // dot-product tiles above sustain about 40 GFLOP/s on one AVX2 core (their accumulators, weights and
@@ -154,6 +155,17 @@ struct Dense {
   float at(int row, int j) const { return widen(w[(size_t)row * k + j]); }
 };
 
+// The activations as the int4 few-rows tile reads them (int4_activations below): x (m, k) with each row's k in
+// blocks of 16, the 8 even k then the 8 odd k (the order of a byte's low and high nibbles); and per row and
+// group of k (the whole blocks of 16 only) the sum of x in 8 lanes, (m, groups, 8), which every weight row
+// multiplies by its offset: summed once per call instead of once per tile, which also frees the registers the
+// tile held them in.
+struct Int4Activations {
+  std::vector<float> x, sums;
+  int groups;
+  const float *sum(int row, int g) const { return sums.data() + ((size_t)row * groups + g) * 8; }
+};
+
 // Rows n0.. of an int4 weight (below) with their groups' scales and offsets widened to fp32 (interleaved,
 // (rows, groups, 2)) once per call: about 1% of the call's work at groups of 128, where widening the fp16
 // pair for every 8 values took a quarter of it. load8 gives weights as the panels of many rows take them;
@@ -162,6 +174,7 @@ struct Int4Rows {
   const uint8_t *q;
   std::vector<float> factors;
   int n0, group_shift, bytes, groups;  // group = 1 << group_shift
+  const Int4Activations *x;  // the few-rows tile's activations and their group sums; null for many rows
   v8 load8(int row, int j) const {
     int32_t word;
     std::memcpy(&word, q + (size_t)row * bytes + j / 2, sizeof word);
@@ -199,9 +212,11 @@ struct Int4 {
   const uint8_t *q;
   const uint16_t *scales, *offsets;  // (n, groups) fp16 bits
   int k, group;
+  const Int4Activations *x = nullptr;
   Int4Rows for_rows(int n0, int n1) const {
     const int groups = (k + group - 1) / group;
-    Int4Rows view{q, std::vector<float>((size_t)(n1 - n0) * groups * 2), n0, __builtin_ctz(group), (k + 1) / 2, groups};
+    const size_t factors = (size_t)(n1 - n0) * groups * 2;
+    Int4Rows view{q, std::vector<float>(factors), n0, __builtin_ctz(group), (k + 1) / 2, groups, x};
     for (size_t i = 0; i < (size_t)(n1 - n0) * groups; ++i) {
       view.factors[2 * i] = half_to_float(scales[(size_t)n0 * groups + i]);
       view.factors[2 * i + 1] = half_to_float(offsets[(size_t)n0 * groups + i]);
@@ -254,20 +269,19 @@ inline void tile(const float *x, const W &w, int row0, float *y, int k, int n) {
   }
 }
 
-// The same for int4 weights (few rows, see the top of the file), x as int4_activations reorders it: per group,
-// acc = sum(x * q) and xsum = sum(x) in 8 lanes, then total += acc * scale + xsum * offset; the k past the
-// last whole block of 16 one by one at the end. Every row's sums run in this order whatever MR, NR or the
-// thread split, so batch invariance holds as for the other formats.
+// The same for int4 weights (few rows, see the top of the file), x from w.x (Int4Activations): per group,
+// acc = sum(x * q) in 8 lanes, then total += acc * scale + xsum * offset with the group's lane sums of x; the
+// k past the last whole block of 16 one by one at the end. Every row's sums run in this order whatever MR, NR
+// or the thread split, so batch invariance holds as for the other formats.
 template <int MR, int NR>
 inline void tile(const float *x, const Int4Rows &w, int row0, float *y, int k, int n) {
   v8 total[MR][NR] = {};
   const int k16 = k / 16 * 16, group = 1 << w.group_shift;
+  const int m0 = int((x - w.x->x.data()) / k);  // the first of this tile's activation rows
   for (int g0 = 0; g0 < k16; g0 += group) {
     const int g1 = g0 + group < k16 ? g0 + group : k16;
-    v8 acc[MR][NR] = {}, xsum[MR] = {};
+    v8 acc[MR][NR] = {};
     for (int j = g0; j < g1; j += 16) {
-#pragma GCC unroll 8
-      for (int m = 0; m < MR; ++m) xsum[m] += load8(x + (size_t)m * k + j) + load8(x + (size_t)m * k + j + 8);
 #pragma GCC unroll 8
       for (int r = 0; r < NR; ++r) {
         v8 even, odd;
@@ -285,7 +299,10 @@ inline void tile(const float *x, const Int4Rows &w, int row0, float *y, int k, i
       const v8 scale = {f[0], f[0], f[0], f[0], f[0], f[0], f[0], f[0]};
       const v8 offset = {f[1], f[1], f[1], f[1], f[1], f[1], f[1], f[1]};
 #pragma GCC unroll 8
-      for (int m = 0; m < MR; ++m) total[m][r] = fma8(xsum[m], offset, fma8(acc[m][r], scale, total[m][r]));
+      for (int m = 0; m < MR; ++m) {
+        const v8 xsum = load8(w.x->sum(m0 + m, g0 >> w.group_shift));
+        total[m][r] = fma8(xsum, offset, fma8(acc[m][r], scale, total[m][r]));
+      }
     }
   }
   for (int m = 0; m < MR; ++m) {
@@ -474,21 +491,27 @@ int panel_gemm(const float *x, const W &w, float *y, float *xp, int m, int n, in
   return 0;
 }
 
-// x (m, k) with each row's k in blocks of 16 as the int4 tile reads them: the 8 even k, then the 8 odd k (the
-// order of the low and high nibbles of 8 bytes); the k past the last whole block as they are.
-std::vector<float> int4_activations(const float *x, int m, int k) {
-  std::vector<float> xp(x, x + (size_t)m * k);
+// x (m, k) reordered for the int4 tile and its group sums (Int4Activations); the k past the last whole block
+// of 16 as they are. A group's lane sums add each block's two vectors, then that to the sum, in k order.
+Int4Activations int4_activations(const float *x, int m, int k, int group) {
+  const int k16 = k / 16 * 16;
+  Int4Activations a{std::vector<float>(x, x + (size_t)m * k), {}, (k16 + group - 1) / group};
+  a.sums.assign((size_t)m * a.groups * 8, 0.0f);
   for (int i = 0; i < m; ++i) {
-    float *row = xp.data() + (size_t)i * k;
+    float *row = a.x.data() + (size_t)i * k;
     const float *from = x + (size_t)i * k;
-    for (int j = 0; j + 16 <= k; j += 16) {
+    for (int j = 0; j < k16; j += 16) {
       for (int t = 0; t < 8; ++t) {
         row[j + t] = from[j + 2 * t];
         row[j + 8 + t] = from[j + 2 * t + 1];
       }
+      float *sum = a.sums.data() + ((size_t)i * a.groups + j / group) * 8;
+      const v8 block = load8(row + j) + load8(row + j + 8);
+      const v8 total = load8(sum) + block;
+      std::memcpy(sum, &total, sizeof total);
     }
   }
-  return xp;
+  return a;
 }
 
 // The int4 view, or a group the kernels do not take (not a power of two >= 16): group 0.
@@ -520,10 +543,11 @@ int few_rows_gemm_int8(const float *x, float *y, int m, int n, int k, int thread
 
 int few_rows_gemm_int4(const float *x, float *y, int m, int n, int k, int threads, const uint8_t *q,
                        const uint16_t *scales, const uint16_t *offsets, int group) {
-  const Int4 w = int4_view(q, scales, offsets, k, group);
+  Int4 w = int4_view(q, scales, offsets, k, group);
   if (!w.group || m < 1 || m > kMaxRows) return -1;
-  const std::vector<float> xp = int4_activations(x, m, k);
-  return gemm(xp.data(), w, y, m, n, k, threads);
+  const Int4Activations a = int4_activations(x, m, k, group);
+  w.x = &a;
+  return gemm(a.x.data(), w, y, m, n, k, threads);
 }
 
 int many_rows_gemm_f32(const float *x, float *y, float *xp, int m, int n, int k, int threads, const float *w) {

@@ -297,7 +297,8 @@ def test_an_edited_source_is_rebuilt(tmp_path, gemm, cpu_kernel_cache):
 
 
 # the weight of every panel row scaled, the nibbles of a byte swapped (as the panels widen them, as the few-rows
-# tile does), the activations not reordered to match, the scale of a group as its offset
+# tile does), the activations not reordered to match, the scale of a group as its offset, a group's sum of the
+# activations (which its offset multiplies) missing the odd k
 WRONG = [
     ("few_rows", "torch.float32", "fma8(wv[r], xv, acc[m][r])", "fma8(wv[r] * 1.01f, xv, acc[m][r])"),
     ("many_rows", "torch.float32", "acc[m][1] = fma8(w1, b, acc[m][1])", "acc[m][1] = fma8(w1 * 1.01f, b, acc[m][1])"),
@@ -310,6 +311,7 @@ WRONG = [
     ),
     ("few_rows", "int4 (group 32)", "row[j + t] = from[j + 2 * t];", "row[j + t] = from[j + t];"),
     ("few_rows", "int4 (group 32)", "half_to_float(offsets[(size_t)n0", "half_to_float(scales[(size_t)n0"),
+    ("few_rows", "int4 (group 32)", "load8(row + j) + load8(row + j + 8);", "load8(row + j) + load8(row + j);"),
 ]
 
 
