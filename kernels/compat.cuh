@@ -13,7 +13,32 @@
 //                               its two halves, and prefetch_l2 between them, for the GEMV).
 //   poll_at_least(counter, n)   one thread waits until another block of the launch has counted `*counter` up to
 //                               n (a chain kernel, gemv.cuh); in the harness a count not reached yet traps.
+//   ORIN_WITH_f32/f16/bf16(...) the kernels of one storage type, or nothing in a build for another (below).
 #pragma once
+
+// Every module instantiates its kernels for three storage and activation types (f32, f16, bf16), each type's
+// extern "C" kernels wrapped in its ORIN_WITH_<tag>(...). A build that defines ORIN_ONLY_DTYPE_<tag> keeps that
+// type's kernels only: the node builds each module for its model's dtype (build.py), a third of the code for
+// nvcc to compile at a cold start and for the GPU to hold; without the define (the CPU harness, the strict
+// nvcc test, the diagnostics of every type) all three.
+#if defined(ORIN_ONLY_DTYPE_f32) + defined(ORIN_ONLY_DTYPE_f16) + defined(ORIN_ONLY_DTYPE_bf16) > 1
+#error "define at most one ORIN_ONLY_DTYPE_<tag>"
+#endif
+#if defined(ORIN_ONLY_DTYPE_f16) || defined(ORIN_ONLY_DTYPE_bf16)
+#define ORIN_WITH_f32(...)
+#else
+#define ORIN_WITH_f32(...) __VA_ARGS__
+#endif
+#if defined(ORIN_ONLY_DTYPE_f32) || defined(ORIN_ONLY_DTYPE_bf16)
+#define ORIN_WITH_f16(...)
+#else
+#define ORIN_WITH_f16(...) __VA_ARGS__
+#endif
+#if defined(ORIN_ONLY_DTYPE_f32) || defined(ORIN_ONLY_DTYPE_f16)
+#define ORIN_WITH_bf16(...)
+#else
+#define ORIN_WITH_bf16(...) __VA_ARGS__
+#endif
 
 #ifdef __CUDACC__
 #include <cuda_bf16.h>

@@ -736,20 +736,17 @@ __device__ __forceinline__ int group_shift(int group) {
     orin_vlm::gemv<T, R, SWIGLU>(y, x, rows_, nullptr, rows, n, k, ORIN_GEMV_EPILOGUES, orin_vlm::LaunchTile{});                              \
   }
 
-// The kernels of one epilogue (E: empty or _swiglu) for every rows bucket and activation type.
-#define ORIN_GEMV_KERNELS(E, SWIGLU)                  \
-  ORIN_GEMV_KERNELS_E(f32, float, 1, E, SWIGLU)        \
-  ORIN_GEMV_KERNELS_E(f32, float, 2, E, SWIGLU)        \
-  ORIN_GEMV_KERNELS_E(f32, float, 4, E, SWIGLU)        \
-  ORIN_GEMV_KERNELS_E(f32, float, 8, E, SWIGLU)        \
-  ORIN_GEMV_KERNELS_E(f16, __half, 1, E, SWIGLU)       \
-  ORIN_GEMV_KERNELS_E(f16, __half, 2, E, SWIGLU)       \
-  ORIN_GEMV_KERNELS_E(f16, __half, 4, E, SWIGLU)       \
-  ORIN_GEMV_KERNELS_E(f16, __half, 8, E, SWIGLU)       \
-  ORIN_GEMV_KERNELS_E(bf16, __nv_bfloat16, 1, E, SWIGLU) \
-  ORIN_GEMV_KERNELS_E(bf16, __nv_bfloat16, 2, E, SWIGLU) \
-  ORIN_GEMV_KERNELS_E(bf16, __nv_bfloat16, 4, E, SWIGLU) \
-  ORIN_GEMV_KERNELS_E(bf16, __nv_bfloat16, 8, E, SWIGLU)
+// The kernels of one epilogue (E: empty or _swiglu) for every rows bucket (ORIN_GEMV_KERNELS_ROWS: of one
+// activation type) and activation type.
+#define ORIN_GEMV_KERNELS_ROWS(DT, T, E, SWIGLU) \
+  ORIN_GEMV_KERNELS_E(DT, T, 1, E, SWIGLU)         \
+  ORIN_GEMV_KERNELS_E(DT, T, 2, E, SWIGLU)         \
+  ORIN_GEMV_KERNELS_E(DT, T, 4, E, SWIGLU)         \
+  ORIN_GEMV_KERNELS_E(DT, T, 8, E, SWIGLU)
+#define ORIN_GEMV_KERNELS(E, SWIGLU)                                  \
+  ORIN_WITH_f32(ORIN_GEMV_KERNELS_ROWS(f32, float, E, SWIGLU))        \
+  ORIN_WITH_f16(ORIN_GEMV_KERNELS_ROWS(f16, __half, E, SWIGLU))       \
+  ORIN_WITH_bf16(ORIN_GEMV_KERNELS_ROWS(bf16, __nv_bfloat16, E, SWIGLU))
 
 // The chain kernels (gemv_chain.cu), gemv_<mlp|tail>_<float|int8|int4>_<DT>, one decode row, every weight stored
 // alike (W: the activation type, int8_t or uint8_t; int8's row scales, int4's scales and offsets, as `group`).

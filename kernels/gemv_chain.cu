@@ -3,6 +3,6 @@
 // with the add + norm after it, or the o product with its add + norm followed by the MLP.
 #include "gemv.cuh"
 
-ORIN_GEMV_CHAIN_KERNELS(f32, float)
-ORIN_GEMV_CHAIN_KERNELS(f16, __half)
-ORIN_GEMV_CHAIN_KERNELS(bf16, __nv_bfloat16)
+ORIN_WITH_f32(ORIN_GEMV_CHAIN_KERNELS(f32, float))
+ORIN_WITH_f16(ORIN_GEMV_CHAIN_KERNELS(f16, __half))
+ORIN_WITH_bf16(ORIN_GEMV_CHAIN_KERNELS(bf16, __nv_bfloat16))

@@ -444,9 +444,9 @@ __device__ __forceinline__ void paged_decode_attention(
   ORIN_DECODE_KERNEL(DT, T, D, 8)
 
 // Every storage type for one head size (the list of head sizes is ORIN_FOR_EACH_HEAD_DIM in attention_common.cuh).
-#define ORIN_DECODE_FOR_HEAD_DIM(D)              \
-  ORIN_DECODE_KERNELS_FOR(f32, float, D)         \
-  ORIN_DECODE_KERNELS_FOR(f16, __half, D)        \
-  ORIN_DECODE_KERNELS_FOR(bf16, __nv_bfloat16, D)
+#define ORIN_DECODE_FOR_HEAD_DIM(D)                            \
+  ORIN_WITH_f32(ORIN_DECODE_KERNELS_FOR(f32, float, D))        \
+  ORIN_WITH_f16(ORIN_DECODE_KERNELS_FOR(f16, __half, D))       \
+  ORIN_WITH_bf16(ORIN_DECODE_KERNELS_FOR(bf16, __nv_bfloat16, D))
 
 ORIN_FOR_EACH_HEAD_DIM(ORIN_DECODE_FOR_HEAD_DIM)

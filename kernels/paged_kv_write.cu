@@ -46,6 +46,6 @@ __device__ __forceinline__ void paged_kv_write(T* __restrict__ k_pool, T* __rest
     orin_vlm::paged_kv_write<T>(k_pool, v_pool, k, v, slot_mapping, row_elems);                                \
   }
 
-ORIN_KV_WRITE_KERNELS(f32, float)
-ORIN_KV_WRITE_KERNELS(f16, __half)
-ORIN_KV_WRITE_KERNELS(bf16, __nv_bfloat16)
+ORIN_WITH_f32(ORIN_KV_WRITE_KERNELS(f32, float))
+ORIN_WITH_f16(ORIN_KV_WRITE_KERNELS(f16, __half))
+ORIN_WITH_bf16(ORIN_KV_WRITE_KERNELS(bf16, __nv_bfloat16))

@@ -211,9 +211,9 @@ __device__ __forceinline__ void paged_prefill_attention(
                                             num_heads, num_kv_heads, page_size, max_blocks_per_seq, scale);    \
   }
 
-#define ORIN_PREFILL_FOR_HEAD_DIM(D)     \
-  ORIN_PREFILL_KERNEL(f32, float, D)     \
-  ORIN_PREFILL_KERNEL(f16, __half, D)    \
-  ORIN_PREFILL_KERNEL(bf16, __nv_bfloat16, D)
+#define ORIN_PREFILL_FOR_HEAD_DIM(D)                   \
+  ORIN_WITH_f32(ORIN_PREFILL_KERNEL(f32, float, D))    \
+  ORIN_WITH_f16(ORIN_PREFILL_KERNEL(f16, __half, D))   \
+  ORIN_WITH_bf16(ORIN_PREFILL_KERNEL(bf16, __nv_bfloat16, D))
 
 ORIN_FOR_EACH_HEAD_DIM(ORIN_PREFILL_FOR_HEAD_DIM)

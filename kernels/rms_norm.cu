@@ -151,6 +151,6 @@ __device__ __forceinline__ void add_rms_norm(T* __restrict__ sum_out, T* __restr
     orin_vlm::rope_tables<T>(cos, sin_signed, positions, inv_freq, streams, position_stride, dim);             \
   }
 
-ORIN_RMS_NORM_KERNELS(f32, float)
-ORIN_RMS_NORM_KERNELS(f16, __half)
-ORIN_RMS_NORM_KERNELS(bf16, __nv_bfloat16)
+ORIN_WITH_f32(ORIN_RMS_NORM_KERNELS(f32, float))
+ORIN_WITH_f16(ORIN_RMS_NORM_KERNELS(f16, __half))
+ORIN_WITH_bf16(ORIN_RMS_NORM_KERNELS(bf16, __nv_bfloat16))

@@ -32,6 +32,6 @@ __device__ __forceinline__ void silu_mul(T* __restrict__ out, const T* __restric
     orin_vlm::silu_mul<T>(out, gate_up, rows, inter);                                                  \
   }
 
-ORIN_SILU_MUL_KERNEL(f32, float)
-ORIN_SILU_MUL_KERNEL(f16, __half)
-ORIN_SILU_MUL_KERNEL(bf16, __nv_bfloat16)
+ORIN_WITH_f32(ORIN_SILU_MUL_KERNEL(f32, float))
+ORIN_WITH_f16(ORIN_SILU_MUL_KERNEL(f16, __half))
+ORIN_WITH_bf16(ORIN_SILU_MUL_KERNEL(bf16, __nv_bfloat16))

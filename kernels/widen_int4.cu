@@ -47,6 +47,6 @@ __device__ __forceinline__ void widen_int4(T* __restrict__ out, const unsigned c
     orin_vlm::widen_int4<T>(out, qweight, scales, offsets, N, K, group);                                          \
   }
 
-ORIN_WIDEN_INT4_KERNEL(f32, float)
-ORIN_WIDEN_INT4_KERNEL(f16, __half)
-ORIN_WIDEN_INT4_KERNEL(bf16, __nv_bfloat16)
+ORIN_WITH_f32(ORIN_WIDEN_INT4_KERNEL(f32, float))
+ORIN_WITH_f16(ORIN_WIDEN_INT4_KERNEL(f16, __half))
+ORIN_WITH_bf16(ORIN_WIDEN_INT4_KERNEL(bf16, __nv_bfloat16))

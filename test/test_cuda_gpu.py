@@ -38,6 +38,19 @@ def backend(kernel_cache):
 
 
 @pytest.fixture(scope="module")
+def all_kernels(kernel_cache):
+    """Every dtype's kernels in one runtime, for the tests that compare each dtype with torch (a node loads its
+    model's dtype only, as ``backend`` does); each dtype built as the node builds it."""
+    from orin_vlm_node.cuda.launch import DTYPE_TAGS
+    from orin_vlm_node.cuda.runtime import load_runtime
+
+    device = torch.device("cuda", torch.cuda.current_device())
+    runtime = load_runtime(device, cache_dir=kernel_cache, dtypes=tuple(DTYPE_TAGS.values())).runtime
+    assert runtime.dtypes == sorted(DTYPE_TAGS.values())
+    return runtime
+
+
+@pytest.fixture(scope="module")
 def timer():
     """``device_us`` on one capture stream for the module, as the engine binds it."""
     from orin_vlm_node.cuda.graph import device_us
@@ -105,8 +118,8 @@ def _caches(impl, dtype, page, nkv, hd, max_ctx):
 @pytest.mark.parametrize(
     ("hd", "nq", "nkv", "page"), [(128, 16, 8, 16), (64, 8, 1, 32), (128, 32, 4, 1), (32, 8, 2, 16), (256, 16, 1, 64)]
 )
-def test_gpu_prefill_and_decode_match_torch(backend, dtype, hd, nq, nkv, page):
-    impl = backend.attention_impl
+def test_gpu_prefill_and_decode_match_torch(all_kernels, dtype, hd, nq, nkv, page):
+    impl = CudaPagedAttention(all_kernels, sm_count=all_kernels.sm_count)
     ours, ref = _caches(impl, dtype, page, nkv, hd, 2048)
     atol = {torch.float32: 1e-4, torch.float16: 4e-3, torch.bfloat16: 3e-2}[dtype]
     sa, sb = ours.new_sequence(), ref.new_sequence()
@@ -259,7 +272,7 @@ def test_gpu_overlapped_decode_answers_as_the_step_by_step_decode(tmp_path_facto
 @pytest.mark.parametrize("mode", ["int8", "int4"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize(("n", "k"), [(4096, 2048), (2048, 6144), (37, 75)])
-def test_gpu_quantized_gemv_matches_the_torch_reference(backend, mode, dtype, n, k):
+def test_gpu_quantized_gemv_matches_the_torch_reference(all_kernels, mode, dtype, n, k):
     import torch.nn.functional as F
 
     from orin_vlm_node.cuda.gemv import CudaGemv
@@ -267,7 +280,7 @@ def test_gpu_quantized_gemv_matches_the_torch_reference(backend, mode, dtype, n,
 
     weight = torch.randn(n, k, device="cuda") * 0.02
     module = QuantizedLinear.from_weight(weight, WeightQuant(mode, 128 if k % 128 == 0 else 32))
-    gemv = CudaGemv(backend.launcher)
+    gemv = CudaGemv(all_kernels)
     reference = module.dequantize(torch.float32)
     for rows in (1, 4, 8):
         x = torch.randn(rows, k, device="cuda").to(dtype)
@@ -278,14 +291,14 @@ def test_gpu_quantized_gemv_matches_the_torch_reference(backend, mode, dtype, n,
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
 @pytest.mark.parametrize(("n", "k", "group"), [(12288, 2048, 128), (37, 75, 32)])
-def test_gpu_int4_weight_widened_for_a_prefill_is_the_reference_to_the_bit(backend, dtype, n, k, group):
+def test_gpu_int4_weight_widened_for_a_prefill_is_the_reference_to_the_bit(all_kernels, dtype, n, k, group):
     """``widen_int4`` on the GPU gives what torch's ops give for the reference's widened weight, bit for bit
     (nvcc must not contract its product and sum into one rounding), and a prefill's rows multiply it."""
     from orin_vlm_node.cuda.gemv import CudaGemv
     from orin_vlm_node.model.quant import QuantizedLinear, WeightQuant
 
     module = QuantizedLinear.from_weight(torch.randn(n, k, device="cuda") * 0.02, WeightQuant("int4", group))
-    gemv = CudaGemv(backend.launcher)
+    gemv = CudaGemv(all_kernels)
     assert torch.equal(gemv.widen(module, dtype), module.dequantize(dtype))
     x = torch.randn(40, k, device="cuda").to(dtype)
     want = module(x)
@@ -311,7 +324,7 @@ def _projection(gemv, mode: str, dtype: torch.dtype, n: int, k: int):
 
 @pytest.mark.parametrize("mode", ["float", "int8", "int4"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_gpu_norm_epilogue_gives_the_separate_launches_to_the_bit_eager_and_in_a_graph(backend, mode, dtype):
+def test_gpu_norm_epilogue_gives_the_separate_launches_to_the_bit_eager_and_in_a_graph(all_kernels, mode, dtype):
     """The o (2048 x 2048) and down (2048 x 6144) products of the 2B with the residual add + RMSNorm in their
     launch (the block that finishes last): the sum and the norm of the product then the add_rms_norm kernel,
     to the bit, launch after launch (the blocks finish in another order each time) and in a CUDA graph
@@ -319,7 +332,7 @@ def test_gpu_norm_epilogue_gives_the_separate_launches_to_the_bit_eager_and_in_a
     from orin_vlm_node.cuda.fused import CudaFusedOps
     from orin_vlm_node.cuda.gemv import CudaGemv
 
-    gemv, ops = CudaGemv(backend.launcher), CudaFusedOps(backend.launcher)
+    gemv, ops = CudaGemv(all_kernels), CudaFusedOps(all_kernels)
     for n, k in ((2048, 2048), (2048, 6144)):
         module = _projection(gemv, mode, dtype, n, k)
         norm_weight = (1 + 0.3 * torch.randn(n, device="cuda")).to(dtype)
@@ -343,7 +356,7 @@ def test_gpu_norm_epilogue_gives_the_separate_launches_to_the_bit_eager_and_in_a
 
 @pytest.mark.parametrize("mode", ["float", "int8", "int4"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_gpu_mlp_in_one_launch_gives_its_two_launches_to_the_bit_eager_and_in_a_graph(backend, mode, dtype):
+def test_gpu_mlp_in_one_launch_gives_its_two_launches_to_the_bit_eager_and_in_a_graph(all_kernels, mode, dtype):
     """The 2B's MLP (gate/up 12288 x 2048, down 2048 x 6144) of one row in one launch: the SwiGLU product's
     blocks, then the down product's, which wait for them (tickets and a count; more blocks than fit the GPU at
     once with float weights), with the add + norm after it: the SwiGLU launch then the down launch with its
@@ -351,7 +364,7 @@ def test_gpu_mlp_in_one_launch_gives_its_two_launches_to_the_bit_eager_and_in_a_
     launches on sm_90) replayed; the chain's counters are zero after each."""
     from orin_vlm_node.cuda.gemv import CudaGemv
 
-    gemv = CudaGemv(backend.launcher)
+    gemv = CudaGemv(all_kernels)
     shapes = ((12288, 2048), (2048, 6144))  # gate/up, down
     layers = [tuple(_projection(gemv, mode, dtype, *shape) for shape in shapes) for _ in range(4)]
     norm_weight = (1 + 0.3 * torch.randn(2048, device="cuda")).to(dtype)
@@ -385,13 +398,13 @@ def _chained_to_the_bit(gemv, want: list, launch, layers: list) -> None:
 
 @pytest.mark.parametrize("mode", ["float", "int8", "int4"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_gpu_layer_tail_in_one_launch_gives_its_launches_to_the_bit_eager_and_in_a_graph(backend, mode, dtype):
+def test_gpu_layer_tail_in_one_launch_gives_its_launches_to_the_bit_eager_and_in_a_graph(all_kernels, mode, dtype):
     """The 2B's layer after attention (o 2048 x 2048 with the add + post-attention norm, then the MLP with the
     add + norm) of one row in one launch: the o launch with its norm epilogue followed by the MLP launch, to the
     bit, 20 launches in a row and a CUDA graph of 28 replayed; the chain's counters are zero after each."""
     from orin_vlm_node.cuda.gemv import CudaGemv
 
-    gemv = CudaGemv(backend.launcher)
+    gemv = CudaGemv(all_kernels)
     shapes = ((2048, 2048), (12288, 2048), (2048, 6144))  # o, gate/up, down
     layers = [tuple(_projection(gemv, mode, dtype, *shape) for shape in shapes) for _ in range(4)]
     post, weight = ((1 + 0.3 * torch.randn(2048, device="cuda")).to(dtype) for _ in range(2))
@@ -410,7 +423,7 @@ def test_gpu_layer_tail_in_one_launch_gives_its_launches_to_the_bit_eager_and_in
 
 @pytest.mark.parametrize("mode", ["float", "int8", "int4"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_gpu_heads_epilogue_gives_the_separate_launches_to_the_bit_eager_and_in_a_graph(backend, mode, dtype):
+def test_gpu_heads_epilogue_gives_the_separate_launches_to_the_bit_eager_and_in_a_graph(all_kernels, mode, dtype):
     """The 2B's q/k/v product (16 q heads, 8 k and 8 v heads of 128; K 2048) with the q/k norms, RoPE and the
     KV sink in its launch (the block that finishes a head last): the heads, the values and the pools of the
     product then the rms_norm_rope kernel, to the bit, launch after launch and in a CUDA graph replayed (the
@@ -421,7 +434,7 @@ def test_gpu_heads_epilogue_gives_the_separate_launches_to_the_bit_eager_and_in_
     from orin_vlm_node.model.rope import TextRopeTables
     from orin_vlm_node.model.text import HeadNorms
 
-    gemv, ops = CudaGemv(backend.launcher), CudaFusedOps(backend.launcher)
+    gemv, ops = CudaGemv(all_kernels), CudaFusedOps(all_kernels)
     nq, nkv, hd, k = 16, 8, 128, 2048
     module = _projection(gemv, mode, dtype, (nq + 2 * nkv) * hd, k)
     q_w, k_w = ((1 + 0.3 * torch.randn(hd, device="cuda")).to(dtype) for _ in range(2))
@@ -452,14 +465,14 @@ def test_gpu_heads_epilogue_gives_the_separate_launches_to_the_bit_eager_and_in_
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
 @pytest.mark.parametrize(("n", "k"), [(4096, 2048), (2048, 6144), (37, 75)])
-def test_gpu_float_gemv_matches_f_linear_and_is_timed_against_it(backend, timer, dtype, n, k):
+def test_gpu_float_gemv_matches_f_linear_and_is_timed_against_it(all_kernels, timer, dtype, n, k):
     import torch.nn.functional as F
 
     from orin_vlm_node.cuda.gemv import CudaGemv
     from orin_vlm_node.model.gemv_linear import GemvLinear
 
     linear = torch.nn.Linear(k, n, bias=False, device="cuda", dtype=dtype)
-    gemv = CudaGemv(backend.launcher, timer)
+    gemv = CudaGemv(all_kernels, timer)
     module = GemvLinear(linear, gemv, rows=gemv.max_rows)
     for rows in (1, 3, 8):
         x = torch.randn(rows, k, device="cuda").to(dtype)
@@ -472,7 +485,7 @@ def test_gpu_float_gemv_matches_f_linear_and_is_timed_against_it(backend, timer,
 
 @pytest.mark.parametrize("mode", ["float", "int8", "int4"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_gpu_swiglu_epilogue_matches_the_product_then_the_activation(backend, timer, mode, dtype):
+def test_gpu_swiglu_epilogue_matches_the_product_then_the_activation(all_kernels, timer, mode, dtype):
     """The 2B's fused gate/up shape (2 x 6144 rows of 2048): silu(gate) * up from one kernel, against the
     product rounded to the dtype, then torch's activation; a float weight is timed with its activation."""
     import torch.nn.functional as F
@@ -482,7 +495,7 @@ def test_gpu_swiglu_epilogue_matches_the_product_then_the_activation(backend, ti
     from orin_vlm_node.model.quant import QuantizedLinear, WeightQuant
 
     weight = (torch.randn(12288, 2048, device="cuda") * 0.02).to(dtype)
-    gemv = CudaGemv(backend.launcher, timer)
+    gemv = CudaGemv(all_kernels, timer)
     if mode == "float":
         linear = torch.nn.Linear(2048, 12288, bias=False, device="meta")
         linear.weight = torch.nn.Parameter(weight, requires_grad=False)
@@ -554,6 +567,52 @@ def test_gpu_engine_holds_little_beyond_weights_and_pool_and_rebuilds_do_not_gro
     assert extra_mb() <= first + 8
 
 
+def test_gpu_engine_loads_its_dtypes_kernels_once_and_unloads_those_a_reconfiguration_replaced(
+    tmp_path_factory, kernel_cache
+):
+    """An fp16 engine builds and loads the fp16 kernels only; reconfigurations that rebuild the backend keep
+    that runtime (its modules are not loaded again); a dtype change loads the new dtype's and unloads the old
+    (a launch on it is refused), so the GPU's free memory stays where it was over many changes."""
+    from orin_vlm_node.cuda import launch as L
+    from orin_vlm_node.cuda.runtime import CudaRuntimeError
+    from orin_vlm_node.engine import Engine, EngineConfig, Request, SamplingParams, Turn
+
+    path = str(_tiny(tmp_path_factory, 64))
+    engine = Engine(EngineConfig(model_path=path, device="cuda", dtype="fp16", max_context_tokens=512,
+                                 kernel_cache_dir=kernel_cache, allow_kernel_fallback=False))  # fmt: skip
+    runtime = engine.attention.launcher
+    assert runtime.dtypes == ["f16"]
+    assert set(runtime.kernels()) == {k for names in L.kernel_modules(["f16"]).values() for k in names}
+    engine.reconfigure(page_size=32)
+    engine.reconfigure(use_cuda_graph=False)
+    assert engine.attention.launcher is runtime and "(loaded before, reused)" in engine.attention.status
+    sampling = SamplingParams(temperature=0.0, max_new_tokens=16, ignore_eos=True)
+    turn = Turn("Tell the robot what to do next.")
+
+    def answers() -> None:
+        assert list(engine.generate(Request(turn, sampling)))[-1].finish_reason == "length"
+
+    def free_mb() -> float:
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        return torch.cuda.mem_get_info()[0] / 2**20
+
+    engine.reconfigure(dtype="bf16")
+    assert engine.attention.launcher.dtypes == ["bf16"]
+    out, gate_up = (
+        torch.empty(1, 256, device="cuda", dtype=torch.float16),
+        torch.zeros(1, 512, device="cuda", dtype=torch.float16),
+    )
+    with pytest.raises(CudaRuntimeError, match="not loaded"):
+        runtime.launch(L.silu_mul_launch(1, 256, torch.float16), [out, gate_up, 1, 256])
+    answers()
+    before = free_mb()
+    for dtype in ("fp16", "bf16") * 4:
+        engine.reconfigure(dtype=dtype)
+    answers()
+    assert free_mb() >= before - 16, f"{before - free_mb():.0f} MB of GPU memory gone over 8 dtype changes"
+
+
 @pytest.mark.parametrize("mode", ["int8", "int4"])
 def test_gpu_engine_quantized_kernels_and_graphs_match_the_torch_path(tmp_path_factory, kernel_cache, mode):
     """fp32 activations: the GEMV kernels inside the captured decode graphs give the tokens of the torch
@@ -581,7 +640,7 @@ def test_gpu_engine_quantized_kernels_and_graphs_match_the_torch_path(tmp_path_f
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
-def test_gpu_fused_norms_rope_and_silu_match_torch_ops_on_the_gpu(backend, dtype):
+def test_gpu_fused_norms_rope_and_silu_match_torch_ops_on_the_gpu(all_kernels, dtype):
     """The fused elementwise kernels against the decoder's torch ops on the GPU itself (same roundings: in half
     precision all but rare last-place differences identical). The RoPE tables to the bit: the kernel calls the
     cosf / sinf that torch's cos and sin kernels call."""
@@ -591,7 +650,7 @@ def test_gpu_fused_norms_rope_and_silu_match_torch_ops_on_the_gpu(backend, dtype
     from orin_vlm_node.model.rope import TextRopeTables, apply_text_rope, mrope_cos_sin, mrope_streams, text_inv_freq
     from orin_vlm_node.model.text import RMSNorm
 
-    ops = CudaFusedOps(backend.launcher)
+    ops = CudaFusedOps(all_kernels)
     inv_freq, streams = text_inv_freq(128, 5_000_000.0, "cuda"), mrope_streams(128, (24, 20, 20), "cuda")
     for positions in (
         torch.arange(8190, 8194, device="cuda").expand(3, -1),

@@ -7,6 +7,7 @@ from __future__ import annotations
 import queue
 import threading
 import weakref
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -418,3 +419,56 @@ def test_closing_the_iterator_mid_stream_frees_the_request(engine):
     events.close()
     assert engine.cache.stats()["sequences"] == 0 and engine.cache.stats()["blocks_used"] == 0
     _healthy(engine)  # the engine lock was released too
+
+
+class _FakeKernels:
+    """A kernel runtime as the engine sees it (``BackendChoice.loaded``): which dtype it holds, whether it was
+    closed (its modules unloaded)."""
+
+    def __init__(self, dtype: torch.dtype):
+        self.dtypes, self.closed = [str(dtype)], 0
+
+    def close(self) -> None:
+        self.closed += 1
+
+
+def test_reconfigurations_reuse_the_kernels_in_use_and_unload_those_they_replace(monkeypatch, tmp_path_factory):
+    """The CUDA kernels of a runtime stay loaded in GPU memory until they are unloaded: a reconfiguration that
+    asks for the same kernels gets the runtime in use (not a second copy), one that replaces them unloads the old
+    once the new parts are built, and one that fails and rolls back keeps the original and unloads the
+    attempt's. (Kernel selection stands in for CUDA here: one runtime per dtype, as the node builds them.)"""
+    from orin_vlm_node.cuda import BackendChoice
+    from orin_vlm_node.engine import engine as engine_module
+
+    loads: list[_FakeKernels] = []
+
+    def select(config, model_config, dtype, device, loaded=()):
+        for earlier in loaded:
+            if earlier.runtime.dtypes == [str(dtype)]:
+                return BackendChoice(False, "fake", loaded=SimpleNamespace(runtime=earlier.runtime, reused=True))
+        loads.append(_FakeKernels(dtype))
+        return BackendChoice(False, "fake", loaded=SimpleNamespace(runtime=loads[-1], reused=False))
+
+    monkeypatch.setattr(engine_module, "select_attention", select)
+    engine = scripted_engine(tmp_path_factory)[0]
+    first = engine.attention.loaded.runtime
+    engine.reconfigure(page_size=32)
+    engine.reconfigure(use_cuda_graph=False)
+    engine.reconfigure(use_cuda_graph=True)
+    assert loads == [first] and engine.attention.loaded.runtime is first and not first.closed
+    engine.reconfigure(dtype="bf16")
+    second = engine.attention.loaded.runtime
+    assert loads == [first, second] and (first.closed, second.closed) == (1, 0)
+
+    real_build_cache = engine._build_cache
+
+    def fail_once() -> None:
+        monkeypatch.setattr(engine, "_build_cache", real_build_cache)
+        raise OSError("no memory for the pool")
+
+    monkeypatch.setattr(engine, "_build_cache", fail_once)
+    with pytest.raises(ValueError, match="previous settings restored: no memory for the pool"):
+        engine.reconfigure(dtype="fp32")
+    third = loads[-1]
+    assert engine.attention.loaded.runtime is second and (second.closed, third.closed) == (0, 1)
+    assert _finish(engine, Request(Turn("Go."), GREEDY)).finish_reason in ("stop", "length")

@@ -9,12 +9,17 @@ is an error instead (a robot that must not run slowly refuses to start).
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from . import launch as L
 from .build import KernelBuildError
+
+if TYPE_CHECKING:
+    from .runtime import LoadedKernels
 
 _log = logging.getLogger(__name__)
 
@@ -59,6 +64,7 @@ class BackendChoice:
     launcher: object | None = None  # the loaded kernel runtime (``launch(cfg, args)``), when kernels are on
     arch: str = ""
     build_seconds: float = 0.0
+    loaded: LoadedKernels | None = None  # how the runtime came to be (``launcher`` is its runtime)
 
     @property
     def status(self) -> str:
@@ -78,13 +84,15 @@ def select_backend(
     kernel_dir: str = "",
     kernel_cache_dir: str = "",
     allow_fallback: bool = True,
+    loaded: Sequence[LoadedKernels] = (),
 ) -> BackendChoice:
     """Decide whether the kernels serve attention on ``device``; build and load them when they do.
 
     CPU: off ("cpu device"). CUDA with ``use_cuda_kernels``: the shape is checked, the sources found
-    (``kernel_dir`` or the install, see ``sources``), compiled or taken from ``kernel_cache_dir`` and
-    loaded. Any failure (shape not covered, sources, nvcc, PyCUDA, driver) gives "off" with the reason, or
-    raises :class:`KernelsUnavailable` when ``allow_fallback`` is False.
+    (``kernel_dir`` or the install, see ``sources``), the kernels of the shape's dtype compiled or taken from
+    ``kernel_cache_dir`` and loaded, or taken from ``loaded`` (runtimes loaded earlier, reused when they hold
+    the same cubins). Any failure (shape not covered, sources, nvcc, PyCUDA, driver) gives "off" with the
+    reason, or raises :class:`KernelsUnavailable` when ``allow_fallback`` is False.
     """
     dev = torch.device(device)
     if dev.type != "cuda":
@@ -102,19 +110,21 @@ def select_backend(
         from .attention import CudaPagedAttention
         from .runtime import load_runtime
 
-        loaded = load_runtime(dev, kernel_dir, kernel_cache_dir)
+        dtype = L.DTYPE_TAGS[L.dtype_name(shape.dtype)]
+        kernels = load_runtime(dev, kernel_dir, kernel_cache_dir, dtypes=(dtype,), reuse=loaded)
     except (KernelBuildError, ImportError, OSError, RuntimeError) as exc:
         reason = f"{type(exc).__name__}: {exc}" if isinstance(exc, ImportError) else str(exc)
         return _unavailable(reason, allow_fallback)
-    runtime = loaded.runtime
+    runtime = kernels.runtime
     choice = BackendChoice(
         True,
-        loaded.describe(),
+        kernels.describe(),
         requested=True,
         attention_impl=CudaPagedAttention(runtime, sm_count=runtime.sm_count),
         launcher=runtime,
         arch=runtime.arch,
-        build_seconds=loaded.seconds,
+        build_seconds=kernels.seconds,
+        loaded=kernels,
     )
     _log.info("%s", choice.status)
     return choice

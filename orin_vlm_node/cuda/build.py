@@ -12,6 +12,7 @@ machine without a GPU.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import hashlib
 import logging
@@ -20,11 +21,13 @@ import re
 import shutil
 import subprocess
 import time
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..artifact_cache import default_cache_dir, read_cached, run_compiler, write_cached
+from .launch import DTYPE_TAGS, kernel_modules
 
 _log = logging.getLogger(__name__)
 
@@ -47,17 +50,28 @@ class KernelBuildError(RuntimeError):
 class BuildConfig:
     """How to build: target arch (e.g. ``sm_87``), the directory of the ``.cu`` sources (found by
     ``sources.find_kernel_sources``), cache directory ("" = :func:`default_cache_dir`), nvcc to use
-    ("" = search) and extra flags."""
+    ("" = search), extra flags, and the one storage type to build the kernels of (a ``launch.DTYPE_TAGS``
+    value: the node builds its model's only, ``kernels/compat.cuh``; "" = every type)."""
 
     arch: str
     kernel_dir: Path
     cache_dir: str | Path = ""
     nvcc: str = ""
     extra_flags: tuple[str, ...] = ()
+    dtype: str = ""
+
+    def __post_init__(self) -> None:
+        if self.dtype and self.dtype not in DTYPE_TAGS.values():
+            raise KernelBuildError(f"no kernels for dtype {self.dtype!r}: choose from {sorted(DTYPE_TAGS.values())}")
 
     @property
     def flags(self) -> tuple[str, ...]:
-        return BASE_FLAGS + tuple(self.extra_flags)
+        only = (f"-DORIN_ONLY_DTYPE_{self.dtype}",) if self.dtype else ()
+        return BASE_FLAGS + only + tuple(self.extra_flags)
+
+    def family(self, module: str) -> str:
+        """The start of the name of every cache entry of ``module`` built so (all but its key)."""
+        return f"{module}-{self.arch}-{self.dtype or 'all'}-"
 
     @property
     def cache_path(self) -> Path:
@@ -66,7 +80,7 @@ class BuildConfig:
 
 @dataclass(frozen=True)
 class CompiledModule:
-    """One kernel module's cubin and where it came from."""
+    """One kernel module's cubin (its kernels for ``dtype``, "" = every type) and where it came from."""
 
     name: str
     arch: str
@@ -74,6 +88,17 @@ class CompiledModule:
     path: Path
     cache_hit: bool
     seconds: float = field(default=0.0, compare=False)
+    dtype: str = ""
+
+    @property
+    def dtypes(self) -> tuple[str, ...]:
+        """The storage types (``launch.DTYPE_TAGS`` values) the cubin has kernels for."""
+        return (self.dtype,) if self.dtype else tuple(DTYPE_TAGS.values())
+
+    @property
+    def kernels(self) -> tuple[str, ...]:
+        """The extern "C" kernels the cubin defines."""
+        return kernel_modules(self.dtypes)[self.name]
 
 
 def arch_from_capability(major: int, minor: int) -> str:
@@ -152,7 +177,7 @@ def cache_key(module: str, cfg: BuildConfig, nvcc: str) -> str:
 
 
 def cached_cubins(cache_dir: Path) -> list[Path]:
-    """Cache entries (``<module>-<arch>-<key>.cubin``) in ``cache_dir``, for diagnostics."""
+    """Cache entries (``<module>-<arch>-<dtype or all>-<key>.cubin``) in ``cache_dir``, for diagnostics."""
     try:
         return sorted(cache_dir.glob("*.cubin"))
     except OSError:
@@ -174,34 +199,38 @@ def build_module(module: str, cfg: BuildConfig) -> CompiledModule:
     """Cached cubin of one module: a verified cache entry, or a fresh compile written back atomically."""
     nvcc = find_nvcc(cfg.nvcc)
     key = cache_key(module, cfg, nvcc)
-    family = f"{module}-{cfg.arch}-"
+    family = cfg.family(module)
     path = cfg.cache_path / f"{family}{key[:24]}.cubin"
     payload = read_cached(path)
+    what = f"{module} for {cfg.arch} ({cfg.dtype or 'every dtype'})"
     if payload is not None:
-        _log.info("kernel cache hit: %s (%s) from %s", module, cfg.arch, path)
-        return CompiledModule(module, cfg.arch, payload, path, cache_hit=True)
+        _log.info("kernel cache hit: %s from %s", what, path)
+        return CompiledModule(module, cfg.arch, payload, path, cache_hit=True, dtype=cfg.dtype)
     t0 = time.perf_counter()
     cubin = compile_cubin(module, cfg, nvcc)
     seconds = time.perf_counter() - t0
     write_cached(path, cubin, f"{family}*.cubin")
-    _log.info("compiled %s for %s in %.2f s (%d bytes) -> %s", module, cfg.arch, seconds, len(cubin), path)
-    return CompiledModule(module, cfg.arch, cubin, path, cache_hit=False, seconds=seconds)
+    _log.info("compiled %s in %.2f s (%d bytes) -> %s", what, seconds, len(cubin), path)
+    return CompiledModule(module, cfg.arch, cubin, path, cache_hit=False, seconds=seconds, dtype=cfg.dtype)
 
 
-def build_all(cfg: BuildConfig, modules: list[str] | None = None) -> dict[str, CompiledModule]:
-    """Every kernel module (default: all ``.cu`` in ``cfg.kernel_dir``), compiled or loaded from the cache.
+def build_all(cfg: BuildConfig, modules: list[str] | None = None, dtypes: Sequence[str] = ()) -> list[CompiledModule]:
+    """Every kernel module (default: all ``.cu`` in ``cfg.kernel_dir``) for each storage type of ``dtypes``
+    (default: ``cfg.dtype`` alone), compiled or loaded from the cache.
 
-    Modules compile in parallel (one nvcc process each): a cold start on a Jetson then costs the slowest
-    module, not the sum of all.
+    Builds run in parallel (one nvcc process each): a cold start on a Jetson then costs the slowest module,
+    not the sum of all.
     """
     names = modules if modules is not None else module_names(Path(cfg.kernel_dir))
+    jobs = [(name, dataclasses.replace(cfg, dtype=dtype)) for dtype in dtypes or (cfg.dtype,) for name in names]
     t0 = time.perf_counter()
-    with ThreadPoolExecutor(max_workers=max(1, min(len(names), os.cpu_count() or 1))) as pool:
-        built = dict(zip(names, pool.map(lambda name: build_module(name, cfg), names), strict=True))
-    hits = sum(m.cache_hit for m in built.values())
+    with ThreadPoolExecutor(max_workers=max(1, min(len(jobs), os.cpu_count() or 1))) as pool:
+        built = list(pool.map(lambda job: build_module(*job), jobs))
+    hits = sum(m.cache_hit for m in built)
     _log.info(
-        "kernels ready for %s in %.2f s (%d cached, %d compiled)",
+        "kernels ready for %s (%s) in %.2f s (%d cached, %d compiled)",
         cfg.arch,
+        ", ".join(dtypes or (cfg.dtype or "every dtype",)),
         time.perf_counter() - t0,
         hits,
         len(built) - hits,

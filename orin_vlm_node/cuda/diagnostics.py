@@ -3,9 +3,11 @@
 Run it on the robot after installing (pip or colcon) to see, without starting the node: where the kernel
 sources are and which modules they hold, which nvcc (and version) compiles them, the GPU and its
 architecture (or "no CUDA device"), PyCUDA's version, the cubin cache directory and what it holds. On a
-machine with a GPU it also builds (or takes from the cache) and loads every module and lists the kernels
-that loaded. Exit status: 0 when the kernel sources are found (also without a GPU) and, on a GPU, every
-module built and loaded; 2 when no kernel sources are found; 1 when a module fails to build or load.
+machine with a GPU it also builds (or takes from the cache) and loads every module for each dtype the node
+may run (``--dtype``; the node builds its model's only), as the node builds them, and says how many of each
+build's kernels loaded; the cache then holds what a node starting with any of them takes. Exit status: 0 when
+the kernel sources are found (also without a GPU) and, on a GPU, every module built and loaded; 2 when no
+kernel sources are found; 1 when a module fails to build or load.
 """
 
 from __future__ import annotations
@@ -24,11 +26,14 @@ from typing import Any
 import torch
 
 from ..artifact_cache import cache_writable, default_cache_dir
+from ..model.dtypes import resolve_dtype
+from ..settings import BY_NAME
 from . import build as B
-from .launch import KERNEL_MODULES
+from .launch import DTYPE_TAGS, KERNEL_MODULES, dtype_name
 from .sources import KernelSourcesNotFound, find_kernel_sources
 
 EXIT_OK, EXIT_BUILD_FAILED, EXIT_NO_SOURCES = 0, 1, 2
+DTYPE_CHOICES = tuple(c for c in BY_NAME["dtype"].choices if c != "auto")  # the node's `dtype` values
 
 
 def _nvcc() -> dict[str, Any]:
@@ -81,6 +86,7 @@ def _cache(cache_dir: str) -> dict[str, Any]:
 
 
 def _build_one(module: str, cfg: B.BuildConfig) -> tuple[dict[str, Any], B.CompiledModule | None]:
+    """One module for ``cfg.dtype``: its report (built, cached, seconds, cubin size) and the module."""
     t0 = time.perf_counter()
     try:
         compiled = B.build_module(module, cfg)
@@ -95,16 +101,19 @@ def _build_one(module: str, cfg: B.BuildConfig) -> tuple[dict[str, Any], B.Compi
     return report, compiled
 
 
-def _build_and_load(kernel_dir: Path, arch: str, cache_dir: str) -> tuple[dict[str, Any], bool, str]:
-    """Build every module (in parallel, as the node does), load them all in torch's context; (report, all ok,
-    whether launches are programmatic-dependent: "on" or "off (why)")."""
-    cfg = B.BuildConfig(arch=arch, kernel_dir=kernel_dir, cache_dir=cache_dir)
-    modules = sorted(KERNEL_MODULES)
-    with ThreadPoolExecutor(max_workers=len(modules)) as pool:
-        results = dict(zip(modules, pool.map(lambda m: _build_one(m, cfg), modules), strict=True))
-    report = {m: r for m, (r, _) in results.items()}
-    built = {m: c for m, (_, c) in results.items() if c is not None}
-    ok = len(built) == len(modules)
+def _build_and_load(
+    kernel_dir: Path, arch: str, cache_dir: str, dtypes: Sequence[str]
+) -> tuple[dict[str, Any], bool, str]:
+    """Build every module for each of ``dtypes`` (in parallel, as the node does), load them all in torch's
+    context; (report: "<module> <dtype>" -> the build's figures and kernels loaded, all ok, whether launches
+    are programmatic-dependent: "on" or "off (why)")."""
+    jobs = [(m, B.BuildConfig(arch=arch, kernel_dir=kernel_dir, cache_dir=cache_dir, dtype=d))
+            for d in dtypes for m in sorted(KERNEL_MODULES)]  # fmt: skip
+    with ThreadPoolExecutor(max_workers=len(jobs)) as pool:
+        results = list(pool.map(lambda job: _build_one(*job), jobs))
+    report = {f"{m} {cfg.dtype}": r for (m, cfg), (r, _) in zip(jobs, results, strict=True)}
+    built = [c for _, c in results if c is not None]
+    ok = len(built) == len(jobs)
     if not built:
         return report, False, "off (no module built)"
     try:
@@ -112,20 +121,27 @@ def _build_and_load(kernel_dir: Path, arch: str, cache_dir: str) -> tuple[dict[s
 
         runtime = KernelRuntime(built, torch.device("cuda", 0))
     except (ImportError, OSError, RuntimeError) as exc:
-        for module in built:
-            report[module].update(loaded=0, error=f"loading failed: {type(exc).__name__}: {exc}")
+        for compiled in built:
+            report[f"{compiled.name} {compiled.dtype}"].update(
+                loaded=0, error=f"loading failed: {type(exc).__name__}: {exc}"
+            )
         return report, False, "off (the kernels did not load)"
     loaded = set(runtime.kernels())
-    for module in built:
-        names = KERNEL_MODULES[module]
-        report[module]["loaded"] = sum(name in loaded for name in names)
-        report[module]["expected"] = len(names)
-        ok = ok and report[module]["loaded"] == len(names)
-    return report, ok, runtime.programmatic_status
+    for compiled in built:
+        entry = report[f"{compiled.name} {compiled.dtype}"]
+        entry["loaded"] = sum(name in loaded for name in compiled.kernels)
+        entry["expected"] = len(compiled.kernels)
+        ok = ok and entry["loaded"] == entry["expected"]
+    status = runtime.programmatic_status
+    runtime.close()
+    return report, ok, status
 
 
-def collect(kernel_dir: str = "", cache_dir: str = "", build: bool = True) -> tuple[dict[str, Any], int]:
-    """Everything the command reports, as a dict, and the exit status."""
+def collect(
+    kernel_dir: str = "", cache_dir: str = "", build: bool = True, dtypes: Sequence[str] = tuple(DTYPE_TAGS.values())
+) -> tuple[dict[str, Any], int]:
+    """Everything the command reports, as a dict, and the exit status; ``dtypes``: the storage types to build
+    the kernels of (``launch.DTYPE_TAGS`` values)."""
     info: dict[str, Any] = {"python": sys.version.split()[0], "torch": torch.__version__}
     status = EXIT_OK
     try:
@@ -150,7 +166,9 @@ def collect(kernel_dir: str = "", cache_dir: str = "", build: bool = True) -> tu
     elif not build:
         info["kernels"] = "not built: --no-build"
     else:
-        report, ok, info["programmatic_launch"] = _build_and_load(sources.directory, info["gpu"]["arch"], cache_dir)
+        report, ok, info["programmatic_launch"] = _build_and_load(
+            sources.directory, info["gpu"]["arch"], cache_dir, dtypes
+        )
         info["kernels"] = report
         if not ok:
             status = EXIT_BUILD_FAILED
@@ -189,11 +207,11 @@ def render(info: dict[str, Any]) -> str:
     else:
         for module, r in kernels.items():
             if not r["built"]:
-                lines.append(f"{module:24s}: BUILD FAILED: {r['error']}")
+                lines.append(f"{module:29s}: BUILD FAILED: {r['error']}")
                 continue
             how = "from cache" if r["cached"] else f"compiled in {r['seconds']} s"
-            loaded = f"{r.get('loaded', 0)}/{r.get('expected', len(KERNEL_MODULES[module]))} kernels loaded"
-            lines.append(f"{module:24s}: {how}, {loaded}" + (f" ({r['error']})" if "error" in r else ""))
+            loaded = f"{r.get('loaded', 0)}/{r['expected']} kernels loaded" if "expected" in r else "not loaded"
+            lines.append(f"{module:29s}: {how}, {loaded}" + (f" ({r['error']})" if "error" in r else ""))
         lines.append(f"programmatic dependent launch: {info['programmatic_launch']}")
     return "\n".join(lines) + "\n"
 
@@ -203,9 +221,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--kernel-dir", default="", help="kernel sources to use instead of the installed ones")
     ap.add_argument("--kernel-cache-dir", default="", help="cubin cache (default: ~/.cache/orin_vlm_node/kernels)")
     ap.add_argument("--no-build", action="store_true", help="on a GPU, do not build and load the kernels")
+    ap.add_argument("--dtype", choices=(*DTYPE_CHOICES, "all"), default="all",
+                    help="the dtype whose kernels to build and load (the node's `dtype`; default all)")  # fmt: skip
     ap.add_argument("--json", action="store_true", help="print one JSON object instead of the report")
     args = ap.parse_args(argv)
-    info, status = collect(args.kernel_dir, args.kernel_cache_dir, build=not args.no_build)
+    dtypes = DTYPE_TAGS.values() if args.dtype == "all" else (DTYPE_TAGS[dtype_name(resolve_dtype(args.dtype))],)
+    info, status = collect(args.kernel_dir, args.kernel_cache_dir, build=not args.no_build, dtypes=tuple(dtypes))
     sys.stdout.write(json.dumps(info, indent=1) + "\n" if args.json else render(info))
     if status == EXIT_NO_SOURCES:
         print(f"error: {info['kernel_sources']['error']}", file=sys.stderr)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 import numbers
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 # Mirrors of the kernel constants (kernels/paged_decode_attention.cu, paged_prefill_attention.cu).
@@ -62,34 +62,34 @@ GEMV_INT4_CHUNK = 32  # kGemvChunk<uint8_t>: int4 weights in a 16-byte vector (o
 DTYPE_TAGS = {"float32": "f32", "float16": "f16", "bfloat16": "bf16"}
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 
-# Kernel source module (kernels/<module>.cu) -> the extern "C" kernels it defines.
-KERNEL_MODULES: dict[str, tuple[str, ...]] = {
-    "paged_decode_attention": tuple(
-        f"paged_decode_attention_{t}_d{d}_g{g}"
-        for t in DTYPE_TAGS.values()
-        for d in SUPPORTED_HEAD_DIMS
-        for g in GROUP_BUCKETS
-    ),
-    "paged_prefill_attention": tuple(
-        f"paged_prefill_attention_{t}_d{d}" for t in DTYPE_TAGS.values() for d in SUPPORTED_HEAD_DIMS
-    ),
-    "paged_kv_write": tuple(f"paged_kv_write_{t}" for t in DTYPE_TAGS.values()),
-    **{
-        f"gemv{epilogue}": tuple(
-            f"gemv_{mode}{epilogue}_{t}_r{r}"
-            for mode in GEMV_MODES
-            for t in DTYPE_TAGS.values()
-            for r in GEMV_ROW_BUCKETS
-        )
-        for epilogue in GEMV_EPILOGUES
-    },
-    "gemv_chain": tuple(
-        f"gemv_{kind}_{mode}_{t}" for kind in GEMV_CHAINS for mode in GEMV_MODES for t in DTYPE_TAGS.values()
-    ),
-    "rms_norm": tuple(f"{kind}_{t}" for kind in NORM_KERNELS for t in DTYPE_TAGS.values()),
-    "silu_mul": tuple(f"silu_mul_{t}" for t in DTYPE_TAGS.values()),
-    "widen_int4": tuple(f"widen_int4_{t}" for t in DTYPE_TAGS.values()),
-}
+
+def kernel_modules(tags: Iterable[str] = DTYPE_TAGS.values()) -> dict[str, tuple[str, ...]]:
+    """Kernel source module (kernels/<module>.cu) -> the extern "C" kernels it defines for the storage types
+    ``tags`` (DTYPE_TAGS values): a build for one type (``build.BuildConfig.dtype``) defines that type's only."""
+    tags = tuple(tags)
+    return {
+        "paged_decode_attention": tuple(
+            f"paged_decode_attention_{t}_d{d}_g{g}" for t in tags for d in SUPPORTED_HEAD_DIMS for g in GROUP_BUCKETS
+        ),
+        "paged_prefill_attention": tuple(
+            f"paged_prefill_attention_{t}_d{d}" for t in tags for d in SUPPORTED_HEAD_DIMS
+        ),
+        "paged_kv_write": tuple(f"paged_kv_write_{t}" for t in tags),
+        **{
+            f"gemv{epilogue}": tuple(
+                f"gemv_{mode}{epilogue}_{t}_r{r}" for mode in GEMV_MODES for t in tags for r in GEMV_ROW_BUCKETS
+            )
+            for epilogue in GEMV_EPILOGUES
+        },
+        "gemv_chain": tuple(f"gemv_{kind}_{mode}_{t}" for kind in GEMV_CHAINS for mode in GEMV_MODES for t in tags),
+        "rms_norm": tuple(f"{kind}_{t}" for kind in NORM_KERNELS for t in tags),
+        "silu_mul": tuple(f"silu_mul_{t}" for t in tags),
+        "widen_int4": tuple(f"widen_int4_{t}" for t in tags),
+    }
+
+
+# Every module's kernels for every storage type: what a build without a type defines.
+KERNEL_MODULES: dict[str, tuple[str, ...]] = kernel_modules()
 
 # Parameter kinds of each kernel family, in order: "ptr" (device pointer), "i32", "f32".
 ARG_KINDS: dict[str, tuple[str, ...]] = {

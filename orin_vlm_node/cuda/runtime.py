@@ -32,6 +32,7 @@ import threading
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -121,11 +122,12 @@ class KernelRuntime:
     (LaunchArgumentError) before anything is launched. The CPU harness has the same method and checks.
     """
 
-    def __init__(self, modules: dict[str, CompiledModule], device: torch.device) -> None:
+    def __init__(self, modules: Sequence[CompiledModule], device: torch.device) -> None:
         import pycuda.driver as drv  # lazily: pycuda is optional and needs a GPU
 
         self.device = device
-        self.arch = next(iter(modules.values())).arch if modules else ""
+        self.arch = modules[0].arch if modules else ""
+        self.dtypes = sorted({tag for m in modules for tag in m.dtypes})  # the storage types it has kernels for
         torch.cuda.init()
         drv.init()
         self._pyctx = drv.Device(device.index or 0).retain_primary_context()
@@ -134,17 +136,16 @@ class KernelRuntime:
         self._pyctx.push()
         try:
             self._ctx_handle = self._driver.current_context()
-            self._modules: dict[str, ctypes.c_void_p] = {}
+            self._modules: list[ctypes.c_void_p] = []
             self._functions: dict[str, ctypes.c_void_p] = {}
-            from .launch import KERNEL_MODULES
-
-            for name, compiled in modules.items():
+            for compiled in modules:
                 mod = ctypes.c_void_p()
                 self._driver.check(
-                    self._driver.lib.cuModuleLoadData(ctypes.byref(mod), compiled.cubin), f"loading {name}.cubin"
+                    self._driver.lib.cuModuleLoadData(ctypes.byref(mod), compiled.cubin),
+                    f"loading {compiled.path.name}",
                 )
-                self._modules[name] = mod
-                for kernel in KERNEL_MODULES.get(name, ()):
+                self._modules.append(mod)
+                for kernel in compiled.kernels:
                     fn = ctypes.c_void_p()
                     self._driver.check(
                         self._driver.lib.cuModuleGetFunction(ctypes.byref(fn), mod, kernel.encode()),
@@ -169,6 +170,21 @@ class KernelRuntime:
         """Names of the loaded kernels (diagnostics)."""
         return sorted(self._functions)
 
+    def close(self) -> None:
+        """Unload the modules (their code leaves the GPU's memory) once nothing will launch them again: the
+        engine calls it when a reconfiguration replaced this runtime and freed what was captured with it. A
+        launch after it raises CudaRuntimeError; a second call does nothing."""
+        if not self._modules:
+            return
+        self._functions.clear()
+        self._pyctx.push()
+        try:
+            for mod in self._modules:
+                self._driver.check(self._driver.lib.cuModuleUnload(mod), "cuModuleUnload")
+        finally:
+            self._modules.clear()
+            self._pyctx.pop()
+
     def _ensure_context(self) -> None:
         """Make the primary context current on this thread (torch usually has; a fresh thread may not)."""
         if self._driver.current_context() != self._ctx_handle:
@@ -178,7 +194,7 @@ class KernelRuntime:
     def launch(self, cfg: LaunchConfig, args: Sequence[torch.Tensor | int | float | None]) -> None:
         fn = self._functions.get(cfg.kernel)
         if fn is None:
-            raise CudaRuntimeError(f"kernel {cfg.kernel} is not loaded")
+            raise CudaRuntimeError(f"kernel {cfg.kernel} is not loaded (kernels built for: {', '.join(self.dtypes)})")
         check_launch_args(cfg, args, self.device)
         values: list[ctypes._SimpleCData] = []
         for kind, value in zip(ARG_KINDS[cfg.family], args, strict=True):
@@ -217,22 +233,24 @@ class KernelRuntime:
         twice, the second launch reading the first's output, captured in a CUDA graph with dependent
         launches and replayed, must give what the same steps give with plain launches, bit for bit (the
         kernels are the same; only the launch differs)."""
-        from .launch import silu_mul_launch
+        from .launch import DTYPE_TAGS, silu_mul_launch
 
         if torch.cuda.get_device_capability(self.device) < (9, 0):
             return f"off ({self.arch}: it needs sm_90 or later)"
         if not self._driver.has_launch_ex:
             return "off (the driver has no cuLaunchKernelEx)"
-        if "silu_mul_f32" not in self._functions:
-            return "off (silu_mul_f32, which the check launches, is not loaded)"
-        gate_up = torch.linspace(-6.0, 6.0, 4 * 512, device=self.device).reshape(4, 512)  # (4, 2 x 256)
+        loaded = [name for name, tag in DTYPE_TAGS.items() if f"silu_mul_{tag}" in self._functions]
+        if not loaded:
+            return "off (no silu_mul kernel, which the check launches, is loaded)"
+        dtype = getattr(torch, loaded[0])  # the first storage type loaded: fp32 where it is, else the model's
+        gate_up = torch.linspace(-6.0, 6.0, 4 * 512, device=self.device).reshape(4, 512).to(dtype)  # (4, 2 x 256)
 
         def two_launches() -> torch.Tensor:
             copied = gate_up.clone()
-            first = torch.empty(4, 256, device=self.device)
-            self.launch(silu_mul_launch(4, 256, torch.float32), [first, copied, 4, 256])
-            second = torch.empty(4, 128, device=self.device)
-            self.launch(silu_mul_launch(4, 128, torch.float32), [second, first, 4, 128])
+            first = torch.empty(4, 256, device=self.device, dtype=dtype)
+            self.launch(silu_mul_launch(4, 256, dtype), [first, copied, 4, 256])
+            second = torch.empty(4, 128, device=self.device, dtype=dtype)
+            self.launch(silu_mul_launch(4, 128, dtype), [second, first, 4, 128])
             return second
 
         expected = two_launches()
@@ -257,8 +275,21 @@ def detect_arch(device: torch.device) -> str:
     return arch_from_capability(major, minor)
 
 
-def load_runtime(device: torch.device, kernel_dir: str = "", cache_dir: str = "", nvcc: str = "") -> LoadedKernels:
-    """Find the sources, build (or take from the cache) every kernel for ``device``'s arch, load them.
+def load_runtime(
+    device: torch.device,
+    kernel_dir: str = "",
+    cache_dir: str = "",
+    nvcc: str = "",
+    dtypes: Sequence[str] = ("",),
+    reuse: Sequence[LoadedKernels] = (),
+) -> LoadedKernels:
+    """Find the sources, build (or take from the cache) every kernel for ``device``'s arch and each storage type
+    of ``dtypes`` (``launch.DTYPE_TAGS`` values; "" = every type in one build), load them.
+
+    A runtime of ``reuse`` (loaded earlier in this process, not closed) that holds the very same cubins on the
+    same device is returned instead of loading them again: a module loaded is GPU memory until it is unloaded,
+    and a robot's reconfigurations (page size, graphs, pool size) would otherwise load the same code again each
+    time.
 
     A cached cubin that passes its hash check but fails to load (a driver change the key did not see) is
     deleted and rebuilt once. Raises KernelBuildError (sources, nvcc, compile) or CudaRuntimeError (driver).
@@ -266,36 +297,48 @@ def load_runtime(device: torch.device, kernel_dir: str = "", cache_dir: str = ""
     t0 = time.perf_counter()
     sources = find_kernel_sources(kernel_dir)
     cfg = BuildConfig(arch=detect_arch(device), kernel_dir=sources.directory, cache_dir=cache_dir, nvcc=nvcc)
-    modules = build_all(cfg, list(sources.modules))
+    modules = build_all(cfg, list(sources.modules), dtypes)
+    paths = tuple(m.path for m in modules)
+    for earlier in reuse:
+        if earlier.paths == paths and earlier.runtime.device == device:
+            cached = sum(m.cache_hit for m in modules)
+            return LoadedKernels(earlier.runtime, sources, time.perf_counter() - t0, cached, len(modules) - cached,
+                                 paths, reused=True)  # fmt: skip
     try:
         runtime = KernelRuntime(modules, device)
     except CudaRuntimeError as exc:
-        stale = [m for m in modules.values() if m.cache_hit]
+        stale = [m for m in modules if m.cache_hit]
         if not stale:
             raise
         _log.warning("a cached kernel failed to load (%s); rebuilding %s", exc, ", ".join(m.name for m in stale))
         for m in stale:
             m.path.unlink(missing_ok=True)
-        modules = build_all(cfg, list(sources.modules))
+        modules = build_all(cfg, list(sources.modules), dtypes)
         runtime = KernelRuntime(modules, device)
-    cached = sum(m.cache_hit for m in modules.values())
-    return LoadedKernels(runtime, sources, time.perf_counter() - t0, cached, len(modules) - cached)
+    cached = sum(m.cache_hit for m in modules)
+    return LoadedKernels(runtime, sources, time.perf_counter() - t0, cached, len(modules) - cached, paths)
 
 
 @dataclass(frozen=True)
 class LoadedKernels:
-    """The loaded runtime and how it came to be (for the startup log and diagnostics)."""
+    """The loaded runtime and how it came to be (for the startup log and diagnostics): the cubins it holds
+    (``paths``, the cache entries, named by their sources, arch, flags and nvcc) and whether it was loaded by
+    an earlier call (``reused``)."""
 
     runtime: KernelRuntime
     sources: KernelSources
     seconds: float
     cached: int
     compiled: int
+    paths: tuple[Path, ...]
+    reused: bool = False
 
     def describe(self) -> str:
         r = self.runtime
         return (
-            f"{r.arch}, {r.num_kernels} kernels from {self.sources.directory} ({self.sources.found_by}), "
-            f"{self.compiled} compiled + {self.cached} cached in {self.seconds:.1f} s, "
+            f"{r.arch}, {r.num_kernels} kernels ({'/'.join(r.dtypes)}) from {self.sources.directory} "
+            f"({self.sources.found_by}), "
+            f"{self.compiled} compiled + {self.cached} cached in {self.seconds:.1f} s"
+            f"{' (loaded before, reused)' if self.reused else ''}, "
             f"programmatic dependent launch {r.programmatic_status}"
         )

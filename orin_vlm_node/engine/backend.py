@@ -8,6 +8,8 @@ or ``kernels: off (<reason>)``, and the decode path, e.g. "kernels+graphs" on a 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from ..cuda import AttentionShape, BackendChoice, select_backend
@@ -16,8 +18,11 @@ from .config import EngineConfig
 from .decode_step import DecodeStep
 
 
-def select_attention(config: EngineConfig, model_config: ModelConfig, dtype: torch.dtype, device: torch.device):
-    """The kernel choice for this model on this device (the kernels serve the paged cache only)."""
+def select_attention(
+    config: EngineConfig, model_config: ModelConfig, dtype: torch.dtype, device: torch.device, loaded: Sequence = ()
+):
+    """The kernel choice for this model on this device (the kernels serve the paged cache only); ``loaded``: the
+    kernel runtimes the engine holds (``select_backend`` reuses one that has the same cubins)."""
     text = model_config.text
     shape = AttentionShape(dtype, text.head_dim, text.num_attention_heads, text.num_key_value_heads)
     if not config.use_paged_attention and device.type == "cuda" and config.use_cuda_kernels:
@@ -29,6 +34,7 @@ def select_attention(config: EngineConfig, model_config: ModelConfig, dtype: tor
         kernel_dir=config.kernel_dir,
         kernel_cache_dir=config.kernel_cache_dir,
         allow_fallback=config.allow_kernel_fallback,
+        loaded=loaded,
     )
 
 

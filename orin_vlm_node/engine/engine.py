@@ -35,7 +35,7 @@ import logging
 import threading
 import uuid
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -67,6 +67,9 @@ from .sampling import load_generation_defaults
 from .scheduler import Scheduler
 from .session import SessionStore
 
+if TYPE_CHECKING:
+    from ..cuda.runtime import LoadedKernels
+
 # Decode steps take every batch ``max_batch`` may ever allow, so changing it at runtime rebuilds nothing.
 MAX_BATCH = int(BY_NAME["max_batch"].max)
 
@@ -93,6 +96,9 @@ class Engine:
         self._parts = threading.Lock()  # held while a reconfiguration rebuilds parts, and while describe reads them
         self._description: dict = {}  # describe's last answer, given while parts are rebuilt
         self._capture_streams: dict[torch.device, torch.cuda.Stream] = {}  # see _capture_stream
+        # The CUDA kernel runtimes loaded and not unloaded yet (``_retire_kernels``): the one in use, and while a
+        # reconfiguration runs, the one it may replace (reused where it has the same cubins, e.g. a rollback).
+        self._kernels: list[LoadedKernels] = []
         try:
             check_fields(dataclasses.asdict(self._config) | {"sampling": self._config.sampling})
             check_kernel_dir(self._config.kernel_dir)
@@ -116,7 +122,9 @@ class Engine:
         if parts & {"model", "images", "vision_cache"}:  # features of another model or resize are stale
             self.vision_cache = VisionCache(self._config.vision_cache_images)
         if parts & {"model", "kv_cache", "backend"}:
-            self.attention = select_attention(self._config, self.model_config, self.dtype, self.device)
+            self.attention = select_attention(self._config, self.model_config, self.dtype, self.device, self._kernels)
+            if self.attention.loaded is not None and not self.attention.loaded.reused:
+                self._kernels.append(self.attention.loaded)
             launcher = self.attention.launcher if self.attention.kernels else None
             # The CUDA GEMV kernels for decode rows (the CPU kernels are routed with the model's load).
             gemv = CudaGemv(launcher, functools.partial(device_us, stream=self._capture_stream())) if launcher else None
@@ -135,6 +143,22 @@ class Engine:
             )  # fmt: skip
             log.log(logging.WARNING if self.attention.degraded else logging.INFO, "%s", self.attention.status)
             log.info("decode path: %s", decode_path(self.attention, self.decode_step))
+            self._retire_kernels()
+
+    def _retire_kernels(self) -> None:
+        """Unload every kernel runtime but the one in use, once the parts launched with them (the decode step and
+        its CUDA graphs, the cache's attention, the projections' kernels) have been replaced: a collection first
+        frees what reference cycles still hold, so no graph that launches their kernels outlives them. Each
+        runtime holds its modules' code in GPU memory, which a robot reconfigured for days would otherwise fill."""
+        current = self.attention.loaded.runtime if self.attention.loaded is not None else None
+        retired = [k for k in self._kernels if k.runtime is not current]
+        if not retired:
+            return
+        gc.collect()
+        for kernels in retired:
+            kernels.runtime.close()
+            log.info("CUDA kernels no longer in use unloaded (%s)", ", ".join(kernels.runtime.dtypes))
+        self._kernels = [k for k in self._kernels if k.runtime is current]
 
     def _release(self, *, model: bool) -> None:
         """Free the KV pool, the sessions and the decode step (whose CUDA graphs hold the pool), and with
