@@ -15,12 +15,19 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import shutil
+import signal
 import subprocess
 import tempfile
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import TypeVar
 
 _log = logging.getLogger(__name__)
+T = TypeVar("T")
+R = TypeVar("R")
 
 # Named after the first artifacts cached (cubins); kept so that existing caches stay valid.
 _MAGIC = b"ORINVLM-CUBIN-1\n"
@@ -114,23 +121,90 @@ def write_cached(path: Path, payload: bytes, siblings: str) -> None:
             pass
 
 
+# The compilers this process is running, each the leader of a process group of its own that also holds what it
+# spawned (nvcc's cicc and ptxas, g++'s cc1plus and ld): killing a group stops a compile entirely, where killing
+# the driver alone leaves its children compiling for up to a minute after the node has gone.
+_compilers: dict[subprocess.Popen, Path] = {}  # -> the temporary directory it writes into
+_compilers_lock = threading.Lock()
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    """SIGKILL to ``proc``'s group unless ``proc`` is known to have ended (its pid may be another's by then)."""
+    if proc.poll() is None:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def stop_compilers() -> int:
+    """Kill every compiler :func:`run_compiler` is running in this process, with what each spawned, and say how
+    many: a startup abandoned by a stop signal ends the process at once, and compilers running on its worker
+    threads would otherwise go on without it. Their :func:`run_compiler` calls fail."""
+    with _compilers_lock:
+        running = list(_compilers.items())
+    for proc, _ in running:
+        _kill_group(proc)
+    for proc, tmp in running:  # the process is about to end: its builds' folders go now, not with the threads
+        try:
+            proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            continue
+        shutil.rmtree(tmp, ignore_errors=True)
+    return len(running)
+
+
 def run_compiler(
     argv: Callable[[Path], list[str]], output: str, what: str, error: type[Exception], timeout_s: float
 ) -> bytes:
     """The bytes of ``output`` written by the compiler command ``argv(path)`` in a temporary directory (no
     cache); ``error`` naming ``what``, with the command and the compiler's own messages, when it cannot run
-    or fails."""
-    with tempfile.TemporaryDirectory(prefix="orin_vlm_build_") as tmp:
+    or fails. The compiler runs in a process group of its own, killed with all it spawned when the wait for
+    it is interrupted (Ctrl-C, a stop signal raised in this thread), times out, or :func:`stop_compilers`."""
+    with tempfile.TemporaryDirectory(prefix="orin_vlm_build_", ignore_cleanup_errors=True) as tmp:
         out = Path(tmp) / output
         cmd = argv(out)
         try:
-            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, check=False)
-        except (OSError, subprocess.TimeoutExpired) as exc:
+            proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                    start_new_session=True)  # fmt: skip
+        except OSError as exc:
             raise error(f"{Path(cmd[0]).name} failed to run for {what}: {exc}") from exc
+        with _compilers_lock:
+            _compilers[proc] = Path(tmp)
+        try:
+            stdout, stderr = proc.communicate(timeout=timeout_s)
+        except BaseException as exc:
+            _kill_group(proc)
+            proc.communicate()  # reaped, its pipes closed: nothing of the group is left
+            if isinstance(exc, subprocess.TimeoutExpired):
+                raise error(f"{Path(cmd[0]).name} failed to run for {what}: {exc}") from exc
+            raise
+        finally:
+            with _compilers_lock:
+                _compilers.pop(proc, None)
         if proc.returncode or not out.is_file():
-            log = (proc.stderr + proc.stdout).strip()
+            log = (stderr + stdout).strip()
             raise error(f"{Path(cmd[0]).name} could not compile {what}:\n$ {' '.join(cmd)}\n{log}")
         return out.read_bytes()
+
+
+def in_parallel(fn: Callable[[T], R], jobs: Sequence[T], workers: int) -> list[R]:
+    """``fn`` of each job on ``workers`` threads, the results in job order. Interrupted (Ctrl-C or a stop signal
+    raised in the calling thread), it neither waits for the running builds nor starts the others: the
+    compilers are killed (:func:`stop_compilers`) and the interruption goes on, where a thread pool's own exit
+    would wait for every queued compile first (a minute of nvcc at a cold start)."""
+    pool = ThreadPoolExecutor(max_workers=max(1, workers))
+    try:
+        results = list(pool.map(fn, jobs))
+    except Exception:
+        pool.shutdown(wait=True)  # one build failed: the others finish (and are cached) as they would have
+        raise
+    except BaseException:
+        pool.shutdown(wait=False, cancel_futures=True)
+        stop_compilers()
+        raise
+    pool.shutdown(wait=True)
+    return results
 
 
 def cache_writable(cache_dir: Path) -> str | None:

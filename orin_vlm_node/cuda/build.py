@@ -22,11 +22,10 @@ import shutil
 import subprocess
 import time
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..artifact_cache import default_cache_dir, read_cached, run_compiler, write_cached
+from ..artifact_cache import default_cache_dir, in_parallel, read_cached, run_compiler, write_cached
 from .launch import DTYPE_TAGS, kernel_modules
 
 _log = logging.getLogger(__name__)
@@ -224,8 +223,7 @@ def build_all(cfg: BuildConfig, modules: list[str] | None = None, dtypes: Sequen
     names = modules if modules is not None else module_names(Path(cfg.kernel_dir))
     jobs = [(name, dataclasses.replace(cfg, dtype=dtype)) for dtype in dtypes or (cfg.dtype,) for name in names]
     t0 = time.perf_counter()
-    with ThreadPoolExecutor(max_workers=max(1, min(len(jobs), os.cpu_count() or 1))) as pool:
-        built = list(pool.map(lambda job: build_module(*job), jobs))
+    built = in_parallel(lambda job: build_module(*job), jobs, min(len(jobs), os.cpu_count() or 1))
     hits = sum(m.cache_hit for m in built)
     _log.info(
         "kernels ready for %s (%s) in %.2f s (%d cached, %d compiled)",

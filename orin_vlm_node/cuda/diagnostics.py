@@ -19,13 +19,12 @@ import json
 import sys
 import time
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from ..artifact_cache import cache_writable, default_cache_dir
+from ..artifact_cache import cache_writable, default_cache_dir, in_parallel
 from ..model.dtypes import resolve_dtype
 from ..settings import BY_NAME
 from . import build as B
@@ -109,8 +108,7 @@ def _build_and_load(
     are programmatic-dependent: "on" or "off (why)")."""
     jobs = [(m, B.BuildConfig(arch=arch, kernel_dir=kernel_dir, cache_dir=cache_dir, dtype=d))
             for d in dtypes for m in sorted(KERNEL_MODULES)]  # fmt: skip
-    with ThreadPoolExecutor(max_workers=len(jobs)) as pool:
-        results = list(pool.map(lambda job: _build_one(*job), jobs))
+    results = in_parallel(lambda job: _build_one(*job), jobs, len(jobs))
     report = {f"{m} {cfg.dtype}": r for (m, cfg), (r, _) in zip(jobs, results, strict=True)}
     built = [c for _, c in results if c is not None]
     ok = len(built) == len(jobs)

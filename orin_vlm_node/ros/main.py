@@ -37,6 +37,8 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
+from ..artifact_cache import stop_compilers  # standard library only: nothing heavy before the handlers
+
 NODE_NAME = "orin_vlm"
 STOP_WITH_PARENT = "--stop-with-parent"  # the one option of the entry points besides the ROS arguments
 _PR_SET_PDEATHSIG = 1  # linux/prctl.h
@@ -203,7 +205,9 @@ def main(args: list[str] | None = None, managed: bool = False) -> int:
             stop_with_parent()
         code = serve(stop, args, managed)
     except StopRequested as why:
-        print(f"{NODE_NAME}: {why} during startup: stopped before serving", file=sys.stderr, flush=True)
+        stopped = stop_compilers()  # the load thread's kernel builds would go on without the process
+        builds = f" ({stopped} kernel build(s) stopped)" if stopped else ""
+        print(f"{NODE_NAME}: {why} during startup: stopped before serving{builds}", file=sys.stderr, flush=True)
         code = 0
     logging.shutdown()
     sys.stdout.flush()

@@ -1,0 +1,133 @@
+"""A compile the node abandons stops entirely: the compiler and every process it spawned are killed, its
+temporary folder removed, and parallel builds neither wait for the running compiles nor start the others.
+
+The stand-in compiler is a shell that starts a long ``sleep`` (as nvcc starts cicc and ptxas, g++ cc1plus)
+and waits for it, so a kill that reached the shell alone would leave the ``sleep`` running.
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from orin_vlm_node import artifact_cache as A
+
+
+class CompileFailed(RuntimeError):
+    pass
+
+
+class Stop(BaseException):
+    """What the node's stop signal raises in its main thread while it starts (``ros.main.StopRequested``)."""
+
+
+@pytest.fixture
+def stop_signal():
+    """SIGUSR1 raises :class:`Stop` in the main thread; ``stop_signal(path, ...)`` sends it to the main thread
+    (interrupting the system call it waits in, as a real signal does) once every ``path`` has appeared."""
+    main = threading.main_thread().ident
+
+    def handler(signum, frame):
+        raise Stop
+
+    previous = signal.signal(signal.SIGUSR1, handler)
+
+    def send_after(*paths: Path) -> None:
+        def run() -> None:
+            for path in paths:
+                wait_for(path)
+            signal.pthread_kill(main, signal.SIGUSR1)
+
+        threading.Thread(target=run, daemon=True).start()
+
+    yield send_after
+    signal.signal(signal.SIGUSR1, previous)
+
+
+def compile_slowly(tmp_path: Path, name: str) -> bytes:
+    """A compile whose compiler records its output path, starts a child, records the child's pid and waits for it
+    (a minute)."""
+    script = f'echo "$0" > {tmp_path / name}.out; sleep 60 & echo $! > {tmp_path / name}.child; wait'
+    return A.run_compiler(lambda out: ["sh", "-c", script, str(out)], "out.bin", name, CompileFailed, 120)
+
+
+def wait_for(path: Path, timeout: float = 10) -> None:
+    end = time.monotonic() + timeout
+    while not path.exists() or not path.read_text().strip():
+        assert time.monotonic() < end, f"{path} never appeared"
+        time.sleep(0.02)
+
+
+def alive(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie, reaped by nobody yet, counts as ended)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return False
+    return state != "Z"
+
+
+def ended(tmp_path: Path, name: str) -> bool:
+    """The compile ``name`` left nothing: its child process and its temporary folder are gone."""
+    folder = Path((tmp_path / f"{name}.out").read_text().strip()).parent
+    return not alive(int((tmp_path / f"{name}.child").read_text())) and not folder.exists()
+
+
+pytestmark = pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads processes from /proc (Linux)")
+
+
+def test_stop_compilers_kills_a_compile_running_on_another_thread_with_all_it_started(tmp_path):
+    errors: list[BaseException] = []
+
+    def build() -> None:
+        try:
+            compile_slowly(tmp_path, "a")
+        except CompileFailed as exc:
+            errors.append(exc)
+
+    worker = threading.Thread(target=build)
+    worker.start()
+    wait_for(tmp_path / "a.child")
+    assert A.stop_compilers() == 1
+    worker.join(10)
+    assert not worker.is_alive() and len(errors) == 1 and "could not compile a" in str(errors[0])
+    assert ended(tmp_path, "a") and A.stop_compilers() == 0
+
+
+def test_an_interrupted_wait_kills_the_compile_and_goes_on(tmp_path, stop_signal):
+    """Ctrl-C (or the node's stop signal) in the thread that waits for the compiler."""
+    stop_signal(tmp_path / "b.child")
+    t0 = time.monotonic()
+    with pytest.raises(Stop):
+        compile_slowly(tmp_path, "b")
+    assert time.monotonic() - t0 < 10 and ended(tmp_path, "b")
+
+
+def test_interrupted_parallel_builds_stop_at_once_and_start_no_more(tmp_path, stop_signal):
+    names = ["c0", "c1", "c2", "c3"]
+    stop_signal(tmp_path / "c0.child", tmp_path / "c1.child")
+    t0 = time.monotonic()
+    with pytest.raises(Stop):
+        A.in_parallel(lambda name: compile_slowly(tmp_path, name), names, 2)
+    assert time.monotonic() - t0 < 10
+    time.sleep(0.5)  # a job started after the interruption would have written its files by now
+    assert ended(tmp_path, "c0") and ended(tmp_path, "c1")
+    assert not (tmp_path / "c2.child").exists() and not (tmp_path / "c3.child").exists()
+
+
+def test_parallel_builds_give_results_in_order_and_a_failure_after_the_others_finished(tmp_path):
+    def job(i: int) -> int:
+        if i == 1:
+            raise CompileFailed("module 1")
+        time.sleep(0.2)
+        (tmp_path / f"done{i}").touch()
+        return i
+
+    assert A.in_parallel(lambda i: i * i, range(5), 2) == [0, 1, 4, 9, 16]
+    with pytest.raises(CompileFailed, match="module 1"):
+        A.in_parallel(job, [0, 1, 2, 3], 2)
+    assert sorted(p.name for p in tmp_path.glob("done*")) == ["done0", "done2", "done3"]
