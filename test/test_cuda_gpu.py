@@ -611,6 +611,11 @@ def test_gpu_engine_loads_its_dtypes_kernels_once_and_unloads_those_a_reconfigur
         engine.reconfigure(dtype=dtype)
     answers()
     assert free_mb() >= before - 16, f"{before - free_mb():.0f} MB of GPU memory gone over 8 dtype changes"
+    last = engine.attention.launcher  # bf16, the last change's
+    last.launch(L.silu_mul_launch(1, 256, torch.bfloat16), [out.bfloat16(), gate_up.bfloat16(), 1, 256])
+    engine.close()  # the lifecycle node's cleanup
+    with pytest.raises(CudaRuntimeError, match="not loaded"):
+        last.launch(L.silu_mul_launch(1, 256, torch.bfloat16), [out.bfloat16(), gate_up.bfloat16(), 1, 256])
 
 
 @pytest.mark.parametrize("mode", ["int8", "int4"])

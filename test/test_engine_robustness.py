@@ -472,3 +472,5 @@ def test_reconfigurations_reuse_the_kernels_in_use_and_unload_those_they_replace
     third = loads[-1]
     assert engine.attention.loaded.runtime is second and (second.closed, third.closed) == (0, 1)
     assert _finish(engine, Request(Turn("Go."), GREEDY)).finish_reason in ("stop", "length")
+    engine.close()  # the lifecycle node's cleanup: the kernels in use go too
+    assert [k.closed for k in loads] == [1, 1, 1] and engine.model is None and engine.cache is None

@@ -40,7 +40,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ..cpu import bound_onednn_caches, cpu_gemm_for
-from ..cuda import KernelsUnavailable, LaunchModes
+from ..cuda import BackendChoice, KernelsUnavailable, LaunchModes
 from ..cuda.fused import CudaFusedOps
 from ..cuda.gemv import CudaGemv
 from ..cuda.graph import device_us
@@ -159,6 +159,15 @@ class Engine:
             kernels.runtime.close()
             log.info("CUDA kernels no longer in use unloaded (%s)", ", ".join(kernels.runtime.dtypes))
         self._kernels = [k for k in self._kernels if k.runtime is current]
+
+    def close(self) -> None:
+        """Give back what the engine holds outside Python's reach once it is no longer used (the lifecycle node's
+        cleanup, a node shutting down): the model, KV pool and decode graphs, then the CUDA kernels' modules,
+        which would otherwise stay in GPU memory for the life of the process. The engine is unusable after."""
+        with self._parts:
+            self._release(model=True)
+            self.attention = BackendChoice(False, "engine closed")
+            self._retire_kernels()
 
     def _release(self, *, model: bool) -> None:
         """Free the KV pool, the sessions and the decode step (whose CUDA graphs hold the pool), and with

@@ -273,6 +273,7 @@ class VlmServing:
             self._destroy_publisher(publisher)
         self._channels = {}
         device = self._engine.device
+        self._engine.close()
         self._engine = self._worker = None
         gc.collect()
         if device.type == "cuda":
