@@ -138,3 +138,30 @@ class NodeProcess:
         elapsed = time.monotonic() - t0
         self._log.close()
         return rc, elapsed
+
+
+def processes() -> list[tuple[int, int, int, str]]:
+    """(pid, parent pid, session id, command line) of every running process (Linux ``/proc``; zombies left
+    out): what a test looks through for the compilers a node started, or left behind."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            cmdline = (stat.parent / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue  # ended meanwhile
+        if fields[0] != "Z":
+            found.append((int(stat.parent.name), int(fields[1]), int(fields[3]), cmdline))
+    return found
+
+
+def compiler_of(node: NodeProcess, source: str, timeout: float = 60.0) -> int | None:
+    """The pid of the compiler ``node`` runs on ``source`` (a child of its process, ``source`` in its command
+    line), once it runs; None when the node ends or ``timeout`` passes first."""
+    deadline = time.monotonic() + timeout
+    while node.alive() and time.monotonic() < deadline:
+        pid = next((pid for pid, parent, _, cmd in processes() if parent == node.proc.pid and source in cmd), None)
+        if pid is not None:
+            return pid
+        time.sleep(0.02)
+    return None

@@ -23,7 +23,7 @@ from orin_vlm_node.ros.image import rgb_to_image_msg  # noqa: E402
 from orin_vlm_node.ros.params import defaults  # noqa: E402
 from support.checkpoints import cached_tiny_checkpoint  # noqa: E402
 from support.image_bomb import png_bomb  # noqa: E402
-from support.node_process import NodeProcess  # noqa: E402
+from support.node_process import NodeProcess, compiler_of, processes  # noqa: E402
 
 PARAMS = {**FAST_PARAMS, "device": "cpu", "max_queue": 4, "max_new_tokens": 4}
 TERMINAL = ("finished", "dropped", "error")
@@ -181,20 +181,6 @@ def test_sigint_while_starting_exits_0_with_one_line(values, tmp_path, delay_s):
         assert "SIGINT during startup: stopped before serving" in output
 
 
-def _processes() -> list[tuple[int, int, int, str]]:
-    """(pid, parent pid, session id, command line) of every process."""
-    found = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-            cmdline = (stat.parent / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-        except OSError:
-            continue  # ended meanwhile
-        if fields[0] != "Z":
-            found.append((int(stat.parent.name), int(fields[1]), int(fields[3]), cmdline))
-    return found
-
-
 def test_a_stop_while_the_kernels_compile_stops_the_compilers_too(values, tmp_path):
     """A first start compiles the node's kernels (the CPU library here; on a Jetson nvcc's modules, a minute of
     it before this release). A stop signal then ends the node at once and the compilers with everything they
@@ -202,18 +188,14 @@ def test_a_stop_while_the_kernels_compile_stops_the_compilers_too(values, tmp_pa
     env = {"XDG_CACHE_HOME": str(tmp_path / "cache")}  # nothing cached: this start compiles
     node = NodeProcess(values, tmp_path, domain_id_for(f"{__name__}-compiling"), env={**os.environ, **env})
     try:
-        deadline, compiler = time.monotonic() + 60, None
-        while compiler is None and node.alive() and time.monotonic() < deadline:
-            compiler = next((pid for pid, parent, _, cmd in _processes()
-                             if parent == node.proc.pid and "cpu_gemm" in cmd), None)  # fmt: skip
-            time.sleep(0.02)
+        compiler = compiler_of(node, "cpu_gemm")
         assert compiler is not None, "the node never compiled its CPU library: " + node.output()[-2000:]
         node.proc.send_signal(signal.SIGINT)  # to the node alone, as ros2 launch stops it
         rc = node.wait(20.0)
     finally:
         node.stop()
     # the node's session (NodeProcess starts one) and the compiler's own: nothing of either is left
-    left = [cmd for _, _, session, cmd in _processes() if session in (node.proc.pid, compiler)]
+    left = [cmd for _, _, session, cmd in processes() if session in (node.proc.pid, compiler)]
     assert not left, f"left running: {left}"
     output = node.output()
     assert rc == 0 and "SIGINT during startup: stopped before serving (1 kernel build(s) stopped)" in output, output

@@ -133,3 +133,33 @@ def test_ctrl_c_while_active_ends_the_answer_and_exits_zero(tmp_path):
     finally:
         client.close()
         node.stop()
+
+
+def test_ctrl_c_while_configure_compiles_stops_the_compile_and_exits_zero(tmp_path):
+    """``configure`` loads the model in a ROS callback, compiling the node's kernels on a first start. A stop
+    signal then kills the compilers (it would otherwise wait for them: a minute of nvcc on a Jetson), the
+    load ends without them and the process exits 0, leaving nothing running."""
+    import signal
+    import threading
+
+    from support.node_process import compiler_of, processes
+
+    values = {**defaults(), **FAST_PARAMS, "device": "cpu", "model_path": str(cached_tiny_checkpoint())}
+    env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path / "cache")}  # nothing cached: configure compiles
+    node = NodeProcess(values, tmp_path / "node", domain_id_for(__name__ + "compiling"), executable=MANAGED, env=env)
+    client = VlmClient(node.domain_id)
+    try:
+        _wait_for_service(client, f"{client.fqn}/change_state", node)
+        threading.Thread(target=lambda: client.change_state("configure"), daemon=True).start()  # answered or not
+        compiler = compiler_of(node, "cpu_gemm")
+        assert compiler is not None, "configure never compiled the CPU library: " + node.output()[-2000:]
+        t0 = time.monotonic()
+        node.proc.send_signal(signal.SIGINT)
+        assert node.wait(20.0) == 0, node.output()[-3000:]
+        assert time.monotonic() - t0 < 5, f"the stop took {time.monotonic() - t0:.1f} s"  # 0.6 s here, 10 s before
+        left = [cmd for _, _, session, cmd in processes() if session in (node.proc.pid, compiler)]
+        assert not left, f"left running: {left}"
+        assert "Traceback" not in node.output(), node.output()[-3000:]
+    finally:
+        client.close()
+        node.stop()

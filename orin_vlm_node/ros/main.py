@@ -87,6 +87,9 @@ class StopSignals:
             for signum in (s for s in data if s in stops):
                 self.signal_name = signal.Signals(signum).name
                 self.requested.set()
+                # A build running now (the managed node's configure loads the model in a callback; a reconfiguration
+                # to another kernel cache) would hold the stop up for as long as nvcc takes: it fails instead.
+                stop_compilers()
                 wake()
 
     def _unraisable(self, unraisable: Any) -> None:
