@@ -114,6 +114,7 @@ def test_the_diagnostics_build_and_load_each_dtype_as_the_node_does(tmp_path, pr
     """``python -m orin_vlm_node.cuda`` on a GPU: every module for each dtype asked, one report line each with
     the kernels of that build loaded, and the runtime closed after."""
     monkeypatch.setattr(R, "KernelRuntime", FakeRuntime)
+    monkeypatch.setattr(FakeRuntime, "closed", 0)
     monkeypatch.setattr(B, "find_nvcc", lambda explicit="": preprocessing_nvcc)
     kernels = find_kernel_sources().directory
     report, ok, status = diagnostics._build_and_load(kernels, "sm_87", str(tmp_path / "cache"), ("f16", "bf16"))
