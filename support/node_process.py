@@ -140,18 +140,33 @@ class NodeProcess:
         return rc, elapsed
 
 
+def _stat(pid: int | str) -> list[str] | None:
+    """The fields of ``/proc/<pid>/stat`` after the command name (state, parent pid, group, session, ...), or
+    None when the process has ended."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+
+
+def process_running(pid: int) -> bool:
+    """The process exists and has not exited (a zombie counts as exited: an orphan's reaper may be slow)."""
+    fields = _stat(pid)
+    return fields is not None and fields[0] != "Z"
+
+
 def processes() -> list[tuple[int, int, int, str]]:
     """(pid, parent pid, session id, command line) of every running process (Linux ``/proc``; zombies left
     out): what a test looks through for the compilers a node started, or left behind."""
     found = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
+    for entry in Path("/proc").glob("[0-9]*"):
+        fields = _stat(entry.name)
         try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-            cmdline = (stat.parent / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
         except OSError:
             continue  # ended meanwhile
-        if fields[0] != "Z":
-            found.append((int(stat.parent.name), int(fields[1]), int(fields[3]), cmdline))
+        if fields is not None and fields[0] != "Z":
+            found.append((int(entry.name), int(fields[1]), int(fields[3]), cmdline))
     return found
 
 

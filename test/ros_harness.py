@@ -21,14 +21,6 @@ from support.node_process import NodeProcess, domain_id_for
 FAST_PARAMS: dict[str, Any] = {"max_new_tokens": 12, "temperature": 0.0, "image_max_age_s": 30.0}
 
 
-def process_running(pid: int) -> bool:
-    """The process exists and has not exited (a zombie counts as exited: an orphan's reaper may be slow)."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except (FileNotFoundError, ProcessLookupError):
-        return False
-
-
 @contextmanager
 def running_node(
     params: Mapping[str, Any], workdir: Path, salt: str, ready_timeout: float = 120.0

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from orin_vlm_node import artifact_cache as A
+from support.node_process import process_running
 
 
 class CompileFailed(RuntimeError):
@@ -62,19 +63,10 @@ def wait_for(path: Path, timeout: float = 10) -> None:
         time.sleep(0.02)
 
 
-def alive(pid: int) -> bool:
-    """Whether ``pid`` runs (a zombie, reaped by nobody yet, counts as ended)."""
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except FileNotFoundError:
-        return False
-    return state != "Z"
-
-
 def ended(tmp_path: Path, name: str) -> bool:
     """The compile ``name`` left nothing: its child process and its temporary folder are gone."""
     folder = Path((tmp_path / f"{name}.out").read_text().strip()).parent
-    return not alive(int((tmp_path / f"{name}.child").read_text())) and not folder.exists()
+    return not process_running(int((tmp_path / f"{name}.child").read_text())) and not folder.exists()
 
 
 pytestmark = pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads processes from /proc (Linux)")

@@ -18,7 +18,9 @@ import pytest
 pytest.importorskip("launch", reason="ROS 2 launch comes with a ROS 2 install only")
 pytest.importorskip("launch_ros", reason="launch_ros comes with a ROS 2 install only")
 
-from ros_harness import domain_id_for, process_running  # noqa: E402
+from ros_harness import domain_id_for  # noqa: E402
+
+from support.node_process import process_running  # noqa: E402
 
 LAUNCH_FILE = Path(__file__).resolve().parent.parent / "launch" / "orin_vlm.launch.py"
 RUN_LAUNCH = """

@@ -14,11 +14,11 @@ import pytest
 
 pytest.importorskip("rclpy", reason="rclpy (ROS 2 wheels) is installed by `make test`")
 
-from ros_harness import domain_id_for, process_running  # noqa: E402
+from ros_harness import domain_id_for  # noqa: E402
 
 from support.checkpoints import cached_tiny_checkpoint  # noqa: E402
 from support.node_client import VlmClient  # noqa: E402
-from support.node_process import NodeProcess, node_command, ros_env  # noqa: E402
+from support.node_process import NodeProcess, node_command, process_running, ros_env  # noqa: E402
 
 # A stand-in for ``ros2 launch``: starts the node (argv[2:]) with its output to argv[1], prints its pid, waits.
 LAUNCHER = """

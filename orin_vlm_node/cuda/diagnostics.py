@@ -108,25 +108,24 @@ def _build_and_load(
     are programmatic-dependent: "on" or "off (why)")."""
     jobs = [(m, B.BuildConfig(arch=arch, kernel_dir=kernel_dir, cache_dir=cache_dir, dtype=d))
             for d in dtypes for m in sorted(KERNEL_MODULES)]  # fmt: skip
-    results = in_parallel(lambda job: _build_one(*job), jobs, len(jobs))
-    report = {f"{m} {cfg.dtype}": r for (m, cfg), (r, _) in zip(jobs, results, strict=True)}
-    built = [c for _, c in results if c is not None]
+    keys = [f"{m} {cfg.dtype}" for m, cfg in jobs]
+    outcomes = dict(zip(keys, in_parallel(lambda job: _build_one(*job), jobs, len(jobs)), strict=True))
+    report = {key: r for key, (r, _) in outcomes.items()}
+    built = {key: c for key, (_, c) in outcomes.items() if c is not None}
     ok = len(built) == len(jobs)
     if not built:
         return report, False, "off (no module built)"
     try:
         from .runtime import KernelRuntime
 
-        runtime = KernelRuntime(built, torch.device("cuda", 0))
+        runtime = KernelRuntime(list(built.values()), torch.device("cuda", 0))
     except (ImportError, OSError, RuntimeError) as exc:
-        for compiled in built:
-            report[f"{compiled.name} {compiled.dtype}"].update(
-                loaded=0, error=f"loading failed: {type(exc).__name__}: {exc}"
-            )
+        for key in built:
+            report[key].update(loaded=0, error=f"loading failed: {type(exc).__name__}: {exc}")
         return report, False, "off (the kernels did not load)"
     loaded = set(runtime.kernels())
-    for compiled in built:
-        entry = report[f"{compiled.name} {compiled.dtype}"]
+    for key, compiled in built.items():
+        entry = report[key]
         entry["loaded"] = sum(name in loaded for name in compiled.kernels)
         entry["expected"] = len(compiled.kernels)
         ok = ok and entry["loaded"] == entry["expected"]
