@@ -61,6 +61,18 @@ def reference(values):
     return answer
 
 
+def test_a_channel_listened_to_late_still_gets_ready_as_its_first_event(vlm):
+    """``nav``'s client subscribes only once ``arm``'s has its ``ready`` (the fixture): ``nav``'s waited for it
+    (the node used to announce every channel at most 3 s after loading, to nobody on a channel not yet
+    listened to, and the volatile event was gone)."""
+    _, arm, nav = vlm
+    nav.wait_for(lambda: nav.events(event="ready"), 30, "nav's ready")
+    for client in (arm, nav):
+        assert client.status[0]["event"] == "ready", client.status[:3]
+        assert len(client.events(event="ready")) == 1
+        assert client.status[0]["note"].startswith("kernels: off (cpu device)")
+
+
 def test_each_channel_answers_on_its_own_topics_with_its_own_settings(vlm, reference):
     _, arm, nav = vlm
     nav_before = len(nav.status)

@@ -70,13 +70,15 @@ from .worker import Worker, on_passing_thread
 
 # Identical image errors (a broken camera at 30 Hz) are reported at most this often.
 IMAGE_ERROR_INTERVAL_S = 1.0
-# `status` is volatile, so `ready` reaches only subscribers already matched to the new publisher. Discovery
-# between processes takes milliseconds on an idle machine and seconds on a loaded one: the node announces
-# once a subscriber has matched and others that came up with it had a moment to match too, or after the
-# longest wait when nobody listens.
+# `status` is volatile: an event reaches only the subscribers matched to the publisher when it goes out, and
+# discovery between processes takes milliseconds on an idle machine, seconds on a loaded one. So each channel
+# announces `ready` once its status topic has a subscriber and others that came up with it had a moment to
+# match too, however late that is (or with the channel's first event of a prompt, if that comes sooner). The
+# node looks often while subscribers are likely to appear (at startup), then once a second.
 READY_POLL_S = 0.05
 READY_SETTLE_S = 0.25
-READY_LONGEST_WAIT_S = 3.0
+READY_FAST_POLL_S = 10.0
+READY_SLOW_POLL_S = 1.0
 
 
 def prompt_problem(text: str) -> str | None:
@@ -245,7 +247,8 @@ class VlmServing:
             f"dtype {described.get('dtype', '?')}, images via {self._converter.backend}; {backend}"
         )
         self._ready_note = backend
-        self._ready_deadline = time.monotonic() + READY_LONGEST_WAIT_S
+        self._ready_matched: dict[str, float] = {}  # channel -> when its status first had a subscriber
+        self._ready_slow_after: float | None = time.monotonic() + READY_FAST_POLL_S
         self._ready_timer = self.create_timer(READY_POLL_S, self._announce_ready)
 
     def _close(self, why: str, timeout_s: float = 2.0) -> None:
@@ -283,20 +286,27 @@ class VlmServing:
         self.destroy_publisher(publisher)
 
     def _announce_ready(self) -> None:
-        """The first status event: the node serves, and which attention path and KV pool it runs with.
+        """The first status event of each channel: the node serves, and which attention path and KV pool it
+        runs with; sent once the channel's status has a subscriber (see ``READY_POLL_S``).
 
         A prompt's first event announces it at once if it comes sooner (see ``_on_channel_status``).
         """
         now = time.monotonic()
         with self._status_lock:
             waiting = [ch for ch in self._channels.values() if ch.name not in self._ready_announced]
-        if waiting and now < self._ready_deadline:
-            if all(ch.status_pub.get_subscription_count() > 0 for ch in waiting):
-                self._ready_deadline = min(self._ready_deadline, now + READY_SETTLE_S)
-            return
-        self.destroy_timer(self._ready_timer)
         for ch in waiting:
+            if ch.status_pub.get_subscription_count() > 0:
+                self._ready_matched.setdefault(ch.name, now)
+        matched = self._ready_matched
+        due = [ch for ch in waiting if ch.name in matched and now - matched[ch.name] >= READY_SETTLE_S]
+        for ch in due:
             ch.status("ready", None, note=self._ready_note)
+        if len(due) == len(waiting):
+            self.destroy_timer(self._ready_timer)
+        elif self._ready_slow_after is not None and now >= self._ready_slow_after:
+            self._ready_slow_after = None
+            self.destroy_timer(self._ready_timer)
+            self._ready_timer = self.create_timer(READY_SLOW_POLL_S, self._announce_ready)
 
     # ---------------------------------------------------------------- inputs (the executor's thread)
 
@@ -488,10 +498,12 @@ class VlmServing:
         elif request_id is not None and event == "dropped":
             self.get_logger().warning(f"{request_id} dropped: {fields.get('note')}")
         with self._status_lock:
-            if ch.name not in self._ready_announced:
-                self._ready_announced.add(ch.name)
-                if event != "ready":
-                    ch.status_pub.publish(String(data=status_json("ready", None, note=self._ready_note)))  # type: ignore[arg-type]
+            first = ch.name not in self._ready_announced
+            self._ready_announced.add(ch.name)
+            if event == "ready" and not first:
+                return  # a prompt's event announced it already
+            if first and event != "ready":
+                ch.status_pub.publish(String(data=status_json("ready", None, note=self._ready_note)))  # type: ignore[arg-type]
             ch.status_pub.publish(String(data=status_json(event, request_id, **fields)))  # type: ignore[arg-type]
 
     def _publish_dropped(self, item: PendingPrompt, why: str) -> None:
