@@ -18,6 +18,7 @@ import os
 import shutil
 import signal
 import subprocess
+import sys
 import tempfile
 import threading
 from collections.abc import Callable, Sequence
@@ -32,6 +33,8 @@ R = TypeVar("R")
 # Named after the first artifacts cached (cubins); kept so that existing caches stay valid.
 _MAGIC = b"ORINVLM-CUBIN-1\n"
 KEEP_PER_ARTIFACT = 4  # builds (keys) of one artifact kept in the cache, most recently used first
+# Runs each compiler, and kills it with all it spawned when the node dies without a word (see the script).
+COMPILER_GUARD = Path(__file__).with_name("compiler_guard.py")
 
 
 def default_cache_dir() -> Path:
@@ -121,9 +124,9 @@ def write_cached(path: Path, payload: bytes, siblings: str) -> None:
             pass
 
 
-# The compilers this process is running, each the leader of a process group of its own that also holds what it
-# spawned (nvcc's cicc and ptxas, g++'s cc1plus and ld): killing a group stops a compile entirely, where killing
-# the driver alone leaves its children compiling for up to a minute after the node has gone.
+# The compilers this process is running, each under its guard, the leader of a process group of its own that also
+# holds what the compiler spawned (nvcc's cicc and ptxas, g++'s cc1plus and ld): killing a group stops a compile
+# entirely, where killing the driver alone leaves its children compiling for up to a minute after the node has gone.
 _compilers: dict[subprocess.Popen, Path] = {}  # -> the temporary directory it writes into
 _compilers_lock = threading.Lock()
 
@@ -160,12 +163,16 @@ def run_compiler(
     """The bytes of ``output`` written by the compiler command ``argv(path)`` in a temporary directory (no
     cache); ``error`` naming ``what``, with the command and the compiler's own messages, when it cannot run
     or fails. The compiler runs in a process group of its own, killed with all it spawned when the wait for
-    it is interrupted (Ctrl-C, a stop signal raised in this thread), times out, or :func:`stop_compilers`."""
+    it is interrupted (Ctrl-C, a stop signal raised in this thread), times out, or :func:`stop_compilers`, and
+    by :data:`COMPILER_GUARD` when this process is killed (nothing of it runs then)."""
     with tempfile.TemporaryDirectory(prefix="orin_vlm_build_", ignore_cleanup_errors=True) as tmp:
         out = Path(tmp) / output
         cmd = argv(out)
+        if shutil.which(cmd[0]) is None:
+            raise error(f"{Path(cmd[0]).name} failed to run for {what}: {cmd[0]} not found or not executable")
+        guarded = [sys.executable, "-I", "-S", str(COMPILER_GUARD), str(os.getpid()), tmp, *cmd]
         try:
-            proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            proc = subprocess.Popen(guarded, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                     start_new_session=True)  # fmt: skip
         except OSError as exc:
             raise error(f"{Path(cmd[0]).name} failed to run for {what}: {exc}") from exc

@@ -1,5 +1,6 @@
 """A compile the node abandons stops entirely: the compiler and every process it spawned are killed, its
-temporary folder removed, and parallel builds neither wait for the running compiles nor start the others.
+temporary folder removed, and parallel builds neither wait for the running compiles nor start the others; a node
+killed outright (SIGKILL: no code of it runs) leaves no compiler running either.
 
 The stand-in compiler is a shell that starts a long ``sleep`` (as nvcc starts cicc and ptxas, g++ cc1plus)
 and waits for it, so a kill that reached the shell alone would leave the ``sleep`` running.
@@ -8,6 +9,8 @@ and waits for it, so a kill that reached the shell alone would leave the ``sleep
 from __future__ import annotations
 
 import signal
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -49,10 +52,12 @@ def stop_signal():
     signal.signal(signal.SIGUSR1, previous)
 
 
+# A compiler that records its output path, starts a child, records the child's pid and waits for it (a minute).
+SLOW_COMPILER = 'echo "$0" > {out}; sleep 60 & echo $! > {child}; wait'
+
+
 def compile_slowly(tmp_path: Path, name: str) -> bytes:
-    """A compile whose compiler records its output path, starts a child, records the child's pid and waits for it
-    (a minute)."""
-    script = f'echo "$0" > {tmp_path / name}.out; sleep 60 & echo $! > {tmp_path / name}.child; wait'
+    script = SLOW_COMPILER.format(out=tmp_path / f"{name}.out", child=tmp_path / f"{name}.child")
     return A.run_compiler(lambda out: ["sh", "-c", script, str(out)], "out.bin", name, CompileFailed, 120)
 
 
@@ -123,3 +128,37 @@ def test_parallel_builds_give_results_in_order_and_a_failure_after_the_others_fi
     with pytest.raises(CompileFailed, match="module 1"):
         A.in_parallel(job, [0, 1, 2, 3], 2)
     assert sorted(p.name for p in tmp_path.glob("done*")) == ["done0", "done2", "done3"]
+
+
+def test_a_node_killed_outright_leaves_no_compiler_running(tmp_path):
+    """A process (the node) compiles on a worker thread, as the node loads its model, and is killed with SIGKILL
+    (the OOM killer, a launch file's escalation): the compiler's group and its build folder go too, within a
+    moment."""
+    node = f"""
+import sys, threading
+sys.path[:] = {sys.path!r}
+from pathlib import Path
+from orin_vlm_node import artifact_cache
+script = {SLOW_COMPILER.format(out=tmp_path / "k.out", child=tmp_path / "k.child")!r}
+argv = lambda out: ["sh", "-c", script, str(out)]
+threading.Thread(target=artifact_cache.run_compiler, args=(argv, "out.bin", "k", RuntimeError, 120)).start()
+"""
+    proc = subprocess.Popen([sys.executable, "-c", node])
+    try:
+        wait_for(tmp_path / "k.child", 30)
+    finally:
+        proc.kill()
+        proc.wait()
+    end = time.monotonic() + 10
+    while not ended(tmp_path, "k") and time.monotonic() < end:
+        time.sleep(0.05)
+    assert ended(tmp_path, "k"), "the compiler's child, or its build folder, is left after its node was killed"
+
+
+def test_a_compiler_that_cannot_start_is_reported_by_name(tmp_path):
+    with pytest.raises(CompileFailed, match="no-such-cc failed to run for lib: no-such-cc not found"):
+        A.run_compiler(lambda out: ["no-such-cc", str(out)], "out.bin", "lib", CompileFailed, 10)
+    denied = tmp_path / "cc"
+    denied.write_text("#!/bin/sh\n")  # not executable
+    with pytest.raises(CompileFailed, match="not found or not executable"):
+        A.run_compiler(lambda out: [str(denied), str(out)], "out.bin", "lib", CompileFailed, 10)

@@ -202,6 +202,27 @@ def test_a_stop_while_the_kernels_compile_stops_the_compilers_too(values, tmp_pa
     assert not list((tmp_path / "cache").rglob("*.so.cache"))  # nothing half-built was cached
 
 
+def test_a_node_killed_while_the_kernels_compile_leaves_no_compiler(values, tmp_path):
+    """SIGKILL (the OOM killer, a launch file's escalation) runs none of the node's code: the compiler's guard
+    sees its node die and ends the compile with all it started, and removes the build's folder."""
+    env = {"XDG_CACHE_HOME": str(tmp_path / "cache")}  # nothing cached: this start compiles
+    node = NodeProcess(values, tmp_path, domain_id_for(f"{__name__}-killed"), env={**os.environ, **env})
+    try:
+        compiler = compiler_of(node, "cpu_gemm")
+        assert compiler is not None, "the node never compiled its CPU library: " + node.output()[-2000:]
+        command = next(cmd for pid, _, _, cmd in processes() if pid == compiler).split()
+        folder = Path(command[command.index("-o") + 1]).parent  # the build's, where the compilers write
+        node.proc.send_signal(signal.SIGKILL)
+        node.wait(20.0)
+        deadline = time.monotonic() + 2  # the compile itself takes longer (8 s here)
+        while (left := [cmd for _, _, sid, cmd in processes() if sid == compiler]) and time.monotonic() < deadline:
+            time.sleep(0.05)
+    finally:
+        node.stop()
+    assert not left, f"left running: {left}"
+    assert folder.name.startswith("orin_vlm_build_") and not folder.exists()
+
+
 @pytest.mark.parametrize(
     ("text", "problem"),
     [("abc\x00def", "NUL character at position 3"), ("  \n", "empty prompt"), ("What is this?", None)],

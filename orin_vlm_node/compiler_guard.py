@@ -1,0 +1,67 @@
+"""Run one compiler so that it cannot outlive the node that started it.
+
+``python -I -S compiler_guard.py <node pid> <build folder> <compiler> <args...>``, started by
+``artifact_cache.run_compiler`` as the leader of a process group of its own. A node that is stopped kills that
+group itself and removes the build folder; one that is killed outright (SIGKILL, the kernel's OOM killer on a
+Jetson whose memory ran out, a launch file's escalation) runs no code, and its compilers (nvcc with cicc and
+ptxas, g++ with cc1plus: up to a minute and a GB each) would go on with nobody to use what they build, beside
+the node a respawn starts. Linux tells a process that asks (``PR_SET_PDEATHSIG``) when the thread that started
+it ends, but tells that process alone, not what it spawned; so this guard asks, runs the compiler in its group
+with its temporary files in the build folder (``TMPDIR``), and when told ends the group and removes the folder.
+
+A script rather than a module of the package: it runs with Python's site packages off (``-S``, a start of a
+few ms), so it imports nothing but the standard library. It exits with the compiler's status (128 + the
+signal's number when a signal ended it), or 127 when the compiler cannot be started.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import shutil
+import signal
+import sys
+import time
+
+PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+
+
+def _end_compile(build: str, compiler: int) -> None:
+    """Stop the compile (its drivers remove their files on SIGTERM), remove the build folder, then kill whatever
+    of the group is left, this guard included."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    os.killpg(0, signal.SIGTERM)
+    end = time.monotonic() + 1.0
+    try:
+        while os.waitpid(compiler, os.WNOHANG) == (0, 0) and time.monotonic() < end:
+            time.sleep(0.01)
+    except ChildProcessError:
+        pass  # reaped already
+    shutil.rmtree(build, ignore_errors=True)
+    os.killpg(0, signal.SIGKILL)
+
+
+def main(argv: list[str]) -> int:
+    node, build, cmd = int(argv[0]), argv[1], argv[2:]
+    died = []  # the death signal came before the compiler started
+    signal.signal(signal.SIGTERM, lambda signum, frame: died.append(signum))
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    except (OSError, AttributeError):
+        pass  # not Linux: no death signal; a node that is stopped still kills the group
+    if died or os.getppid() != node:
+        return 128 + signal.SIGTERM  # the node ended before the death signal was set: compile nothing
+    try:
+        pid = os.posix_spawnp(cmd[0], cmd, {**os.environ, "TMPDIR": build})
+    except OSError as exc:
+        print(f"{cmd[0]} failed to start: {exc}", file=sys.stderr)
+        return 127
+    signal.signal(signal.SIGTERM, lambda signum, frame: _end_compile(build, pid))
+    if died:
+        _end_compile(build, pid)
+    code = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+    return code if code >= 0 else 128 - code
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
