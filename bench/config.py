@@ -7,6 +7,7 @@ description of what was run.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -128,3 +129,17 @@ QUICK = replace(
 )
 
 PRESETS = {"full": FULL, "medium": MEDIUM, "quick": QUICK}
+
+
+# The parts besides the decode of each dtype, in the order they run after the first dtype's decode.
+OTHER_PARTS = ("step_profile", "startup_memory", "kernels", "gemv", "quant", "norm_epilogue", "mlp_chain", "tail_chain",
+               "epilogues", "pdl", "l2_prefetch", "step_profile_int4", "batching")  # fmt: skip
+
+
+def part_names(dtypes: Sequence[str], chosen: Sequence[str] = ()) -> list[str]:
+    """The GPU section's parts in the order they run. Most wanted first: what a robot sees (decode, TTFT,
+    startup, memory), then the kernels and the features; the other dtypes' decodes last. Parts ``chosen``
+    (``--gpu-parts``) go first, in the order given (the others are then skipped as not selected)."""
+    first, *others = dtypes
+    names = [f"decode.{first}", *OTHER_PARTS, *(f"decode.{d}" for d in others)]
+    return [*chosen, *(n for n in names if n not in chosen)]

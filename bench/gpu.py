@@ -69,7 +69,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from bench import batching
-from bench.config import REPO
+from bench.config import REPO, part_names
 from bench.context import BenchContext
 from bench.section import SectionResult, skipped
 from bench.stats import alternate, paired_ratio
@@ -790,20 +790,6 @@ def _startup_and_memory(torch, ctx: BenchContext, res: SectionResult, model_dir:
     res.setup["default_model_probe"] = small
     res.add("memory.default_model.used_mb", "MB", [small["used_mb"]],
             "default model: engine process's GPU memory after an image request (CUDA context included)")  # fmt: skip
-
-
-# The parts besides the decode of each dtype, in the order they run after the first dtype's decode.
-OTHER_PARTS = ("step_profile", "startup_memory", "kernels", "gemv", "quant", "norm_epilogue", "mlp_chain", "tail_chain",
-               "epilogues", "pdl", "l2_prefetch", "step_profile_int4", "batching")  # fmt: skip
-
-
-def part_names(dtypes: Sequence[str], chosen: Sequence[str] = ()) -> list[str]:
-    """The GPU section's parts in the order they run. Most wanted first: what a robot sees (decode, TTFT,
-    startup, memory), then the kernels and the features; the other dtypes' decodes last. Parts ``chosen``
-    (``--gpu-parts``) go first, in the order given (the others are then skipped as not selected)."""
-    first, *others = dtypes
-    names = [f"decode.{first}", *OTHER_PARTS, *(f"decode.{d}" for d in others)]
-    return [*chosen, *(n for n in names if n not in chosen)]
 
 
 def _run_parts(

@@ -22,10 +22,9 @@ import traceback
 from dataclasses import replace
 from pathlib import Path
 
-from bench.config import PRESETS
+from bench.config import PRESETS, part_names
 from bench.context import BenchContext
 from bench.goals import evaluate_goals
-from bench.gpu import part_names
 from bench.machine import machine_info
 from bench.schema import SCHEMA_VERSION, SECTIONS, validate_result
 from bench.section import SectionResult, skipped

@@ -237,22 +237,22 @@ def test_gpu_section_runs_only_the_selected_parts_and_says_why_the_others_are_mi
     from dataclasses import replace
 
     import bench.gpu
-    from bench.config import FULL
+    from bench.config import FULL, OTHER_PARTS, part_names
     from bench.context import BenchContext
 
-    assert bench.gpu.part_names(("fp16", "bf16")) == ["decode.fp16", *bench.gpu.OTHER_PARTS, "decode.bf16"]
-    chosen = bench.gpu.part_names(("fp16", "bf16"), ("kernels", "decode.fp16"))
+    assert part_names(("fp16", "bf16")) == ["decode.fp16", *OTHER_PARTS, "decode.bf16"]
+    chosen = part_names(("fp16", "bf16"), ("kernels", "decode.fp16"))
     assert chosen[:3] == ["kernels", "decode.fp16", "step_profile"] and sorted(chosen) == sorted(
-        bench.gpu.part_names(("fp16", "bf16"))
+        part_names(("fp16", "bf16"))
     )
     ran: list[str] = []
-    parts = [(name, lambda n=name: ran.append(n)) for name in bench.gpu.part_names(("fp16", "bf16"))]
+    parts = [(name, lambda n=name: ran.append(n)) for name in part_names(("fp16", "bf16"))]
     res = SectionResult("gpu")
     bench.gpu._run_parts(BenchContext(replace(FULL, gpu_parts=("kernels", "decode.bf16")), tmp_path), res, 0.0, parts)
     assert ran == ["kernels", "decode.bf16"]
     assert [p["part"] for p in res.skipped_parts] == [
         "decode.fp16",
-        *(n for n in bench.gpu.OTHER_PARTS if n != "kernels"),
+        *(n for n in OTHER_PARTS if n != "kernels"),
     ]
     assert {p["reason"] for p in res.skipped_parts} == {"not selected (--gpu-parts)"}
 

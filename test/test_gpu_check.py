@@ -143,6 +143,17 @@ def test_gpu_check_without_the_wheels_says_how_to_get_them(tmp_path):
     assert "make gpu-wheels" in reason and "PyCUDA sdist" in reason
 
 
+def test_gpu_check_refuses_an_unknown_bench_part_before_any_step(tmp_path):
+    """A misspelt part would otherwise end the bench step after the device minutes of the steps before it."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "tools.gpu_check", "--wheels", str(tmp_path / "none"), "--out", str(tmp_path / "out"),
+         "--bench-parts", "kernels,startup"],
+        cwd=REPO, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 2 and "unknown bench part(s) ['startup']" in proc.stderr, proc.stderr
+    assert "startup_memory" in proc.stderr and not (tmp_path / "out").exists()
+
+
 def test_gpu_check_takes_the_pycuda_an_earlier_run_archived(wheels, tmp_path):
     """The fixture's folder holds a stand-in for the build (``_stand_in_prebuilt``): the check installs it
     instead of building the sdist."""
