@@ -143,3 +143,9 @@ def part_names(dtypes: Sequence[str], chosen: Sequence[str] = ()) -> list[str]:
     first, *others = dtypes
     names = [f"decode.{first}", *OTHER_PARTS, *(f"decode.{d}" for d in others)]
     return [*chosen, *(n for n in names if n not in chosen)]
+
+
+def chosen_parts(text: str, dtypes: Sequence[str]) -> tuple[tuple[str, ...], list[str]]:
+    """The parts named in ``text`` (comma-separated, ``--gpu-parts``), and those of them that are no part."""
+    chosen = tuple(p.strip() for p in text.split(",") if p.strip())
+    return chosen, [p for p in chosen if p not in part_names(dtypes)]

@@ -22,7 +22,7 @@ import traceback
 from dataclasses import replace
 from pathlib import Path
 
-from bench.config import PRESETS, part_names
+from bench.config import PRESETS, chosen_parts, part_names
 from bench.context import BenchContext
 from bench.goals import evaluate_goals
 from bench.machine import machine_info
@@ -121,8 +121,7 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("--threads must be >= 0")
     if args.gpu_budget_s < 0:
         ap.error("--gpu-budget-s must be >= 0")
-    gpu_parts = tuple(p.strip() for p in args.gpu_parts.split(",") if p.strip())
-    unknown = [p for p in gpu_parts if p not in part_names(config.gpu_dtypes)]
+    gpu_parts, unknown = chosen_parts(args.gpu_parts, config.gpu_dtypes)
     if unknown:
         ap.error(f"unknown GPU part(s) {unknown}; choose from {part_names(config.gpu_dtypes)}")
     if args.threads:

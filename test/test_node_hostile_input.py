@@ -5,9 +5,11 @@ while starting. Every prompt that reaches the node gets exactly one terminal eve
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -181,19 +183,27 @@ def test_sigint_while_starting_exits_0_with_one_line(values, tmp_path, delay_s):
         assert "SIGINT during startup: stopped before serving" in output
 
 
+@contextlib.contextmanager
+def compiling_node(values, tmp_path: Path, salt: str) -> Iterator[tuple[NodeProcess, int]]:
+    """A node on its first start, with nothing cached, once it compiles its CPU library: (node, the compiler's
+    pid, a child of the node and the leader of the compile's process group); the node stopped after."""
+    env = {"XDG_CACHE_HOME": str(tmp_path / "cache")}  # nothing cached: this start compiles
+    node = NodeProcess(values, tmp_path, domain_id_for(f"{__name__}-{salt}"), env={**os.environ, **env})
+    try:
+        compiler = compiler_of(node, "cpu_gemm")
+        assert compiler is not None, "the node never compiled its CPU library: " + node.output()[-2000:]
+        yield node, compiler
+    finally:
+        node.stop()
+
+
 def test_a_stop_while_the_kernels_compile_stops_the_compilers_too(values, tmp_path):
     """A first start compiles the node's kernels (the CPU library here; on a Jetson nvcc's modules, a minute of
     it before this release). A stop signal then ends the node at once and the compilers with everything they
     started: none runs on in the background."""
-    env = {"XDG_CACHE_HOME": str(tmp_path / "cache")}  # nothing cached: this start compiles
-    node = NodeProcess(values, tmp_path, domain_id_for(f"{__name__}-compiling"), env={**os.environ, **env})
-    try:
-        compiler = compiler_of(node, "cpu_gemm")
-        assert compiler is not None, "the node never compiled its CPU library: " + node.output()[-2000:]
+    with compiling_node(values, tmp_path, "compiling") as (node, compiler):
         node.proc.send_signal(signal.SIGINT)  # to the node alone, as ros2 launch stops it
         rc = node.wait(20.0)
-    finally:
-        node.stop()
     # the node's session (NodeProcess starts one) and the compiler's own: nothing of either is left
     left = [cmd for _, _, session, cmd in processes() if session in (node.proc.pid, compiler)]
     assert not left, f"left running: {left}"
@@ -205,11 +215,7 @@ def test_a_stop_while_the_kernels_compile_stops_the_compilers_too(values, tmp_pa
 def test_a_node_killed_while_the_kernels_compile_leaves_no_compiler(values, tmp_path):
     """SIGKILL (the OOM killer, a launch file's escalation) runs none of the node's code: the compiler's guard
     sees its node die and ends the compile with all it started, and removes the build's folder."""
-    env = {"XDG_CACHE_HOME": str(tmp_path / "cache")}  # nothing cached: this start compiles
-    node = NodeProcess(values, tmp_path, domain_id_for(f"{__name__}-killed"), env={**os.environ, **env})
-    try:
-        compiler = compiler_of(node, "cpu_gemm")
-        assert compiler is not None, "the node never compiled its CPU library: " + node.output()[-2000:]
+    with compiling_node(values, tmp_path, "killed") as (node, compiler):
         command = next(cmd for pid, _, _, cmd in processes() if pid == compiler).split()
         folder = Path(command[command.index("-o") + 1]).parent  # the build's, where the compilers write
         node.proc.send_signal(signal.SIGKILL)
@@ -217,8 +223,6 @@ def test_a_node_killed_while_the_kernels_compile_leaves_no_compiler(values, tmp_
         deadline = time.monotonic() + 2  # the compile itself takes longer (8 s here)
         while (left := [cmd for _, _, sid, cmd in processes() if sid == compiler]) and time.monotonic() < deadline:
             time.sleep(0.05)
-    finally:
-        node.stop()
     assert not left, f"left running: {left}"
     assert folder.name.startswith("orin_vlm_build_") and not folder.exists()
 

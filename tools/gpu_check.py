@@ -42,7 +42,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from bench.config import BenchConfig, part_names
+from bench.config import BenchConfig, chosen_parts, part_names
 
 REPO = Path(__file__).resolve().parent.parent
 STEPS = ("preflight", "wheels", "pycuda", "device", "diagnostics", "gpu_tests", "cli_parity", "bench")
@@ -403,10 +403,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         ap.error(f"unknown step(s) {unknown}; choose from {list(STEPS)}")
     # Checked before any step: a misspelt part would otherwise end the bench step after the minutes of device
     # time the steps before it took.
-    parts = part_names(BenchConfig().gpu_dtypes)
-    unknown = [p for p in (p.strip() for p in args.bench_parts.split(",")) if p and p not in parts]
+    dtypes = BenchConfig().gpu_dtypes
+    unknown = chosen_parts(args.bench_parts, dtypes)[1]
     if unknown:
-        ap.error(f"unknown bench part(s) {unknown}; choose from {parts}")
+        ap.error(f"unknown bench part(s) {unknown}; choose from {part_names(dtypes)}")
     args.out.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="orin_vlm_gpu_check_"))
     with open(args.out / "gpu_check.log", "w", encoding="utf-8") as log_file:
