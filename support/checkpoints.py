@@ -20,6 +20,7 @@ Token ids follow the tiny tokenizer (:mod:`support.tokenizer`): ``<|endoftext|>`
   llm-compressor's.
 * :func:`int_copy`: the same with 4- or 8-bit integer weights, written by compressed-tensors (llm-compressor's
   W4A16-like layouts).
+* :func:`awq_copy`: the same with 4-bit weights in AutoAWQ's GEMM layout (``quant_method: awq``).
 * :func:`big_checkpoint`: every text and vision dimension of a real config (e.g. Qwen3-VL-2B: vocab 151936,
   28 layers, 24-layer vision tower), stored bf16 (~4.3 GB).
 """
@@ -352,6 +353,61 @@ def int_copy(
         ignore=([] if head else ["lm_head"]) + ([] if vision else ["re:.*visual.*"]),
     )
     config["quantization_config"] = json.loads(spec.model_dump_json())
+    _write_json(dst / "config.json", config)
+    return dst
+
+
+# AutoAWQ's GEMM packing: bits 4i .. 4i + 3 of a word hold output 8c + AWQ_ORDER[i] of its 8 (AutoAWQ's
+# ``order_map``); written here from AutoAWQ's description, independently of the node's reader.
+AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
+
+
+def awq_quantize(w: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """AutoAWQ's round-to-nearest with zero points for a weight ``w`` (N, K), groups of ``group_size`` inputs that
+    divide K (its ``pseudo_quantize_tensor`` without the activation-aware search): (u (N, K) int64 in 0..15,
+    z (N, groups) int64 in 0..15, s (N, groups) fp16), ``w ~ (u - z) * s``."""
+    n, k = w.shape
+    groups = w.float().view(n, k // group_size, group_size)
+    lo, hi = groups.amin(dim=2), groups.amax(dim=2)
+    s = ((hi - lo).clamp_min(1e-5) / 15).to(torch.float16)
+    z = (-torch.round(lo / s.float())).clamp(0, 15)
+    u = (torch.round(groups / s.float()[..., None]) + z[..., None]).clamp(0, 15)
+    return u.view(n, k).long(), z.long(), s
+
+
+def awq_pack(values: torch.Tensor) -> torch.Tensor:
+    """(R, C) values in 0..15 -> (R, C / 8) int32 words of 8 consecutive columns each, in AWQ_ORDER."""
+    r, c = values.shape
+    v = values.long().view(r, c // 8, 8)
+    words = torch.zeros(r, c // 8, dtype=torch.int64)
+    for i, column in enumerate(AWQ_ORDER):
+        words |= v[..., column] << (4 * i)
+    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)  # the same 32 bits, signed
+
+
+def awq_copy(src: Path, dst: Path, group_size: int = 32) -> Path:
+    """A copy of checkpoint ``src`` (fp16) in ``dst`` with its text decoder's linear weights stored as AutoAWQ's
+    GEMM layout saves them: ``<module>.qweight`` int32 (K, N / 8) and ``qzeros`` (groups, N / 8) packed along
+    the outputs (:func:`awq_pack`), ``scales`` fp16 (groups, N), from :func:`awq_quantize`; the vision tower and
+    the LM head stay in float (``modules_to_not_convert: [visual]``, as AutoAWQ leaves a VL model's)."""
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, dst, ignore=shutil.ignore_patterns("*.safetensors"))
+    out: dict[str, torch.Tensor] = {}
+    for key, w in load_file(str(src / "model.safetensors")).items():
+        if not _converted(key, w) or "visual" in key:
+            out[key] = w
+            continue
+        u, z, s = awq_quantize(w, group_size)
+        module = key.removesuffix(".weight")
+        out[f"{module}.qweight"] = awq_pack(u.t().contiguous())
+        out[f"{module}.qzeros"] = awq_pack(z.t().contiguous())
+        out[f"{module}.scales"] = s.t().contiguous()
+    save_file(out, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((dst / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "awq", "bits": 4, "group_size": group_size,
+                                     "zero_point": True, "version": "gemm", "backend": "autoawq",
+                                     "modules_to_not_convert": ["visual"]}  # fmt: skip
     _write_json(dst / "config.json", config)
     return dst
 

@@ -239,10 +239,10 @@ def test_a_group_size_the_model_cannot_take_is_refused_before_the_model_loads(ch
 
 
 def test_an_already_quantized_checkpoint_is_refused_naming_its_format(checkpoint, tmp_path):
-    copy = tmp_path / "awq"
+    copy = tmp_path / "bnb"
     shutil.copytree(checkpoint, copy)
     config = json.loads((copy / "config.json").read_text())
-    config["quantization_config"] = {"quant_method": "awq", "bits": 4, "group_size": 128}
+    config["quantization_config"] = {"quant_method": "bitsandbytes", "load_in_4bit": True}
     (copy / "config.json").write_text(json.dumps(config))
-    with pytest.raises(CheckpointError, match=r"already quantized \(awq\)"):
+    with pytest.raises(CheckpointError, match=r"already quantized \(bitsandbytes\)"):
         load_model(copy)

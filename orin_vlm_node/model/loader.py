@@ -10,7 +10,7 @@ All headers are checked before any data is read: missing/unexpected keys, shape 
 shard files, pickle-only checkpoints and quantized weights without fitting scales raise :class:`CheckpointError`
 naming the files and keys. Weights stored quantized (:mod:`.stored_format`) are widened to ``dtype`` tensor
 by tensor (FP8: :mod:`.fp8_weights`), or kept as stored where ``weight_quant`` asks for their integer format
-(:mod:`.int_weights`); a weight's scales are read with it, from whichever shard holds them.
+(:mod:`.int_weights`, :mod:`.awq_weights`); a weight's scales are read with it, from whichever shard holds them.
 """
 
 from __future__ import annotations
@@ -29,10 +29,10 @@ from torch import nn
 from .config import ModelConfig
 from .dtypes import resolve_dtype
 from .errors import CheckpointError
-from .int_weights import PACKED_SUFFIX, IntWeights
+from .int_weights import PACKED_SUFFIX
 from .quant import QuantizedLinear, WeightQuant, weight_bytes
 from .qwen3_vl import Qwen3VLModel
-from .stored_format import StoredFormat
+from .stored_format import INTEGER_FORMATS, StoredFormat
 from .text import FusedLinear
 
 logger = logging.getLogger("orin_vlm_node.model")
@@ -143,7 +143,7 @@ def _warn_widened_integers(
     """A warning when integer decoder weights are widened: the robot then holds (and reads every token) two to
     four times the bytes it downloaded, or quantizes them a second time."""
     decoder = [name for name in widened if name.startswith("language_model.layers.")]
-    if not isinstance(fmt, IntWeights) or not decoder:
+    if not isinstance(fmt, INTEGER_FORMATS) or not decoder:
         return
     mode = quant.mode if quant else "none"
     logger.warning(
@@ -165,8 +165,9 @@ class _QuantizeOnLoad:
     Each projection's float weight is allocated when its first checkpoint matrix arrives (not up front),
     filled, quantized once all of its matrices are in, and dropped; so the float copy of only a few
     projections exists at any time. A projection whose matrices are all stored as integers that its quantized
-    format holds unchanged (``IntWeights.keeps``) is filled from them instead, with no float copy. A head tied to
-    the embedding table is quantized from the table once the checkpoint is in (:meth:`finish`); the table stays.
+    format holds unchanged (the stored format's ``keeps``: :mod:`.int_weights`, :mod:`.awq_weights`) is filled
+    from them instead, with no float copy. A head tied to the embedding table is quantized from the table once
+    the checkpoint is in (:meth:`finish`); the table stays.
     """
 
     def __init__(

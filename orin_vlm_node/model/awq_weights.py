@@ -1,0 +1,190 @@
+"""Checkpoints saved by AutoAWQ in its GEMM layout (``quant_method: awq``, ``version: gemm``): 4-bit weights with
+a scale and a zero point per group of inputs, kept as the node's INT4 where ``weight_quant=int4`` asks for it
+and the group size is a power of two, widened to the model's dtype otherwise.
+
+Why: AWQ (activation-aware weight quantization) is the 4-bit format most community Qwen-VL releases on the model
+hubs use, and what vLLM and llama.cpp's converters read. Its scales were chosen offline with calibration data,
+which gives better answers than the round-to-nearest INT4 this node computes at load, and a robot fetches a
+quarter of the fp16 bytes. Widening such a checkpoint and quantizing it again would lose both.
+
+Layout of a converted linear ``<module>`` whose weight is (N, K) (N outputs, K inputs), groups of G inputs:
+
+* ``<module>.qweight`` int32 (K, N / 8): each word holds 8 consecutive outputs of one input, 4 bits each, in
+  the interleaved order AutoAWQ packs for its GEMM kernel: bits 4i .. 4i + 3 of word c hold output
+  ``8c + AWQ_PACK_ORDER[i]``. Values u are unsigned, 0..15.
+* ``<module>.qzeros`` int32 (K / G, N / 8): the zero point z of each (group, output), packed the same way.
+* ``<module>.scales`` fp16 (K / G, N): the scale s of each (group, output).
+
+``w[n, k] = (u[k, n] - z[k // G, n]) * s[k // G, n]``. Note the orientation: input-major, the transpose of the
+node's (and compressed-tensors') output-major layout, so reading it means unpacking and transposing.
+
+**Kept** as ``int4`` (group size a power of two, as the CUDA kernels shift by it): u is already the node's
+unsigned nibble (two a byte along K, even k in the low nibble once transposed), s its scale and ``-z * s`` its
+offset (``w = u * s + offset``), rounded to fp16: at most 2^-11 of |offset| <= 15 s away, under 0.8% of one
+quantization step (as for compressed-tensors' zero points, :mod:`.int_weights`).
+
+Everything else is **widened**: ``(u - z) * s`` in fp32 (exact: a 5-bit integer times an fp16 scale) rounded once
+to the model's dtype, which in fp16 is what AutoAWQ's and transformers' fp16 dequantization gives. That covers
+``weight_quant=none`` and ``int8``, group sizes that are not powers of two, and an LM head or vision tower saved
+quantized (AutoAWQ leaves both in float: ``modules_to_not_convert``, which needs nothing here since their
+weights are ordinary float tensors).
+
+Not read, refused by name (:meth:`AwqWeights.from_awq_spec`): the other AutoAWQ layouts (``gemv``,
+``gemv_fast``, ``marlin``, ``exllama``, ``ipex``: other packings), other widths than 4 bits, and
+``zero_point: false``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from .errors import CheckpointError
+from .fp8_weights import apply_blockwise_, positive_int
+from .quant import QuantizedLinear, WeightQuant
+
+VERSIONS = ("gemm",)  # AutoAWQ's layouts read here
+AWQ_PACK_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # nibble i of a word holds output 8c + AWQ_PACK_ORDER[i]
+# The nibble holding output 8c + j, for j = 0..7: the inverse permutation.
+AWQ_NIBBLE_OF = tuple(AWQ_PACK_ORDER.index(j) for j in range(8))
+OUTPUTS_PER_WORD = 8
+SCALE_DTYPES = ("F16", "BF16", "F32")
+WIDEN_ELEMENTS = 1 << 24  # weights unpacked at a time (16 MB of nibbles, 64 MB of fp32 working copy)
+
+
+@dataclass(frozen=True)
+class AwqWeights:
+    """How an AutoAWQ GEMM checkpoint's 4-bit weights are stored: ``group_size`` inputs per scale and zero."""
+
+    group_size: int
+
+    @classmethod
+    def from_awq_spec(cls, spec: dict[str, Any]) -> AwqWeights:
+        """From a ``quant_method: awq`` quantization_config; CheckpointError naming a variant not read."""
+        version = str(spec.get("version", "gemm")).lower()
+        if version not in VERSIONS:
+            raise CheckpointError(
+                f"AWQ checkpoint in AutoAWQ's {version!r} layout: this node reads the {', '.join(VERSIONS)} layout "
+                "(version gemm, what AutoAWQ saves by default and vLLM serves)"
+            )
+        bits = spec.get("bits", spec.get("w_bit"))
+        if bits != 4:
+            raise CheckpointError(f"AWQ checkpoint with {bits!r}-bit weights: 4-bit AWQ weights are read")
+        if not spec.get("zero_point", True):
+            raise CheckpointError("AWQ checkpoint without zero points (zero_point false): not read")
+        size = spec.get("group_size", spec.get("q_group_size"))
+        if not positive_int(size):
+            raise CheckpointError(f"AWQ quantization_config.group_size must be a positive integer, got {size!r}")
+        return cls(size)
+
+    # ---- what the loader reads (the interface int_weights.IntWeights shares) ---------------------------------
+
+    weight_suffix = ".qweight"
+    stored_dtype = "I32"
+    ignored_suffixes = ()
+    mode = "int4"  # the node's format with as many bits
+
+    @property
+    def companions(self) -> dict[str, str]:
+        """What :meth:`widen_into` and :meth:`store_into` take beside the weight, by keyword: key suffix."""
+        return {"scale": ".scales", "zero_point": ".qzeros"}
+
+    def widener(self, device: torch.device) -> AwqWeights:
+        """What widens this checkpoint's weights: the format itself (no work buffers to keep)."""
+        return self
+
+    def describe(self) -> str:
+        """For logs and diagnostics, e.g. ``int4 (AWQ gemm, with zero points), a scale per group of 128``."""
+        return f"int4 (AWQ gemm, with zero points), a scale per group of {self.group_size}"
+
+    def stored_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
+        """The stored ``qweight``'s shape for a weight of ``shape`` (N, K): (K, N / 8)."""
+        n, k = shape
+        return (k, -(-n // OUTPUTS_PER_WORD))
+
+    def problem(
+        self, key: str, dtype: str, shape: tuple[int, int], companions: dict[str, tuple[str, tuple[int, ...]] | None]
+    ) -> str | None:
+        """What is wrong with the stored ``qweight`` ``key`` (safetensors ``dtype``) of a weight of ``shape`` (N, K)
+        and its ``companions`` (keyword -> (dtype, shape), None when absent), or None when it can be read."""
+        if dtype != self.stored_dtype:
+            return f"{key} is {dtype}; AWQ weights are stored as {self.stored_dtype}"
+        n, k = shape
+        if n % OUTPUTS_PER_WORD:
+            return f"{key} packs a weight of {n} outputs; AWQ packs 8 outputs a word, so N must be a multiple of 8"
+        groups = -(-k // self.group_size)
+        base = key.removesuffix(self.weight_suffix)
+        expected = {"scale": ((groups, n), SCALE_DTYPES), "zero_point": ((groups, n // OUTPUTS_PER_WORD), ("I32",))}
+        for role, (want, dtypes) in expected.items():
+            name = base + self.companions[role]
+            found = companions.get(role)
+            if found is None:
+                return f"{key} is stored as AWQ integers but the checkpoint has no {name}"
+            found_dtype, found_shape = found
+            if found_dtype not in dtypes:
+                return f"{name} is {found_dtype}; expected {' or '.join(dtypes)}"
+            if tuple(found_shape) != want:
+                return f"{name} has shape {list(found_shape)}, expected {list(want)}"
+        return None
+
+    # ---- widening and keeping --------------------------------------------------------------------------------
+
+    def keeps(self, quant: WeightQuant | None) -> WeightQuant | None:
+        """How a projection to be stored as ``quant`` holds this checkpoint's values unchanged (module docstring),
+        or None when they are widened."""
+        g = self.group_size
+        if quant is None or quant.mode != "int4" or g < 2 or g & (g - 1):
+            return None
+        return WeightQuant("int4", g, quant.lm_head)
+
+    def widen_into(
+        self, out: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor
+    ) -> None:
+        """``out`` (N, K), in its own dtype, = ``(u - z) * s`` of the stored ``weight`` (module docstring), computed
+        in fp32 a few outputs at a time on ``out``'s device."""
+        for rows, u, z, s in self._pieces(out.shape[0], weight, scale, zero_point, out.device):
+            wide = u.to(torch.float32)  # (n, K)
+            apply_blockwise_(wide, z.to(torch.float32), 1, self.group_size, torch.Tensor.sub_)
+            apply_blockwise_(wide, s.to(torch.float32), 1, self.group_size, torch.Tensor.mul_)
+            out[rows].copy_(wide)
+
+    def store_into(
+        self, module: QuantizedLinear, rows: slice, weight: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor
+    ) -> None:
+        """Rows ``rows`` of ``module`` (stored as :meth:`keeps` said: int4 in groups of ``group_size``) from the
+        stored ``weight`` as they are."""
+        n = rows.stop - rows.start
+        for piece, u, z, s in self._pieces(n, weight, scale, zero_point, module.qweight.device):
+            at = slice(rows.start + piece.start, rows.start + piece.stop)
+            if u.shape[1] % 2:
+                u = F.pad(u, (0, 1))  # an odd K: the last byte's high nibble is 0
+            module.qweight[at].copy_(u[:, 0::2] | (u[:, 1::2] << 4))
+            module.scales[at].copy_(s)
+            module.offsets[at].copy_(-(z.to(torch.float32) * s.to(torch.float32)))  # w = u * s + offset
+
+    def _pieces(
+        self, n: int, weight: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor, device: torch.device
+    ) -> Iterator[tuple[slice, torch.Tensor, torch.Tensor, torch.Tensor]]:
+        """(output rows, u (rows, K) uint8, z (rows, groups) uint8, s (rows, groups)) of the weight's N outputs, a
+        piece of whole words (8 outputs) and about WIDEN_ELEMENTS weights at a time, on ``device``."""
+        k = weight.shape[0]
+        step = max(1, WIDEN_ELEMENTS // (k * OUTPUTS_PER_WORD)) * OUTPUTS_PER_WORD
+        for first in range(0, n, step):
+            words = slice(first // OUTPUTS_PER_WORD, (first + step) // OUTPUTS_PER_WORD)  # N is whole words
+            u = unpack_awq(weight[:, words].to(device)).t()  # (K, rows) -> (rows, K)
+            z = unpack_awq(zero_point[:, words].to(device)).t()  # (groups, rows) -> (rows, groups)
+            s = scale[:, first : first + step].to(device).t()
+            yield slice(first, first + u.shape[0]), u, z, s
+
+
+def unpack_awq(words: torch.Tensor) -> torch.Tensor:
+    """AutoAWQ GEMM words (R, W) int32 -> their values (R, 8 W) uint8 in output order (module docstring). Words are
+    read as little-endian bytes (x86, Arm): byte b of a word holds nibbles 2b (low half) and 2b + 1 (high)."""
+    r, w = words.shape
+    data = words.contiguous().view(torch.uint8).view(r, w, 4)
+    nibbles = torch.stack((data & 0xF, data >> 4), dim=-1).view(r, w, OUTPUTS_PER_WORD)  # nibble i at index i
+    return nibbles[..., list(AWQ_NIBBLE_OF)].reshape(r, w * OUTPUTS_PER_WORD)
