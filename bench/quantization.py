@@ -21,7 +21,8 @@
   read with ``int4`` (goal: within 3 points).
 
 * Loading the 2B shape as int4 (fresh processes, alternating, one thread): from the bf16 checkpoint,
-  quantized while it streams in, against a W4A16 copy kept as stored; seconds and peak RSS. No goal.
+  quantized while it streams in, against a W4A16 copy and an AutoAWQ copy kept as stored; seconds and peak
+  RSS. No goal.
 
 * CPU decode speed per mode on the 2B-shape checkpoint (fp32 activations, the CPU GEMM kernels reading the
   stored int8 / int4 weights): tokens/s of fixed-length answers, and each as a ratio to ``none``. No goal
@@ -173,14 +174,20 @@ def _big(ctx: BenchContext, res: SectionResult) -> None:
 
 
 def _load(ctx: BenchContext, res: SectionResult) -> None:
-    """Loading the 2B shape as int4 from its bf16 checkpoint (quantized while it streams in) and from a W4A16
-    copy of it (kept as stored): seconds and peak RSS, each load a fresh process, alternating."""
-    from support.checkpoints import int_copy
+    """Loading the 2B shape as int4 from its bf16 checkpoint (quantized while it streams in), from a W4A16 copy of
+    it and from an AutoAWQ GEMM copy (both kept as stored): seconds and peak RSS, each load a fresh process,
+    alternating."""
+    from support.checkpoints import awq_copy, int_copy
 
-    copy = ctx.scratch / "big_w4a16"
-    if not (copy / "model.safetensors").is_file():
-        int_copy(ctx.big_checkpoint(), copy, bits=4, group_size=LOAD_GROUP, symmetric=True, vision=False)
-    sources = {"float": ctx.big_checkpoint(), "w4a16": copy}
+    copies = {
+        "w4a16": lambda dst: int_copy(ctx.big_checkpoint(), dst, bits=4, group_size=LOAD_GROUP, vision=False),
+        "awq": lambda dst: awq_copy(ctx.big_checkpoint(), dst, group_size=LOAD_GROUP),
+    }
+    sources = {"float": ctx.big_checkpoint()}
+    for name, write in copies.items():
+        sources[name] = ctx.scratch / f"big_{name}"
+        if not (sources[name] / "model.safetensors").is_file():
+            write(sources[name])
     runs: dict[str, list[dict]] = {name: [] for name in sources}
     for i in range(LOAD_REPEATS):
         for name, path in sources.items():
@@ -199,8 +206,9 @@ def _load(ctx: BenchContext, res: SectionResult) -> None:
                 "peak RSS of the loading process", mode="int4")  # fmt: skip
         res.add(f"2b.load.{name}_int4.weight_mb", "MB", [found[0]["weight_mb"]], "weights as loaded", mode="int4")
     float_s = statistics.median(r["load_s"] for r in runs["float"])
-    res.add("2b.load.w4a16_vs_float", "x", [r["load_s"] / float_s for r in runs["w4a16"]],
-            "int4 load time from the W4A16 copy / from the bf16 checkpoint (median)", mode="int4")  # fmt: skip
+    for name in copies:
+        res.add(f"2b.load.{name}_vs_float", "x", [r["load_s"] / float_s for r in runs[name]],
+                f"int4 load time from the {name} copy / from the bf16 checkpoint (median)", mode="int4")  # fmt: skip
 
 
 def _copy_accuracy(ctx: BenchContext, res: SectionResult, copy: Path, name: str, mode: str, float_score: float) -> None:
