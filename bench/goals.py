@@ -206,12 +206,14 @@ GOALS: list[Goal] = [
     ),
     Goal(
         "int4_checkpoint_accuracy",
-        "the default model read from 4-bit copies (compressed-tensors W4A16, W4A16_ASYM; AutoAWQ GEMM; kept as int4) "
-        "loses <= 3 points of held-out exact match",
+        "the default model read from 4-bit copies (compressed-tensors W4A16, W4A16_ASYM; AutoAWQ GEMM; GPTQ; kept as "
+        "int4) loses <= 3 points of held-out exact match",
         "points",
         3.0,
         False,
-        _worst_over("quantization", ".exact_match_drop", False, prefix=("default.w4a16", "default.awq")),
+        _worst_over(
+            "quantization", ".exact_match_drop", False, prefix=("default.w4a16", "default.awq", "default.gptq")
+        ),
     ),
     Goal(
         "int8_checkpoint_accuracy",

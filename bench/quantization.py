@@ -16,12 +16,12 @@
 * Default model stored as integers (``support.checkpoints.int_copy``: compressed-tensors' W4A16 and
   W4A16_ASYM, group 128, and W8A16 per channel, round to nearest; the vision tower in float), read with the
   ``weight_quant`` that keeps the stored values (goals: the 4-bit copies within 3 points of the float
-  checkpoint, the 8-bit one within 1, as the node's own int4 and int8); and as AutoAWQ's GEMM layout saves
-  its 4-bit weights (``support.checkpoints.awq_copy``: group 128 with zero points, round to nearest),
-  read with ``int4`` (goal: within 3 points).
+  checkpoint, the 8-bit one within 1, as the node's own int4 and int8); and as AutoAWQ's GEMM layout and
+  GPTQ's own format save 4-bit weights (``support.checkpoints.awq_copy``, ``gptq_copy``: group 128, AWQ with
+  zero points, GPTQ symmetric, round to nearest), read with ``int4`` (goal: within 3 points).
 
 * Loading the 2B shape as int4 (fresh processes, alternating, one thread): from the bf16 checkpoint,
-  quantized while it streams in, against a W4A16 copy and an AutoAWQ copy kept as stored; seconds and peak
+  quantized while it streams in, against W4A16, AutoAWQ and GPTQ copies kept as stored; seconds and peak
   RSS. No goal.
 
 * CPU decode speed per mode on the 2B-shape checkpoint (fp32 activations, the CPU GEMM kernels reading the
@@ -66,7 +66,7 @@ INT_COPIES = {
     "w4a16_asym": ({"bits": 4, "group_size": 128, "symmetric": False}, "int4"),
     "w8a16": ({"bits": 8, "strategy": "channel", "group_size": None, "symmetric": True}, "int8"),
 }
-AWQ_GROUP = 128  # the AutoAWQ copy of the default model: its default group size
+HUB_GROUP = 128  # the AutoAWQ and GPTQ copies: the group size both tools default to
 
 
 def _exact_match(model_dir: Path, mode: str, held_out: int) -> tuple[float, float]:
@@ -174,14 +174,14 @@ def _big(ctx: BenchContext, res: SectionResult) -> None:
 
 
 def _load(ctx: BenchContext, res: SectionResult) -> None:
-    """Loading the 2B shape as int4 from its bf16 checkpoint (quantized while it streams in), from a W4A16 copy of
-    it and from an AutoAWQ GEMM copy (both kept as stored): seconds and peak RSS, each load a fresh process,
-    alternating."""
-    from support.checkpoints import awq_copy, int_copy
+    """Loading the 2B shape as int4 from its bf16 checkpoint (quantized while it streams in) and from W4A16, AutoAWQ
+    and GPTQ copies of it (kept as stored): seconds and peak RSS, each load a fresh process, alternating."""
+    from support.checkpoints import awq_copy, gptq_copy, int_copy
 
     copies = {
         "w4a16": lambda dst: int_copy(ctx.big_checkpoint(), dst, bits=4, group_size=LOAD_GROUP, vision=False),
         "awq": lambda dst: awq_copy(ctx.big_checkpoint(), dst, group_size=LOAD_GROUP),
+        "gptq": lambda dst: gptq_copy(ctx.big_checkpoint(), dst, group_size=LOAD_GROUP),
     }
     sources = {"float": ctx.big_checkpoint()}
     for name, write in copies.items():
@@ -236,13 +236,14 @@ def _fp8(ctx: BenchContext, res: SectionResult, model_dir: Path, float_score: fl
 
 def _int(ctx: BenchContext, res: SectionResult, model_dir: Path, float_score: float) -> None:
     """Held-out exact match of the default model read from integer copies of it, kept as stored: compressed-tensors'
-    layouts and AutoAWQ's."""
-    from support.checkpoints import awq_copy, int_copy
+    layouts, AutoAWQ's and GPTQ's."""
+    from support.checkpoints import awq_copy, gptq_copy, int_copy
 
     with tempfile.TemporaryDirectory(prefix="int_default_") as tmp:
         copies = {name: (int_copy(model_dir, Path(tmp) / name, vision=False, **layout), mode)
                   for name, (layout, mode) in INT_COPIES.items()}  # fmt: skip
-        copies["awq"] = (awq_copy(model_dir, Path(tmp) / "awq", group_size=AWQ_GROUP), "int4")
+        copies["awq"] = (awq_copy(model_dir, Path(tmp) / "awq", group_size=HUB_GROUP), "int4")
+        copies["gptq"] = (gptq_copy(model_dir, Path(tmp) / "gptq", group_size=HUB_GROUP), "int4")
         for name, (copy, mode) in copies.items():
             ctx.log(f"quantization: default model stored as {name}, weight_quant={mode} (kept as stored)")
             _copy_accuracy(ctx, res, copy, name, mode, float_score)

@@ -112,7 +112,7 @@ SETTINGS: tuple[Setting, ...] = (
        choices=("auto", "bf16", "fp16", "fp32")),
     _s("weight_quant", str, "none", "store the text decoder's projection weights quantized at load: int8 (per "
        "output channel) or int4 (per group of weight_quant_group_size inputs); activations stay in dtype. A "
-       "checkpoint stored in integers of that width (compressed-tensors, AWQ) is kept as stored", E, RO,
+       "checkpoint stored in integers of that width (compressed-tensors, AWQ, GPTQ) is kept as stored", E, RO,
        choices=("none", "int8", "int4")),
     _s("weight_quant_group_size", int, 128, "int4: weights per scale and offset along the input; a power of two "
        "no larger than any projection's input (a 4-bit checkpoint's own groups are kept)", E, RO, min=2, max=8192),

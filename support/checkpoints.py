@@ -21,6 +21,8 @@ Token ids follow the tiny tokenizer (:mod:`support.tokenizer`): ``<|endoftext|>`
 * :func:`int_copy`: the same with 4- or 8-bit integer weights, written by compressed-tensors (llm-compressor's
   W4A16-like layouts).
 * :func:`awq_copy`: the same with 4-bit weights in AutoAWQ's GEMM layout (``quant_method: awq``).
+* :func:`gptq_copy`: the same in GPTQ's own format (``quant_method: gptq``, v1 or v2 zero points, with or
+  without activation order).
 * :func:`big_checkpoint`: every text and vision dimension of a real config (e.g. Qwen3-VL-2B: vocab 151936,
   28 layers, 24-layer vision tower), stored bf16 (~4.3 GB).
 """
@@ -408,6 +410,82 @@ def awq_copy(src: Path, dst: Path, group_size: int = 32) -> Path:
     config["quantization_config"] = {"quant_method": "awq", "bits": 4, "group_size": group_size,
                                      "zero_point": True, "version": "gemm", "backend": "autoawq",
                                      "modules_to_not_convert": ["visual"]}  # fmt: skip
+    _write_json(dst / "config.json", config)
+    return dst
+
+
+def gptq_groups(k: int, group_size: int | None, desc_act: bool, seed: int = 0) -> torch.Tensor:
+    """GPTQ's g_idx (K,) int32: k // group_size, or with ``desc_act`` the group of each input's rank in a random
+    order (GPTQ quantizes the inputs in order of their activations' size and groups them in that order)."""
+    g = group_size or k
+    if not desc_act:
+        return (torch.arange(k) // g).to(torch.int32)
+    order = torch.randperm(k, generator=torch.Generator().manual_seed(seed))
+    g_idx = torch.empty(k, dtype=torch.int32)
+    g_idx[order] = (torch.arange(k) // g).to(torch.int32)
+    return g_idx
+
+
+def gptq_quantize(w: torch.Tensor, g_idx: torch.Tensor, sym: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """GPTQ's quantizer without the error feedback (round to nearest) for a weight ``w`` (N, K) and its groups
+    ``g_idx``: each group's range widened to hold 0, symmetric (zero point 8) or not, as GPTQ's ``Quantizer``
+    finds its parameters. Returns (u (N, K) int64 in 0..15, z (N, groups) int64, s (N, groups) fp16)."""
+    n, k = w.shape
+    w = w.float()
+    groups = int(g_idx.max()) + 1
+    lo = torch.stack([w[:, g_idx == g].amin(dim=1) for g in range(groups)], dim=1).clamp(max=0)  # (N, groups)
+    hi = torch.stack([w[:, g_idx == g].amax(dim=1) for g in range(groups)], dim=1).clamp(min=0)
+    if sym:
+        hi = torch.maximum(lo.abs(), hi)
+        lo = -hi
+    s = ((hi - lo) / 15).clamp_min(1e-8).to(torch.float16)
+    z = torch.full_like(lo, 8.0) if sym else torch.round(-lo / s.float())
+    index = g_idx.long()
+    u = (torch.round(w / s.float()[:, index]) + z[:, index]).clamp(0, 15)
+    return u.long(), z.long(), s
+
+
+def _pack_fields(values: torch.Tensor) -> torch.Tensor:
+    """(R, C) values in 0..15 -> (R, C / 8) int32 words, column 8c + j at bits 4j of word c."""
+    r, c = values.shape
+    fields = values.long().view(r, c // 8, 8) << (4 * torch.arange(8))
+    words = fields.sum(dim=-1)
+    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)  # the same 32 bits, signed
+
+
+def gptq_copy(
+    src: Path, dst: Path, group_size: int | None = 32, sym: bool = True, desc_act: bool = False, v1: bool = True
+) -> Path:
+    """A copy of checkpoint ``src`` in ``dst`` with its text decoder's linear weights stored in GPTQ's own format
+    as GPTQModel and AutoGPTQ save it: ``qweight`` int32 (K / 8, N), 8 inputs of one output a word; ``qzeros``
+    int32 (groups, N / 8), 8 outputs a word, in ``v1`` (``checkpoint_format: gptq``) 0x11111111 less per word
+    (GPTQModel's conversion to the original format); ``scales`` fp16 (groups, N); ``g_idx`` (:func:`gptq_groups`).
+    Written here from the format's description, independently of the node's reader; ``group_size`` None is one
+    group a row (``-1``). The vision tower and the LM head stay in float."""
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, dst, ignore=shutil.ignore_patterns("*.safetensors"))
+    out: dict[str, torch.Tensor] = {}
+    for index, (key, w) in enumerate(load_file(str(src / "model.safetensors")).items()):
+        if not _converted(key, w) or "visual" in key:
+            out[key] = w
+            continue
+        g_idx = gptq_groups(w.shape[1], group_size, desc_act, seed=index)  # each tensor's own order
+        u, z, s = gptq_quantize(w, g_idx, sym)
+        module = key.removesuffix(".weight")
+        out[f"{module}.qweight"] = _pack_fields(u).t().contiguous()  # (N, K / 8) words of 8 inputs -> (K / 8, N)
+        zeros = _pack_fields(z.t().contiguous())  # (groups, N / 8)
+        if v1:
+            wide = (zeros.long() - 0x11111111) & 0xFFFFFFFF
+            zeros = torch.where(wide >= 2**31, wide - 2**32, wide).to(torch.int32)
+        out[f"{module}.qzeros"] = zeros
+        out[f"{module}.scales"] = s.t().contiguous()
+        out[f"{module}.g_idx"] = g_idx
+    save_file(out, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((dst / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "gptq", "bits": 4, "group_size": group_size or -1,
+                                     "desc_act": desc_act, "sym": sym, "checkpoint_format": "gptq" if v1 else "gptq_v2",
+                                     "true_sequential": True, "static_groups": False, "damp_percent": 0.01}  # fmt: skip
     _write_json(dst / "config.json", config)
     return dst
 

@@ -206,7 +206,11 @@ def test_awq_weights_without_fitting_scales_and_zeros_are_refused_naming_them(aw
         ({"bits": 8}, r"AWQ checkpoint with 8-bit weights: 4-bit AWQ weights are read"),
         ({"zero_point": False}, r"without zero points \(zero_point false\)"),
         ({"group_size": -1}, r"group_size must be a positive integer, got -1"),
-        ({"quant_method": "gptq"}, r"already quantized \(gptq\); .*AutoAWQ's 4-bit GEMM layout \(quant_method awq\)"),
+        (
+            {"quant_method": "hqq"},
+            r"already quantized \(hqq\); .*4-bit AWQ \(quant_method awq, AutoAWQ's gemm "
+            r"layout\) and GPTQ \(quant_method gptq\)",
+        ),
     ],
 )
 def test_an_awq_config_that_does_not_describe_readable_weights_is_refused(awq, tmp_path, change, message):

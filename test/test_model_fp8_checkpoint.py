@@ -197,7 +197,7 @@ def test_an_fp8_weight_without_a_fitting_scale_is_refused_naming_it(source, tmp_
         (lambda c: c.pop("quantization_config"), r"FP8 weights but config.json has no quantization_config"),
         (lambda c: c["quantization_config"].update(fmt="e5m2"), r"fmt 'e5m2': only e4m3"),
         (lambda c: c["quantization_config"].update(weight_block_size=[128]), r"weight_block_size must be two"),
-        (lambda c: c["quantization_config"].update(quant_method="gptq"), r"already quantized \(gptq\)"),
+        (lambda c: c["quantization_config"].update(quant_method="bitsandbytes"), r"already quantized \(bitsandbytes\)"),
     ],
 )
 def test_a_config_that_does_not_describe_the_fp8_weights_is_refused(source, tmp_path, change, message):

@@ -223,7 +223,7 @@ def test_integer_weights_without_fitting_scales_are_refused_naming_them(source, 
             r"mixed weight schemes",
         ),
         (lambda c: c.pop("quantization_config"), r"packed integer weights but config.json has no quantization_config"),
-        (lambda c: c.update(quantization_config={"quant_method": "gptq", "bits": 4}), r"already quantized \(gptq\); "
+        (lambda c: c.update(quantization_config={"quant_method": "hqq", "nbits": 4}), r"already quantized \(hqq\); "
          r".*compressed-tensors integer ones \(pack-quantized, int-quantized: llm-compressor's W4A16, AWQ and GPTQ"),
     ],
 )  # fmt: skip

@@ -10,7 +10,8 @@ All headers are checked before any data is read: missing/unexpected keys, shape 
 shard files, pickle-only checkpoints and quantized weights without fitting scales raise :class:`CheckpointError`
 naming the files and keys. Weights stored quantized (:mod:`.stored_format`) are widened to ``dtype`` tensor
 by tensor (FP8: :mod:`.fp8_weights`), or kept as stored where ``weight_quant`` asks for their integer format
-(:mod:`.int_weights`, :mod:`.awq_weights`); a weight's scales are read with it, from whichever shard holds them.
+(:mod:`.int_weights`, :mod:`.awq_weights`, :mod:`.gptq_weights`); a weight's scales are read with it, from
+whichever shard holds them.
 """
 
 from __future__ import annotations
@@ -165,9 +166,9 @@ class _QuantizeOnLoad:
     Each projection's float weight is allocated when its first checkpoint matrix arrives (not up front),
     filled, quantized once all of its matrices are in, and dropped; so the float copy of only a few
     projections exists at any time. A projection whose matrices are all stored as integers that its quantized
-    format holds unchanged (the stored format's ``keeps``: :mod:`.int_weights`, :mod:`.awq_weights`) is filled
-    from them instead, with no float copy. A head tied to the embedding table is quantized from the table once
-    the checkpoint is in (:meth:`finish`); the table stays.
+    format holds unchanged (the stored format's ``keeps``: :mod:`.int_weights`, :mod:`.awq_weights`,
+    :mod:`.gptq_weights`) is filled from them instead, with no float copy. A head tied to the embedding table is
+    quantized from the table once the checkpoint is in (:meth:`finish`); the table stays.
     """
 
     def __init__(

@@ -2,13 +2,11 @@
 not read.
 
 Read: FP8 (``quant_method: fp8``, compressed-tensors ``float-quantized``: :mod:`.fp8_weights`), 4/8-bit
-integers (compressed-tensors ``pack-quantized`` / ``int-quantized``: :mod:`.int_weights`) and AutoAWQ's 4-bit
-GEMM layout (``quant_method: awq``: :mod:`.awq_weights`). Refused: GPTQ in its own format (``quant_method:
-gptq``: 4-bit words packed along the inputs, zero points stored minus one, groups that may follow an activation
-order), AutoAWQ's other layouts, bitsandbytes, and compressed-tensors variants such as mixed schemes, a
-quantized KV cache or a status other than ``compressed``: reading one wrongly would give a running model with
-wrong answers, so each is named instead. The same models are published in compressed-tensors by
-llm-compressor's GPTQ recipe, which this node reads.
+integers (compressed-tensors ``pack-quantized`` / ``int-quantized``: :mod:`.int_weights`), AutoAWQ's 4-bit
+GEMM layout (``quant_method: awq``: :mod:`.awq_weights`) and GPTQ's own 4-bit format (``quant_method: gptq``:
+:mod:`.gptq_weights`). Refused: the other layouts of AWQ and GPTQ (other packings), other widths, bitsandbytes,
+and compressed-tensors variants such as mixed schemes, a quantized KV cache or a status other than
+``compressed``: reading one wrongly would give a running model with wrong answers, so each is named instead.
 """
 
 from __future__ import annotations
@@ -18,11 +16,12 @@ from typing import Any
 from .awq_weights import AwqWeights
 from .errors import CheckpointError
 from .fp8_weights import Fp8Weights
+from .gptq_weights import GptqWeights
 from .int_weights import FORMATS as INT_FORMATS
 from .int_weights import IntWeights
 
-StoredFormat = Fp8Weights | IntWeights | AwqWeights
-INTEGER_FORMATS = (IntWeights, AwqWeights)  # stored as integers: the node may keep them as its INT4 / INT8
+StoredFormat = Fp8Weights | IntWeights | AwqWeights | GptqWeights
+INTEGER_FORMATS = (IntWeights, AwqWeights, GptqWeights)  # stored as integers: the node may keep them as its INT4 / INT8
 FLOAT_FORMATS = ("float-quantized", "naive-quantized")
 
 
@@ -40,12 +39,14 @@ def stored_format(config: dict[str, Any]) -> StoredFormat | None:
             return _compressed_tensors(spec)
         if method == "awq":
             return AwqWeights.from_awq_spec(spec)
+        if method == "gptq":
+            return GptqWeights.from_gptq_spec(spec)
         raise CheckpointError(
             f"the checkpoint is already quantized ({method or 'unknown format'}); this node reads float "
             "checkpoints (fp32/fp16/bf16), FP8 ones (quant_method fp8, or compressed-tensors float-quantized), "
-            "AutoAWQ's 4-bit GEMM layout (quant_method awq) and compressed-tensors integer ones (pack-quantized, "
-            "int-quantized: llm-compressor's W4A16, AWQ and GPTQ recipes), and quantizes float weights itself with "
-            "weight_quant=int8 or int4"
+            "4-bit AWQ (quant_method awq, AutoAWQ's gemm layout) and GPTQ (quant_method gptq) ones, and "
+            "compressed-tensors integer ones (pack-quantized, int-quantized: llm-compressor's W4A16, AWQ and GPTQ "
+            "recipes), and quantizes float weights itself with weight_quant=int8 or int4"
         )
     return None
 

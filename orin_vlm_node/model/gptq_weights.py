@@ -1,0 +1,239 @@
+"""Checkpoints saved in GPTQ's own format (``quant_method: gptq``, as AutoGPTQ, GPTQModel and optimum write
+them): 4-bit weights with a scale and a zero point per group of inputs, kept as the node's INT4 where
+``weight_quant=int4`` asks for it and the groups map onto its groups, widened to the model's dtype otherwise.
+
+Why: GPTQ (error-feedback quantization with calibration data) is, with AWQ, the 4-bit format model hubs
+publish most, and the one transformers loads through optimum. Widening such a checkpoint and quantizing it again
+would lose the calibration and hold four times the bytes the robot downloaded.
+
+Layout of a converted linear ``<module>`` whose weight is (N, K) (N outputs, K inputs), groups of G inputs:
+
+* ``<module>.qweight`` int32 (K / 8, N): word (r, n) holds inputs 8r .. 8r + 7 of output n, input 8r + p at
+  bits 4p .. 4p + 3. Values u are unsigned, 0..15.
+* ``<module>.qzeros`` int32 (groups, N / 8): word (g, c) holds the zero points of outputs 8c .. 8c + 7 of group
+  g, output 8c + j at bits 4j .. 4j + 3. In the original format (``checkpoint_format: gptq``, "v1") the word
+  stores ``z - 1`` in every field, subtracted from the whole word (0x11111111: a field of 0 borrows from the
+  next), which GPTQModel undoes by adding 0x11111111 back; ``gptq_v2`` stores z itself. A symmetric checkpoint
+  has z = 8 everywhere (v1 words 0x77777777).
+* ``<module>.scales`` fp16 (groups, N).
+* ``<module>.g_idx`` int32 (K,): the group of each input. Without activation order (``desc_act: false``) it is
+  k // G; with it, the inputs were quantized in order of their activations' size and g_idx says which group
+  each input's scale is in (not groups of consecutive inputs). ``group_size: -1``: one group a row.
+
+``w[n, k] = (u[k, n] - z[g_idx[k], n]) * s[g_idx[k], n]``.
+
+**Kept** as ``int4`` without activation order: the bytes of a qweight word are already the node's nibble pairs
+for its 8 inputs (even input in the low nibble), so a (K / 8, N) word matrix becomes the node's (N, K / 2) bytes
+by a transpose; scale s, offset ``-z * s`` (``w = u * s + offset``) rounded to fp16 (exact when symmetric: -8 s).
+The node's groups are the checkpoint's when G is a power of two; one group a row (``group_size: -1``) repeats
+its scale over groups of ``weight_quant_group_size``, as for compressed-tensors' per-channel scales.
+
+Everything else is **widened**: ``(u - z) * s`` in fp32 (exact) rounded once to the model's dtype. That covers
+``weight_quant=none`` and ``int8``, activation order, and group sizes that are not powers of two.
+
+Not read, refused by name (:meth:`GptqWeights.from_gptq_spec`): other widths than 4 bits, and other
+checkpoint formats (``marlin``, ``bitblas``, ``gptq_p``, ...: other packings).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from .errors import CheckpointError
+from .fp8_weights import apply_blockwise_, positive_int
+from .quant import QuantizedLinear, WeightQuant
+
+FORMATS = ("gptq", "gptq_v2")  # checkpoint_format values read: v1 (zero points stored minus one) and v2
+VALUES_PER_WORD = 8
+V1_ZERO_OFFSET = 0x11111111  # what a v1 qzeros word lacks: one in each of its eight 4-bit fields
+SCALE_DTYPES = ("F16", "BF16", "F32")
+WIDEN_ELEMENTS = 1 << 24  # weights unpacked at a time (64 MB of fp32 working copy)
+
+
+@dataclass(frozen=True)
+class GptqWeights:
+    """How a GPTQ checkpoint's 4-bit weights are stored: ``group_size`` inputs per scale and zero (None: one group
+    a row), whether groups follow an activation order (``desc_act``), whether it is ``symmetric``, and whether its
+    zero points are stored minus one (``v1``)."""
+
+    group_size: int | None
+    desc_act: bool
+    symmetric: bool
+    v1: bool
+
+    @classmethod
+    def from_gptq_spec(cls, spec: dict[str, Any]) -> GptqWeights:
+        """From a ``quant_method: gptq`` quantization_config; CheckpointError naming a variant not read."""
+        fmt = spec.get("checkpoint_format") or spec.get("format") or "gptq"
+        if fmt not in FORMATS:
+            raise CheckpointError(
+                f"GPTQ checkpoint in the {fmt!r} format: this node reads checkpoint_format {' and '.join(FORMATS)}"
+            )
+        bits = spec.get("bits")
+        if bits != 4:
+            raise CheckpointError(f"GPTQ checkpoint with {bits!r}-bit weights: 4-bit GPTQ weights are read")
+        size = spec.get("group_size", 128)
+        if size != -1 and not positive_int(size):
+            raise CheckpointError(f"GPTQ quantization_config.group_size must be a positive integer or -1, got {size!r}")
+        return cls(None if size == -1 else size, bool(spec.get("desc_act", False)), bool(spec.get("sym", True)),
+                   fmt == "gptq")  # fmt: skip
+
+    # ---- what the loader reads (the interface int_weights.IntWeights shares) ---------------------------------
+
+    weight_suffix = ".qweight"
+    stored_dtype = "I32"
+    ignored_suffixes = ()
+    mode = "int4"  # the node's format with as many bits
+
+    @property
+    def companions(self) -> dict[str, str]:
+        """What :meth:`widen_into` and :meth:`store_into` take beside the weight, by keyword: key suffix."""
+        return {"scale": ".scales", "zero_point": ".qzeros", "g_idx": ".g_idx"}
+
+    def widener(self, device: torch.device) -> GptqWeights:
+        """What widens this checkpoint's weights: the format itself (no work buffers to keep)."""
+        return self
+
+    def describe(self) -> str:
+        """For logs and diagnostics, e.g. ``int4 (GPTQ, symmetric), a scale per group of 128``."""
+        kind = ("symmetric" if self.symmetric else "with zero points") + (", activation order" if self.desc_act else "")
+        per = f"group of {self.group_size}" if self.group_size else "output channel"
+        return f"int4 (GPTQ, {kind}), a scale per {per}"
+
+    def stored_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
+        """The stored ``qweight``'s shape for a weight of ``shape`` (N, K): (K / 8, N)."""
+        n, k = shape
+        return (-(-k // VALUES_PER_WORD), n)
+
+    def problem(
+        self, key: str, dtype: str, shape: tuple[int, int], companions: dict[str, tuple[str, tuple[int, ...]] | None]
+    ) -> str | None:
+        """What is wrong with the stored ``qweight`` ``key`` (safetensors ``dtype``) of a weight of ``shape`` (N, K)
+        and its ``companions`` (keyword -> (dtype, shape), None when absent), or None when it can be read."""
+        if dtype != self.stored_dtype:
+            return f"{key} is {dtype}; GPTQ weights are stored as {self.stored_dtype}"
+        n, k = shape
+        if n % VALUES_PER_WORD or k % VALUES_PER_WORD:
+            return f"{key} packs a weight of {n} x {k}; GPTQ packs 8 values a word, so N and K must be multiples of 8"
+        groups = self._groups(k)
+        base = key.removesuffix(self.weight_suffix)
+        expected = {
+            "scale": ((groups, n), SCALE_DTYPES),
+            "zero_point": ((groups, n // VALUES_PER_WORD), ("I32",)),
+            "g_idx": ((k,), ("I32", "I64")),
+        }
+        for role, (want, dtypes) in expected.items():
+            name = base + self.companions[role]
+            found = companions.get(role)
+            if found is None:
+                return f"{key} is stored as GPTQ integers but the checkpoint has no {name}"
+            found_dtype, found_shape = found
+            if found_dtype not in dtypes:
+                return f"{name} is {found_dtype}; expected {' or '.join(dtypes)}"
+            if tuple(found_shape) != want:
+                return f"{name} has shape {list(found_shape)}, expected {list(want)}"
+        return None
+
+    # ---- widening and keeping --------------------------------------------------------------------------------
+
+    def keeps(self, quant: WeightQuant | None) -> WeightQuant | None:
+        """How a projection to be stored as ``quant`` holds this checkpoint's values unchanged (module docstring),
+        or None when they are widened."""
+        if quant is None or quant.mode != "int4" or self.desc_act:
+            return None
+        g = self.group_size
+        if g is None:
+            return quant  # one scale a row, repeated over the node's groups
+        return WeightQuant("int4", g, quant.lm_head) if g >= 2 and not g & (g - 1) else None
+
+    def widen_into(
+        self,
+        out: torch.Tensor,
+        weight: torch.Tensor,
+        scale: torch.Tensor,
+        zero_point: torch.Tensor,
+        g_idx: torch.Tensor,
+    ) -> None:
+        """``out`` (N, K), in its own dtype, = ``(u - z) * s`` of the stored ``weight`` (module docstring), computed
+        in fp32 a few outputs at a time on ``out``'s device."""
+        k = out.shape[1]
+        groups = g_idx.to(out.device, torch.long)
+        consecutive = torch.equal(groups, self._consecutive(k, out.device))
+        for rows, words, z, s in self._pieces(out.shape[0], weight, scale, zero_point, out.device):
+            wide = unpack_gptq_weight(words, k).to(torch.float32)  # (rows, K)
+            z, s = z.to(torch.float32), s.to(torch.float32)
+            if consecutive:
+                width = self.group_size or k
+                apply_blockwise_(wide, z, 1, width, torch.Tensor.sub_)
+                apply_blockwise_(wide, s, 1, width, torch.Tensor.mul_)
+            else:  # activation order: each input's group looked up
+                wide.sub_(z[:, groups]).mul_(s[:, groups])
+            out[rows].copy_(wide)
+
+    def store_into(
+        self,
+        module: QuantizedLinear,
+        rows: slice,
+        weight: torch.Tensor,
+        scale: torch.Tensor,
+        zero_point: torch.Tensor,
+        g_idx: torch.Tensor,
+    ) -> None:
+        """Rows ``rows`` of ``module`` (stored as :meth:`keeps` said) from the stored ``weight`` as they are;
+        CheckpointError when ``g_idx`` is not the consecutive groups that ``desc_act: false`` promises."""
+        device, k = module.qweight.device, module.in_features
+        if not torch.equal(g_idx.to(device, torch.long), self._consecutive(k, device)):
+            raise CheckpointError(
+                "a GPTQ g_idx does not hold consecutive groups of group_size inputs although quantization_config "
+                "says desc_act false: the checkpoint contradicts its config"
+            )
+        n = rows.stop - rows.start
+        for piece, words, z, s in self._pieces(n, weight, scale, zero_point, device):
+            at = slice(rows.start + piece.start, rows.start + piece.stop)
+            module.qweight[at].copy_(words.contiguous().view(torch.uint8))  # (rows, K / 2): the words' bytes
+            if self.group_size is None:  # one scale a row, repeated over the node's groups
+                z, s = z.expand(-1, module.scales.shape[1]), s.expand(-1, module.scales.shape[1])
+            module.scales[at].copy_(s)
+            module.offsets[at].copy_(-(z.to(torch.float32) * s.to(torch.float32)))  # w = u * s + offset
+
+    def _pieces(
+        self, n: int, weight: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor, device: torch.device
+    ) -> Iterator[tuple[slice, torch.Tensor, torch.Tensor, torch.Tensor]]:
+        """(output rows, their qweight words (rows, K / 8) int32, z (rows, groups) int16, s (rows, groups)) of the
+        weight's N outputs, a whole number of qzeros words (8 outputs) and about WIDEN_ELEMENTS weights at a time,
+        on ``device``."""
+        k = weight.shape[0] * VALUES_PER_WORD
+        step = max(1, WIDEN_ELEMENTS // (k * VALUES_PER_WORD)) * VALUES_PER_WORD
+        for first in range(0, n, step):
+            last = min(n, first + step)
+            words = weight[:, first:last].to(device).t()  # (rows, K / 8)
+            z = unpack_gptq_zeros(zero_point[:, first // VALUES_PER_WORD : last // VALUES_PER_WORD].to(device), self.v1)
+            yield slice(first, last), words, z.t(), scale[:, first:last].to(device).t()
+
+    def _groups(self, k: int) -> int:
+        return -(-k // self.group_size) if self.group_size else 1
+
+    def _consecutive(self, k: int, device: torch.device) -> torch.Tensor:
+        """The g_idx of groups of consecutive inputs: k // group_size (0 everywhere for one group a row)."""
+        return torch.arange(k, device=device) // (self.group_size or k)
+
+
+def unpack_gptq_weight(words: torch.Tensor, k: int) -> torch.Tensor:
+    """qweight words (rows, K / 8) int32, one output's inputs 8r .. 8r + 7 a word -> u (rows, K) uint8. Words are
+    read as little-endian bytes (x86, Arm): byte b of a word holds inputs 2b (low half) and 2b + 1 (high)."""
+    data = words.contiguous().view(torch.uint8)  # (rows, K / 2)
+    return torch.stack((data & 0xF, data >> 4), dim=-1).flatten(1)[:, :k]
+
+
+def unpack_gptq_zeros(words: torch.Tensor, v1: bool) -> torch.Tensor:
+    """qzeros words (groups, N / 8) int32 -> z (groups, N) int16, outputs in order; ``v1`` words get the one in
+    every field back that the original format subtracted from the whole word (module docstring)."""
+    if v1:  # modulo 2^32, as the int32 the words are
+        wide = (words.to(torch.int64) + V1_ZERO_OFFSET) & 0xFFFFFFFF
+        words = torch.where(wide >= 1 << 31, wide - (1 << 32), wide).to(torch.int32)
+    data = words.contiguous().view(torch.uint8)  # (groups, N / 2): byte b holds outputs 2b and 2b + 1
+    return torch.stack((data & 0xF, data >> 4), dim=-1).flatten(1).to(torch.int16)
