@@ -202,7 +202,7 @@ def test_awq_weights_without_fitting_scales_and_zeros_are_refused_naming_them(aw
     "change, message",
     [
         ({"version": "gemv"}, r"AutoAWQ's 'gemv' layout: this node reads the gemm layout"),
-        ({"version": "marlin"}, r"'marlin' layout"),
+        ({"version": None, "format": "marlin"}, r"'marlin' layout"),  # GPTQModel's name for the layout
         ({"bits": 8}, r"AWQ checkpoint with 8-bit weights: 4-bit AWQ weights are read"),
         ({"zero_point": False}, r"without zero points \(zero_point false\)"),
         ({"group_size": -1}, r"group_size must be a positive integer, got -1"),

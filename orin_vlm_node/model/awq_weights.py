@@ -65,7 +65,7 @@ class AwqWeights:
     @classmethod
     def from_awq_spec(cls, spec: dict[str, Any]) -> AwqWeights:
         """From a ``quant_method: awq`` quantization_config; CheckpointError naming a variant not read."""
-        version = str(spec.get("version", "gemm")).lower()
+        version = str(spec.get("version") or spec.get("format") or "gemm").lower()  # GPTQModel writes "format"
         if version not in VERSIONS:
             raise CheckpointError(
                 f"AWQ checkpoint in AutoAWQ's {version!r} layout: this node reads the {', '.join(VERSIONS)} layout "
