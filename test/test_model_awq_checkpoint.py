@@ -16,7 +16,7 @@ from safetensors.torch import load_file, save_file
 
 from orin_vlm_node.engine import Engine, EngineConfig, Request, SamplingParams, Turn
 from orin_vlm_node.model import CheckpointError, load_model
-from orin_vlm_node.model.awq_weights import AwqWeights, unpack_awq
+from orin_vlm_node.model.awq_weights import AwqWeights, awq_pairs, unpack_awq
 from orin_vlm_node.model.loader import checkpoint_views, name_to_checkpoint_key
 from orin_vlm_node.model.quant import QuantizedLinear, WeightQuant
 from support.checkpoints import awq_copy, awq_pack, awq_quantize, cached_tiny_checkpoint, edit_config, rewrite_tensors
@@ -78,6 +78,12 @@ def test_the_files_written_here_are_read_by_the_reference_converter_as_intended(
 def test_unpacking_undoes_the_interleaved_order():
     values = torch.arange(16 * 24).remainder(16).view(16, 24)
     assert torch.equal(unpack_awq(awq_pack(values)).long(), values)
+
+
+def test_the_words_become_the_nodes_nibble_pairs():
+    """(K, N) values packed as AWQ words -> (N, K / 2) bytes, input 2i of output n low, 2i + 1 high."""
+    u = torch.randint(0, 16, (40, 6, 64), generator=torch.Generator().manual_seed(0)).view(240, 64)  # (N, K)
+    assert torch.equal(awq_pairs(awq_pack(u.t().contiguous())), (u[:, 0::2] | (u[:, 1::2] << 4)).to(torch.uint8))
 
 
 @pytest.mark.filterwarnings("ignore:You passed `quantization_config`:UserWarning")  # dequantize=True on purpose

@@ -41,7 +41,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 from .errors import CheckpointError
 from .fp8_weights import apply_blockwise_, positive_int
@@ -114,8 +113,8 @@ class AwqWeights:
         if dtype != self.stored_dtype:
             return f"{key} is {dtype}; AWQ weights are stored as {self.stored_dtype}"
         n, k = shape
-        if n % OUTPUTS_PER_WORD:
-            return f"{key} packs a weight of {n} outputs; AWQ packs 8 outputs a word, so N must be a multiple of 8"
+        if n % OUTPUTS_PER_WORD or k % 2:
+            return f"{key} packs a weight of {n} x {k}; AWQ packs 8 outputs a word (N a multiple of 8), K is even"
         groups = -(-k // self.group_size)
         base = key.removesuffix(self.weight_suffix)
         expected = {"scale": ((groups, n), SCALE_DTYPES), "zero_point": ((groups, n // OUTPUTS_PER_WORD), ("I32",))}
@@ -146,8 +145,8 @@ class AwqWeights:
     ) -> None:
         """``out`` (N, K), in its own dtype, = ``(u - z) * s`` of the stored ``weight`` (module docstring), computed
         in fp32 a few outputs at a time on ``out``'s device."""
-        for rows, u, z, s in self._pieces(out.shape[0], weight, scale, zero_point, out.device):
-            wide = u.to(torch.float32)  # (n, K)
+        for rows, pairs, z, s in self._pieces(out.shape[0], weight, scale, zero_point, out.device):
+            wide = torch.stack((pairs & 0xF, pairs >> 4), dim=-1).flatten(1).to(torch.float32)  # (n, K): u
             apply_blockwise_(wide, z.to(torch.float32), 1, self.group_size, torch.Tensor.sub_)
             apply_blockwise_(wide, s.to(torch.float32), 1, self.group_size, torch.Tensor.mul_)
             out[rows].copy_(wide)
@@ -158,27 +157,52 @@ class AwqWeights:
         """Rows ``rows`` of ``module`` (stored as :meth:`keeps` said: int4 in groups of ``group_size``) from the
         stored ``weight`` as they are."""
         n = rows.stop - rows.start
-        for piece, u, z, s in self._pieces(n, weight, scale, zero_point, module.qweight.device):
+        for piece, pairs, z, s in self._pieces(n, weight, scale, zero_point, module.qweight.device):
             at = slice(rows.start + piece.start, rows.start + piece.stop)
-            if u.shape[1] % 2:
-                u = F.pad(u, (0, 1))  # an odd K: the last byte's high nibble is 0
-            module.qweight[at].copy_(u[:, 0::2] | (u[:, 1::2] << 4))
+            module.qweight[at].copy_(pairs)
             module.scales[at].copy_(s)
             module.offsets[at].copy_(-(z.to(torch.float32) * s.to(torch.float32)))  # w = u * s + offset
 
     def _pieces(
         self, n: int, weight: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor, device: torch.device
     ) -> Iterator[tuple[slice, torch.Tensor, torch.Tensor, torch.Tensor]]:
-        """(output rows, u (rows, K) uint8, z (rows, groups) uint8, s (rows, groups)) of the weight's N outputs, a
-        piece of whole words (8 outputs) and about WIDEN_ELEMENTS weights at a time, on ``device``."""
+        """(output rows, their nibble pairs (rows, K / 2) uint8 in the node's layout (:func:`awq_pairs`),
+        z (rows, groups) uint8, s (rows, groups)) of the weight's N outputs, a piece of whole words (8 outputs) and
+        about WIDEN_ELEMENTS weights at a time, on ``device``."""
         k = weight.shape[0]
         step = max(1, WIDEN_ELEMENTS // (k * OUTPUTS_PER_WORD)) * OUTPUTS_PER_WORD
         for first in range(0, n, step):
             words = slice(first // OUTPUTS_PER_WORD, (first + step) // OUTPUTS_PER_WORD)  # N is whole words
-            u = unpack_awq(weight[:, words].to(device)).t()  # (K, rows) -> (rows, K)
+            pairs = awq_pairs(weight[:, words].to(device))
             z = unpack_awq(zero_point[:, words].to(device)).t()  # (groups, rows) -> (rows, groups)
             s = scale[:, first : first + step].to(device).t()
-            yield slice(first, first + u.shape[0]), u, z, s
+            yield slice(first, first + pairs.shape[0]), pairs, z, s
+
+
+LOW_NIBBLES = 0x0F0F0F0F  # the low nibble of each byte of an int32 word
+HIGH_NIBBLES = 0xF0F0F0F0 - (1 << 32)  # the high ones, as the int32 they are
+# awq_pairs makes two words: byte b of the first pairs nibble position 2b, of the second 2b + 1 (by AWQ_PACK_ORDER:
+# outputs 0, 4, 1, 5 and 2, 6, 3, 7). (word, byte) of output j for j = 0..7:
+PAIR_BYTE_OF = tuple((p % 2, p // 2) for p in AWQ_NIBBLE_OF)
+
+
+def awq_pairs(words: torch.Tensor) -> torch.Tensor:
+    """AutoAWQ GEMM words (K, W) int32, K even -> the node's INT4 bytes of their 8 W outputs, (8 W, K / 2) uint8:
+    byte i of output n holds its input 2i in the low nibble and 2i + 1 in the high one.
+
+    Why not unpack every nibble and pack them again: for the 2B shape that took 7 s of a 10 s load (one thread).
+    Here the words are transposed as words (output-major, a quarter of the elements a byte transpose moves), the
+    two inputs of a byte come from adjacent words at the same nibble position, so masks and shifts on whole words
+    pair them four bytes at a time, and each output's bytes are then gathered once: 65 -> 7.5 ms for a
+    6144 x 2048 matrix."""
+    w = words.shape[1]
+    rows = words.t().contiguous()  # (W, K): word c of every input
+    lo, hi = rows[:, 0::2], rows[:, 1::2]  # (W, K / 2): inputs 2i and 2i + 1
+    even = (lo & LOW_NIBBLES) | ((hi & LOW_NIBBLES) << 4)  # byte b: nibble position 2b of both
+    odd = ((lo >> 4) & LOW_NIBBLES) | (hi & HIGH_NIBBLES)  # byte b: position 2b + 1
+    pieces = [t.view(torch.uint8).view(w, -1, 4) for t in (even, odd)]  # (W, K / 2, 4 bytes)
+    planes = [pieces[word][..., byte] for word, byte in PAIR_BYTE_OF]  # output 8c + j of every word c: (W, K / 2)
+    return torch.stack(planes, dim=1).view(w * OUTPUTS_PER_WORD, -1)  # (W, 8, K / 2) -> (N, K / 2)
 
 
 def unpack_awq(words: torch.Tensor) -> torch.Tensor:
