@@ -186,9 +186,8 @@ def test_which_gptq_layouts_the_node_holds_as_stored(stored, quant, kept):
 @pytest.mark.parametrize(
     "damage, message",
     [
-        (lambda t: t.pop(f"{DOWN}.g_idx"), rf"{DOWN}.qweight is stored as GPTQ integers but the checkpoint has no "
-         rf"{DOWN}.g_idx"),
-        (lambda t: t.pop(f"{DOWN}.qzeros"), rf"has no {DOWN}.qzeros"),
+        (lambda t: t.pop(f"{DOWN}.qzeros"), rf"{DOWN}.qweight is stored as GPTQ integers but the checkpoint has no "
+         rf"{DOWN}.qzeros"),
         (lambda t: t.update({f"{DOWN}.scales": torch.ones(2, 64, dtype=torch.float16)}),
          r"down_proj.scales has shape \[2, 64\], expected \[4, 64\]"),
         (lambda t: t.update({f"{DOWN}.qweight": t[f"{DOWN}.qweight"].long()}), r"down_proj.qweight is I64; GPTQ "
@@ -205,6 +204,28 @@ def test_gptq_weights_without_fitting_companions_are_refused_naming_them(copies,
     rewrite_tensors(ckpt, damage)
     with pytest.raises(CheckpointError, match=message):
         load_model(ckpt)
+
+
+def test_g_idx_may_be_left_out_without_activation_order_but_not_with_it(copies, tmp_path):
+    """Groups of consecutive inputs need no index (some exporters leave it out): read as with it, kept or widened;
+    activation-ordered groups cannot be read without it."""
+    for layout in ("sym", "act_order"):
+        ckpt = tmp_path / layout
+        ckpt.mkdir()
+        for file in copies[layout].iterdir():
+            (ckpt / file.name).write_bytes(file.read_bytes())
+        rewrite_tensors(ckpt, lambda t: [t.pop(key) for key in list(t) if key.endswith(".g_idx")])
+    quant = WeightQuant("int4")
+    kept = [load_model(c, torch.float32, quant=quant).language_model.layers[0].mlp.down_proj
+            for c in (copies["sym"], tmp_path / "sym")]  # fmt: skip
+    for buffer in ("qweight", "scales", "offsets"):
+        assert torch.equal(getattr(kept[0], buffer), getattr(kept[1], buffer)), buffer
+    widened = [load_model(c, torch.float32).language_model.layers[0].mlp.down_proj.weight
+               for c in (copies["sym"], tmp_path / "sym")]  # fmt: skip
+    assert torch.equal(widened[0], widened[1])
+    with pytest.raises(CheckpointError, match=rf"{DOWN}.qweight is stored as GPTQ integers but the checkpoint has "
+                       rf"no {DOWN}.g_idx"):  # fmt: skip
+        load_model(tmp_path / "act_order")
 
 
 @pytest.mark.parametrize(

@@ -18,7 +18,8 @@ Layout of a converted linear ``<module>`` whose weight is (N, K) (N outputs, K i
 * ``<module>.scales`` fp16 (groups, N).
 * ``<module>.g_idx`` int32 (K,): the group of each input. Without activation order (``desc_act: false``) it is
   k // G; with it, the inputs were quantized in order of their activations' size and g_idx says which group
-  each input's scale is in (not groups of consecutive inputs). ``group_size: -1``: one group a row.
+  each input's scale is in (not groups of consecutive inputs). ``group_size: -1``: one group a row. Without
+  activation order some exporters leave it out; it is then k // G.
 
 ``w[n, k] = (u[k, n] - z[g_idx[k], n]) * s[g_idx[k], n]``.
 
@@ -129,6 +130,8 @@ class GptqWeights:
         for role, (want, dtypes) in expected.items():
             name = base + self.companions[role]
             found = companions.get(role)
+            if found is None and role == "g_idx" and not self.desc_act:
+                continue  # consecutive groups need no index (some exporters leave it out)
             if found is None:
                 return f"{key} is stored as GPTQ integers but the checkpoint has no {name}"
             found_dtype, found_shape = found
@@ -156,13 +159,13 @@ class GptqWeights:
         weight: torch.Tensor,
         scale: torch.Tensor,
         zero_point: torch.Tensor,
-        g_idx: torch.Tensor,
+        g_idx: torch.Tensor | None = None,
     ) -> None:
         """``out`` (N, K), in its own dtype, = ``(u - z) * s`` of the stored ``weight`` (module docstring), computed
-        in fp32 a few outputs at a time on ``out``'s device."""
+        in fp32 a few outputs at a time on ``out``'s device; without ``g_idx``, groups of consecutive inputs."""
         k = out.shape[1]
-        groups = g_idx.to(out.device, torch.long)
-        consecutive = torch.equal(groups, self._consecutive(k, out.device))
+        groups = self._consecutive(k, out.device) if g_idx is None else g_idx.to(out.device, torch.long)
+        consecutive = g_idx is None or torch.equal(groups, self._consecutive(k, out.device))
         for rows, words, z, s in self._pieces(out.shape[0], weight, scale, zero_point, out.device):
             wide = unpack_gptq_weight(words, k).to(torch.float32)  # (rows, K)
             z, s = z.to(torch.float32), s.to(torch.float32)
@@ -181,12 +184,12 @@ class GptqWeights:
         weight: torch.Tensor,
         scale: torch.Tensor,
         zero_point: torch.Tensor,
-        g_idx: torch.Tensor,
+        g_idx: torch.Tensor | None = None,
     ) -> None:
         """Rows ``rows`` of ``module`` (stored as :meth:`keeps` said) from the stored ``weight`` as they are;
         CheckpointError when ``g_idx`` is not the consecutive groups that ``desc_act: false`` promises."""
         device, k = module.qweight.device, module.in_features
-        if not torch.equal(g_idx.to(device, torch.long), self._consecutive(k, device)):
+        if g_idx is not None and not torch.equal(g_idx.to(device, torch.long), self._consecutive(k, device)):
             raise CheckpointError(
                 "a GPTQ g_idx does not hold consecutive groups of group_size inputs although quantization_config "
                 "says desc_act false: the checkpoint contradicts its config"
