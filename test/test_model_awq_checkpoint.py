@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import logging
+import shutil
 
 import pytest
 import torch
@@ -41,10 +42,7 @@ def awq(source, tmp_path_factory):
 def converted(awq, tmp_path_factory):
     """The AWQ checkpoint converted to compressed-tensors pack-quantized by the reference converter."""
     dst = tmp_path_factory.mktemp("awq_ct") / "ckpt"
-    dst.mkdir()
-    for file in awq.iterdir():
-        if file.suffix != ".safetensors":
-            (dst / file.name).write_bytes(file.read_bytes())
+    shutil.copytree(awq, dst, ignore=shutil.ignore_patterns("*.safetensors"))  # the weights are rewritten below
     spec = json.loads((awq / "config.json").read_text())["quantization_config"]
     converter = AutoAWQConverter.from_autoawq_config(spec)
     save_file(converter.process(load_file(str(awq / "model.safetensors"))), str(dst / "model.safetensors"))
@@ -196,9 +194,7 @@ def test_which_awq_layouts_the_node_holds_as_stored(group, quant, kept):
 )  # fmt: skip
 def test_awq_weights_without_fitting_scales_and_zeros_are_refused_naming_them(awq, tmp_path, damage, message):
     ckpt = tmp_path / "damaged"
-    ckpt.mkdir()
-    for file in awq.iterdir():
-        (ckpt / file.name).write_bytes(file.read_bytes())
+    shutil.copytree(awq, ckpt)
     rewrite_tensors(ckpt, damage)
     with pytest.raises(CheckpointError, match=message):
         load_model(ckpt)
@@ -221,9 +217,7 @@ def test_awq_weights_without_fitting_scales_and_zeros_are_refused_naming_them(aw
 )
 def test_an_awq_config_that_does_not_describe_readable_weights_is_refused(awq, tmp_path, change, message):
     ckpt = tmp_path / "edited"
-    ckpt.mkdir()
-    for file in awq.iterdir():
-        (ckpt / file.name).write_bytes(file.read_bytes())
+    shutil.copytree(awq, ckpt)
     edit_config(ckpt, lambda c: c["quantization_config"].update(change))
     with pytest.raises(CheckpointError, match=message):
         load_model(ckpt)

@@ -7,6 +7,7 @@ malformed or in another format."""
 from __future__ import annotations
 
 import logging
+import shutil
 
 import pytest
 import torch
@@ -102,9 +103,7 @@ def test_a_v1_zero_point_of_0_borrows_from_the_next_field_and_is_read_back(sourc
     """In the original format a zero point of 0 (a group of non-negative weights) is stored as -1, borrowing from
     the field above it in the word; reading adds the whole word's ones back, so both are exact."""
     positive = tmp_path / "positive"
-    positive.mkdir()
-    for file in source.iterdir():
-        (positive / file.name).write_bytes(file.read_bytes())
+    shutil.copytree(source, positive)
     rewrite_tensors(positive, lambda t: t[f"{DOWN}.weight"][:4].abs_())  # outputs 0..3: zero points of 0
     ckpt = gptq_copy(positive, tmp_path / "gptq", **LAYOUTS["asym"])
     want, _ = expected(positive, LAYOUTS["asym"], DOWN, converted_index(positive, DOWN))
@@ -147,9 +146,7 @@ def test_activation_ordered_groups_are_widened_then_quantized_with_a_warning(cop
 
 def test_a_g_idx_that_contradicts_desc_act_false_is_refused_when_kept(copies, tmp_path):
     ckpt = tmp_path / "shuffled"
-    ckpt.mkdir()
-    for file in copies["sym"].iterdir():
-        (ckpt / file.name).write_bytes(file.read_bytes())
+    shutil.copytree(copies["sym"], ckpt)
     rewrite_tensors(ckpt, lambda t: t[f"{DOWN}.g_idx"].copy_(t[f"{DOWN}.g_idx"].flip(0)))
     with pytest.raises(CheckpointError, match=r"g_idx does not hold consecutive groups .* desc_act false"):
         load_model(ckpt, torch.float32, quant=WeightQuant("int4"))
@@ -198,9 +195,7 @@ def test_which_gptq_layouts_the_node_holds_as_stored(stored, quant, kept):
 )  # fmt: skip
 def test_gptq_weights_without_fitting_companions_are_refused_naming_them(copies, tmp_path, damage, message):
     ckpt = tmp_path / "damaged"
-    ckpt.mkdir()
-    for file in copies["sym"].iterdir():
-        (ckpt / file.name).write_bytes(file.read_bytes())
+    shutil.copytree(copies["sym"], ckpt)
     rewrite_tensors(ckpt, damage)
     with pytest.raises(CheckpointError, match=message):
         load_model(ckpt)
@@ -211,9 +206,7 @@ def test_g_idx_may_be_left_out_without_activation_order_but_not_with_it(copies, 
     activation-ordered groups cannot be read without it."""
     for layout in ("sym", "act_order"):
         ckpt = tmp_path / layout
-        ckpt.mkdir()
-        for file in copies[layout].iterdir():
-            (ckpt / file.name).write_bytes(file.read_bytes())
+        shutil.copytree(copies[layout], ckpt)
         rewrite_tensors(ckpt, lambda t: [t.pop(key) for key in list(t) if key.endswith(".g_idx")])
     quant = WeightQuant("int4")
     kept = [load_model(c, torch.float32, quant=quant).language_model.layers[0].mlp.down_proj
@@ -239,9 +232,7 @@ def test_g_idx_may_be_left_out_without_activation_order_but_not_with_it(copies, 
 )  # fmt: skip
 def test_a_gptq_config_that_does_not_describe_readable_weights_is_refused(copies, tmp_path, change, message):
     ckpt = tmp_path / "edited"
-    ckpt.mkdir()
-    for file in copies["sym"].iterdir():
-        (ckpt / file.name).write_bytes(file.read_bytes())
+    shutil.copytree(copies["sym"], ckpt)
     edit_config(ckpt, lambda c: c["quantization_config"].update(change))
     with pytest.raises(CheckpointError, match=message):
         load_model(ckpt)

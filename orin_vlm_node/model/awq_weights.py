@@ -44,6 +44,7 @@ import torch
 
 from .errors import CheckpointError
 from .fp8_weights import apply_blockwise_, positive_int
+from .int_weights import companion_problem
 from .quant import QuantizedLinear, WeightQuant
 
 VERSIONS = ("gemm",)  # AutoAWQ's layouts read here
@@ -117,18 +118,9 @@ class AwqWeights:
             return f"{key} packs a weight of {n} x {k}; AWQ packs 8 outputs a word (N a multiple of 8), K is even"
         groups = -(-k // self.group_size)
         base = key.removesuffix(self.weight_suffix)
+        names = {role: base + suffix for role, suffix in self.companions.items()}
         expected = {"scale": ((groups, n), SCALE_DTYPES), "zero_point": ((groups, n // OUTPUTS_PER_WORD), ("I32",))}
-        for role, (want, dtypes) in expected.items():
-            name = base + self.companions[role]
-            found = companions.get(role)
-            if found is None:
-                return f"{key} is stored as AWQ integers but the checkpoint has no {name}"
-            found_dtype, found_shape = found
-            if found_dtype not in dtypes:
-                return f"{name} is {found_dtype}; expected {' or '.join(dtypes)}"
-            if tuple(found_shape) != want:
-                return f"{name} has shape {list(found_shape)}, expected {list(want)}"
-        return None
+        return companion_problem(key, "AWQ integers", names, expected, companions)
 
     # ---- widening and keeping --------------------------------------------------------------------------------
 

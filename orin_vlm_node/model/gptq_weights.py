@@ -46,6 +46,7 @@ import torch
 
 from .errors import CheckpointError
 from .fp8_weights import apply_blockwise_, positive_int
+from .int_weights import companion_problem
 from .quant import QuantizedLinear, WeightQuant
 
 FORMATS = ("gptq", "gptq_v2")  # checkpoint_format values read: v1 (zero points stored minus one) and v2
@@ -122,24 +123,15 @@ class GptqWeights:
             return f"{key} packs a weight of {n} x {k}; GPTQ packs 8 values a word, so N and K must be multiples of 8"
         groups = self._groups(k)
         base = key.removesuffix(self.weight_suffix)
+        names = {role: base + suffix for role, suffix in self.companions.items()}
         expected = {
             "scale": ((groups, n), SCALE_DTYPES),
             "zero_point": ((groups, n // VALUES_PER_WORD), ("I32",)),
             "g_idx": ((k,), ("I32", "I64")),
         }
-        for role, (want, dtypes) in expected.items():
-            name = base + self.companions[role]
-            found = companions.get(role)
-            if found is None and role == "g_idx" and not self.desc_act:
-                continue  # consecutive groups need no index (some exporters leave it out)
-            if found is None:
-                return f"{key} is stored as GPTQ integers but the checkpoint has no {name}"
-            found_dtype, found_shape = found
-            if found_dtype not in dtypes:
-                return f"{name} is {found_dtype}; expected {' or '.join(dtypes)}"
-            if tuple(found_shape) != want:
-                return f"{name} has shape {list(found_shape)}, expected {list(want)}"
-        return None
+        # Consecutive groups need no index (some exporters leave it out).
+        optional = frozenset() if self.desc_act else frozenset({"g_idx"})
+        return companion_problem(key, "GPTQ integers", names, expected, companions, optional)
 
     # ---- widening and keeping --------------------------------------------------------------------------------
 

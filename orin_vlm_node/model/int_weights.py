@@ -60,6 +60,32 @@ WIDEN_ELEMENTS = 1 << 24  # weights widened at a time (64 MB of fp32 working cop
 PACKED_SUFFIX = ".weight_packed"  # a pack-quantized module's stored weight
 
 
+def companion_problem(
+    key: str,
+    kind: str,
+    names: dict[str, str],
+    expected: dict[str, tuple[tuple[int, ...], tuple[str, ...]]],
+    found: dict[str, tuple[str, tuple[int, ...]] | None],
+    optional: frozenset[str] = frozenset(),
+) -> str | None:
+    """What is wrong with the companions of the stored weight ``key`` (``kind``: "AWQ integers", ...): each role of
+    ``expected`` (role -> (shape, dtypes)) must be ``found`` (role -> (dtype, shape), None when absent) under its
+    key ``names[role]`` with one of those dtypes and exactly that shape, except the ``optional`` roles, which
+    may be absent. None when all fit."""
+    for role, (want, dtypes) in expected.items():
+        name, got = names[role], found.get(role)
+        if got is None:
+            if role in optional:
+                continue
+            return f"{key} is stored as {kind} but the checkpoint has no {name}"
+        dtype, shape = got
+        if dtype not in dtypes:
+            return f"{name} is {dtype}; expected {' or '.join(dtypes)}"
+        if tuple(shape) != want:
+            return f"{name} has shape {list(shape)}, expected {list(want)}"
+    return None
+
+
 @dataclass(frozen=True)
 class IntWeights:
     """How a checkpoint's integer weights are stored: ``bits`` a value (4 or 8), the scales' ``strategy`` (one of
