@@ -13,9 +13,9 @@ import pytest
 import torch
 from compressed_tensors.compressors.pack_quantized.helpers import unpack_from_int32
 from compressed_tensors.entrypoints.convert.converters.autoawq import AutoAWQConverter
+from kept_int4 import kept_and_widened
 from safetensors.torch import load_file, save_file
 
-from orin_vlm_node.engine import Engine, EngineConfig, Request, SamplingParams, Turn
 from orin_vlm_node.model import CheckpointError, load_model
 from orin_vlm_node.model.awq_weights import AwqWeights, awq_pairs, unpack_awq
 from orin_vlm_node.model.loader import checkpoint_views, name_to_checkpoint_key
@@ -128,21 +128,14 @@ def test_weight_quant_int4_keeps_the_stored_values_as_the_converted_copy_does(aw
 def test_the_engine_runs_a_kept_awq_checkpoint_as_the_widened_one_computes(awq):
     """The same weights two ways: kept as INT4 (the CPU kernels' product) and widened to fp32 (torch's): the
     greedy tokens are the same, and the weights take what INT4 takes."""
-    request = Request(Turn("Tell the robot what to do next."), SamplingParams(temperature=0.0, max_new_tokens=24))
-    answers, weight_mb = {}, {}
-    for mode in ("int4", "none"):
-        cfg = EngineConfig(model_path=str(awq), device="cpu", dtype="fp32", weight_quant=mode,
-                           weight_quant_group_size=16, weight_quant_lm_head=False)  # fmt: skip
-        engine = Engine(cfg)
-        assert engine.describe()["checkpoint_weights"] == "int4 (AWQ gemm, with zero points), a scale per group of 32"
-        answers[mode] = list(engine.generate(request))[-1]
-        assert answers[mode].error is None
-        weight_mb[mode] = engine.describe()["weight_mb"]
+    runs = kept_and_widened(awq, group_size=16)
+    for _, described in runs.values():
+        assert described["checkpoint_weights"] == "int4 (AWQ gemm, with zero points), a scale per group of 32"
     stored = load_file(str(awq / "model.safetensors"))
     weights = sum(t.numel() * 8 for key, t in stored.items() if key.endswith(".qweight"))
     saved = weights * 4 - (weights / 2 + weights / GROUP * 4)  # fp32 against int4 with an fp16 scale and offset
-    assert weight_mb["none"] - weight_mb["int4"] == pytest.approx(saved / 1e6, abs=2e-3)
-    assert answers["int4"].token_ids == answers["none"].token_ids
+    assert runs["none"][1]["weight_mb"] - runs["int4"][1]["weight_mb"] == pytest.approx(saved / 1e6, abs=2e-3)
+    assert runs["int4"][0] == runs["none"][0]
 
 
 def test_widening_an_awq_checkpoint_says_how_to_keep_it(awq, caplog):

@@ -11,9 +11,9 @@ import shutil
 
 import pytest
 import torch
+from kept_int4 import kept_and_widened
 from safetensors.torch import load_file
 
-from orin_vlm_node.engine import Engine, EngineConfig, Request, SamplingParams, Turn
 from orin_vlm_node.model import CheckpointError, load_model
 from orin_vlm_node.model.gptq_weights import GptqWeights
 from orin_vlm_node.model.quant import QuantizedLinear, WeightQuant
@@ -153,16 +153,10 @@ def test_a_g_idx_that_contradicts_desc_act_false_is_refused_when_kept(copies, tm
 
 
 def test_the_engine_runs_a_kept_gptq_checkpoint_as_the_widened_one_computes(copies):
-    request = Request(Turn("Tell the robot what to do next."), SamplingParams(temperature=0.0, max_new_tokens=24))
-    answers = {}
-    for mode in ("int4", "none"):
-        cfg = EngineConfig(model_path=str(copies["asym"]), device="cpu", dtype="fp32", weight_quant=mode,
-                           weight_quant_group_size=16, weight_quant_lm_head=False)  # fmt: skip
-        engine = Engine(cfg)
-        assert engine.describe()["checkpoint_weights"] == "int4 (GPTQ, with zero points), a scale per group of 32"
-        answers[mode] = list(engine.generate(request))[-1]
-        assert answers[mode].error is None
-    assert answers["int4"].token_ids == answers["none"].token_ids
+    runs = kept_and_widened(copies["asym"], group_size=16)
+    for _, described in runs.values():
+        assert described["checkpoint_weights"] == "int4 (GPTQ, with zero points), a scale per group of 32"
+    assert runs["int4"][0] == runs["none"][0]
 
 
 @pytest.mark.parametrize(

@@ -10,9 +10,9 @@ import logging
 import pytest
 import torch
 from compressed_tensors.compressors.pack_quantized.helpers import unpack_from_int32
+from kept_int4 import kept_and_widened
 from safetensors.torch import load_file
 
-from orin_vlm_node.engine import Engine, EngineConfig, Request, SamplingParams, Turn
 from orin_vlm_node.model import CheckpointError, load_model
 from orin_vlm_node.model import int_weights as int_module
 from orin_vlm_node.model.loader import checkpoint_views, name_to_checkpoint_key
@@ -164,21 +164,14 @@ def test_the_engine_runs_a_kept_int4_checkpoint_as_the_widened_one_computes(sour
     """The same weights two ways: kept as INT4 (the CPU kernels' product) and widened to fp32 (torch's): the
     logits agree to fp32 summation-order error and the greedy tokens are the same."""
     ckpt = int_copy(source, tmp_path / "w4", **LAYOUTS["w4a16"])
-    request = Request(Turn("Tell the robot what to do next."), SamplingParams(temperature=0.0, max_new_tokens=24))
-    answers, weight_mb = {}, {}
-    for mode in ("int4", "none"):
-        cfg = EngineConfig(model_path=str(ckpt), device="cpu", dtype="fp32", weight_quant=mode,
-                           weight_quant_group_size=32, weight_quant_lm_head=False)  # fmt: skip
-        engine = Engine(cfg)
-        assert engine.describe()["checkpoint_weights"] == "int4 (pack-quantized, symmetric), a scale per group of 32"
-        answers[mode] = list(engine.generate(request))[-1]
-        assert answers[mode].error is None
-        weight_mb[mode] = engine.describe()["weight_mb"]
+    runs = kept_and_widened(ckpt, group_size=32)
+    for _, described in runs.values():
+        assert described["checkpoint_weights"] == "int4 (pack-quantized, symmetric), a scale per group of 32"
     stored = load_file(str(ckpt / "model.safetensors"))
     weights = sum(stored[f"{m}.weight_shape"].prod().item() for m in stored_modules(stored) if "language_model" in m)
     saved = weights * 4 - (weights / 2 + weights / 32 * 4)  # fp32 against int4 with an fp16 scale and offset a group
-    assert weight_mb["none"] - weight_mb["int4"] == pytest.approx(saved / 1e6, abs=2e-3)
-    assert answers["int4"].token_ids == answers["none"].token_ids
+    assert runs["none"][1]["weight_mb"] - runs["int4"][1]["weight_mb"] == pytest.approx(saved / 1e6, abs=2e-3)
+    assert runs["int4"][0] == runs["none"][0]
 
 
 def weights_of(config: dict) -> dict:
