@@ -26,9 +26,28 @@ import time
 PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 
 
+def _others_in_group() -> list[int]:
+    """The live processes of this guard's group but itself (from /proc: none where there is none)."""
+    me, found = os.getpid(), []
+    try:
+        pids = [int(name) for name in os.listdir("/proc") if name.isdigit()]
+    except OSError:
+        return found
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as f:
+                state, _, group = f.read().rsplit(")", 1)[1].split()[:3]  # after the command's name
+        except (OSError, IndexError, ValueError):
+            continue  # ended meanwhile
+        if pid != me and int(group) == me and state != "Z":
+            found.append(pid)
+    return found
+
+
 def _end_compile(build: str, compiler: int) -> None:
-    """Stop the compile (its drivers remove their files on SIGTERM), remove the build folder, then kill whatever
-    of the group is left, this guard included."""
+    """Stop the compile (its drivers remove their files on SIGTERM), kill what of the group is still there (a
+    process forked while the signal went out never got it, and may write into the folder), remove the build
+    folder once nothing can write into it, then kill whatever is left, this guard included."""
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     os.killpg(0, signal.SIGTERM)
     end = time.monotonic() + 1.0
@@ -37,6 +56,14 @@ def _end_compile(build: str, compiler: int) -> None:
             time.sleep(0.01)
     except ChildProcessError:
         pass  # reaped already
+    end = time.monotonic() + 2.0
+    while (others := _others_in_group()) and time.monotonic() < end:
+        for pid in others:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        time.sleep(0.01)
     shutil.rmtree(build, ignore_errors=True)
     os.killpg(0, signal.SIGKILL)
 

@@ -155,6 +155,42 @@ threading.Thread(target=artifact_cache.run_compiler, args=(argv, "out.bin", "k",
     assert ended(tmp_path, "k"), "the compiler's child, or its build folder, is left after its node was killed"
 
 
+# A compiler whose child ignores SIGTERM (as one forked while the signal went out never gets it) and keeps writing
+# files into the build folder (TMPDIR) as fast as it can; the compiler itself waits for it.
+WRITING_COMPILER = (
+    'echo "$0" > {out}; (trap "" TERM; i=0; while :; do : > "$TMPDIR/part.$i"; i=$((i+1)); done) & '
+    "echo $! > {child}; wait"
+)
+
+
+def test_a_killed_nodes_compile_is_removed_even_while_a_straggler_writes_into_its_folder(tmp_path):
+    """The guard removes the build folder only once nothing of the compile is left to write into it: a child that
+    did not stop on SIGTERM and keeps creating files is killed first (before, the folder could be left behind,
+    refilled between the removal and the last kill)."""
+    node = f"""
+import sys, threading
+sys.path[:] = {sys.path!r}
+from orin_vlm_node import artifact_cache
+script = {WRITING_COMPILER.format(out=tmp_path / "w.out", child=tmp_path / "w.child")!r}
+argv = lambda out: ["sh", "-c", script, str(out)]
+threading.Thread(target=artifact_cache.run_compiler, args=(argv, "out.bin", "w", RuntimeError, 120)).start()
+"""
+    proc = subprocess.Popen([sys.executable, "-c", node])
+    try:
+        wait_for(tmp_path / "w.child", 30)
+        folder = Path((tmp_path / "w.out").read_text().strip()).parent
+        end = time.monotonic() + 10
+        while not list(folder.glob("part.*")) and time.monotonic() < end:
+            time.sleep(0.01)
+    finally:
+        proc.kill()
+        proc.wait()
+    end = time.monotonic() + 10
+    while not ended(tmp_path, "w") and time.monotonic() < end:
+        time.sleep(0.05)
+    assert ended(tmp_path, "w"), f"left: {sorted(p.name for p in folder.glob('*'))[:5] if folder.exists() else []}"
+
+
 def test_a_compiler_that_cannot_start_is_reported_by_name(tmp_path):
     with pytest.raises(CompileFailed, match="no-such-cc failed to run for lib: no-such-cc not found"):
         A.run_compiler(lambda out: ["no-such-cc", str(out)], "out.bin", "lib", CompileFailed, 10)
