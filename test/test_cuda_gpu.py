@@ -15,6 +15,7 @@ from orin_vlm_node.cuda import AttentionShape, CudaPagedAttention, DecodeGraph, 
 from orin_vlm_node.kvcache.attention import TorchPagedAttention
 from orin_vlm_node.kvcache.config import KVCacheConfig
 from orin_vlm_node.kvcache.paged import PagedKVCache
+from support.checkpoints import awq_copy, gptq_copy, int_copy
 
 pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (torch.cuda.is_available() is False)"),
@@ -727,21 +728,27 @@ def test_gpu_an_fp8_checkpoint_widens_on_the_device_to_the_values_it_has_on_the_
         assert torch.equal(on_gpu[name].cpu(), value), name
 
 
-@pytest.mark.parametrize("symmetric", [True, False])
+INT4_WRITERS = {  # how a 4-bit checkpoint of groups of 32 is written: compressed-tensors', AutoAWQ's, GPTQ's layouts
+    "w4a16": lambda src, dst: int_copy(src, dst, bits=4, strategy="group", group_size=32, symmetric=True),
+    "w4a16_asym": lambda src, dst: int_copy(src, dst, bits=4, strategy="group", group_size=32, symmetric=False),
+    "awq": lambda src, dst: awq_copy(src, dst, group_size=32),
+    "gptq_asym": lambda src, dst: gptq_copy(src, dst, group_size=32, sym=False),
+}
+
+
+@pytest.mark.parametrize("layout", list(INT4_WRITERS))
 def test_gpu_an_int4_checkpoint_is_kept_on_the_device_as_on_the_cpu_and_the_kernels_run_it(
-    tmp_path_factory, tmp_path, kernel_cache, symmetric
+    tmp_path_factory, tmp_path, kernel_cache, layout
 ):
-    """On CUDA a pack-quantized checkpoint's stored nibbles, scales and offsets go to the device as they are (no
-    widening): the kept projections hold the CPU load's bytes, the rest the CPU load's values, and the engine's
-    GEMV kernels answer inside the decode graphs as the torch path does on the same stored weights."""
+    """On CUDA a 4-bit checkpoint is kept on the device (pack-quantized nibbles as they are; AWQ's and GPTQ's
+    words paired into them there): the kept projections hold the CPU load's bytes, the rest the CPU load's values,
+    and the engine's GEMV kernels answer inside the decode graphs as the torch path does on the same stored
+    weights."""
     from orin_vlm_node.engine import Engine, EngineConfig
     from orin_vlm_node.model import load_model
     from orin_vlm_node.model.quant import WeightQuant
-    from support.checkpoints import int_copy
 
-    ckpt = int_copy(
-        _tiny(tmp_path_factory, 64), tmp_path / "w4", bits=4, strategy="group", group_size=32, symmetric=symmetric
-    )
+    ckpt = INT4_WRITERS[layout](_tiny(tmp_path_factory, 64), tmp_path / "w4")
     quant = WeightQuant("int4", 32)
     on_cpu = load_model(ckpt, torch.float32, quant=quant).state_dict()
     on_gpu = load_model(ckpt, torch.float32, device="cuda", quant=quant).state_dict()
