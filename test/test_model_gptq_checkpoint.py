@@ -195,6 +195,14 @@ def test_gptq_weights_without_fitting_companions_are_refused_naming_them(copies,
         load_model(ckpt)
 
 
+def test_a_g_idx_naming_groups_the_scales_do_not_have_is_refused(copies, tmp_path):
+    ckpt = tmp_path / "out_of_range"
+    shutil.copytree(copies["act_order"], ckpt)
+    rewrite_tensors(ckpt, lambda t: t[f"{DOWN}.g_idx"].__setitem__(0, 4))  # 4 groups of 32: 0..3
+    with pytest.raises(CheckpointError, match=r"a GPTQ g_idx names groups 0\.\.4; its scales have 4 groups"):
+        load_model(ckpt, torch.float32)
+
+
 def test_g_idx_may_be_left_out_without_activation_order_but_not_with_it(copies, tmp_path):
     """Groups of consecutive inputs need no index (some exporters leave it out): read as with it, kept or widened;
     activation-ordered groups cannot be read without it."""

@@ -158,6 +158,11 @@ class GptqWeights:
         k = out.shape[1]
         groups = self._consecutive(k, out.device) if g_idx is None else g_idx.to(out.device, torch.long)
         consecutive = g_idx is None or torch.equal(groups, self._consecutive(k, out.device))
+        if not consecutive and (int(groups.min()) < 0 or int(groups.max()) >= scale.shape[0]):
+            raise CheckpointError(
+                f"a GPTQ g_idx names groups {int(groups.min())}..{int(groups.max())}; its scales have "
+                f"{scale.shape[0]} groups"
+            )
         for rows, words, z, s in self._pieces(out.shape[0], weight, scale, zero_point, out.device):
             wide = unpack_gptq_weight(words, k).to(torch.float32)  # (rows, K)
             z, s = z.to(torch.float32), s.to(torch.float32)
