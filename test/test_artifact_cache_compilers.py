@@ -13,6 +13,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -130,29 +131,38 @@ def test_parallel_builds_give_results_in_order_and_a_failure_after_the_others_fi
     assert sorted(p.name for p in tmp_path.glob("done*")) == ["done0", "done2", "done3"]
 
 
-def test_a_node_killed_outright_leaves_no_compiler_running(tmp_path):
-    """A process (the node) compiles on a worker thread, as the node loads its model, and is killed with SIGKILL
-    (the OOM killer, a launch file's escalation): the compiler's group and its build folder go too, within a
-    moment."""
+def kill_a_compiling_node(tmp_path: Path, name: str, compiler: str, ready: Callable[[], bool]) -> bool:
+    """A process (the node) compiles with the stand-in ``compiler`` (a template of ``out`` and ``child``) on a
+    worker thread, as the node loads its model, and is killed with SIGKILL (the OOM killer, a launch file's
+    escalation) once its compiler started its child and ``ready()``: whether the compile then ``ended`` within
+    10 s."""
     node = f"""
 import sys, threading
 sys.path[:] = {sys.path!r}
-from pathlib import Path
 from orin_vlm_node import artifact_cache
-script = {SLOW_COMPILER.format(out=tmp_path / "k.out", child=tmp_path / "k.child")!r}
+script = {compiler.format(out=tmp_path / f"{name}.out", child=tmp_path / f"{name}.child")!r}
 argv = lambda out: ["sh", "-c", script, str(out)]
-threading.Thread(target=artifact_cache.run_compiler, args=(argv, "out.bin", "k", RuntimeError, 120)).start()
+threading.Thread(target=artifact_cache.run_compiler, args=(argv, "out.bin", {name!r}, RuntimeError, 120)).start()
 """
     proc = subprocess.Popen([sys.executable, "-c", node])
     try:
-        wait_for(tmp_path / "k.child", 30)
+        wait_for(tmp_path / f"{name}.child", 30)
+        end = time.monotonic() + 10
+        while not ready() and time.monotonic() < end:
+            time.sleep(0.01)
     finally:
         proc.kill()
         proc.wait()
     end = time.monotonic() + 10
-    while not ended(tmp_path, "k") and time.monotonic() < end:
+    while not ended(tmp_path, name) and time.monotonic() < end:
         time.sleep(0.05)
-    assert ended(tmp_path, "k"), "the compiler's child, or its build folder, is left after its node was killed"
+    return ended(tmp_path, name)
+
+
+def test_a_node_killed_outright_leaves_no_compiler_running(tmp_path):
+    """The compiler's group and its build folder go with a node killed outright, within a moment."""
+    gone = kill_a_compiling_node(tmp_path, "k", SLOW_COMPILER, lambda: True)
+    assert gone, "the compiler's child, or its build folder, is left after its node was killed"
 
 
 # A compiler whose child ignores SIGTERM (as one forked while the signal went out never gets it) and keeps writing
@@ -167,28 +177,11 @@ def test_a_killed_nodes_compile_is_removed_even_while_a_straggler_writes_into_it
     """The guard removes the build folder only once nothing of the compile is left to write into it: a child that
     did not stop on SIGTERM and keeps creating files is killed first (before, the folder could be left behind,
     refilled between the removal and the last kill)."""
-    node = f"""
-import sys, threading
-sys.path[:] = {sys.path!r}
-from orin_vlm_node import artifact_cache
-script = {WRITING_COMPILER.format(out=tmp_path / "w.out", child=tmp_path / "w.child")!r}
-argv = lambda out: ["sh", "-c", script, str(out)]
-threading.Thread(target=artifact_cache.run_compiler, args=(argv, "out.bin", "w", RuntimeError, 120)).start()
-"""
-    proc = subprocess.Popen([sys.executable, "-c", node])
-    try:
-        wait_for(tmp_path / "w.child", 30)
-        folder = Path((tmp_path / "w.out").read_text().strip()).parent
-        end = time.monotonic() + 10
-        while not list(folder.glob("part.*")) and time.monotonic() < end:
-            time.sleep(0.01)
-    finally:
-        proc.kill()
-        proc.wait()
-    end = time.monotonic() + 10
-    while not ended(tmp_path, "w") and time.monotonic() < end:
-        time.sleep(0.05)
-    assert ended(tmp_path, "w"), f"left: {sorted(p.name for p in folder.glob('*'))[:5] if folder.exists() else []}"
+
+    def writing() -> bool:
+        return any(Path((tmp_path / "w.out").read_text().strip()).parent.glob("part.*"))
+
+    assert kill_a_compiling_node(tmp_path, "w", WRITING_COMPILER, writing), "the build folder or the writer is left"
 
 
 def test_a_compiler_that_cannot_start_is_reported_by_name(tmp_path):
