@@ -45,7 +45,7 @@ import torch
 from .errors import CheckpointError
 from .fp8_weights import apply_blockwise_, positive_int
 from .int_weights import companion_problem
-from .quant import QuantizedLinear, WeightQuant
+from .quant import QuantizedLinear, WeightQuant, unpack_nibbles
 
 VERSIONS = ("gemm",)  # AutoAWQ's layouts read here
 AWQ_PACK_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # nibble i of a word holds output 8c + AWQ_PACK_ORDER[i]
@@ -138,7 +138,7 @@ class AwqWeights:
         """``out`` (N, K), in its own dtype, = ``(u - z) * s`` of the stored ``weight`` (module docstring), computed
         in fp32 a few outputs at a time on ``out``'s device."""
         for rows, pairs, z, s in self._pieces(out.shape[0], weight, scale, zero_point, out.device):
-            wide = torch.stack((pairs & 0xF, pairs >> 4), dim=-1).flatten(1).to(torch.float32)  # (n, K): u
+            wide = unpack_nibbles(pairs).to(torch.float32)  # (n, K): u
             apply_blockwise_(wide, z.to(torch.float32), 1, self.group_size, torch.Tensor.sub_)
             apply_blockwise_(wide, s.to(torch.float32), 1, self.group_size, torch.Tensor.mul_)
             out[rows].copy_(wide)
@@ -202,5 +202,5 @@ def unpack_awq(words: torch.Tensor) -> torch.Tensor:
     read as little-endian bytes (x86, Arm): byte b of a word holds nibbles 2b (low half) and 2b + 1 (high)."""
     r, w = words.shape
     data = words.contiguous().view(torch.uint8).view(r, w, 4)
-    nibbles = torch.stack((data & 0xF, data >> 4), dim=-1).view(r, w, OUTPUTS_PER_WORD)  # nibble i at index i
+    nibbles = unpack_nibbles(data)  # (R, W, 8): nibble i at index i
     return nibbles[..., list(AWQ_NIBBLE_OF)].reshape(r, w * OUTPUTS_PER_WORD)

@@ -47,7 +47,7 @@ import torch
 from .errors import CheckpointError
 from .fp8_weights import apply_blockwise_, positive_int
 from .int_weights import companion_problem
-from .quant import QuantizedLinear, WeightQuant
+from .quant import QuantizedLinear, WeightQuant, unpack_nibbles
 
 FORMATS = ("gptq", "gptq_v2")  # checkpoint_format values read: v1 (zero points stored minus one) and v2
 VALUES_PER_WORD = 8
@@ -226,7 +226,7 @@ def unpack_gptq_weight(words: torch.Tensor, k: int) -> torch.Tensor:
     """qweight words (rows, K / 8) int32, one output's inputs 8r .. 8r + 7 a word -> u (rows, K) uint8. Words are
     read as little-endian bytes (x86, Arm): byte b of a word holds inputs 2b (low half) and 2b + 1 (high)."""
     data = words.contiguous().view(torch.uint8)  # (rows, K / 2)
-    return torch.stack((data & 0xF, data >> 4), dim=-1).flatten(1)[:, :k]
+    return unpack_nibbles(data)[:, :k]
 
 
 def unpack_gptq_zeros(words: torch.Tensor, v1: bool) -> torch.Tensor:
@@ -236,4 +236,4 @@ def unpack_gptq_zeros(words: torch.Tensor, v1: bool) -> torch.Tensor:
         wide = (words.to(torch.int64) + V1_ZERO_OFFSET) & 0xFFFFFFFF
         words = torch.where(wide >= 1 << 31, wide - (1 << 32), wide).to(torch.int32)
     data = words.contiguous().view(torch.uint8)  # (groups, N / 2): byte b holds outputs 2b and 2b + 1
-    return torch.stack((data & 0xF, data >> 4), dim=-1).flatten(1).to(torch.int16)
+    return unpack_nibbles(data).to(torch.int16)

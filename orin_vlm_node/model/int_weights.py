@@ -51,7 +51,7 @@ import torch
 
 from .errors import CheckpointError
 from .fp8_weights import apply_blockwise_, positive_int
-from .quant import QuantizedLinear, WeightQuant
+from .quant import QuantizedLinear, WeightQuant, unpack_nibbles
 
 FORMATS = ("pack-quantized", "int-quantized")
 STRATEGIES = ("tensor", "channel", "group")
@@ -258,7 +258,7 @@ class IntWeights:
             return stored
         data = stored.contiguous().view(torch.uint8)  # (rows, 4 * words): byte j holds values 2j, 2j+1 or j
         if self.bits == 4:
-            data = torch.stack((data & 0xF, data >> 4), dim=-1).flatten(-2)
+            data = unpack_nibbles(data)
         return data[:, :k]
 
     def _zero_grid(self, zero_point: torch.Tensor, n: int, k: int) -> torch.Tensor:

@@ -68,6 +68,12 @@ class WeightQuant:
             )
 
 
+def unpack_nibbles(data: torch.Tensor) -> torch.Tensor:
+    """(..., B) uint8 holding two 4-bit values a byte, the first in the low nibble (the node's INT4 bytes, and the
+    bytes of the little-endian int32 words the 4-bit checkpoint formats pack) -> (..., 2 B) uint8, in order."""
+    return torch.stack((data & 0xF, data >> 4), dim=-1).flatten(-2)
+
+
 LM_HEAD_QUANT = WeightQuant("int8")
 QUANTIZE_ELEMENTS = 1 << 24  # weights quantized at a time (64 MB of fp32 working copy each)
 
@@ -141,7 +147,7 @@ class QuantizedLinear(nn.Module):
         k = self.in_features
         if self.mode == "int8":
             return self.qweight.to(dtype) * self.scales.to(dtype)[:, None]
-        q = torch.stack((self.qweight & 0xF, self.qweight >> 4), dim=2).flatten(1)[:, :k]  # (N, K) 0..15
+        q = unpack_nibbles(self.qweight)[:, :k]  # (N, K) 0..15
         scales = self.scales.repeat_interleave(self.group_size, dim=1)[:, :k]
         offsets = self.offsets.repeat_interleave(self.group_size, dim=1)[:, :k]
         return (q.to(torch.float32) * scales.float() + offsets.float()).to(dtype)
