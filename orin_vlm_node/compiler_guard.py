@@ -76,8 +76,9 @@ def main(argv: list[str]) -> int:
         ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
     except (OSError, AttributeError):
         pass  # not Linux: no death signal; a node that is stopped still kills the group
-    if died or os.getppid() != node:
-        return 128 + signal.SIGTERM  # the node ended before the death signal was set: compile nothing
+    if died or os.getppid() != node:  # the node ended while this guard started: compile nothing
+        shutil.rmtree(build, ignore_errors=True)  # nobody else is left to remove the folder it made
+        return 128 + signal.SIGTERM
     try:
         pid = os.posix_spawnp(cmd[0], cmd, {**os.environ, "TMPDIR": build})
     except OSError as exc:

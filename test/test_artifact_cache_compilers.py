@@ -184,6 +184,19 @@ def test_a_killed_nodes_compile_is_removed_even_while_a_straggler_writes_into_it
     assert kill_a_compiling_node(tmp_path, "w", WRITING_COMPILER, writing), "the build folder or the writer is left"
 
 
+def test_a_guard_whose_node_ended_while_it_started_compiles_nothing_and_removes_the_folder(tmp_path):
+    """The node killed between starting the guard and the guard asking for its death signal (the guard's parent is
+    then no longer the node): nothing is compiled and the build folder the node made goes too (the CI run of
+    4eb34a4 found it left, empty, by a node killed in that moment)."""
+    build = tmp_path / "orin_vlm_build_x"
+    build.mkdir()
+    marker = tmp_path / "compiled"
+    not_the_parent = 1  # init: not this guard's parent, as a dead node's pid is not
+    guard = [sys.executable, "-I", "-S", str(A.COMPILER_GUARD), str(not_the_parent), str(build), "touch", str(marker)]
+    done = subprocess.run(guard, capture_output=True, timeout=30)
+    assert done.returncode == 128 + signal.SIGTERM and not marker.exists() and not build.exists(), done.stderr
+
+
 def test_a_compiler_that_cannot_start_is_reported_by_name(tmp_path):
     with pytest.raises(CompileFailed, match="no-such-cc failed to run for lib: no-such-cc not found"):
         A.run_compiler(lambda out: ["no-such-cc", str(out)], "out.bin", "lib", CompileFailed, 10)
