@@ -12,6 +12,8 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
+
 PRELUDE = """
 import os, signal, sys
 from orin_vlm_node.ros.main import StopRequested, StopSignals
@@ -100,3 +102,47 @@ def test_once_serving_a_signal_only_sets_the_flag():
     """)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == "requested: True SIGINT"
+
+
+# Where a stop signal can land while the node starts, as the body of the node's constructor: plain Python code;
+# a ``__set_name__`` (dataclasses call it at class creation, so while a module imports; Python 3.10 and 3.11
+# wrap what it raises in a RuntimeError, as CI met while ``kvcache.paged`` was imported); a library that
+# raises its own error from whatever interrupted it.
+STARTS = {
+    "plain": """
+        os.kill(os.getpid(), signal.SIGINT)
+        for _ in range(1000):
+            pass
+    """,
+    "class_creation": """
+        class SignalledWhenNamed:
+            def __set_name__(self, owner, name):
+                os.kill(os.getpid(), signal.SIGINT)
+                for _ in range(1000):
+                    pass
+
+        class Seq:
+            table = SignalledWhenNamed()
+    """,
+    "library_wrapper": """
+        try:
+            os.kill(os.getpid(), signal.SIGINT)
+            for _ in range(1000):
+                pass
+        except BaseException as exc:
+            raise ValueError("the model's config could not be read") from exc
+    """,
+}
+
+
+@pytest.mark.parametrize("where", sorted(STARTS))
+def test_a_stop_while_the_node_starts_exits_0_with_one_line_wherever_it_lands(where):
+    """The entry point, with the node's constructor standing for the startup: a stop is a stop however the
+    code it interrupted passed it on, not a failure to start (exit 1) and not a traceback."""
+    body = textwrap.indent(textwrap.dedent(STARTS[where]), "    ")
+    code = f"import os, signal\nfrom orin_vlm_node.ros import main as entry, node\n\ndef start():\n{body}\n"
+    code += "    print('not stopped', flush=True)\n\nnode.VlmNode = start\nentry.main([])\n"
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stderr.strip() == "orin_vlm: SIGINT during startup: stopped before serving"
+    assert "not stopped" not in proc.stdout

@@ -49,6 +49,24 @@ class StopRequested(BaseException):
     library swallows it)."""
 
 
+def stop_behind(exc: BaseException) -> StopRequested | None:
+    """The :class:`StopRequested` that ``exc`` is, or was raised from or while handling; else None.
+
+    Why: the signal's exception surfaces wherever the main thread is, and some code there wraps what it
+    raises. Python 3.10 and 3.11 wrap an exception out of ``__set_name__`` (which ``dataclasses`` calls
+    at class creation, so at import) in a ``RuntimeError``; a library's ``except BaseException`` may
+    raise its own error from it. Such a stop is still a stop, not a failure to start.
+    """
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        if isinstance(current, StopRequested):
+            return current
+        seen.add(id(current))
+        current = current.__cause__ or current.__context__
+    return None
+
+
 class StopSignals:
     """SIGINT and SIGTERM as a stop request: raised while starting, a flag once :meth:`serving`.
 
@@ -93,7 +111,7 @@ class StopSignals:
                 wake()
 
     def _unraisable(self, unraisable: Any) -> None:
-        if not isinstance(unraisable.exc_value, StopRequested):
+        if stop_behind(unraisable.exc_value) is None:
             self._unraisable_hook(unraisable)
 
     def _handle(self, signum: int, _frame: Any) -> None:
@@ -124,12 +142,12 @@ def serve(stop: StopSignals, args: list[str] | None = None, managed: bool = Fals
             node = VlmLifecycleNode()
         else:
             node = VlmNode()
-    except (StartupError, EngineError, ValueError) as exc:
-        message = str(exc) if isinstance(exc, EngineError) else f"cannot start: {exc}"
-        rclpy.logging.get_logger(NODE_NAME).fatal(message)
-        rclpy.try_shutdown()
-        return 1
-    except BaseException:
+    except BaseException as exc:
+        if stop_behind(exc) is None and isinstance(exc, (StartupError, EngineError, ValueError)):
+            message = str(exc) if isinstance(exc, EngineError) else f"cannot start: {exc}"
+            rclpy.logging.get_logger(NODE_NAME).fatal(message)
+            rclpy.try_shutdown()
+            return 1
         rclpy.try_shutdown()
         raise
     executor = SingleThreadedExecutor()
@@ -207,7 +225,10 @@ def main(args: list[str] | None = None, managed: bool = False) -> int:
         if STOP_WITH_PARENT in own:
             stop_with_parent()
         code = serve(stop, args, managed)
-    except StopRequested as why:
+    except BaseException as exc:
+        why = stop_behind(exc)
+        if why is None:
+            raise
         stopped = stop_compilers()  # the load thread's kernel builds would go on without the process
         builds = f" ({stopped} kernel build(s) stopped)" if stopped else ""
         print(f"{NODE_NAME}: {why} during startup: stopped before serving{builds}", file=sys.stderr, flush=True)
