@@ -7,7 +7,12 @@ the payload) and is written atomically (temporary file + rename), so a write int
 Ctrl-C, or a corrupted file, is detected and rebuilt instead of crashing a loader; a read-only cache only
 costs a rebuild at every start. The cache stays bounded on a robot that is updated for years: each
 artifact (a module for one architecture) keeps its ``KEEP_PER_ARTIFACT`` most recently used builds, so
-switching between a few installed versions still hits and older builds are deleted.
+switching between a few installed versions still hits and older builds are deleted. That rule only sees
+the builds of artifacts still built; the entries of a module a later release renamed or dropped, and the
+temporary files of writes cut short by a power cut, would stay forever. So a cache folder as a whole also
+keeps at most ``CACHE_BUDGET_BYTES`` of entries (the least recently used deleted first), and a temporary
+file older than any write takes is deleted. Only files that are this cache's own are touched (an entry
+starts with the header's magic), as ``kernel_cache_dir`` may name a folder other files live in.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -33,6 +39,10 @@ R = TypeVar("R")
 # Named after the first artifacts cached (cubins); kept so that existing caches stay valid.
 _MAGIC = b"ORINVLM-CUBIN-1\n"
 KEEP_PER_ARTIFACT = 4  # builds (keys) of one artifact kept in the cache, most recently used first
+# All entries of one cache folder: the builds in use (a few MB per module and dtype) with room for older ones.
+CACHE_BUDGET_BYTES = 512 << 20
+ABANDONED_TEMP_S = 3600.0  # a write takes milliseconds: its temporary file this old was left by a dead writer
+_TEMP_SUFFIX = ".tmp"
 # Runs each compiler, and kills it with all it spawned when the node dies without a word (see the script).
 COMPILER_GUARD = Path(__file__).with_name("compiler_guard.py")
 
@@ -64,7 +74,7 @@ def unpack(blob: bytes) -> bytes | None:
 def atomic_write(path: Path, data: bytes) -> None:
     """Write ``data`` to ``path`` so that readers see the old file or the whole new one, never a part."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".", suffix=".tmp")
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".", suffix=_TEMP_SUFFIX)
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(data)
@@ -103,8 +113,9 @@ def read_cached(path: Path) -> bytes | None:
 def write_cached(path: Path, payload: bytes, siblings: str) -> None:
     """Store ``payload`` at ``path`` (atomically, with its header), then delete all but the
     ``KEEP_PER_ARTIFACT`` most recently used files of ``path``'s directory that match the glob ``siblings``
-    (the other builds of the same artifact: ``gemv-sm_87-*.cubin``). A cache that cannot be written is logged
-    and otherwise ignored: the caller has the payload and carries on."""
+    (the other builds of the same artifact: ``gemv-sm_87-*.cubin``), and keep the folder within its budget
+    (:func:`trim_folder`). A cache that cannot be written is logged and otherwise ignored: the caller has the
+    payload and carries on."""
     try:
         atomic_write(path, pack(payload))
     except OSError as exc:
@@ -117,11 +128,58 @@ def write_cached(path: Path, payload: bytes, siblings: str) -> None:
         except OSError:
             continue  # deleted meanwhile by another process
     for _, stale in sorted(builds, reverse=True)[KEEP_PER_ARTIFACT:]:
+        _remove(stale, f"older than the {KEEP_PER_ARTIFACT} kept builds")
+    trim_folder(path.parent, path)
+
+
+def _is_entry(path: Path) -> bool:
+    """Whether ``path`` starts as this cache's entries do (a complete one or one cut short)."""
+    try:
+        with path.open("rb") as f:
+            return f.read(len(_MAGIC)) == _MAGIC
+    except OSError:
+        return False
+
+
+def trim_folder(folder: Path, keep: Path) -> None:
+    """Delete the least recently used entries of ``folder`` beyond :data:`CACHE_BUDGET_BYTES` (never ``keep``, the entry
+    just written), and the temporary files of writes older than :data:`ABANDONED_TEMP_S`. Other files, this
+    cache's temporary files of writes that may still be running, and what cannot be read are left alone (an
+    empty temporary file, from a writer that died before its first byte, cannot be told from another's)."""
+    now = time.time()
+    entries = []
+    try:
+        names = list(folder.iterdir())
+    except OSError:
+        return
+    for entry in names:
         try:
-            stale.unlink()
-            _log.info("kernel cache: removed %s (older than the %d kept builds)", stale, KEEP_PER_ARTIFACT)
+            st = entry.stat()
         except OSError:
-            pass
+            continue  # deleted meanwhile by another process
+        if not entry.is_file() or entry == keep:
+            continue
+        if entry.name.endswith(_TEMP_SUFFIX):
+            if now - st.st_mtime > ABANDONED_TEMP_S and _is_entry(entry):
+                _remove(entry, "a write that never finished")
+        elif _is_entry(entry):
+            entries.append((st.st_mtime, st.st_size, entry))
+    try:
+        used = keep.stat().st_size
+    except OSError:
+        used = 0  # not written (a read-only cache) or deleted meanwhile
+    for _, size, entry in sorted(entries, key=lambda e: e[0], reverse=True):
+        used += size
+        if used > CACHE_BUDGET_BYTES:
+            _remove(entry, f"least recently used beyond the folder's {CACHE_BUDGET_BYTES / 2**20:g} MiB")
+
+
+def _remove(entry: Path, why: str) -> None:
+    try:
+        entry.unlink()
+        _log.info("kernel cache: removed %s (%s)", entry, why)
+    except OSError:
+        pass
 
 
 # The compilers this process is running, each under its guard, the leader of a process group of its own that also

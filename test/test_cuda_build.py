@@ -6,6 +6,7 @@ import logging
 import os
 import shutil
 import stat
+import time
 from pathlib import Path
 
 import pytest
@@ -180,3 +181,51 @@ def test_the_cache_keeps_the_most_recently_used_builds_of_each_artifact(tmp_path
     assert (tmp_path / "gemv-sm_87-2.cubin").is_file() and not (tmp_path / "gemv-sm_87-3.cubin").exists()
     assert len(list(tmp_path.glob("gemv-sm_87-*.cubin"))) == keep
     assert all(p.is_file() for p in other)
+
+
+def _entry(path: Path, size: int, mtime: float) -> Path:
+    """A cache entry of ``size`` payload bytes, last used at ``mtime``."""
+    path.write_bytes(artifact_cache.pack(bytes(size)))
+    os.utime(path, (mtime, mtime))
+    return path
+
+
+def test_a_cache_folder_stays_within_its_budget_whatever_its_entries_are_named(tmp_path, monkeypatch, caplog):
+    """The builds of modules a later release renamed or dropped match no artifact's rule: the folder's budget
+    still removes them, least recently used first, and never the entry just written or a file that is not the
+    cache's (``kernel_cache_dir`` may name a folder others use)."""
+    entry_bytes = len(artifact_cache.pack(bytes(1000)))
+    monkeypatch.setattr(artifact_cache, "CACHE_BUDGET_BYTES", 10 * entry_bytes)
+    orphans = [_entry(tmp_path / f"gemv-sm_87-{i:024x}.cubin", 1000, 100 + i) for i in range(8)]  # old names
+    current = [_entry(tmp_path / f"rms_norm-sm_87-fp16-{i:024x}.cubin", 1000, 200 + i) for i in range(4)]
+    foreign = tmp_path / "someone_elses.cubin"
+    foreign.write_bytes(bytes(50 * entry_bytes))
+    os.utime(foreign, (1, 1))
+    with caplog.at_level(logging.INFO, logger=artifact_cache.__name__):
+        artifact_cache.write_cached(tmp_path / "gemv-sm_87-fp16-new.cubin", bytes(1000), "gemv-sm_87-fp16-*.cubin")
+    left = {p.name for p in tmp_path.iterdir()}
+    # the new entry and the 9 most recently used others fit: the 3 oldest orphans go
+    assert left == {"gemv-sm_87-fp16-new.cubin", foreign.name} | {p.name for p in current + orphans[3:]}
+    assert "least recently used beyond the folder's" in caplog.text
+    monkeypatch.setattr(artifact_cache, "CACHE_BUDGET_BYTES", entry_bytes // 2)  # smaller than one entry
+    artifact_cache.write_cached(tmp_path / "silu_mul-sm_87-fp16-new.cubin", bytes(1000), "silu_mul-*.cubin")
+    assert {p.name for p in tmp_path.iterdir()} == {"silu_mul-sm_87-fp16-new.cubin", foreign.name}
+    assert artifact_cache.read_cached(tmp_path / "silu_mul-sm_87-fp16-new.cubin") == bytes(1000)
+
+
+def test_temporary_files_of_writes_that_never_finished_are_removed(tmp_path):
+    """A power cut during a write leaves its temporary file: removed once it is older than any write takes,
+    not while a write of another process may still be running, and only when it is the cache's own."""
+    now = time.time()
+    old = now - artifact_cache.ABANDONED_TEMP_S - 60
+    abandoned = tmp_path / "gemv-sm_87-fp16-abc.cubin.k3j2h1ab.tmp"
+    abandoned.write_bytes(artifact_cache.pack(bytes(5000))[:3000])  # cut short
+    os.utime(abandoned, (old, old))
+    running = tmp_path / "gemv-sm_87-fp16-abd.cubin.x9y8z7wv.tmp"
+    running.write_bytes(artifact_cache.pack(bytes(5000))[:3000])
+    foreign = tmp_path / "download.tmp"
+    foreign.write_bytes(b"not the cache's")
+    os.utime(foreign, (old, old))
+    artifact_cache.write_cached(tmp_path / "gemv-sm_87-fp16-abe.cubin", b"CUBIN", "gemv-sm_87-fp16-*.cubin")
+    assert not abandoned.exists()
+    assert running.is_file() and foreign.is_file()
