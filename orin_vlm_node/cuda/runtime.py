@@ -133,11 +133,11 @@ class KernelRuntime:
         self._pyctx = drv.Device(device.index or 0).retain_primary_context()
         self._driver = _Driver()
         self._local = threading.local()
+        self._modules: list[ctypes.c_void_p] = []
+        self._functions: dict[str, ctypes.c_void_p] = {}
         self._pyctx.push()
         try:
             self._ctx_handle = self._driver.current_context()
-            self._modules: list[ctypes.c_void_p] = []
-            self._functions: dict[str, ctypes.c_void_p] = {}
             for compiled in modules:
                 mod = ctypes.c_void_p()
                 self._driver.check(
@@ -152,6 +152,13 @@ class KernelRuntime:
                         f"looking up kernel {kernel}",
                     )
                     self._functions[kernel] = fn
+        except BaseException:
+            # The modules loaded before the failure would hold GPU memory for the process's life (the caller
+            # rebuilds and loads again, or starts on the torch path): they are unloaded first, and the load's
+            # error is the one raised.
+            with contextlib.suppress(CudaRuntimeError):
+                self._unload()
+            raise
         finally:
             self._pyctx.pop()
         self.sm_count = torch.cuda.get_device_properties(device).multi_processor_count
@@ -176,14 +183,20 @@ class KernelRuntime:
         launch after it raises CudaRuntimeError; a second call does nothing."""
         if not self._modules:
             return
-        self._functions.clear()
         self._pyctx.push()
         try:
-            for mod in self._modules:
-                self._driver.check(self._driver.lib.cuModuleUnload(mod), "cuModuleUnload")
+            self._unload()
         finally:
-            self._modules.clear()
             self._pyctx.pop()
+
+    def _unload(self) -> None:
+        """Unload every loaded module (the primary context current); the first failure is raised once all
+        were tried."""
+        self._functions.clear()
+        modules, self._modules = self._modules, []
+        failures = [rc for rc in (self._driver.lib.cuModuleUnload(mod) for mod in modules) if rc]
+        if failures:
+            self._driver.check(failures[0], "cuModuleUnload")
 
     def _ensure_context(self) -> None:
         """Make the primary context current on this thread (torch usually has; a fresh thread may not)."""
