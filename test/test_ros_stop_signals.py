@@ -146,3 +146,16 @@ def test_a_stop_while_the_node_starts_exits_0_with_one_line_wherever_it_lands(wh
     assert proc.returncode == 0, proc.stderr
     assert proc.stderr.strip() == "orin_vlm: SIGINT during startup: stopped before serving"
     assert "not stopped" not in proc.stdout
+
+
+def test_the_entry_module_imports_only_what_the_handlers_need():
+    """A signal before the handlers are in place ends the node the default way (a KeyboardInterrupt traceback,
+    or killed by SIGTERM): the entry module itself leaves everything else to be imported once they are."""
+    code = "import sys\nbefore = set(sys.modules)\nimport orin_vlm_node.ros.main\n"
+    code += "print(*sorted(set(sys.modules) - before))"
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    imported = set(proc.stdout.split())
+    assert "orin_vlm_node.ros.main" in imported
+    heavy = {"logging", "socket", "ctypes", "subprocess", "orin_vlm_node.artifact_cache", "rclpy", "torch"}
+    assert not imported & heavy, sorted(imported & heavy)
