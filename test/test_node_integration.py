@@ -272,8 +272,12 @@ def test_cancel_stops_the_running_prompt_and_drops_waiting_ones(vlm):
         )
         assert final["finish_reason"] == "cancelled"
         assert final["metrics"]["generated_tokens"] < 3000
+        events = [(e["event"], e["request_id"]) for e in client.status if e["request_id"] not in known]
         dropped = [e for e in client.status if e["event"] == "dropped" and e["request_id"] not in known]
         assert len(dropped) == 1 and "cancelled" in dropped[0]["note"]
+        # the waiting prompt is dropped before the running one ends: the worker never takes it up
+        assert events.index(("dropped", dropped[0]["request_id"])) < events.index(("finished", final["request_id"]))
+        assert ("started", dropped[0]["request_id"]) not in events
     finally:
         set_ok(client, {"max_new_tokens": PARAMS["max_new_tokens"], "image_max_age_s": PARAMS["image_max_age_s"]})
     assert client.ask(QUESTION)["status"]["event"] == "finished"  # still answering

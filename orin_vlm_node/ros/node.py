@@ -403,10 +403,12 @@ class VlmServing:
         return response
 
     def _on_cancel(self, ch: Channel, _request: Trigger.Request, response: Trigger.Response) -> Trigger.Response:
-        current = ", ".join(self._worker.cancel_running(ch.name))
+        # The waiting prompts first: a running prompt cancelled first ends at once, and the worker could take
+        # the next waiting one before the queue was drained (and its ``dropped`` came after the ``finished``).
         waiting = self._queue.drain(ch.name)
         for item in waiting:
             self._publish_dropped(item, "cancelled by ~/cancel before it started")
+        current = ", ".join(self._worker.cancel_running(ch.name))
         response.success = True
         response.message = (
             f"cancelled {current if current else 'nothing running'}; dropped {len(waiting)} waiting prompt(s)"
