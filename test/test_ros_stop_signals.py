@@ -139,6 +139,7 @@ STARTS = {
 def test_a_stop_while_the_node_starts_exits_0_with_one_line_wherever_it_lands(where):
     """The entry point, with the node's constructor standing for the startup: a stop is a stop however the
     code it interrupted passed it on, not a failure to start (exit 1) and not a traceback."""
+    pytest.importorskip("rclpy", reason="serve() starts rclpy (the ROS 2 wheels, installed by `make test`)")
     body = textwrap.indent(textwrap.dedent(STARTS[where]), "    ")
     code = f"import os, signal\nfrom orin_vlm_node.ros import main as entry, node\n\ndef start():\n{body}\n"
     code += "    print('not stopped', flush=True)\n\nnode.VlmNode = start\nentry.main([])\n"
