@@ -224,14 +224,14 @@ def main(args: list[str] | None = None, managed: bool = False) -> int:
     takes seconds on a loaded Jetson, and ``ros2 launch`` escalates to SIGKILL when a node lingers.
     """
     stop = StopSignals()  # first of all (see the imports at the top)
-    own = own_arguments(sys.argv[1:] if args is None else args)
-    unknown = [arg for arg in own if arg != STOP_WITH_PARENT]
-    if unknown:
-        print(f"{NODE_NAME}: cannot start: unknown argument(s) {' '.join(unknown)}; the node takes "
-              f"{STOP_WITH_PARENT} and ROS arguments after --ros-args (e.g. --ros-args -p model_path:=<dir>)",
-              file=sys.stderr, flush=True)  # fmt: skip
-        return 1
     try:
+        own = own_arguments(sys.argv[1:] if args is None else args)
+        unknown = [arg for arg in own if arg != STOP_WITH_PARENT]
+        if unknown:
+            print(f"{NODE_NAME}: cannot start: unknown argument(s) {' '.join(unknown)}; the node takes "
+                  f"{STOP_WITH_PARENT} and ROS arguments after --ros-args (e.g. --ros-args -p model_path:=<dir>)",
+                  file=sys.stderr, flush=True)  # fmt: skip
+            return 1
         if STOP_WITH_PARENT in own:
             stop_with_parent()
         code = serve(stop, args, managed)
