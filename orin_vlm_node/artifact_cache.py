@@ -32,6 +32,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TypeVar
 
+from .compiler_guard import live_processes  # standard library only (the guard runs as a script too)
+
 _log = logging.getLogger(__name__)
 T = TypeVar("T")
 R = TypeVar("R")
@@ -198,21 +200,58 @@ def _kill_group(proc: subprocess.Popen) -> None:
             pass
 
 
+def _unregistered_guards() -> dict[int, Path]:
+    """The compiler guards this process started that :func:`run_compiler` holds no ``Popen`` of -> the build
+    folder each was given. A stop signal raised in the thread that starts a compile can land inside
+    ``subprocess.Popen`` once the guard runs and before the call returns: the guard then runs with nobody
+    holding its pid, and only /proc still names it (a child of this process, the leader of its own group,
+    running :data:`COMPILER_GUARD`)."""
+    me, guard = os.getpid(), str(COMPILER_GUARD)
+    found = {}
+    for pid, (parent, group) in live_processes().items():
+        if parent != me or group != pid:
+            continue
+        try:
+            argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue  # ended meanwhile
+        if len(argv) > 5 and argv[3].decode(errors="replace") == guard:  # python -I -S <guard> <pid> <folder> ...
+            found[pid] = Path(argv[5].decode(errors="replace"))
+    with _compilers_lock:
+        held = {proc.pid for proc in _compilers}
+    return {pid: folder for pid, folder in found.items() if pid not in held}
+
+
 def stop_compilers() -> int:
     """Kill every compiler :func:`run_compiler` is running in this process, with what each spawned, and say how
     many: a startup abandoned by a stop signal ends the process at once, and compilers running on its worker
-    threads would otherwise go on without it. Their :func:`run_compiler` calls fail."""
+    threads would otherwise go on without it. Their :func:`run_compiler` calls fail. A guard whose start the
+    signal interrupted (:func:`_unregistered_guards`) is killed and reaped here too."""
     with _compilers_lock:
         running = list(_compilers.items())
     for proc, _ in running:
         _kill_group(proc)
+    orphans = _unregistered_guards()
+    for pid in orphans:  # children of this process not yet reaped: the pid is still theirs
+        try:
+            os.killpg(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
     for proc, tmp in running:  # the process is about to end: its builds' folders go now, not with the threads
         try:
             proc.wait(timeout=5)
         except subprocess.TimeoutExpired:
             continue
         shutil.rmtree(tmp, ignore_errors=True)
-    return len(running)
+    for pid, tmp in orphans.items():
+        end = time.monotonic() + 5.0
+        try:
+            while os.waitpid(pid, os.WNOHANG) == (0, 0) and time.monotonic() < end:
+                time.sleep(0.01)
+        except ChildProcessError:
+            pass  # reaped by another thread meanwhile
+        shutil.rmtree(tmp, ignore_errors=True)
+    return len(running) + len(orphans)
 
 
 def run_compiler(

@@ -26,9 +26,10 @@ import time
 PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 
 
-def _others_in_group() -> list[int]:
-    """The live processes of this guard's group but itself (from /proc: none where there is none)."""
-    me, found = os.getpid(), []
+def live_processes() -> dict[int, tuple[int, int]]:
+    """pid -> (parent pid, process group) of every process but the zombies, from /proc (none where there is
+    none). Also what the node's ``artifact_cache`` looks through for the guards it started."""
+    found = {}
     try:
         pids = [int(name) for name in os.listdir("/proc") if name.isdigit()]
     except OSError:
@@ -36,12 +37,18 @@ def _others_in_group() -> list[int]:
     for pid in pids:
         try:
             with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as f:
-                state, _, group = f.read().rsplit(")", 1)[1].split()[:3]  # after the command's name
+                state, parent, group = f.read().rsplit(")", 1)[1].split()[:3]  # after the command's name
         except (OSError, IndexError, ValueError):
             continue  # ended meanwhile
-        if pid != me and int(group) == me and state != "Z":
-            found.append(pid)
+        if state != "Z":
+            found[pid] = (int(parent), int(group))
     return found
+
+
+def _others_in_group() -> list[int]:
+    """The live processes of this guard's group but itself."""
+    me = os.getpid()
+    return [pid for pid, (_, group) in live_processes().items() if group == me and pid != me]
 
 
 def _end_compile(build: str, compiler: int) -> None:

@@ -8,6 +8,7 @@ and waits for it, so a kill that reached the shell alone would leave the ``sleep
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import sys
@@ -195,6 +196,23 @@ def test_a_guard_whose_node_ended_while_it_started_compiles_nothing_and_removes_
     guard = [sys.executable, "-I", "-S", str(A.COMPILER_GUARD), str(not_the_parent), str(build), "touch", str(marker)]
     done = subprocess.run(guard, capture_output=True, timeout=30)
     assert done.returncode == 128 + signal.SIGTERM and not marker.exists() and not build.exists(), done.stderr
+
+
+def test_stop_compilers_also_ends_a_guard_whose_start_the_stop_interrupted(tmp_path):
+    """A stop signal raised in the thread that starts a compile can land inside ``subprocess.Popen`` once the
+    guard runs, before the call returns: nobody holds the guard's pid then (CI met it on 7f4ae24: the guard
+    was left running after its node had exited). ``stop_compilers`` finds it among this process's children and
+    ends it with its compile and its build folder. Here the guard is started as run_compiler starts one, and
+    the Popen dropped."""
+    build = tmp_path / "orin_vlm_build_y"
+    build.mkdir()
+    script = SLOW_COMPILER.format(out=tmp_path / "y.out", child=tmp_path / "y.child")
+    guard = [sys.executable, "-I", "-S", str(A.COMPILER_GUARD), str(os.getpid()), str(build), "sh", "-c", script, "o"]
+    subprocess.Popen(guard, start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    wait_for(tmp_path / "y.child")
+    assert A.stop_compilers() == 1
+    assert not process_running(int((tmp_path / "y.child").read_text())) and not build.exists()
+    assert A.stop_compilers() == 0
 
 
 def test_a_compiler_that_cannot_start_is_reported_by_name(tmp_path):
