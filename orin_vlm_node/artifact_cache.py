@@ -242,7 +242,7 @@ def stop_compilers() -> int:
             proc.wait(timeout=5)
         except subprocess.TimeoutExpired:
             continue
-        shutil.rmtree(tmp, ignore_errors=True)
+        _remove_once_gone(proc.pid, tmp)
     for pid, tmp in orphans.items():
         end = time.monotonic() + 5.0
         try:
@@ -250,8 +250,17 @@ def stop_compilers() -> int:
                 time.sleep(0.01)
         except ChildProcessError:
             pass  # reaped by another thread meanwhile
-        shutil.rmtree(tmp, ignore_errors=True)
+        _remove_once_gone(pid, tmp)
     return len(running) + len(orphans)
+
+
+def _remove_once_gone(group: int, folder: Path, timeout_s: float = 5.0) -> None:
+    """Remove a killed compile's build folder once nothing of its process ``group`` is left to write into it (a
+    SIGKILL takes effect in a moment, not at once), or after ``timeout_s``."""
+    end = time.monotonic() + timeout_s
+    while any(g == group for _, g in live_processes().values()) and time.monotonic() < end:
+        time.sleep(0.01)
+    shutil.rmtree(folder, ignore_errors=True)
 
 
 def run_compiler(
