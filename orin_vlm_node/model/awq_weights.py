@@ -43,8 +43,8 @@ from typing import Any
 import torch
 
 from .errors import CheckpointError
-from .fp8_weights import apply_blockwise_, positive_int
-from .int_weights import companion_problem
+from .fp8_weights import positive_int
+from .int_weights import companion_problem, dequantize_groups_
 from .quant import QuantizedLinear, WeightQuant, unpack_nibbles
 
 VERSIONS = ("gemm",)  # AutoAWQ's layouts read here
@@ -117,10 +117,8 @@ class AwqWeights:
         if n % OUTPUTS_PER_WORD or k % 2:
             return f"{key} packs a weight of {n} x {k}; AWQ packs 8 outputs a word (N a multiple of 8), K is even"
         groups = -(-k // self.group_size)
-        base = key.removesuffix(self.weight_suffix)
-        names = {role: base + suffix for role, suffix in self.companions.items()}
         expected = {"scale": ((groups, n), SCALE_DTYPES), "zero_point": ((groups, n // OUTPUTS_PER_WORD), ("I32",))}
-        return companion_problem(key, "AWQ integers", names, expected, companions)
+        return companion_problem(key, "AWQ integers", (self.weight_suffix, self.companions), expected, companions)
 
     # ---- widening and keeping --------------------------------------------------------------------------------
 
@@ -139,8 +137,7 @@ class AwqWeights:
         in fp32 a few outputs at a time on ``out``'s device."""
         for rows, pairs, z, s in self._pieces(out.shape[0], weight, scale, zero_point, out.device):
             wide = unpack_nibbles(pairs).to(torch.float32)  # (n, K): u
-            apply_blockwise_(wide, z.to(torch.float32), 1, self.group_size, torch.Tensor.sub_)
-            apply_blockwise_(wide, s.to(torch.float32), 1, self.group_size, torch.Tensor.mul_)
+            dequantize_groups_(wide, z.to(torch.float32), s.to(torch.float32), self.group_size)
             out[rows].copy_(wide)
 
     def store_into(

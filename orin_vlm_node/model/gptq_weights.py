@@ -45,8 +45,8 @@ from typing import Any
 import torch
 
 from .errors import CheckpointError
-from .fp8_weights import apply_blockwise_, positive_int
-from .int_weights import companion_problem
+from .fp8_weights import positive_int
+from .int_weights import companion_problem, dequantize_groups_
 from .quant import QuantizedLinear, WeightQuant, unpack_nibbles
 
 FORMATS = ("gptq", "gptq_v2")  # checkpoint_format values read: v1 (zero points stored minus one) and v2
@@ -122,8 +122,6 @@ class GptqWeights:
         if n % VALUES_PER_WORD or k % VALUES_PER_WORD:
             return f"{key} packs a weight of {n} x {k}; GPTQ packs 8 values a word, so N and K must be multiples of 8"
         groups = self._groups(k)
-        base = key.removesuffix(self.weight_suffix)
-        names = {role: base + suffix for role, suffix in self.companions.items()}
         expected = {
             "scale": ((groups, n), SCALE_DTYPES),
             "zero_point": ((groups, n // VALUES_PER_WORD), ("I32",)),
@@ -131,7 +129,8 @@ class GptqWeights:
         }
         # Consecutive groups need no index (some exporters leave it out).
         optional = frozenset() if self.desc_act else frozenset({"g_idx"})
-        return companion_problem(key, "GPTQ integers", names, expected, companions, optional)
+        suffixes = (self.weight_suffix, self.companions)
+        return companion_problem(key, "GPTQ integers", suffixes, expected, companions, optional)
 
     # ---- widening and keeping --------------------------------------------------------------------------------
 
@@ -168,8 +167,7 @@ class GptqWeights:
             z, s = z.to(torch.float32), s.to(torch.float32)
             if consecutive:
                 width = self.group_size or k
-                apply_blockwise_(wide, z, 1, width, torch.Tensor.sub_)
-                apply_blockwise_(wide, s, 1, width, torch.Tensor.mul_)
+                dequantize_groups_(wide, z, s, width)
             else:  # activation order: each input's group looked up
                 wide.sub_(z[:, groups]).mul_(s[:, groups])
             out[rows].copy_(wide)

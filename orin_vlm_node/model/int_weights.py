@@ -63,17 +63,20 @@ PACKED_SUFFIX = ".weight_packed"  # a pack-quantized module's stored weight
 def companion_problem(
     key: str,
     kind: str,
-    names: dict[str, str],
+    suffixes: tuple[str, dict[str, str]],
     expected: dict[str, tuple[tuple[int, ...], tuple[str, ...]]],
     found: dict[str, tuple[str, tuple[int, ...]] | None],
     optional: frozenset[str] = frozenset(),
 ) -> str | None:
     """What is wrong with the companions of the stored weight ``key`` (``kind``: "AWQ integers", ...): each role of
-    ``expected`` (role -> (shape, dtypes)) must be ``found`` (role -> (dtype, shape), None when absent) under its
-    key ``names[role]`` with one of those dtypes and exactly that shape, except the ``optional`` roles, which
-    may be absent. None when all fit."""
+    ``expected`` (role -> (shape, dtypes)) must be ``found`` (role -> (dtype, shape), None when absent) with one
+    of those dtypes and exactly that shape, except the ``optional`` roles, which may be absent. ``suffixes``:
+    the weight's key suffix and each role's (``(".qweight", {"scale": ".scales", ...})``), which name the
+    companions in the messages. None when all fit."""
+    weight_suffix, roles = suffixes
+    base = key.removesuffix(weight_suffix)
     for role, (want, dtypes) in expected.items():
-        name, got = names[role], found.get(role)
+        name, got = base + roles[role], found.get(role)
         if got is None:
             if role in optional:
                 continue
@@ -84,6 +87,14 @@ def companion_problem(
         if tuple(shape) != want:
             return f"{name} has shape {list(shape)}, expected {list(want)}"
     return None
+
+
+def dequantize_groups_(wide: torch.Tensor, zeros: torch.Tensor | None, scales: torch.Tensor, width: int) -> None:
+    """``wide`` (rows, K) fp32 stored integers -> ``(q - zero) * scale`` in place, each column of ``zeros`` and
+    ``scales`` (rows, groups) applying to ``width`` consecutive k (no ``zeros``: symmetric, ``q * scale``)."""
+    if zeros is not None:
+        apply_blockwise_(wide, zeros, 1, width, torch.Tensor.sub_)
+    apply_blockwise_(wide, scales, 1, width, torch.Tensor.mul_)
 
 
 @dataclass(frozen=True)
@@ -222,9 +233,7 @@ class IntWeights:
             wide = self._values(weight[rows].to(device), k).to(torch.float32)  # (rows, K)
             if self.packed:
                 wide -= 1 << (self.bits - 1)  # q
-            if zeros is not None:
-                apply_blockwise_(wide, zeros[rows], 1, width, torch.Tensor.sub_)
-            apply_blockwise_(wide, scales[rows], 1, width, torch.Tensor.mul_)
+            dequantize_groups_(wide, None if zeros is None else zeros[rows], scales[rows], width)
             out[rows].copy_(wide)
 
     def store_into(
