@@ -202,6 +202,32 @@ def test_integer_weights_without_fitting_scales_are_refused_naming_them(source, 
 
 
 @pytest.mark.parametrize(
+    "strategy, scale_shape, refused",
+    [
+        ("tensor", (), False),
+        ("tensor", (1,), False),
+        ("tensor", (1, 1), False),
+        ("tensor", (2,), True),
+        ("tensor", (1, 1, 1), True),
+        ("channel", (64,), False),
+        ("channel", (64, 1), False),
+        ("channel", (1, 64), False),  # the same 64 values in the same order
+        ("channel", (32, 2), True),
+        ("group", (64, 4), False),
+        ("group", (4, 64), True),
+        ("group", (256,), True),
+    ],
+)
+def test_scales_saved_with_or_without_their_unit_dimensions_are_read(strategy, scale_shape, refused):
+    """compressed-tensors writes one scale a tensor as [], [1] or [1, 1] and one a channel as [N] or [N, 1]: each
+    holds the values the reader needs in order; any other count or order is refused with both shapes named."""
+    stored = int_module.IntWeights(4, strategy, 32 if strategy == "group" else None, True, True)
+    problem = stored.problem(f"{DOWN}.weight_packed", "I32", (64, 128), {"scale": ("BF16", scale_shape)})
+    want = {"tensor": [1, 1], "channel": [64, 1], "group": [64, 4]}[strategy]
+    assert problem == (f"{DOWN}.weight_scale has shape {list(scale_shape)}, expected {want}" if refused else None)
+
+
+@pytest.mark.parametrize(
     "change, message",
     [
         (lambda c: weights_of(c).update(num_bits=2), r"pack-quantized weights of 2 bits"),

@@ -173,6 +173,34 @@ def test_channels_answer_side_by_side_one_prompt_each_and_cancel_only_their_own(
     assert not [e for e in outputs["nav"].events if e["request_id"] and e["request_id"].startswith("arm")]
 
 
+def test_cancel_drops_the_channels_waiting_prompts_before_it_cancels_the_running_one():
+    """``~/cancel``: each waiting prompt of the channel ends ``dropped`` and never starts, even though the
+    cancelled answer ends at once and frees the worker for the next prompt; other channels keep theirs."""
+    outputs = {"arm": Recorder(), "nav": Recorder()}
+    queue, engine = RequestQueue(8), ScriptedEngine(["go "], endless=True, max_batch=2)
+    worker = start(engine, queue, outputs)
+    try:
+        for prompt_ in (prompt(1, "arm"), prompt(2, "arm"), prompt(3, "arm"), prompt(4, "nav"), prompt(5, "nav")):
+            queue.put(prompt_)
+        wait_until(lambda: engine.running == {"armreq-1", "navreq-4"})
+        assert worker.cancel("arm") == (["armreq-1"], 2)
+        wait_until(lambda: any(e["event"] == "finished" for e in outputs["arm"].events))
+        assert queue.waiting("nav") == 1
+    finally:
+        worker.stop(5.0, "test over")
+    arm = [(e["event"], e["request_id"]) for e in outputs["arm"].events if e["request_id"]]
+    assert arm == [
+        ("started", "armreq-1"),
+        ("dropped", "armreq-2"),
+        ("dropped", "armreq-3"),
+        ("finished", "armreq-1"),
+    ]
+    assert {e["note"] for e in outputs["arm"].events if e["event"] == "dropped"} == {
+        "cancelled by ~/cancel before it started"
+    }
+    assert engine.running == {"armreq-1", "navreq-4"}, "no dropped prompt started; nav's second one waited"
+
+
 def test_the_answers_of_a_batch_advance_in_turn_on_the_worker_thread_alone():
     """One computing thread (torch's OpenMP pools, worker.py): both channels' answers are advanced by the
     worker thread, one event each in turn, so they decode together."""

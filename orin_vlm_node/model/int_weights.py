@@ -67,12 +67,15 @@ def companion_problem(
     expected: dict[str, tuple[tuple[int, ...], tuple[str, ...]]],
     found: dict[str, tuple[str, tuple[int, ...]] | None],
     optional: frozenset[str] = frozenset(),
+    unit_dims_free: bool = False,
 ) -> str | None:
     """What is wrong with the companions of the stored weight ``key`` (``kind``: "AWQ integers", ...): each role of
     ``expected`` (role -> (shape, dtypes)) must be ``found`` (role -> (dtype, shape), None when absent) with one
     of those dtypes and exactly that shape, except the ``optional`` roles, which may be absent. ``suffixes``:
     the weight's key suffix and each role's (``(".qweight", {"scale": ".scales", ...})``), which name the
-    companions in the messages. None when all fit."""
+    companions in the messages. ``unit_dims_free``: a shape matches when it differs only by dimensions of size 1
+    and has at most two (compressed-tensors saves one scale a tensor as [], [1] or [1, 1], and one a channel as
+    [N] or [N, 1]; all hold the same values in the same order). None when all fit."""
     weight_suffix, roles = suffixes
     base = key.removesuffix(weight_suffix)
     for role, (want, dtypes) in expected.items():
@@ -84,9 +87,14 @@ def companion_problem(
         dtype, shape = got
         if dtype not in dtypes:
             return f"{name} is {dtype}; expected {' or '.join(dtypes)}"
-        if tuple(shape) != want:
+        if not (same_unit_free(shape, want) if unit_dims_free else tuple(shape) == want):
             return f"{name} has shape {list(shape)}, expected {list(want)}"
     return None
+
+
+def same_unit_free(shape: tuple[int, ...], want: tuple[int, ...]) -> bool:
+    """Whether ``shape`` (at most two dimensions) is ``want`` once dimensions of size 1 are left out of both."""
+    return len(shape) <= 2 and [d for d in shape if d != 1] == [d for d in want if d != 1]
 
 
 def dequantize_groups_(wide: torch.Tensor, zeros: torch.Tensor | None, scales: torch.Tensor, width: int) -> None:
@@ -187,22 +195,12 @@ class IntWeights:
             return f"{key} is {dtype}; {self.describe()} weights are stored as {self.stored_dtype}"
         n, k = shape
         groups = self._columns(k)
-        expected = {"scale": (1, 1) if self.strategy == "tensor" else (n, groups)}
+        expected = {"scale": ((1, 1) if self.strategy == "tensor" else (n, groups), SCALE_DTYPES)}
         if not self.symmetric:
-            expected["zero_point"] = (-(-n * self.bits // 32), groups) if self.packed else (n, groups)
-        base = key.removesuffix(self.weight_suffix)
-        for role, want in expected.items():
-            name = base + self.companions[role]
-            found = companions.get(role)
-            if found is None:
-                return f"{key} is stored as integers but the checkpoint has no {name}"
-            found_dtype, found_shape = found
-            dtypes = SCALE_DTYPES if role == "scale" else (self.stored_dtype,)
-            if found_dtype not in dtypes:
-                return f"{name} is {found_dtype}; expected {' or '.join(dtypes)}"
-            if [d for d in found_shape if d != 1] != [d for d in want if d != 1] or len(found_shape) > 2:
-                return f"{name} has shape {list(found_shape)}, expected {list(want)}"
-        return None
+            zeros = (-(-n * self.bits // 32), groups) if self.packed else (n, groups)
+            expected["zero_point"] = (zeros, (self.stored_dtype,))
+        suffixes = (self.weight_suffix, self.companions)
+        return companion_problem(key, "integers", suffixes, expected, companions, unit_dims_free=True)
 
     # ---- widening and keeping --------------------------------------------------------------------------------
 

@@ -388,9 +388,7 @@ class VlmServing:
         # accepted goes out before the item is visible to the worker, so it always precedes started.
         ch.status("accepted", request_id, note=frames.note, **item.image_fields())
         for dropped in self._queue.put(item):
-            self._publish_dropped(
-                dropped, f"queue full (max_queue={self._queue.max_size}): oldest waiting prompt dropped"
-            )
+            self._worker.drop(dropped, f"queue full (max_queue={self._queue.max_size}): oldest waiting prompt dropped")
 
     # ---------------------------------------------------------------- services
 
@@ -403,16 +401,10 @@ class VlmServing:
         return response
 
     def _on_cancel(self, ch: Channel, _request: Trigger.Request, response: Trigger.Response) -> Trigger.Response:
-        # The waiting prompts first: a running prompt cancelled first ends at once, and the worker could take
-        # the next waiting one before the queue was drained (and its ``dropped`` came after the ``finished``).
-        waiting = self._queue.drain(ch.name)
-        for item in waiting:
-            self._publish_dropped(item, "cancelled by ~/cancel before it started")
-        current = ", ".join(self._worker.cancel_running(ch.name))
+        cancelled, dropped = self._worker.cancel(ch.name)
+        current = ", ".join(cancelled)
         response.success = True
-        response.message = (
-            f"cancelled {current if current else 'nothing running'}; dropped {len(waiting)} waiting prompt(s)"
-        )
+        response.message = f"cancelled {current if current else 'nothing running'}; dropped {dropped} waiting prompt(s)"
         return response
 
     # ---------------------------------------------------------------- parameters
@@ -458,7 +450,7 @@ class VlmServing:
                 ch.token_stream.set_period(int(changes["token_publish_period_ms"]) / 1e3)
         if "max_queue" in changes:
             for dropped in self._queue.set_max_size(int(changes["max_queue"])):
-                self._publish_dropped(dropped, f"max_queue lowered to {changes['max_queue']}")
+                self._worker.drop(dropped, f"max_queue lowered to {changes['max_queue']}")
         self._worker.queue_changes(engine_changes, reset_sessions=resets)
         return SetParametersResult(successful=True)
 
@@ -507,9 +499,6 @@ class VlmServing:
             if first and event != "ready":
                 ch.status_pub.publish(String(data=status_json("ready", None, note=self._ready_note)))  # type: ignore[arg-type]
             ch.status_pub.publish(String(data=status_json(event, request_id, **fields)))  # type: ignore[arg-type]
-
-    def _publish_dropped(self, item: PendingPrompt, why: str) -> None:
-        self._channels[item.channel].status("dropped", item.request_id, note=why, **item.image_fields())
 
     def _describe(self) -> dict[str, Any]:
         try:

@@ -36,6 +36,7 @@ from .status import backend_summary, request_note
 
 log = logging.getLogger("orin_vlm_node.ros")
 
+CANCELLED_BEFORE_START = "cancelled by ~/cancel before it started"  # a waiting prompt's dropped note
 _UNSENDABLE = re.compile("[\x00\ud800-\udfff]")
 
 T = TypeVar("T")
@@ -143,6 +144,15 @@ class Worker:
             self._resets += reset_sessions
         self.queue.wake()
 
+    def cancel(self, channel: str) -> tuple[list[str], int]:
+        """``~/cancel`` of ``channel``: drop its waiting prompts, then cancel its running one; (the ids cancelled,
+        how many were dropped). The queue goes first: a running prompt cancelled first ends at once, and this
+        thread could take the next waiting one before the drain (its ``dropped`` after the ``finished``)."""
+        waiting = self.queue.drain(channel)
+        for item in waiting:
+            self.drop(item, CANCELLED_BEFORE_START)
+        return self.cancel_running(channel), len(waiting)
+
     def cancel_running(self, channel: str | None = None) -> list[str]:
         """Cancel the running prompts (of ``channel`` only, when given); their ids."""
         with self._lock:
@@ -164,20 +174,21 @@ class Worker:
         self._stop_reason = why
         self._stopping.set()
         for item in self.queue.drain():
-            self._drop(item, why)
+            self.drop(item, why)
         self.cancel_running()
         self.queue.wake()
         if self._thread is not None:
             self._thread.join(timeout=timeout_s)
         for item in self.queue.drain():  # accepted by a callback that ran while the worker stopped
-            self._drop(item, why)
+            self.drop(item, why)
         with self._lock:
             abandoned = list(self._running.values())
         for item in abandoned:
             error = f"{why}: the request did not stop within {timeout_s:g} s and was abandoned"
             self.outputs[item.channel].status("error", item.request_id, finish_reason="error", error=error)
 
-    def _drop(self, item: PendingPrompt, why: str) -> None:
+    def drop(self, item: PendingPrompt, why: str) -> None:
+        """End a prompt that never started: its ``dropped`` event, saying ``why``."""
         self.outputs[item.channel].status("dropped", item.request_id, note=why, **item.image_fields())
 
     def _broadcast(self, event: str, **fields: Any) -> None:
@@ -198,7 +209,7 @@ class Worker:
                 if item is None:
                     break
                 if self._stopping.is_set():  # taken just as the node began to stop
-                    self._drop(item, self._stop_reason)
+                    self.drop(item, self._stop_reason)
                     break
                 answer = self._begin(item)
                 if answer is not None:
@@ -213,7 +224,7 @@ class Worker:
         with self._lock:
             cancelled = item.request_id in self._cancelled
         if cancelled:
-            self._drop(item, "cancelled by ~/cancel before it started")
+            self.drop(item, CANCELLED_BEFORE_START)
             return None
         outputs = self.outputs[item.channel]
         request = Request(
