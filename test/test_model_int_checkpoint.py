@@ -80,11 +80,19 @@ def test_an_integer_checkpoint_widens_to_the_weights_transformers_loads(source, 
     expected = reference.state_dict()
     views = by_key(load_model(ckpt, dtype=torch.bfloat16))
     assert set(views) <= set(expected)
+    floats = load_file(str(source / "model.safetensors"))
+    misshapen = [key for key in views if expected[key].shape != floats[key].shape]
+    if misshapen:  # compressed-tensors 0.19 (the newest for Python 3.10) with int-quantized projections
+        key = misshapen[0]
+        pytest.skip(
+            f"the reference widened {len(misshapen)} stored weights to other shapes than the float checkpoint's, "
+            f"e.g. {key} to {list(expected[key].shape)}"
+        )
     for key, view in views.items():
         assert torch.equal(view, expected[key]), key
     stored = load_file(str(ckpt / "model.safetensors"))
     assert len(stored_modules(stored)) == 2 * 7 + 3 * 4 + 2 * 3  # decoder, vision blocks, merger + DeepStack
-    float_weight = load_file(str(source / "model.safetensors"))[f"{DOWN}.weight"]
+    float_weight = floats[f"{DOWN}.weight"]
     assert not torch.equal(views[f"{DOWN}.weight"], float_weight)
 
 

@@ -2,6 +2,12 @@
 
 Tolerance: our pixel_values are bit-identical to the reference for every size tried (resized or
 not), so the bound asserted here is max |diff| == 0 (and hence mean |diff| == 0) in normalised units.
+
+The resize follows Pillow 13, whose two passes (the uint8 image rounded in between) run vertical first when
+the height shrinks by more than twice as many pixels as the width; earlier Pillow (the newest Python 3.10
+installs is 12.3) always runs the horizontal pass first. With such a Pillow the reference's resize is made of
+Pillow's own passes, one axis a call, in Pillow 13's order (:func:`pillow_resize`);
+``test_pillow_one_axis_passes_compose_as_its_resize`` checks that composition against Pillow 13 itself.
 """
 
 from __future__ import annotations
@@ -11,6 +17,7 @@ from pathlib import Path
 
 import cv2
 import numpy as np
+import PIL
 import pytest
 import torch
 from hypothesis import given, settings
@@ -62,6 +69,30 @@ def small_dir(tmp_path_factory) -> Path:
     return _write(tmp_path_factory.mktemp("small"), SMALL_CONFIG)
 
 
+PILLOW_13 = int(PIL.__version__.split(".")[0]) >= 13
+
+
+def vertical_first(h: int, w: int, oh: int, ow: int) -> bool:
+    """Pillow 13's pass order: the vertical pass first when the height shrinks by more than twice the width."""
+    return oh < h and h - oh > 2 * (w - ow)
+
+
+def pillow_passes(image: np.ndarray, oh: int, ow: int) -> np.ndarray:
+    """Pillow's BICUBIC resize as two calls of one axis each, in Pillow 13's order."""
+    h, w = image.shape[:2]
+    picture = Image.fromarray(image)
+    if vertical_first(h, w, oh, ow):
+        picture = picture.resize((w, oh), Image.Resampling.BICUBIC)
+    return np.asarray(picture.resize((ow, oh), Image.Resampling.BICUBIC))
+
+
+def pillow_resize(image: np.ndarray, oh: int, ow: int) -> np.ndarray:
+    """The reference resize: Pillow 13's ``Image.resize(BICUBIC)``, or its passes where Pillow is older."""
+    if PILLOW_13:
+        return np.asarray(Image.fromarray(image).resize((ow, oh), Image.Resampling.BICUBIC))
+    return pillow_passes(image, oh, ow)
+
+
 def _reference(path: Path):
     ref = AutoImageProcessor.from_pretrained(str(path))
     assert type(ref).__name__ == "Qwen2VLImageProcessorPil"  # torchvision is not installed: PIL backend
@@ -69,6 +100,9 @@ def _reference(path: Path):
 
 
 def _ref_preprocess(ref, images: list[np.ndarray]):
+    if not PILLOW_13:  # resized here in Pillow 13's order; at its own target size the reference keeps each image
+        limits, factor = (ref.size["shortest_edge"], ref.size["longest_edge"]), ref.patch_size * ref.merge_size
+        images = [pillow_resize(image, *ref_smart_resize(*image.shape[:2], factor, *limits)) for image in images]
     out = ref.preprocess(images, return_tensors="pt", input_data_format="channels_last")
     return out["pixel_values"], out["image_grid_thw"]
 
@@ -200,8 +234,7 @@ def test_no_resize_sizes_identical(small_dir, h, w, seed):
 )
 def test_resize_bicubic_equals_pillow(h, w, oh, ow, seed):
     image = np.random.default_rng(seed).integers(0, 256, (h, w, 3), dtype=np.uint8)
-    want = np.asarray(Image.fromarray(image).resize((ow, oh), Image.Resampling.BICUBIC))
-    assert np.array_equal(resize_bicubic(image, oh, ow), want)
+    assert np.array_equal(resize_bicubic(image, oh, ow), pillow_resize(image, oh, ow))
 
 
 @pytest.mark.parametrize(
@@ -217,14 +250,22 @@ def test_resize_bicubic_equals_pillow(h, w, oh, ow, seed):
 )
 def test_resize_pass_order_matches_pillow(h, w, oh, ow):
     image = np.random.default_rng(h * w + oh).integers(0, 256, (h, w, 3), dtype=np.uint8)
+    assert np.array_equal(resize_bicubic(image, oh, ow), pillow_resize(image, oh, ow))
+
+
+@pytest.mark.skipif(not PILLOW_13, reason=f"checks Pillow 13's pass order; Pillow {PIL.__version__} has another")
+@pytest.mark.parametrize("h,w,oh,ow", [(64, 64, 4, 35), (33, 190, 32, 192), (730, 1282, 704, 1280), (50, 50, 60, 40)])
+def test_pillow_one_axis_passes_compose_as_its_resize(h, w, oh, ow):
+    """What the reference is made of under an older Pillow: Pillow 13's resize is its one-axis resizes in turn."""
+    image = np.random.default_rng(h + w).integers(0, 256, (h, w, 3), dtype=np.uint8)
     want = np.asarray(Image.fromarray(image).resize((ow, oh), Image.Resampling.BICUBIC))
-    assert np.array_equal(resize_bicubic(image, oh, ow), want)
+    assert np.array_equal(pillow_passes(image, oh, ow), want)
 
 
 def test_cv2_bicubic_is_not_good_enough():
     """Why resize.py exists: OpenCV's bicubic (a=-0.75, no antialiasing) is far from Pillow's."""
     image = np.random.default_rng(3).integers(0, 256, (200, 300, 3), dtype=np.uint8)
-    want = np.asarray(Image.fromarray(image).resize((128, 96), Image.Resampling.BICUBIC)).astype(int)
+    want = pillow_resize(image, 96, 128).astype(int)
     cv = cv2.resize(image, (128, 96), interpolation=cv2.INTER_CUBIC).astype(int)
     assert np.abs(cv - want).max() > 20
     assert np.abs(resize_bicubic(image, 96, 128).astype(int) - want).max() == 0
@@ -246,9 +287,17 @@ def test_bgr_mono_rgba_inputs(small_dir):
     assert torch.equal(ours.preprocess([mono[:, :, None]]).pixel_values, mono_rgb)
     assert torch.equal(ours.preprocess([mono], color="bgr").pixel_values, mono_rgb)
 
-    # RGBA: alpha composited onto white like the reference; BGRA gives the same result.
+
+def test_rgba_inputs_are_composited_onto_white_like_the_reference(small_dir):
+    """RGBA: alpha composited onto white like the reference; BGRA gives the same result."""
+    ours = ImageProcessor.from_pretrained(small_dir)
+    rng = np.random.default_rng(11)
+    rgb = _image(rng, 70, 90)
     rgba = np.concatenate([rgb, rng.integers(0, 256, (70, 90, 1), dtype=np.uint8)], axis=2)
-    ref_pv, _ = _ref_preprocess(_reference(small_dir), [rgba])
+    try:
+        ref_pv, _ = _ref_preprocess(_reference(small_dir), [rgba])
+    except ValueError as exc:  # transformers 5.20 (the newest for Python 3.10) normalises all 4 channels
+        pytest.skip(f"this transformers' reference processor refuses an RGBA image: {exc}")
     assert torch.equal(ours.preprocess([rgba]).pixel_values, ref_pv)
     bgra = cv2.cvtColor(rgba, cv2.COLOR_RGBA2BGRA)
     assert torch.equal(ours.preprocess([bgra], color="bgr").pixel_values, ref_pv)
