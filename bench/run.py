@@ -2,16 +2,19 @@
 
 Usage: ``python -m bench.run [--quick | --medium] [--out PATH] [--sections a,b] [--no-chart]``
 (``make bench`` / ``make bench-quick``), from the repository root so this checkout's ``orin_vlm_node`` is the
-one measured, never an older installed copy. Every section runs in this process, one after another; a
-section that cannot run records ``skipped`` with its reason, one that crashes records ``error`` with
-the exception, and the run still writes a complete, schema-valid file. Goals are evaluated at the end
-and printed as a Markdown table (``bench/report.py`` prints the whole report from the JSON later).
+one measured, never an older installed copy. Every section runs in this process, one after another, with a
+collection after each: an engine is held by reference cycles, so one section's 2B engines would otherwise
+still hold their weights while the next loads its own (a full run went past 24 GiB and was killed). A section
+that cannot run records ``skipped`` with its reason, one that crashes records ``error`` with the exception,
+and the run still writes a complete, schema-valid file. Goals are evaluated at the end and printed as a
+Markdown table (``bench/report.py`` prints the whole report from the JSON later).
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime as dt
+import gc
 import importlib
 import json
 import os
@@ -26,6 +29,7 @@ from bench.config import PRESETS, chosen_parts, part_names
 from bench.context import BenchContext
 from bench.goals import evaluate_goals
 from bench.machine import machine_info
+from bench.rss_probe import vm_kib
 from bench.schema import SCHEMA_VERSION, SECTIONS, validate_result
 from bench.section import SectionResult, skipped
 
@@ -61,8 +65,10 @@ def run_section(name: str, ctx: BenchContext) -> SectionResult:
             or "nothing measured: " + "; ".join(f"{p['part']}: {p['reason']}" for p in result.skipped_parts),
         )
     result.duration_s = time.perf_counter() - t0
+    gc.collect()
+    resident_mb = vm_kib("VmRSS") / 1024
     ctx.log(
-        f"section {name}: {result.status} in {result.duration_s:.1f} s"
+        f"section {name}: {result.status} in {result.duration_s:.1f} s, {resident_mb:.0f} MB resident after"
         + (f" ({result.reason})" if result.reason else "")
     )
     return result

@@ -296,3 +296,39 @@ def test_the_l2_prefetch_part_empties_the_prefetch_the_kernels_have():
     from orin_vlm_node.cuda.sources import find_kernel_sources
 
     assert (find_kernel_sources().directory / "compat.cuh").read_text().count(L2_PREFETCH) == 1
+
+
+def test_a_section_leaves_nothing_held_by_reference_cycles_for_the_next(tmp_path, monkeypatch):
+    """An engine is held by reference cycles: what a section dropped must be freed before the next section loads
+    its own 2B engines (without the collection a full run held three 2B engines at once and was killed)."""
+    import gc
+    import sys
+    import types
+    import weakref
+
+    import bench.run
+    from bench.config import FULL
+    from bench.context import BenchContext
+
+    class Engine:  # like the real one: reachable from itself
+        def __init__(self) -> None:
+            self.me = self
+
+    held: list[weakref.ref] = []
+
+    def run(ctx) -> SectionResult:
+        engine = Engine()
+        held.append(weakref.ref(engine))
+        res = SectionResult("prefix_cache")
+        res.add("x", "s", [1.0], "a figure")
+        return res
+
+    monkeypatch.setitem(bench.run.MODULES, "prefix_cache", "fake_section")
+    monkeypatch.setitem(sys.modules, "bench.fake_section", types.SimpleNamespace(run=run))
+    gc.disable()  # only run_section's own collection may free it
+    try:
+        result = bench.run.run_section("prefix_cache", BenchContext(FULL, tmp_path))
+        assert result.status == "ok"
+        assert held[0]() is None, "the section's engine is still alive after run_section returned"
+    finally:
+        gc.enable()
