@@ -27,7 +27,7 @@ from transformers import AutoImageProcessor
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize as ref_smart_resize
 
 from orin_vlm_node.processing import ImageError, ImageProcessor, smart_resize
-from orin_vlm_node.processing.resize import resize_bicubic
+from orin_vlm_node.processing.resize import resize_bicubic, vertical_first
 
 # Qwen3-VL hub preprocessor_config.json.
 QWEN3VL_CONFIG = {
@@ -70,11 +70,6 @@ def small_dir(tmp_path_factory) -> Path:
 
 
 PILLOW_13 = int(PIL.__version__.split(".")[0]) >= 13
-
-
-def vertical_first(h: int, w: int, oh: int, ow: int) -> bool:
-    """Pillow 13's pass order: the vertical pass first when the height shrinks by more than twice the width."""
-    return oh < h and h - oh > 2 * (w - ow)
 
 
 def pillow_passes(image: np.ndarray, oh: int, ow: int) -> np.ndarray:
