@@ -1,8 +1,9 @@
-"""Shared state of one benchmark run: settings, a scratch directory, checkpoints built once, logging.
+"""What a benchmark section gets: settings, the run's scratch directory, checkpoints built once, logging.
 
-Why one object: several sections need the same checkpoints (the default model, a tiny random one, the
-2B-shape random one). Building a 2B checkpoint costs a minute and 4 GB of disk, so it is built at most
-once per run, in the run's temporary directory, and removed with it.
+Why: several sections need the same checkpoints (the default model, a tiny random one, the 2B-shape random
+one). Building a 2B checkpoint costs a minute and 4 GB of disk, so it is built at most once per run, in the
+run's temporary directory, and removed with it. Each section runs in a process of its own (``bench.run``)
+with a context of its own on that one directory, so a checkpoint an earlier section built is found there.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 import json
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -35,12 +37,18 @@ DEFAULT_MODEL_DIMS = dict(
 )
 
 
+def checkpoint_complete(out: Path) -> bool:
+    """Whether ``support.checkpoints`` finished writing a checkpoint into ``out`` (the tokenizer is written
+    last), so a later section, or a later run through ``--checkpoint-cache``, can take it as it is."""
+    return all((out / f).is_file() for f in ("config.json", "model.safetensors", "tokenizer.json"))
+
+
 class BenchContext:
     def __init__(self, config: BenchConfig, scratch: Path) -> None:
         self.config = config
         self.scratch = scratch
         self._t0 = time.perf_counter()
-        self._checkpoints: dict[str, Path] = {}
+        self._big: Path | None = None
         self.big_checkpoint_origin = ""
 
     # -- logging -----------------------------------------------------------------------------------
@@ -65,35 +73,33 @@ class BenchContext:
         return self.tiny_checkpoint(), "tiny random checkpoint (default_model not present)"
 
     def tiny_checkpoint(self) -> Path:
-        if "tiny" not in self._checkpoints:
-            from support.checkpoints import make_tiny_checkpoint
+        from support.checkpoints import make_tiny_checkpoint
 
-            self._checkpoints["tiny"] = make_tiny_checkpoint(self.scratch / "tiny")
-        return self._checkpoints["tiny"]
+        return self._scratch_checkpoint("tiny", make_tiny_checkpoint)
 
     def talkative_checkpoint(self) -> Path:
         """Random weights with the default model's dimensions whose greedy answers never end and stream a
         delta per token (``talkative``: only whole characters have LM head rows): long answers where no
         ``ignore_eos`` can be asked for (through the ROS node)."""
-        if "talkative" not in self._checkpoints:
-            from support.checkpoints import make_tiny_checkpoint
+        from support.checkpoints import make_tiny_checkpoint
 
-            self._checkpoints["talkative"] = make_tiny_checkpoint(
-                self.scratch / "talkative",
-                **DEFAULT_MODEL_DIMS,
-                tie=False,
-                talkative=True,
-            )
-        return self._checkpoints["talkative"]
+        return self._scratch_checkpoint(
+            "talkative", lambda out: make_tiny_checkpoint(out, **DEFAULT_MODEL_DIMS, tie=False, talkative=True)
+        )
 
     def kv_shape_checkpoint(self, num_layers: int) -> Path:
         """A small random model whose attention has the 2B's KV shape (16 q heads, 8 kv heads, head_dim 128)."""
-        key = f"kvshape{num_layers}"
-        if key not in self._checkpoints:
-            from support.checkpoints import kv_shape_checkpoint
+        from support.checkpoints import kv_shape_checkpoint
 
-            self._checkpoints[key] = kv_shape_checkpoint(self.scratch / key, num_layers)
-        return self._checkpoints[key]
+        return self._scratch_checkpoint(f"kvshape{num_layers}", lambda out: kv_shape_checkpoint(out, num_layers))
+
+    def _scratch_checkpoint(self, key: str, build: Callable[[Path], Path]) -> Path:
+        """``scratch/key``, built by ``build`` unless an earlier section's process of this run built it: every
+        section runs in a process of its own (``bench.run``), all of them on the run's scratch directory."""
+        out = self.scratch / key
+        if not checkpoint_complete(out):
+            build(out)
+        return out
 
     def big_checkpoint_missing(self) -> str | None:
         """Why a section's 2B-shape part does not run (quick mode, no 2B config), or None when it does."""
@@ -107,7 +113,7 @@ class BenchContext:
         """The 2B-shape random-weight checkpoint in bf16: built once per run in the scratch directory, or
         kept in ``config.checkpoint_cache`` (``--checkpoint-cache``) and reused by later runs, since
         building it takes minutes on 2 cores. ``big_checkpoint_origin`` says which happened."""
-        if "big" not in self._checkpoints:
+        if self._big is None:
             from support.checkpoints import big_checkpoint
 
             path = Path(self.config.big_config_path)
@@ -115,9 +121,7 @@ class BenchContext:
                 out = Path(self.config.checkpoint_cache) / "qwen3vl-2b-shape-random-bf16"
             else:
                 out = self.scratch / "big"
-            if all(
-                (out / f).is_file() for f in ("config.json", "model.safetensors", "tokenizer.json")
-            ):  # tokenizer: written last
+            if checkpoint_complete(out):
                 self.big_checkpoint_origin = f"reused from {out} (built earlier by support.checkpoints)"
                 self.log(f"2B-shape checkpoint: {self.big_checkpoint_origin}")
             else:
@@ -129,5 +133,5 @@ class BenchContext:
                 big_checkpoint(out, json.loads(path.read_text()), device=device)
                 self.big_checkpoint_origin = f"built in {time.perf_counter() - t0:.0f} s into {out}"
                 self.log(f"2B-shape checkpoint {self.big_checkpoint_origin}")
-            self._checkpoints["big"] = out
-        return self._checkpoints["big"]
+            self._big = out
+        return self._big

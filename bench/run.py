@@ -2,22 +2,30 @@
 
 Usage: ``python -m bench.run [--quick | --medium] [--out PATH] [--sections a,b] [--no-chart]``
 (``make bench`` / ``make bench-quick``), from the repository root so this checkout's ``orin_vlm_node`` is the
-one measured, never an older installed copy. Every section runs in this process, one after another, with a
-collection after each: an engine is held by reference cycles, so one section's 2B engines would otherwise
-still hold their weights while the next loads its own (a full run went past 24 GiB and was killed). A section
-that cannot run records ``skipped`` with its reason, one that crashes records ``error`` with the exception,
-and the run still writes a complete, schema-valid file. Goals are evaluated at the end and printed as a
-Markdown table (``bench/report.py`` prints the whole report from the JSON later).
+one measured, never an older installed copy.
+
+Every section runs in a fresh process of its own (this module again, with ``--child-section``), one after
+another, on the run's one scratch directory (a checkpoint an earlier section built is reused). Why: a section
+measures its engines side by side, and what an earlier section left in the process skewed it. In one process
+the full run of 8027b8d measured the churned paged engine 5.6% slower than contiguous at 4k and the ROS
+overhead at 8.3%; the same sections run alone from the same code gave 0.9% and 0.5%. The process held
+5.5-5.9 GB after the 2B sections (freed memory the allocator keeps, engines in reference cycles: one run
+went past 24 GiB and was killed). A section's process also reports its peak resident memory.
+
+A section that cannot run records ``skipped`` with its reason, one that crashes (or whose process dies, say
+killed for memory) records ``error`` with the exception or the exit status, and the run still writes a
+complete, schema-valid file. Goals are evaluated at the end and printed as a Markdown table
+(``bench/report.py`` prints the whole report from the JSON later).
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime as dt
-import gc
 import importlib
 import json
 import os
+import subprocess
 import sys
 import tempfile
 import time
@@ -25,7 +33,7 @@ import traceback
 from dataclasses import replace
 from pathlib import Path
 
-from bench.config import PRESETS, chosen_parts, part_names
+from bench.config import PRESETS, REPO, BenchConfig, chosen_parts, part_names
 from bench.context import BenchContext
 from bench.goals import evaluate_goals
 from bench.machine import machine_info
@@ -49,6 +57,7 @@ MODULES = {
 
 
 def run_section(name: str, ctx: BenchContext) -> SectionResult:
+    """Run section ``name`` in this process (a section's own, see the module docstring)."""
     t0 = time.perf_counter()
     ctx.log(f"section {name}: start")
     try:
@@ -65,13 +74,43 @@ def run_section(name: str, ctx: BenchContext) -> SectionResult:
             or "nothing measured: " + "; ".join(f"{p['part']}: {p['reason']}" for p in result.skipped_parts),
         )
     result.duration_s = time.perf_counter() - t0
-    gc.collect()
-    resident_mb = vm_kib("VmRSS") / 1024
+    result.setup["process_peak_rss_mb"] = round(vm_kib("VmHWM") / 1024)
     ctx.log(
-        f"section {name}: {result.status} in {result.duration_s:.1f} s, {resident_mb:.0f} MB resident after"
-        + (f" ({result.reason})" if result.reason else "")
+        f"section {name}: {result.status} in {result.duration_s:.1f} s, peak {result.setup['process_peak_rss_mb']} "
+        "MB resident" + (f" ({result.reason})" if result.reason else "")
     )
     return result
+
+
+def section_in_child(name: str, command: list[str], out: Path) -> dict:
+    """Run ``command`` (a section's process, which writes its result to ``out``) and return the section's
+    result as ``SectionResult.as_dict`` gives it: the child's, or an ``error`` saying how the process ended
+    when it wrote none (a crash outside the section's code, a kill for memory)."""
+    t0 = time.perf_counter()
+    # The child's stdout joins this process's stderr: stdout carries only the goals table at the end.
+    proc = subprocess.run(command, cwd=REPO, stdout=sys.stderr, check=False)
+    if proc.returncode == 0 and out.is_file():
+        return json.loads(out.read_text(encoding="utf-8"))
+    how = f"killed by signal {-proc.returncode}" if proc.returncode < 0 else f"exit status {proc.returncode}"
+    if proc.returncode in (-9, 137):
+        how += " (SIGKILL: out of memory?)"
+    result = SectionResult(name, status="error", reason=f"the section's process ended ({how}) without a result")
+    result.duration_s = time.perf_counter() - t0
+    return result.as_dict()
+
+
+def _child_options(args: argparse.Namespace) -> list[str]:
+    """The options of this run a section's process needs (all but output, chart and section choice)."""
+    options = ["--quick"] if args.quick else ["--medium"] if args.medium else []
+    options += ["--threads", str(args.threads), "--gpu-budget-s", str(args.gpu_budget_s)]
+    for flag, value in (
+        ("--checkpoint-cache", args.checkpoint_cache),
+        ("--big-config", args.big_config),
+        ("--gpu-parts", args.gpu_parts),
+    ):
+        if value:
+            options += [flag, value]
+    return options
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -114,6 +153,10 @@ def main(argv: list[str] | None = None) -> int:
         help="GPU section: comma-separated parts to run, in this order (decode.<dtype>, step_profile, "
         "startup_memory, kernels, gemv, quant, batching; default: all), to measure again what a change touched",
     )
+    # A section's own process (see the module docstring): which section, the run's scratch, where to write.
+    ap.add_argument("--child-section", choices=SECTIONS, help=argparse.SUPPRESS)
+    ap.add_argument("--scratch", type=Path, help=argparse.SUPPRESS)
+    ap.add_argument("--child-out", type=Path, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
 
     config = PRESETS["quick" if args.quick else "medium" if args.medium else "full"]
@@ -130,11 +173,10 @@ def main(argv: list[str] | None = None) -> int:
     gpu_parts, unknown = chosen_parts(args.gpu_parts, config.gpu_dtypes)
     if unknown:
         ap.error(f"unknown GPU part(s) {unknown}; choose from {part_names(config.gpu_dtypes)}")
+    if args.child_section and not (args.scratch and args.child_out):
+        ap.error("--child-section needs --scratch and --child-out")
     if args.threads:
-        import torch
-
-        torch.set_num_threads(args.threads)
-        # Child processes (the ROS node, the RSS probe) start with the same thread count.
+        # Every process of the run (sections, the ROS node, the RSS probe) starts with this thread count.
         os.environ["OMP_NUM_THREADS"] = str(args.threads)
     config = replace(
         config,
@@ -145,19 +187,22 @@ def main(argv: list[str] | None = None) -> int:
     )
     if args.big_config:
         config = replace(config, big_config_path=args.big_config)
+    if args.child_section:
+        return _child(args.child_section, config, args.scratch, args.child_out)
 
     started = time.perf_counter()
     created = dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
     machine = machine_info()  # before the run: the commit measured, not one made while it ran
-    sections: dict[str, SectionResult] = {}
+    sections: dict[str, dict] = {}
     with tempfile.TemporaryDirectory(prefix="orin_vlm_bench_") as scratch:
-        ctx = BenchContext(config, Path(scratch))
-        ctx.log(f"mode {config.mode}, sections {', '.join(config.sections)}, scratch {scratch}")
+        print(f"[bench] mode {config.mode}, sections {', '.join(config.sections)}, scratch {scratch}", file=sys.stderr)
         for name in SECTIONS:
             if name not in config.sections:
-                sections[name] = skipped(name, "not selected (--sections)")
-            else:
-                sections[name] = run_section(name, ctx)
+                sections[name] = skipped(name, "not selected (--sections)").as_dict()
+                continue
+            out = Path(scratch) / f"section-{name}.json"
+            command = [sys.executable, "-m", "bench.run", *_child_options(args), "--child-section", name]
+            sections[name] = section_in_child(name, [*command, "--scratch", scratch, "--child-out", str(out)], out)
 
     result = {
         "schema_version": SCHEMA_VERSION,
@@ -166,7 +211,7 @@ def main(argv: list[str] | None = None) -> int:
         "duration_s": round(time.perf_counter() - started, 2),
         "machine": machine,
         "config": config.as_dict(),
-        "sections": {name: sections[name].as_dict() for name in SECTIONS},
+        "sections": sections,
     }
     result["goals"] = evaluate_goals(result)
     validate_result(result)
@@ -184,6 +229,19 @@ def main(argv: list[str] | None = None) -> int:
     from bench.report import render
 
     sys.stdout.write(render(result, goals_only=True))
+    return 0
+
+
+def _child(name: str, config: BenchConfig, scratch: Path, out: Path) -> int:
+    """A section's own process: run it on the run's scratch directory and write its result to ``out``."""
+    if config.threads:
+        import torch
+
+        torch.set_num_threads(config.threads)
+    result = run_section(name, BenchContext(config, scratch))
+    tmp = out.with_suffix(".tmp")
+    tmp.write_text(json.dumps(result.as_dict()), encoding="utf-8")
+    os.replace(tmp, out)
     return 0
 
 

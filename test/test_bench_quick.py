@@ -48,6 +48,9 @@ def test_quick_benchmark_writes_a_valid_result(tmp_path):
     # Sections that need only the CPU engine must have measured in quick mode.
     for name in ("vs_transformers", "paged_vs_contiguous", "prefix_cache", "batching", "quantization", "memory"):
         assert result["sections"][name]["status"] == "ok", (name, result["sections"][name]["reason"])
+    # Every section ran in a process of its own, which reports its peak resident memory.
+    for name, section in result["sections"].items():
+        assert section["setup"]["process_peak_rss_mb"] > 0, name
     gpu = result["sections"]["gpu"]
     if not result["machine"]["cuda_device"]:
         assert gpu["status"] == "skipped" and gpu["reason"] == "no CUDA device"

@@ -4,6 +4,9 @@ Markdown report. No engine needed; results are built here from known samples."""
 from __future__ import annotations
 
 import copy
+import json
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -259,7 +262,6 @@ def test_gpu_section_runs_only_the_selected_parts_and_says_why_the_others_are_mi
 
 def test_bench_refuses_an_unknown_gpu_part():
     import subprocess
-    import sys
 
     run = subprocess.run([sys.executable, "-m", "bench.run", "--sections", "gpu", "--gpu-parts", "kernels,nope"],
                          capture_output=True, text=True, timeout=120)  # fmt: skip
@@ -298,37 +300,43 @@ def test_the_l2_prefetch_part_empties_the_prefetch_the_kernels_have():
     assert (find_kernel_sources().directory / "compat.cuh").read_text().count(L2_PREFETCH) == 1
 
 
-def test_a_section_leaves_nothing_held_by_reference_cycles_for_the_next(tmp_path, monkeypatch):
-    """An engine is held by reference cycles: what a section dropped must be freed before the next section loads
-    its own 2B engines (without the collection a full run held three 2B engines at once and was killed)."""
-    import gc
-    import sys
-    import types
-    import weakref
-
+def test_a_section_whose_process_dies_is_an_error_naming_how_and_one_that_wrote_its_result_is_taken(tmp_path):
+    """Each section runs in a process of its own: one killed (for memory, say) before writing its result is
+    recorded as an error with the signal, and the run goes on; a result the process wrote is the section's."""
     import bench.run
+
+    out = tmp_path / "section.json"
+    killed = [sys.executable, "-c", "import os, signal; os.kill(os.getpid(), signal.SIGKILL)"]
+    result = bench.run.section_in_child("memory", killed, out)
+    assert result["status"] == "error"
+    assert "killed by signal 9" in result["reason"] and "out of memory" in result["reason"]
+    failed = bench.run.section_in_child("memory", [sys.executable, "-c", "raise SystemExit(3)"], out)
+    assert failed["status"] == "error" and "exit status 3" in failed["reason"]
+
+    res = SectionResult("memory")
+    res.add("x", "s", [1.0, 2.0], "a figure")
+    write = f"import pathlib, sys; pathlib.Path(sys.argv[1]).write_text({json.dumps(json.dumps(res.as_dict()))})"
+    assert bench.run.section_in_child("memory", [sys.executable, "-c", write, str(out)], out) == res.as_dict()
+
+
+def test_a_checkpoint_an_earlier_sections_process_built_in_the_scratch_directory_is_reused(tmp_path, monkeypatch):
+    """Sections share the run's scratch directory, not a process: a later section's context finds the
+    checkpoint there instead of building it again; a half-written one (no tokenizer yet) is built again."""
+    import support.checkpoints
     from bench.config import FULL
     from bench.context import BenchContext
 
-    class Engine:  # like the real one: reachable from itself
-        def __init__(self) -> None:
-            self.me = self
+    built: list[Path] = []
 
-    held: list[weakref.ref] = []
+    def build(out: Path, **_: object) -> Path:
+        built.append(out)
+        out.mkdir(parents=True, exist_ok=True)
+        for name in ("config.json", "model.safetensors", "tokenizer.json"):
+            (out / name).write_text("{}")
+        return out
 
-    def run(ctx) -> SectionResult:
-        engine = Engine()
-        held.append(weakref.ref(engine))
-        res = SectionResult("prefix_cache")
-        res.add("x", "s", [1.0], "a figure")
-        return res
-
-    monkeypatch.setitem(bench.run.MODULES, "prefix_cache", "fake_section")
-    monkeypatch.setitem(sys.modules, "bench.fake_section", types.SimpleNamespace(run=run))
-    gc.disable()  # only run_section's own collection may free it
-    try:
-        result = bench.run.run_section("prefix_cache", BenchContext(FULL, tmp_path))
-        assert result.status == "ok"
-        assert held[0]() is None, "the section's engine is still alive after run_section returned"
-    finally:
-        gc.enable()
+    monkeypatch.setattr(support.checkpoints, "make_tiny_checkpoint", build)
+    first = BenchContext(FULL, tmp_path).talkative_checkpoint()
+    assert BenchContext(FULL, tmp_path).talkative_checkpoint() == first and built == [first]
+    (first / "tokenizer.json").unlink()
+    assert BenchContext(FULL, tmp_path).talkative_checkpoint() == first and built == [first, first]
