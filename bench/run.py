@@ -25,6 +25,7 @@ import datetime as dt
 import importlib
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -92,7 +93,7 @@ def section_in_child(name: str, command: list[str], out: Path) -> dict:
     if proc.returncode == 0 and out.is_file():
         return json.loads(out.read_text(encoding="utf-8"))
     how = f"killed by signal {-proc.returncode}" if proc.returncode < 0 else f"exit status {proc.returncode}"
-    if proc.returncode in (-9, 137):
+    if proc.returncode == -signal.SIGKILL:  # the child is python itself, not a shell: no 128 + 9
         how += " (SIGKILL: out of memory?)"
     result = SectionResult(name, status="error", reason=f"the section's process ended ({how}) without a result")
     result.duration_s = time.perf_counter() - t0
