@@ -19,6 +19,7 @@ from safetensors.torch import load_file, save_file
 from orin_vlm_node.model import CheckpointError, load_model
 from orin_vlm_node.model.awq_weights import AwqWeights, awq_pairs, unpack_awq
 from orin_vlm_node.model.loader import checkpoint_views, name_to_checkpoint_key
+from orin_vlm_node.model.pieces import WORK_ELEMENTS
 from orin_vlm_node.model.quant import QuantizedLinear, WeightQuant
 from support.checkpoints import awq_copy, awq_pack, awq_quantize, cached_tiny_checkpoint, edit_config, rewrite_tensors
 
@@ -218,10 +219,8 @@ def test_an_awq_config_that_does_not_describe_readable_weights_is_refused(awq, t
 
 def test_a_weight_read_a_few_outputs_at_a_time_is_the_weight_read_at_once(awq, monkeypatch):
     """Pieces of one word of outputs (8 rows) widen and keep the same values as the whole matrix at once."""
-    from orin_vlm_node.model import awq_weights
-
     whole = by_key(load_model(awq, torch.float16)), load_model(awq, torch.float32, quant=WeightQuant("int4"))
-    monkeypatch.setattr(awq_weights, "WIDEN_ELEMENTS", 1)
+    monkeypatch.setitem(WORK_ELEMENTS, "cpu", 1)
     pieces = by_key(load_model(awq, torch.float16)), load_model(awq, torch.float32, quant=WeightQuant("int4"))
     for key, view in whole[0].items():
         assert torch.equal(view, pieces[0][key]), key

@@ -12,9 +12,9 @@ from safetensors.torch import load_file, save_file
 
 from orin_vlm_node.engine import Engine, EngineConfig
 from orin_vlm_node.model import CheckpointError, load_model
-from orin_vlm_node.model import fp8_weights as fp8_module
 from orin_vlm_node.model.fp8_weights import Fp8Weights, Fp8Widener
 from orin_vlm_node.model.loader import checkpoint_views, name_to_checkpoint_key
+from orin_vlm_node.model.pieces import WORK_ELEMENTS
 from orin_vlm_node.model.quant import QuantizedLinear, WeightQuant
 from support.checkpoints import cached_tiny_checkpoint, edit_config, fp8_copy, fp8_covered, rewrite_tensors
 
@@ -88,7 +88,7 @@ def test_an_fp8_checkpoint_loads_to_the_weights_transformers_widens_it_to(
 def test_every_fp8_weight_is_its_values_times_the_scale_of_its_block(
     source, tmp_path, monkeypatch, layout, block, scale_dtype, dtype
 ):
-    monkeypatch.setattr(fp8_module, "WIDEN_ELEMENTS", 1000)  # many pieces per matrix
+    monkeypatch.setitem(WORK_ELEMENTS, "cpu", 1000)  # many pieces per matrix
     ckpt = fp8_copy(source, tmp_path / "fp8", block=block, scale_dtype=scale_dtype, compressed_tensors=layout)
     stored = load_file(str(ckpt / "model.safetensors"))
     views = by_key(load_model(ckpt, dtype))

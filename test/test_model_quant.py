@@ -20,9 +20,10 @@ from orin_vlm_node.cpu.gemm import BoundWeight
 from orin_vlm_node.engine import Engine, EngineConfig, EngineError, Request, SamplingParams, Turn
 from orin_vlm_node.model import CheckpointError, load_model
 from orin_vlm_node.model.cpu_linear import KERNEL_ROWS, CpuQuantLinear, use_cpu_gemm
+from orin_vlm_node.model.pieces import WORK_ELEMENTS
 from orin_vlm_node.model.quant import LM_HEAD_QUANT, QuantizedLinear, WeightQuant, weight_bytes
 from orin_vlm_node.model.text import DecoderLayer
-from support.checkpoints import cached_tiny_checkpoint
+from support.checkpoints import cached_tiny_checkpoint, gptq_copy, int_copy
 
 torch.set_num_threads(1)
 
@@ -68,11 +69,13 @@ def test_a_weight_quantized_a_few_rows_at_a_time_is_stored_as_all_at_once(quant,
     """from_weight works through a large weight (an LM head) in pieces of rows, so its fp32 working copies
     stay small; the pieces (here 3 rows of 100 weights, the last one short) store what one pass stores."""
     w = torch.randn(10, 100, generator=torch.Generator().manual_seed(3))
+    original = w.clone()
     whole = QuantizedLinear.from_weight(w, quant)
-    monkeypatch.setattr("orin_vlm_node.model.quant.QUANTIZE_ELEMENTS", 300)
+    monkeypatch.setitem(WORK_ELEMENTS, "cpu", 300)
     pieces = QuantizedLinear.from_weight(w, quant)
     for name, buffer in whole.named_buffers():
         assert torch.equal(getattr(pieces, name), buffer), name
+    assert torch.equal(w, original)  # worked on in a copy: an fp32 weight (a tied embedding table) stays
 
 
 def test_int4_packs_two_weights_a_byte_low_nibble_first():
@@ -105,12 +108,15 @@ def _assert_quantized_as(got: torch.nn.Module, weight: torch.Tensor, quant: Weig
         assert torch.equal(getattr(got, name), buffer), name
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("tie", [True, False], ids=["tied", "untied"])
 @pytest.mark.parametrize("quant", [WeightQuant("int8"), WeightQuant("int4", 32)])
-def test_the_loader_quantizes_every_decoder_projection_as_quantizing_the_float_weights_does(quant, tie):
+def test_the_loader_quantizes_every_decoder_projection_as_quantizing_the_float_weights_does(quant, tie, dtype):
+    """Each checkpoint matrix is quantized into its (fused) projection's rows as it streams in, from the values
+    the float model of that dtype holds (an fp32 checkpoint loaded in bf16: rounded to bf16 first)."""
     checkpoint = cached_tiny_checkpoint(tie=tie)
-    plain = load_model(checkpoint)
-    model = load_model(checkpoint, quant=quant)
+    plain = load_model(checkpoint, dtype)
+    model = load_model(checkpoint, dtype, quant=quant)
     for layer, ref in zip(model.language_model.layers, plain.language_model.layers, strict=True):
         for sub, attr in DecoderLayer.PROJECTIONS:
             _assert_quantized_as(getattr(getattr(layer, sub), attr), getattr(getattr(ref, sub), attr).weight, quant)
@@ -119,7 +125,7 @@ def test_the_loader_quantizes_every_decoder_projection_as_quantizing_the_float_w
     # Everything else is the checkpoint's, untouched.
     assert torch.equal(model.language_model.embed_tokens.weight, plain.language_model.embed_tokens.weight)
     assert torch.equal(model.visual.patch_embed.proj.weight, plain.visual.patch_embed.proj.weight)
-    kept = load_model(checkpoint, quant=dataclasses.replace(quant, lm_head=False))
+    kept = load_model(checkpoint, dtype, quant=dataclasses.replace(quant, lm_head=False))
     assert torch.equal(kept.lm_head.weight, plain.lm_head.weight)
     assert (kept.lm_head.weight is kept.language_model.embed_tokens.weight) == tie
 
@@ -246,3 +252,28 @@ def test_an_already_quantized_checkpoint_is_refused_naming_its_format(checkpoint
     (copy / "config.json").write_text(json.dumps(config))
     with pytest.raises(CheckpointError, match=r"already quantized \(bitsandbytes\)"):
         load_model(copy)
+
+
+@pytest.mark.parametrize(
+    "write",
+    [
+        lambda src, dst: int_copy(src, dst, bits=4, group_size=32, symmetric=False),
+        lambda src, dst: gptq_copy(src, dst, group_size=32, sym=False),
+        lambda src, dst: gptq_copy(src, dst, group_size=32, sym=True, desc_act=True),
+    ],
+    ids=["w4a16_asym", "gptq_asym", "gptq_act_order"],
+)
+def test_a_stored_checkpoint_read_a_few_rows_at_a_time_is_the_checkpoint_read_at_once(write, tmp_path, monkeypatch):
+    """Widened (weight_quant none), kept as stored (int4) or widened then quantized again (activation order):
+    pieces of one row (one packed word of rows where the format packs outputs) give the same weights."""
+    ckpt = write(cached_tiny_checkpoint(layers=2, tie=False, dtype=torch.float16), tmp_path / "copy")
+
+    def loads():
+        return load_model(ckpt, torch.float16), load_model(ckpt, torch.float32, quant=WeightQuant("int4", 32))
+
+    whole = loads()
+    monkeypatch.setitem(WORK_ELEMENTS, "cpu", 1)
+    pieces = loads()
+    for at_once, in_pieces in zip(whole, pieces, strict=True):
+        for (name, tensor), other in zip(at_once.state_dict().items(), in_pieces.state_dict().values(), strict=True):
+            assert torch.equal(tensor, other), name

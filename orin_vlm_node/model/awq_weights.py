@@ -45,6 +45,7 @@ import torch
 from .errors import CheckpointError
 from .fp8_weights import positive_int
 from .int_weights import companion_problem, dequantize_groups_
+from .pieces import rows_per_piece
 from .quant import QuantizedLinear, WeightQuant, unpack_nibbles
 
 VERSIONS = ("gemm",)  # AutoAWQ's layouts read here
@@ -53,7 +54,6 @@ AWQ_PACK_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # nibble i of a word holds output 8c 
 AWQ_NIBBLE_OF = tuple(AWQ_PACK_ORDER.index(j) for j in range(8))
 OUTPUTS_PER_WORD = 8
 SCALE_DTYPES = ("F16", "BF16", "F32")
-WIDEN_ELEMENTS = 1 << 24  # weights unpacked at a time (16 MB of nibbles, 64 MB of fp32 working copy)
 
 
 @dataclass(frozen=True)
@@ -157,9 +157,9 @@ class AwqWeights:
     ) -> Iterator[tuple[slice, torch.Tensor, torch.Tensor, torch.Tensor]]:
         """(output rows, their nibble pairs (rows, K / 2) uint8 in the node's layout (:func:`awq_pairs`),
         z (rows, groups) uint8, s (rows, groups)) of the weight's N outputs, a piece of whole words (8 outputs) and
-        about WIDEN_ELEMENTS weights at a time, on ``device``."""
+        about :func:`.pieces.rows_per_piece` weights at a time, on ``device``."""
         k = weight.shape[0]
-        step = max(1, WIDEN_ELEMENTS // (k * OUTPUTS_PER_WORD)) * OUTPUTS_PER_WORD
+        step = rows_per_piece(device, k, OUTPUTS_PER_WORD)
         for first in range(0, n, step):
             words = slice(first // OUTPUTS_PER_WORD, (first + step) // OUTPUTS_PER_WORD)  # N is whole words
             pairs = awq_pairs(weight[:, words].to(device))

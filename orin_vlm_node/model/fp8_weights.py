@@ -35,11 +35,11 @@ from typing import Any
 import torch
 
 from .errors import CheckpointError
+from .pieces import rows_per_piece
 
 ACTIVATION_SCALE_SUFFIXES = (".input_scale", ".activation_scale")
 WEIGHT_DTYPE = "F8_E4M3"  # safetensors' name for float8_e4m3fn
 SCALE_DTYPES = ("F32", "BF16", "F16", "F8_E8M0")
-WIDEN_ELEMENTS = 1 << 24  # weights widened at a time (64 MB of fp32 working copy)
 STRATEGIES = ("tensor", "channel", "group", "block")
 
 
@@ -178,8 +178,8 @@ class Fp8Widener:
     compressed-tensors weights in their scales' dtype, which gives the same values when the model runs in
     that dtype (a bf16 scale's product with an e4m3 value is exact in fp32, so both round once) and less
     exact ones otherwise. On the target device (the one byte a weight
-    travels, not four) and WIDEN_ELEMENTS weights at a time, in two work buffers reused from piece to piece
-    and dropped with the widener (96 MB at most, next to the 8B's largest matrices of 50M weights).
+    travels, not four) and a piece of rows at a time (:mod:`.pieces`), in two work buffers reused from piece to
+    piece and dropped with the widener (96 MB at most on CUDA, next to the 8B's largest matrices of 50M weights).
 
     Why not ``q.to(torch.float32)``: torch converts FP8 on the CPU one element at a time (4.6 ns a weight on
     the development VM), and every fresh piece of memory pays its page faults; together about 70 ms a
@@ -196,7 +196,7 @@ class Fp8Widener:
         """``out`` (N, K), in its own dtype, = the FP8 ``weight`` (N, K) times its ``scale`` (module docstring)."""
         n, k = weight.shape
         grid, bn, bk = self.stored.blocks(scale.to(self.device, torch.float32) * 256.0, (n, k))  # _as_fp16: / 2^8
-        step = max(1, WIDEN_ELEMENTS // (k * bn)) * bn  # whole block rows
+        step = rows_per_piece(self.device, k, bn)  # whole block rows
         for first in range(0, n, step):
             rows = min(step, n - first)
             wide = self._as_fp16(weight[first : first + rows], rows * k)  # (rows, K) fp32, the values / 2^8

@@ -47,13 +47,13 @@ import torch
 from .errors import CheckpointError
 from .fp8_weights import positive_int
 from .int_weights import companion_problem, dequantize_groups_
+from .pieces import rows_per_piece
 from .quant import QuantizedLinear, WeightQuant, unpack_nibbles
 
 FORMATS = ("gptq", "gptq_v2")  # checkpoint_format values read: v1 (zero points stored minus one) and v2
 VALUES_PER_WORD = 8
 V1_ZERO_OFFSET = 0x11111111  # what a v1 qzeros word lacks: one in each of its eight 4-bit fields
 SCALE_DTYPES = ("F16", "BF16", "F32")
-WIDEN_ELEMENTS = 1 << 24  # weights unpacked at a time (64 MB of fp32 working copy)
 
 
 @dataclass(frozen=True)
@@ -202,10 +202,10 @@ class GptqWeights:
         self, n: int, weight: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor, device: torch.device
     ) -> Iterator[tuple[slice, torch.Tensor, torch.Tensor, torch.Tensor]]:
         """(output rows, their qweight words (rows, K / 8) int32, z (rows, groups) int16, s (rows, groups)) of the
-        weight's N outputs, a whole number of qzeros words (8 outputs) and about WIDEN_ELEMENTS weights at a time,
-        on ``device``."""
+        weight's N outputs, a piece of a whole number of qzeros words (8 outputs) at a time (:mod:`.pieces`), on
+        ``device``."""
         k = weight.shape[0] * VALUES_PER_WORD
-        step = max(1, WIDEN_ELEMENTS // (k * VALUES_PER_WORD)) * VALUES_PER_WORD
+        step = rows_per_piece(device, k, VALUES_PER_WORD)
         for first in range(0, n, step):
             last = min(n, first + step)
             words = weight[:, first:last].to(device).t()  # (rows, K / 8)

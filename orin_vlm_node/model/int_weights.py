@@ -51,12 +51,12 @@ import torch
 
 from .errors import CheckpointError
 from .fp8_weights import apply_blockwise_, positive_int
+from .pieces import rows_per_piece
 from .quant import QuantizedLinear, WeightQuant, unpack_nibbles
 
 FORMATS = ("pack-quantized", "int-quantized")
 STRATEGIES = ("tensor", "channel", "group")
 SCALE_DTYPES = ("F32", "BF16", "F16")
-WIDEN_ELEMENTS = 1 << 24  # weights widened at a time (64 MB of fp32 working copy)
 PACKED_SUFFIX = ".weight_packed"  # a pack-quantized module's stored weight
 
 
@@ -220,12 +220,12 @@ class IntWeights:
         self, out: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor | None = None
     ) -> None:
         """``out`` (N, K), in its own dtype, = ``(q - z) * s`` of the stored ``weight`` (module docstring), computed
-        in fp32 WIDEN_ELEMENTS weights at a time on ``out``'s device."""
+        in fp32 a piece of rows at a time (:mod:`.pieces`) on ``out``'s device."""
         n, k = out.shape
         device = out.device
         scales, width = self._grid(scale, n).to(device, torch.float32), self._width(k)
         zeros = None if zero_point is None else self._zero_grid(zero_point, n, k).to(device, torch.float32)
-        step = max(1, WIDEN_ELEMENTS // k)
+        step = rows_per_piece(device, k)
         for first in range(0, n, step):
             rows = slice(first, first + step)
             wide = self._values(weight[rows].to(device), k).to(torch.float32)  # (rows, K)

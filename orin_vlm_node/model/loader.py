@@ -99,13 +99,14 @@ def load_model(
                 parts = {role: _get(handles, *where) for role, where in companions.get(name, {}).items()}
                 if name in kept:
                     quantizer.store(name, tensor, parts)
+                elif quantizer and name in quantizer.owner:
+                    wide = _widened(widener, tensor, parts, views[name].shape, target, torch.device(device))
+                    quantizer.quantize(name, wide)
+                    del wide
+                elif parts:
+                    widener.widen_into(views[name], tensor, **parts)
                 else:
-                    view = quantizer.target(name) if quantizer and name in quantizer.owner else views[name]
-                    if parts:
-                        widener.widen_into(view, tensor, **parts)
-                    else:
-                        view.copy_(tensor)
-                    del view
+                    views[name].copy_(tensor)
                 done_bytes += views[name].numel() * element
                 del tensor, parts
                 if quantizer and name in quantizer.owner:
@@ -128,6 +129,23 @@ def load_model(
         weight_bytes(model) / 1e6,
     )
     return model
+
+
+def _widened(
+    widener: Any,
+    tensor: torch.Tensor,
+    parts: dict[str, torch.Tensor],
+    shape: torch.Size,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> torch.Tensor:
+    """A checkpoint matrix of ``shape`` as the float model of ``dtype`` holds it, for quantizing: the stored
+    tensor cast (nothing new when it is stored in ``dtype``), or one stored with scales widened on ``device``."""
+    if not parts:
+        return tensor.to(dtype)
+    out = torch.empty(shape, dtype=dtype, device=device)
+    widener.widen_into(out, tensor, **parts)
+    return out
 
 
 def _get(handles: dict[Path, Any], file: Path, key: str) -> torch.Tensor:
@@ -163,12 +181,13 @@ def _warn_widened_integers(
 class _QuantizeOnLoad:
     """The decoder projections (and the LM head, ``WeightQuant.head``) quantized while the checkpoint streams in.
 
-    Each projection's float weight is allocated when its first checkpoint matrix arrives (not up front),
-    filled, quantized once all of its matrices are in, and dropped; so the float copy of only a few
-    projections exists at any time. A projection whose matrices are all stored as integers that its quantized
-    format holds unchanged (the stored format's ``keeps``: :mod:`.int_weights`, :mod:`.awq_weights`,
-    :mod:`.gptq_weights`) is filled from them instead, with no float copy. A head tied to the embedding table is
-    quantized from the table once the checkpoint is in (:meth:`finish`); the table stays.
+    Each checkpoint matrix is quantized into its projection's rows as it arrives, a piece of rows at a time
+    (rows are quantized independently, so the parts of a fused projection store what the fused weight would):
+    no float copy of a projection is built on the device, only the pieces' fp32 working copies. A projection
+    whose matrices are all stored as integers that its quantized format holds unchanged (the stored format's
+    ``keeps``: :mod:`.int_weights`, :mod:`.awq_weights`, :mod:`.gptq_weights`) is filled from them instead. A
+    head tied to the embedding table is quantized from the table once the checkpoint is in (:meth:`finish`);
+    the table stays.
     """
 
     def __init__(
@@ -215,38 +234,37 @@ class _QuantizeOnLoad:
                 if how is quant and self.keeping.get(name, quant).group_size == quant.group_size
             )
         )
-        self.building: dict[str, QuantizedLinear] = {}  # kept modules being filled
+        self.building: dict[str, QuantizedLinear] = {}  # projections being filled
 
     def kept_views(self) -> set[str]:
-        """The checkpoint views whose stored values are kept (:meth:`store`, not :meth:`target`)."""
+        """The checkpoint views whose stored values are kept (:meth:`store`, not :meth:`quantize`)."""
         return {view for view, name in self.owner.items() if name in self.keeping}
 
-    def target(self, view: str) -> torch.Tensor:
-        """The tensor the checkpoint matrix ``view`` is copied into (its projection allocated if need be)."""
-        _, _, module, _ = self.modules[self.owner[view]]
-        if module.weight.is_meta:
-            module.weight = nn.Parameter(
-                torch.empty(module.weight.shape, dtype=self.dtype, device=self.device), requires_grad=False
-            )
-        return module.weight[self._rows(module, view)]
+    def quantize(self, view: str, weight: torch.Tensor) -> None:
+        """The float checkpoint matrix ``view`` (on any device) quantized into its projection's rows."""
+        name = self.owner[view]
+        module = self._building(name, self.modules[name][3])
+        module.quantize_rows(self._rows(self.modules[name][2], view), weight)
 
     def store(self, view: str, tensor: torch.Tensor, parts: dict[str, torch.Tensor]) -> None:
         """The stored matrix ``view`` (and its scales etc., ``parts``) into its kept projection's rows."""
         name = self.owner[view]
-        _, _, module, _ = self.modules[name]
+        module = self._building(name, self.keeping[name])
+        self.fmt.store_into(module, self._rows(self.modules[name][2], view), tensor, **parts)
+
+    def _building(self, name: str, how: WeightQuant) -> QuantizedLinear:
+        """Projection ``name`` as it is being filled, allocated in ``how``'s format when its first matrix comes."""
         if name not in self.building:
-            keep = self.keeping[name]
-            n, k = module.weight.shape
-            self.building[name] = QuantizedLinear(n, k, keep.mode, keep.group_size, device=self.device)
-        self.fmt.store_into(self.building[name], self._rows(module, view), tensor, **parts)
+            n, k = self.modules[name][2].weight.shape
+            self.building[name] = QuantizedLinear(n, k, how.mode, how.group_size, device=self.device)
+        return self.building[name]
 
     def loaded(self, view: str) -> None:
         name = self.owner[view]
         self.remaining[name].discard(view)
         if not self.remaining[name]:
-            parent, attr, module, quant = self.modules.pop(name)
-            built = self.building.pop(name, None)
-            setattr(parent, attr, built if built is not None else QuantizedLinear.from_weight(module.weight, quant))
+            parent, attr, _, _ = self.modules.pop(name)
+            setattr(parent, attr, self.building.pop(name))
 
     def finish(self) -> None:
         """After the last tensor: a tied head quantized from the embedding table (which stays as it is)."""
@@ -436,7 +454,7 @@ def _listing(items: list[str]) -> str:
 
 def _materialize(model: nn.Module, dtype: torch.dtype, device: torch.device, skip: frozenset[int]) -> None:
     """Replace meta parameters/buffers by uninitialised storage, keeping shared (tied) parameters shared;
-    parameters whose id is in ``skip`` stay on meta (allocated later by whoever deferred them)."""
+    parameters whose id is in ``skip`` stay on meta (their modules are replaced by whoever deferred them)."""
     memo: dict[int, nn.Parameter] = {}
     for module in model.modules():
         for name, param in list(module._parameters.items()):

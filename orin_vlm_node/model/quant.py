@@ -28,12 +28,13 @@ values are the ones the rounding was chosen for.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from .pieces import rows_per_piece
 
 WEIGHT_QUANT_MODES = ("none", "int8", "int4")
 
@@ -75,7 +76,6 @@ def unpack_nibbles(data: torch.Tensor) -> torch.Tensor:
 
 
 LM_HEAD_QUANT = WeightQuant("int8")
-QUANTIZE_ELEMENTS = 1 << 24  # weights quantized at a time (64 MB of fp32 working copy each)
 
 
 class QuantizedLinear(nn.Module):
@@ -105,36 +105,43 @@ class QuantizedLinear(nn.Module):
 
     @classmethod
     def from_weight(cls, weight: torch.Tensor, quant: WeightQuant) -> QuantizedLinear:
-        """Quantize a float (N, K) weight (on its device), QUANTIZE_ELEMENTS weights at a time: the fp32
-        working copies of a whole LM head (the 2B's: 1.2 GB each) would be a burst of memory the robot's
-        other processes share."""
+        """A float (N, K) weight quantized on its device (:meth:`quantize_rows`)."""
         n, k = weight.shape
         module = cls(n, k, quant.mode, quant.group_size, device=weight.device)
-        step = max(1, QUANTIZE_ELEMENTS // k)
-        for first in range(0, n, step):
-            module._quantize_rows(weight[first : first + step], slice(first, first + step), quant)
+        module.quantize_rows(slice(0, n), weight)
         return module
 
-    def _quantize_rows(self, weight: torch.Tensor, rows: slice, quant: WeightQuant) -> None:
-        """Rows ``rows`` of the stored weight from their float values ``weight`` (rows, K)."""
+    def quantize_rows(self, rows: slice, weight: torch.Tensor) -> None:
+        """Rows ``rows`` of the stored weight from their float values ``weight`` (rows, K), on any device: moved
+        to this module's and quantized a piece of rows at a time (:mod:`.pieces`). Rows are quantized
+        independently, so pieces store what one pass would."""
+        device = self.qweight.device
+        step = rows_per_piece(device, self.in_features)
+        first_row = rows.start or 0
+        for first in range(0, weight.shape[0], step):
+            piece = weight[first : first + step]
+            self._quantize_piece(piece.to(device), slice(first_row + first, first_row + first + piece.shape[0]))
+
+    def _quantize_piece(self, weight: torch.Tensor, rows: slice) -> None:
+        """Rows ``rows`` from their float values ``weight`` (rows, K) on this module's device, worked on in
+        place in one fp32 copy (a pass over the piece per step, no temporaries of its size besides the result)."""
         n, k = weight.shape
-        w = weight.detach().to(torch.float32)
-        if quant.mode == "int8":
+        w = weight.detach().to(torch.float32, copy=True)  # never the caller's tensor (a tied embedding table)
+        if self.mode == "int8":
             scale = (w.abs().amax(dim=1) / 127.0).to(torch.float16)  # (n,)
-            safe = torch.where(scale > 0, scale.float(), torch.ones_like(scale, dtype=torch.float32))
-            self.qweight[rows].copy_(torch.round(w / safe[:, None]).clamp_(-127, 127).to(torch.int8))
+            safe = torch.where(scale > 0, scale.float(), 1.0)
+            self.qweight[rows].copy_(w.div_(safe[:, None]).round_().clamp_(-127, 127))  # integral: exact
             self.scales[rows].copy_(scale)
             return
-        g, groups = quant.group_size, -(-k // quant.group_size)
-        padded = F.pad(w, (0, groups * g - k))  # (n, groups * G); the padding never reaches a real weight
-        grouped = padded.view(n, groups, g)
-        real = (torch.arange(groups * g, device=w.device) < k).view(groups, g)
-        lo = torch.where(real, grouped, torch.full_like(grouped, math.inf)).amin(dim=2)  # (n, groups)
-        hi = torch.where(real, grouped, torch.full_like(grouped, -math.inf)).amax(dim=2)
+        g, groups = self.group_size, -(-k // self.group_size)
+        if groups * g != k:  # the last group's missing weights repeat its last one: its min and max unchanged
+            w = torch.cat((w, w[:, -1:].expand(n, groups * g - k)), dim=1)
+        grouped = w.view(n, groups, g)
+        lo, hi = grouped.amin(dim=2), grouped.amax(dim=2)  # (n, groups); torch.aminmax is 5x slower on the CPU
         offset = lo.to(torch.float16)
         scale = ((hi - offset.float()).clamp_min(0) / 15.0).to(torch.float16)  # fp16 may round lo above hi
-        safe = torch.where(scale > 0, scale.float(), torch.ones_like(scale, dtype=torch.float32))
-        q = torch.round((grouped - offset.float()[..., None]) / safe[..., None]).clamp_(0, 15)
+        safe = torch.where(scale > 0, scale.float(), 1.0)
+        q = grouped.sub_(offset.float()[..., None]).div_(safe[..., None]).round_().clamp_(0, 15)
         q = q.view(n, groups * g)[:, :k].to(torch.uint8)
         if k % 2:
             q = F.pad(q, (0, 1))
