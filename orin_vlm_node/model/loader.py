@@ -139,10 +139,11 @@ def _widened(
     dtype: torch.dtype,
     device: torch.device,
 ) -> torch.Tensor:
-    """A checkpoint matrix of ``shape`` as the float model of ``dtype`` holds it, for quantizing: the stored
-    tensor cast (nothing new when it is stored in ``dtype``), or one stored with scales widened on ``device``."""
+    """A checkpoint matrix of ``shape`` as the float model of ``dtype`` on ``device`` holds it, for quantizing:
+    the stored tensor moved and cast there (on a Jetson the GPU casts; nothing new on the CPU when it is stored
+    in ``dtype``), or one stored with scales widened there."""
     if not parts:
-        return tensor.to(dtype)
+        return tensor.to(device).to(dtype)
     out = torch.empty(shape, dtype=dtype, device=device)
     widener.widen_into(out, tensor, **parts)
     return out
