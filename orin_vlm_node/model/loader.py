@@ -100,9 +100,7 @@ def load_model(
                 if name in kept:
                     quantizer.store(name, tensor, parts)
                 elif quantizer and name in quantizer.owner:
-                    wide = _widened(widener, tensor, parts, views[name].shape, target, torch.device(device))
-                    quantizer.quantize(name, wide)
-                    del wide
+                    quantizer.quantize(name, _widened(widener, tensor, parts, views[name].shape, target, device))
                 elif parts:
                     widener.widen_into(views[name], tensor, **parts)
                 else:
@@ -137,13 +135,12 @@ def _widened(
     parts: dict[str, torch.Tensor],
     shape: torch.Size,
     dtype: torch.dtype,
-    device: torch.device,
+    device: str | torch.device,
 ) -> torch.Tensor:
-    """A checkpoint matrix of ``shape`` as the float model of ``dtype`` on ``device`` holds it, for quantizing:
-    the stored tensor moved and cast there (on a Jetson the GPU casts; nothing new on the CPU when it is stored
-    in ``dtype``), or one stored with scales widened there."""
+    """A checkpoint matrix of ``shape``, for quantizing: the stored tensor as it is (the quantizer moves and casts
+    it a piece at a time), or one stored with scales widened into ``dtype`` on ``device``."""
     if not parts:
-        return tensor.to(device).to(dtype)
+        return tensor
     out = torch.empty(shape, dtype=dtype, device=device)
     widener.widen_into(out, tensor, **parts)
     return out
@@ -242,10 +239,12 @@ class _QuantizeOnLoad:
         return {view for view, name in self.owner.items() if name in self.keeping}
 
     def quantize(self, view: str, weight: torch.Tensor) -> None:
-        """The float checkpoint matrix ``view`` (on any device) quantized into its projection's rows."""
+        """The float checkpoint matrix ``view`` (on any device) quantized into its projection's rows from the
+        values the float model holds (cast to its dtype a piece at a time on the device: no whole-matrix copy
+        there, which for the 8B's untied LM head in fp16 from bf16 would be 2.5 GB of a Jetson's memory)."""
         name = self.owner[view]
         module = self._building(name, self.modules[name][3])
-        module.quantize_rows(self._rows(self.modules[name][2], view), weight)
+        module.quantize_rows(self._rows(self.modules[name][2], view), weight, self.dtype)
 
     def store(self, view: str, tensor: torch.Tensor, parts: dict[str, torch.Tensor]) -> None:
         """The stored matrix ``view`` (and its scales etc., ``parts``) into its kept projection's rows."""

@@ -111,16 +111,18 @@ class QuantizedLinear(nn.Module):
         module.quantize_rows(slice(0, n), weight)
         return module
 
-    def quantize_rows(self, rows: slice, weight: torch.Tensor) -> None:
+    def quantize_rows(self, rows: slice, weight: torch.Tensor, dtype: torch.dtype | None = None) -> None:
         """Rows ``rows`` of the stored weight from their float values ``weight`` (rows, K), on any device: moved
-        to this module's and quantized a piece of rows at a time (:mod:`.pieces`). Rows are quantized
-        independently, so pieces store what one pass would."""
+        to this module's, rounded to ``dtype`` first where given (the values a float model of that dtype holds)
+        and quantized, a piece of rows at a time (:mod:`.pieces`). Rows are quantized independently, so pieces
+        store what one pass would."""
         device = self.qweight.device
         step = rows_per_piece(device, self.in_features)
         first_row = rows.start or 0
         for first in range(0, weight.shape[0], step):
             piece = weight[first : first + step]
-            self._quantize_piece(piece.to(device), slice(first_row + first, first_row + first + piece.shape[0]))
+            piece = piece.to(device).to(dtype or piece.dtype)
+            self._quantize_piece(piece, slice(first_row + first, first_row + first + piece.shape[0]))
 
     def _quantize_piece(self, weight: torch.Tensor, rows: slice) -> None:
         """Rows ``rows`` from their float values ``weight`` (rows, K) on this module's device, worked on in
