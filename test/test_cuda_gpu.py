@@ -728,6 +728,25 @@ def test_gpu_an_fp8_checkpoint_widens_on_the_device_to_the_values_it_has_on_the_
         assert torch.equal(on_gpu[name].cpu(), value), name
 
 
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+def test_gpu_a_float_checkpoint_is_quantized_on_the_device_to_the_cpu_loads_bytes(mode):
+    """On CUDA each checkpoint matrix is moved, cast to the model's dtype (bf16 on disk, fp16 here) and quantized
+    on the device a piece at a time: the stored bytes, scales and offsets are the CPU load's, bit for bit (the
+    same IEEE operations: min, max, one division, round half to even), the untied LM head's INT8 too."""
+    from orin_vlm_node.model import load_model
+    from orin_vlm_node.model.quant import WeightQuant
+    from support.checkpoints import cached_tiny_checkpoint
+
+    ckpt = cached_tiny_checkpoint(layers=2, tie=False, dtype=torch.bfloat16)
+    quant = WeightQuant(mode, 32)
+    on_cpu = load_model(ckpt, torch.float16, quant=quant).state_dict()
+    on_gpu = load_model(ckpt, torch.float16, device="cuda", quant=quant).state_dict()
+    assert on_cpu.keys() == on_gpu.keys()
+    assert any(key.endswith("qweight") for key in on_gpu)
+    for name, value in on_cpu.items():
+        assert on_gpu[name].is_cuda and torch.equal(on_gpu[name].cpu(), value), name
+
+
 INT4_WRITERS = {  # how a 4-bit checkpoint of groups of 32 is written: compressed-tensors', AutoAWQ's, GPTQ's layouts
     "w4a16": lambda src, dst: int_copy(src, dst, bits=4, strategy="group", group_size=32, symmetric=True),
     "w4a16_asym": lambda src, dst: int_copy(src, dst, bits=4, strategy="group", group_size=32, symmetric=False),
