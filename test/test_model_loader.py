@@ -14,6 +14,7 @@ from safetensors.torch import load_file, save_file
 from orin_vlm_node.model import CheckpointError, ModelConfig, load_model, loader
 from orin_vlm_node.model.config import DEFAULT_MROPE_SECTION
 from orin_vlm_node.model.loader import checkpoint_key_to_name, checkpoint_views
+from orin_vlm_node.model.quant import WeightQuant
 from support.checkpoints import cached_tiny_checkpoint
 
 TIED = dict(layers=2, tie=True)
@@ -115,6 +116,10 @@ def test_sharded_checkpoint_loads_like_single_file(tmp_path):
         weight_map.update({k: file for k in names})
     (dst / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
     _assert_same_parameters(load_model(dst), load_model(src))
+    # Quantized while it streams in: a fused projection's parts come from both shards, its rows filled in turn.
+    sharded, single = (load_model(c, quant=WeightQuant("int4", 32)).state_dict() for c in (dst, src))
+    assert sharded.keys() == single.keys() and any(name.endswith("qkv_proj.qweight") for name in single)
+    assert all(torch.equal(sharded[name], value) for name, value in single.items())
 
     (dst / "model-00002-of-00002.safetensors").unlink()
     with pytest.raises(CheckpointError, match="shard file.*model-00002-of-00002.safetensors"):
