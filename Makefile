@@ -13,7 +13,7 @@ export ROS_AUTOMATIC_DISCOVERY_RANGE := LOCALHOST
 export ROS_DOMAIN_ID ?= 77
 export PYTHONUNBUFFERED := 1
 
-# The GPU check (see tools/gpu_check.py): gpu-wheels runs where a package index is reachable and fills
+# The GPU check (see bench/gpu_check.py): gpu-wheels runs where a package index is reachable and fills
 # $(GPU_WHEELS_DIR) with what a bare CUDA machine lacks (keeping the PyCUDA archive an earlier gpu-check
 # built); gpu-check runs there with its own python3 (torch).
 # For a Jetson with JetPack 6: make gpu-wheels GPU_PY_VERSION=3.10 GPU_ARCH=aarch64.
@@ -88,7 +88,7 @@ gpu-wheels: venv
 
 # GPU_CHECK_ARGS: more options, e.g. GPU_CHECK_ARGS="--bench-parts kernels,decode.fp16 --budget-s 300".
 gpu-check:
-	$(GPU_PYTHON) -m tools.gpu_check --wheels $(GPU_WHEELS_DIR) $(GPU_CHECK_ARGS)
+	$(GPU_PYTHON) -m bench.gpu_check --wheels $(GPU_WHEELS_DIR) $(GPU_CHECK_ARGS)
 
 clean:
 	rm -rf $(VENV) build *.egg-info gpu-check-out

@@ -101,7 +101,7 @@ def measure(res: SectionResult, prefix: str, engine, sizes, tokens: int, repeats
             if r >= warmup:
                 runs[n].append(out)
     reference = runs[sizes[0]][0]["first_tokens"]
-    exact = engine.dtype == torch.float32
+    exact = engine.parts.dtype == torch.float32
     for n in sizes:
         for out in runs[n]:
             tokens = out["first_tokens"]
@@ -113,8 +113,10 @@ def measure(res: SectionResult, prefix: str, engine, sizes, tokens: int, repeats
                 raise RuntimeError(f"{prefix}: the first request's tokens differ in a batch of {n} from alone")
             # Half precision: a batch's split-K plan (and a GEMM's tiling) sums in another order, and a random
             # model's greedy choice can flip on a last-bit difference. Said in the results, not hidden.
-            res.notes.append(f"{prefix}batch{n}: the first request agrees with it alone for {agree} of "
-                             f"{len(reference)} tokens ({engine.dtype}: summation order differs by batch)")  # fmt: skip
+            res.notes.append(
+                f"{prefix}batch{n}: the first request agrees with it alone for {agree} of "
+                f"{len(reference)} tokens ({engine.parts.dtype}: summation order differs by batch)"
+            )
             break
     one = [out["aggregate"] for out in runs[1]]
     one_latency = [_member_latency(out) for out in runs[1]]

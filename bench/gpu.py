@@ -283,9 +283,9 @@ def _decode(torch, ctx: BenchContext, res: SectionResult, model_dir: Path, dtype
     sides = {name: eng(name) for name in engines} | {"hf": lambda: hf.run(PROMPT, (), None, n, ignore_eos=True)}
     ctx.log(f"gpu decode {dtype}: {cfg.gpu_repeats} alternating repeats of {n} tokens over {list(sides)}")
     runs = alternate(sides, repeats=cfg.gpu_repeats, warmup=1)
-    model = engines["graphs"].model
+    model = engines["graphs"].parts.model
     prompt_tokens = runs["graphs"][-1].prompt_tokens
-    kv_per_token = engines["graphs"].cache.config.bytes_per_token
+    kv_per_token = engines["graphs"].parts.cache.config.bytes_per_token
     kv_read = kv_per_token * (prompt_tokens + n / 2)  # the context grows over the answer: its mean
     weight_bytes = decode_weight_bytes(model)
     bound = bandwidth * 1e9 / (weight_bytes + kv_read)
@@ -369,11 +369,11 @@ def _step_profile(torch, ctx: BenchContext, res: SectionResult, model_dir: Path,
     answer(32)  # captures the step's graph
 
     def token_ms(overlap: bool) -> float:
-        engine.decode_step.overlap = overlap
+        engine.parts.decode_step.overlap = overlap
         return 1e3 / answer(ctx.config.gpu_max_new_tokens).decode_tok_s
 
     pairs = [(token_ms(True), token_ms(False)) for _ in range(ctx.config.gpu_repeats)]
-    engine.decode_step.overlap = True
+    engine.parts.decode_step.overlap = True
     res.add(f"step.{key}.token_ms", "ms", [a for a, _ in pairs], "wall time a decode token (no profiler)")
     res.add(f"step.{key}.token_ms_step_by_step", "ms", [b for _, b in pairs],
             "the same with overlap off: the host reads each token before it stages the next step")  # fmt: skip
@@ -428,8 +428,8 @@ def _quantized_decode(torch, ctx: BenchContext, res: SectionResult, model_dir: P
     plain = [t.decode_tok_s for t in runs["none"]]
     for mode, timings in runs.items():
         engine = engines[mode]
-        kv_read = engine.cache.config.bytes_per_token * (timings[-1].prompt_tokens + n / 2)
-        bound = bandwidth * 1e9 / (decode_weight_bytes(engine.model) + kv_read)
+        kv_read = engine.parts.cache.config.bytes_per_token * (timings[-1].prompt_tokens + n / 2)
+        bound = bandwidth * 1e9 / (decode_weight_bytes(engine.parts.model) + kv_read)
         rates = [t.decode_tok_s for t in timings]
         res.add(f"quant.{mode}.tok_s", "tok/s", rates, f"batch-1 decode, fp16 activations, weights {mode}", mode=mode)
         res.add(f"quant.{mode}.bound_fraction", "fraction", [r / bound for r in rates],
@@ -661,7 +661,7 @@ def _on_and_off(
 
 def _dependent_launches_work(engine, on: bool) -> str | None:
     """``_on_and_off``'s check that the engine's kernels can launch dependently (sm_90 and later), or why not."""
-    status = engine.attention.launcher.programmatic_status
+    status = engine.parts.attention.launcher.programmatic_status
     return None if status == "on" else f"programmatic dependent launch {status}"
 
 
@@ -704,7 +704,9 @@ def _gemv_kernels(engine):
     """The engine's GEMV kernels (one ``CudaGemv``, attached to its projections), or None."""
     from orin_vlm_node.cuda.gemv import CudaGemv
 
-    return next((k for m in engine.model.modules() if isinstance(k := getattr(m, "kernels", None), CudaGemv)), None)
+    return next(
+        (k for m in engine.parts.model.modules() if isinstance(k := getattr(m, "kernels", None), CudaGemv)), None
+    )
 
 
 def _gemv_switch(name: str):
@@ -729,7 +731,7 @@ def _norm_epilogue(ctx: BenchContext, res: SectionResult, model_dir: Path) -> No
     def toggle(engine, on: bool) -> str | None:
         refused = _gemv_switch("norm_epilogue")(engine, on)
         if not refused and not on:  # the float shapes were timed with the epilogues at load: time them as they run
-            attach_gemv(engine.model, _gemv_kernels(engine))
+            attach_gemv(engine.parts.model, _gemv_kernels(engine))
         return refused
 
     _on_and_off(ctx, res, model_dir, "norm_epilogue", "the norm epilogues", toggle, **FUSED)

@@ -167,8 +167,9 @@ def run(ctx: BenchContext) -> SectionResult:
             if timed:
                 _record(res, length, timed, opened)
             churned = engines["page16_churn"]
-            seq = churned.session_store.get(session).seq
-            res.add(f"ctx{length}.page16_churn.table_runs", "runs", [len(block_runs(churned.cache.block_table(seq)))],
+            seq = churned.parts.session_store.get(session).seq
+            runs = len(block_runs(churned.parts.cache.block_table(seq)))
+            res.add(f"ctx{length}.page16_churn.table_runs", "runs", [runs],
                     "runs of consecutive blocks in the churned engine's table (1 = contiguous)",
                     context=str(length), kv="page16_churn")  # fmt: skip
             for engine in engines.values():

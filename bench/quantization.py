@@ -72,7 +72,7 @@ HUB_GROUP = 128  # the AutoAWQ and GPTQ copies: the group size both tools defaul
 def _exact_match(model_dir: Path, mode: str, held_out: int) -> tuple[float, float]:
     """(share of the first ``held_out`` held-out answers exactly right, weight MB) with ``weight_quant=mode``."""
     from orin_vlm_node.engine.events import Request, Turn
-    from tools import synthetic_scenes as scenes
+    from support import synthetic_scenes as scenes
 
     engine = make_engine(model_dir, "fp32", weight_quant=mode, kv_pool_blocks=64, max_context_tokens=1024)
     hits = 0
@@ -104,13 +104,13 @@ def _projection_bytes(model) -> tuple[int, int]:
 
 def _teacher_forced_logits(engine, ids: list[int]) -> torch.Tensor:
     """(len(ids), vocab) logits of every position of ``ids`` in one forward (positions 0..n-1, no image)."""
-    cache = engine.cache
+    cache = engine.parts.cache
     seq = cache.new_sequence()
     try:
         with torch.inference_mode():
             positions = torch.arange(len(ids)).expand(3, -1)
             step = cache.step(seq, len(ids))
-            return engine.model.forward(torch.tensor(ids), positions, step, logits_index=torch.arange(len(ids)))
+            return engine.parts.model.forward(torch.tensor(ids), positions, step, logits_index=torch.arange(len(ids)))
     finally:
         cache.release(seq)
 
@@ -133,13 +133,13 @@ def _big(ctx: BenchContext, res: SectionResult) -> None:
 
     path = ctx.big_checkpoint()
     engine = make_engine(path, "fp32", max_context_tokens=512)
-    prompt = engine.turns.prepare(Turn(BIG_PROMPT), None, None, 512).new_ids  # what generate prefills
+    prompt = engine.parts.turns.prepare(Turn(BIG_PROMPT), None, None, 512).new_ids  # what generate prefills
     final = list(engine.generate(Request(Turn(BIG_PROMPT), greedy(BIG_TOKENS, ignore_eos=True))))[-1]
     ids = list(prompt) + list(final.token_ids)
     reference = _teacher_forced_logits(engine, ids)[len(prompt) - 1 : -1]  # the logits that chose each token
     chosen = torch.tensor(final.token_ids)
-    _, count = _projection_bytes(engine.model)
-    total = weight_bytes(engine.model) // 4  # weights of the fp32 model
+    _, count = _projection_bytes(engine.parts.model)
+    total = weight_bytes(engine.parts.model) // 4  # weights of the fp32 model
     speed = {"none": _decode_tok_s(engine)}
     res.add("2b.none.decode_tok_s", "tok/s", speed["none"],
             f"CPU decode, fp32 weights, {SPEED_TOKENS}-token answers", mode="none")  # fmt: skip
@@ -151,9 +151,9 @@ def _big(ctx: BenchContext, res: SectionResult) -> None:
         logits = _teacher_forced_logits(engine, ids)[len(prompt) - 1 : -1]
         error = ((logits - reference).abs().amax(dim=-1, keepdim=True) / spread).squeeze(-1)
         agree = (logits.argmax(dim=-1) == chosen).float()
-        stored, _ = _projection_bytes(engine.model)
-        quantized = sum(m.nbytes for m in engine.model.modules() if isinstance(m, QuantizedLinear))
-        as_fp16 = (weight_bytes(engine.model) - quantized) // 2 + quantized  # the float weights are fp32 here
+        stored, _ = _projection_bytes(engine.parts.model)
+        quantized = sum(m.nbytes for m in engine.parts.model.modules() if isinstance(m, QuantizedLinear))
+        as_fp16 = (weight_bytes(engine.parts.model) - quantized) // 2 + quantized  # the float weights are fp32 here
         res.add(f"2b.{mode}.logit_error", "x spread", error.tolist(),
                 "per token: max |logit - fp32 logit| / std of the fp32 logits", mode=mode)  # fmt: skip
         res.add(f"2b.{mode}.top1_agreement", "fraction", [float(agree.mean())],

@@ -65,7 +65,7 @@ def main() -> int:
     final = [e for e in engine.generate(request) if isinstance(e, Finished)][0]
     used = stage("image_request")
     described = engine.describe()
-    weights = sum(p.numel() * p.element_size() for p in engine.model.parameters())
+    weights = sum(p.numel() * p.element_size() for p in engine.parts.model.parameters())
     print(
         json.dumps(
             {
@@ -81,7 +81,7 @@ def main() -> int:
                 "torch_peak_reserved_mb": torch.cuda.max_memory_reserved() / 2**20,
                 "weight_mb": weights / 2**20,
                 "kv_pool_mb": described["kv_cache"]["pool_bytes"] / 2**20,
-                "kv_context_mb": engine.cache.config.bytes_per_token * int(max_context) / 2**20,
+                "kv_context_mb": engine.parts.cache.config.bytes_per_token * int(max_context) / 2**20,
                 "kernels": described["kernels"],
                 "kv_pool": described["kv_pool"],
                 "decode_path": described["decode_path"],

@@ -28,8 +28,18 @@ from typing import Any, Literal
 Value = bool | int | float | str | list[str]
 Applies = Literal["read_only", "between_requests", "next_prompt"]
 Consumer = Literal["engine", "sampling", "node"]
+# What a change rebuilds in the engine ("": nothing, it is read by the next request or switched in place).
+Rebuilds = Literal["", "model", "kv_cache", "backend", "images", "vision_cache"]
 
 APPLIES_TEXT = {"read_only": "read-only", "between_requests": "between requests", "next_prompt": "next prompt"}
+REBUILDS_TEXT = {
+    "": "nothing",
+    "model": "the model, KV cache and decode step (sessions dropped)",
+    "kv_cache": "the KV cache and decode step (sessions dropped)",
+    "backend": "the kernel choice and decode step",
+    "images": "the image processor and vision cache",
+    "vision_cache": "the vision cache",
+}
 
 
 @dataclass(frozen=True)
@@ -48,6 +58,7 @@ class Setting:
     max: int | float | None = None
     choices: tuple[str, ...] = ()
     per_channel: bool = False  # a channel may override it (``<channel>.<name>``); unset = this value
+    rebuilds: Rebuilds = ""  # what a change rebuilds (engine settings)
 
     def problem(self, value: Any) -> str | None:
         """Why ``value`` is not acceptable (type, choices, bounds), or None."""
@@ -101,66 +112,74 @@ def _s(name, type_, default, description, consumer, applies, **bounds) -> Settin
 
 E, S, N = "engine", "sampling", "node"
 RO, BETWEEN, NEXT = "read_only", "between_requests", "next_prompt"
+MODEL, KV, BACKEND, IMAGES, VISION = "model", "kv_cache", "backend", "images", "vision_cache"
 MEGA = 1_000_000
 
 SETTINGS: tuple[Setting, ...] = (
     # -- model and device
-    _s("model_path", str, "", "Qwen3-VL directory (Hugging Face format); '' = the embedded default model", E, RO),
+    _s("model_path", str, "", "Qwen3-VL directory (Hugging Face format); '' = the embedded default model", E, RO,
+       rebuilds=MODEL),
     _s("device", str, "auto", "where the model runs; auto = cuda when available", E, BETWEEN,
-       choices=("auto", "cuda", "cpu")),
+       choices=("auto", "cuda", "cpu"), rebuilds=MODEL),
     _s("dtype", str, "auto", "weights and activations; auto = the checkpoint's on CUDA, fp32 on CPU", E, BETWEEN,
-       choices=("auto", "bf16", "fp16", "fp32")),
+       choices=("auto", "bf16", "fp16", "fp32"), rebuilds=MODEL),
     _s("weight_quant", str, "none", "store the text decoder's projection weights quantized at load: int8 (per "
        "output channel) or int4 (per group of weight_quant_group_size inputs); activations stay in dtype. A "
        "checkpoint stored in integers of that width (compressed-tensors, AWQ, GPTQ) is kept as stored", E, RO,
-       choices=("none", "int8", "int4")),
+       choices=("none", "int8", "int4"), rebuilds=MODEL),
     _s("weight_quant_group_size", int, 128, "int4: weights per scale and offset along the input; a power of two "
-       "no larger than any projection's input (a 4-bit checkpoint's own groups are kept)", E, RO, min=2, max=8192),
+       "no larger than any projection's input (a 4-bit checkpoint's own groups are kept)", E, RO, min=2, max=8192,
+       rebuilds=MODEL),
     _s("weight_quant_lm_head", bool, True, "with weight_quant int8 or int4, store the LM head in int8 too (per "
        "output channel, whatever the mode: every logit goes through it); a head tied to the embedding table is "
-       "a copy beside it, half its bytes", E, RO),
+       "a copy beside it, half its bytes", E, RO, rebuilds=MODEL),
     # -- KV cache
-    _s("use_paged_attention", bool, True, "paged KV cache (block pool); false = contiguous baseline", E, BETWEEN),
-    _s("page_size", int, 16, "tokens per KV block; a power of two", E, BETWEEN, unit="tokens", min=1, max=256),
+    _s("use_paged_attention", bool, True, "paged KV cache (block pool); false = contiguous baseline", E, BETWEEN,
+       rebuilds=KV),
+    _s("page_size", int, 16, "tokens per KV block; a power of two", E, BETWEEN, unit="tokens", min=1, max=256,
+       rebuilds=KV),
     _s("kv_pool_mb", int, 0, "KV pool size; 0 = sized by need (contexts held + prefix share, capped by free "
-       "memory)", E, BETWEEN, unit="MB", min=0, max=262_144),
+       "memory)", E, BETWEEN, unit="MB", min=0, max=262_144, rebuilds=KV),
     _s("kv_pool_blocks", int, 0, "KV pool size in blocks; > 0 wins over kv_pool_mb", E, BETWEEN, min=0,
-       max=16_777_216),
+       max=16_777_216, rebuilds=KV),
     _s("kv_prefix_share", float, 0.25, "automatic pool size: extra share of blocks for cached prefixes", E,
-       BETWEEN, min=0.0, max=4.0),
+       BETWEEN, min=0.0, max=4.0, rebuilds=KV),
     _s("kv_memory_reserve_mb", int, 1024, "automatic pool size: memory left free for the rest of the robot", E,
-       BETWEEN, unit="MB", min=0, max=1_048_576),
+       BETWEEN, unit="MB", min=0, max=1_048_576, rebuilds=KV),
     _s("prefix_caching", bool, True, "reuse the KV blocks of an identical prompt prefix (paged only)", E, BETWEEN),
     _s("max_context_tokens", int, 4096, "longest sequence: prompt, image tokens and answer", E, BETWEEN,
-       unit="tokens", min=16, max=262_144),
+       unit="tokens", min=16, max=262_144, rebuilds=KV),
     _s("max_batch", int, 4, "requests decoded together, one token each per step (continuous batching); the "
        "automatic KV pool holds this many contexts (a node: at most one per channel)", E, BETWEEN, unit="requests",
-       min=1, max=16),
+       min=1, max=16, rebuilds=KV),
     _s("prefill_chunk_tokens", int, 512, "a prompt is prefilled in pieces of at most this many tokens (bounds "
        "the attention scratch memory of a long prompt); 0 = in one piece", E, BETWEEN, unit="tokens", min=0,
        max=262_144),
     # -- CUDA
-    _s("use_cuda_kernels", bool, True, "custom CUDA attention kernels (CUDA only)", E, BETWEEN),
-    _s("use_cuda_graph", bool, True, "replay the decode step as CUDA graphs (CUDA only)", E, BETWEEN),
+    _s("use_cuda_kernels", bool, True, "custom CUDA attention kernels (CUDA only)", E, BETWEEN, rebuilds=BACKEND),
+    _s("use_cuda_graph", bool, True, "replay the decode step as CUDA graphs (CUDA only)", E, BETWEEN, rebuilds=BACKEND),
     _s("fuse_decode_launches", bool, False, "the decode step runs each norm in the launch of the product before it "
        "and, for one sequence, a layer's products between two attentions (o, gate/up, down and their norms) as one "
        "CUDA launch; false = a launch a product and a launch a norm, measured faster on an H200 (CUDA kernels "
-       "only)", E, BETWEEN),
+       "only)", E, BETWEEN, rebuilds=BACKEND),
     _s("dependent_launch", str, "auto", "kernels in a decode graph start while the one before them ends (sm_90 "
        "and later): on, off, or auto = each graph captured both ways at its first use and the faster replay "
-       "kept (an H200: faster with fp16 weights, slower with INT4)", E, BETWEEN, choices=("auto", "on", "off")),
+       "kept (an H200: faster with fp16 weights, slower with INT4)", E, BETWEEN, choices=("auto", "on", "off"),
+       rebuilds=BACKEND),
     _s("allow_kernel_fallback", bool, True, "true: torch attention, reported as 'kernels: off (<reason>)', when "
-       "the kernels cannot be used; false: that is a startup error", E, BETWEEN),
-    _s("kernel_dir", str, "", "CUDA kernel sources; '' = the ones installed with the package", E, BETWEEN),
-    _s("kernel_cache_dir", str, "", "compiled kernel cache; '' = ~/.cache/orin_vlm_node/kernels", E, BETWEEN),
+       "the kernels cannot be used; false: that is a startup error", E, BETWEEN, rebuilds=BACKEND),
+    _s("kernel_dir", str, "", "CUDA kernel sources; '' = the ones installed with the package", E, BETWEEN,
+       rebuilds=BACKEND),
+    _s("kernel_cache_dir", str, "", "compiled kernel cache; '' = ~/.cache/orin_vlm_node/kernels", E, BETWEEN,
+       rebuilds=BACKEND),
     # -- images
     _s("image_min_pixels", int, 0, "smallest image area after resizing; 0 = the checkpoint's value", E, BETWEEN,
-       unit="pixels", min=0, max=64 * MEGA),
+       unit="pixels", min=0, max=64 * MEGA, rebuilds=IMAGES),
     _s("image_max_pixels", int, 0, "largest image area after resizing; 0 = the checkpoint's value", E, BETWEEN,
-       unit="pixels", min=0, max=64 * MEGA),
+       unit="pixels", min=0, max=64 * MEGA, rebuilds=IMAGES),
     _s("vision_cache_images", int, 4, "vision-tower outputs kept for the last distinct images (by content), so "
        "another question about the same frame skips the vision tower; 0 = off", E, BETWEEN, unit="images", min=0,
-       max=256),
+       max=256, rebuilds=VISION),
     # -- prompts
     _s("prompt_special_tokens", bool, False, "read special-token text written in prompts and the system "
        "prompt (im_start, im_end, endoftext, ...) as control tokens (experts only); false = as plain text, so a "

@@ -90,7 +90,7 @@ def test_gpu_decode_graphs_keep_the_faster_of_dependent_and_plain_launches(tmp_p
         engine = Engine(EngineConfig(**common, dependent_launch=setting))
         tokens[setting] = list(engine.generate(Request(turn, sampling)))[-1].token_ids
         ways[setting] = engine.describe()["decode"]["dependent_launch"]
-        runtime = engine.attention.launcher
+        runtime = engine.parts.attention.launcher
         dependent = runtime.programmatic_status == "on"
         assert runtime.programmatic == dependent
     assert tokens["auto"] == tokens["on"] == tokens["off"]
@@ -258,13 +258,13 @@ def test_gpu_overlapped_decode_answers_as_the_step_by_step_decode(tmp_path_facto
     def answers() -> list[list[tuple]]:
         return [[(type(e).__name__, e.text, e.token_ids) for e in engine.generate(Request(turn, s))] for s in samplings]
 
-    assert engine.decode_step.overlap
+    assert engine.parts.decode_step.overlap
     overlapped = answers()
     text = overlapped[0][-1][1]
     stop = text[len(text) // 2 :][:3]
     samplings.append(SamplingParams(temperature=0.0, max_new_tokens=120, stop=(stop,)))
     overlapped.append(answers()[-1])
-    engine.decode_step.overlap = False
+    engine.parts.decode_step.overlap = False
     assert answers() == overlapped
     assert overlapped[-1][-1][1] == text[: text.index(stop)]
     assert engine.describe()["kv_blocks_used"] == 0
@@ -531,7 +531,7 @@ def test_gpu_engine_float_gemv_says_what_it_measured_and_answers_as_without_kern
     assert slow.describe()["weight_path"].startswith("float weights: F.linear")
     same_greedy_answer(fast, slow, "Tell the robot what to do next, step by step.", 200)
     fast.reconfigure(use_cuda_kernels=False)
-    assert not any(isinstance(m, GemvLinear) for m in fast.model.modules())
+    assert not any(isinstance(m, GemvLinear) for m in fast.parts.model.modules())
 
 
 def test_gpu_engine_holds_little_beyond_weights_and_pool_and_rebuilds_do_not_grow_it(tmp_path_factory, kernel_cache):
@@ -557,7 +557,7 @@ def test_gpu_engine_holds_little_beyond_weights_and_pool_and_rebuilds_do_not_gro
 
     def extra_mb() -> float:
         assert list(engine.generate(Request(turn, sampling)))[-1].finish_reason == "length"
-        held = engine.weight_bytes + engine.describe()["kv_cache"]["pool_bytes"]
+        held = engine.parts.weight_bytes + engine.describe()["kv_cache"]["pool_bytes"]
         return (reserved() - before - held) / 2**20
 
     first = extra_mb()
@@ -581,12 +581,12 @@ def test_gpu_engine_loads_its_dtypes_kernels_once_and_unloads_those_a_reconfigur
     path = str(_tiny(tmp_path_factory, 64))
     engine = Engine(EngineConfig(model_path=path, device="cuda", dtype="fp16", max_context_tokens=512,
                                  kernel_cache_dir=kernel_cache, allow_kernel_fallback=False))  # fmt: skip
-    runtime = engine.attention.launcher
+    runtime = engine.parts.attention.launcher
     assert runtime.dtypes == ["f16"]
     assert set(runtime.kernels()) == {k for names in L.kernel_modules(["f16"]).values() for k in names}
     engine.reconfigure(page_size=32)
     engine.reconfigure(use_cuda_graph=False)
-    assert engine.attention.launcher is runtime and "(loaded before, reused)" in engine.attention.status
+    assert engine.parts.attention.launcher is runtime and "(loaded before, reused)" in engine.parts.attention.status
     sampling = SamplingParams(temperature=0.0, max_new_tokens=16, ignore_eos=True)
     turn = Turn("Tell the robot what to do next.")
 
@@ -599,7 +599,7 @@ def test_gpu_engine_loads_its_dtypes_kernels_once_and_unloads_those_a_reconfigur
         return torch.cuda.mem_get_info()[0] / 2**20
 
     engine.reconfigure(dtype="bf16")
-    assert engine.attention.launcher.dtypes == ["bf16"]
+    assert engine.parts.attention.launcher.dtypes == ["bf16"]
     out, gate_up = (
         torch.empty(1, 256, device="cuda", dtype=torch.float16),
         torch.zeros(1, 512, device="cuda", dtype=torch.float16),
@@ -612,7 +612,7 @@ def test_gpu_engine_loads_its_dtypes_kernels_once_and_unloads_those_a_reconfigur
         engine.reconfigure(dtype=dtype)
     answers()
     assert free_mb() >= before - 16, f"{before - free_mb():.0f} MB of GPU memory gone over 8 dtype changes"
-    last = engine.attention.launcher  # bf16, the last change's
+    last = engine.parts.attention.launcher  # bf16, the last change's
     last.launch(L.silu_mul_launch(1, 256, torch.bfloat16), [out.bfloat16(), gate_up.bfloat16(), 1, 256])
     engine.close()  # the lifecycle node's cleanup
     with pytest.raises(CudaRuntimeError, match="not loaded"):
@@ -638,7 +638,7 @@ def test_gpu_engine_quantized_kernels_and_graphs_match_the_torch_path(tmp_path_f
     same_greedy_answer(fast, slow, "Tell the robot what to do next, step by step.", 200)
     fused = Engine(EngineConfig(**common, allow_kernel_fallback=False, fuse_decode_launches=True))
     for engine, on in ((fast, False), (fused, True)):
-        kernels = {m.kernels for m in engine.model.modules() if isinstance(getattr(m, "kernels", None), CudaGemv)}
+        kernels = {m.kernels for m in engine.parts.model.modules() if isinstance(getattr(m, "kernels", None), CudaGemv)}
         assert [(k.norm_epilogue, k.mlp_chain, k.tail_chain) for k in kernels] == [(on, on, on)]
     assert fast.describe()["weight_path"].endswith(": off (fuse_decode_launches)")
     assert fused.describe()["weight_path"].endswith("between two attentions in one: on")
@@ -715,7 +715,7 @@ def test_gpu_an_fp8_checkpoint_widens_on_the_device_to_the_values_it_has_on_the_
     """On CUDA the FP8 weights travel as bytes and are widened on the GPU (integer shifts, an fp16 view, the
     scales multiplied in place): the same values as the CPU load, which the CPU suite holds to transformers'."""
     from orin_vlm_node.model import load_model
-    from orin_vlm_node.model.loader import checkpoint_views
+    from orin_vlm_node.model.keys import checkpoint_views
     from support.checkpoints import cached_tiny_checkpoint, fp8_copy
 
     source = cached_tiny_checkpoint(layers=2, tie=False, dtype=torch.bfloat16)

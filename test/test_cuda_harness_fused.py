@@ -180,8 +180,10 @@ def test_a_model_with_the_fused_kernels_attached_answers_as_with_torch_ops(harne
 
     want = answer()
     launcher = RecordingLauncher(harness)
-    layers = engine.model_config.text.num_hidden_layers
-    assert attach_fused_ops(engine.model, CudaFusedOps(launcher)) == 5 * layers + 1  # 4 norms + MLP a layer, final
+    layers = engine.parts.model_config.text.num_hidden_layers
+    assert (
+        attach_fused_ops(engine.parts.model, CudaFusedOps(launcher)) == 5 * layers + 1
+    )  # 4 norms + MLP a layer, final
     assert answer() == want
     # Per forward: the first layer's input norm alone; every other norm after a residual add (the next
     # layer's input norm takes the MLP's add, the post-attention norm the attention's, the final norm the
@@ -192,8 +194,8 @@ def test_a_model_with_the_fused_kernels_attached_answers_as_with_torch_ops(harne
     assert launcher.kernels.count(f"add_rms_norm_{tag}") == forwards * 2 * layers
     assert launcher.kernels.count(f"rms_norm_rope_{tag}") == forwards * layers
     assert launcher.kernels.count(f"silu_mul_{tag}") == forwards * layers
-    assert not any(isinstance(m, MLP) and m.fused is None for m in engine.model.modules())
-    attach_fused_ops(engine.model, None)
+    assert not any(isinstance(m, MLP) and m.fused is None for m in engine.parts.model.modules())
+    attach_fused_ops(engine.parts.model, None)
     assert answer() == want
 
 

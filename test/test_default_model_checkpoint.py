@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tools import synthetic_scenes as scenes
+from support import synthetic_scenes as scenes
 
 REPO = Path(__file__).resolve().parent.parent
 MODEL_DIR = REPO / "orin_vlm_node" / "default_model"

@@ -6,7 +6,7 @@ What they establish:
 - our engine and transformers (the reference implementation) give identical greedy answers;
 - Chinese answers stream as whole characters.
 
-The held-out set comes from ``tools/synthetic_scenes.py`` (a seed namespace disjoint from training).
+The held-out set comes from ``support/synthetic_scenes.py`` (a seed namespace disjoint from training).
 Engine answers are computed once per module and shared by the tests to keep the runtime small.
 """
 
@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from orin_vlm_node.engine import Engine, EngineConfig, Finished, Request, SamplingParams, TextDelta, Turn
-from tools import synthetic_scenes as scenes
+from support import synthetic_scenes as scenes
 
 REPO = Path(__file__).resolve().parent.parent
 MODEL_DIR = REPO / "orin_vlm_node" / "default_model"

@@ -19,8 +19,8 @@ import torch
 
 from orin_vlm_node.cuda import CudaPagedAttention
 from orin_vlm_node.engine import Engine, EngineConfig, Finished, Request, SamplingParams, TextDelta, Turn
+from orin_vlm_node.engine.assemble import MAX_BATCH
 from orin_vlm_node.engine.decode_step import StaticDecodeStep
-from orin_vlm_node.engine.engine import MAX_BATCH
 from support.checkpoints import cached_tiny_checkpoint
 
 torch.set_num_threads(1)
@@ -51,8 +51,8 @@ def overlap(request) -> bool:
 def _engine(overlap: bool, **fields) -> Engine:
     engine = Engine(EngineConfig(model_path=str(cached_tiny_checkpoint()), device="cpu", **fields))
     if overlap:
-        engine.decode_step = StaticDecodeStep(
-            engine.model, engine.cache, torch.device("cpu"), False, max_batch=MAX_BATCH, overlap=True
+        engine.parts.decode_step = StaticDecodeStep(
+            engine.parts.model, engine.parts.cache, torch.device("cpu"), False, max_batch=MAX_BATCH, overlap=True
         )
     return engine
 
@@ -107,8 +107,10 @@ def test_the_static_step_and_the_kernels_batch_as_on_a_gpu(harness):
     members replay the bucket of 4 with a padding row) and the kernels of ``kernels/`` in the harness for
     every KV write, prefill and batched decode launch. Each request of the batch gets its tokens alone."""
     engine = Engine(EngineConfig(model_path=str(cached_tiny_checkpoint()), device="cpu", prefill_chunk_tokens=16))
-    engine.cache.set_attention_impl(CudaPagedAttention(harness))
-    step = engine.decode_step = StaticDecodeStep(engine.model, engine.cache, torch.device("cpu"), False, max_batch=4)
+    engine.parts.cache.set_attention_impl(CudaPagedAttention(harness))
+    step = engine.parts.decode_step = StaticDecodeStep(
+        engine.parts.model, engine.parts.cache, torch.device("cpu"), False, max_batch=4
+    )
     alone = [_alone(engine, r) for r in MIXED]
     batches = []  # sequences of each step
     run = step.run

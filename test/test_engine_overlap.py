@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from orin_vlm_node.engine import Engine, EngineConfig, Finished, Request, SamplingParams, TextDelta, Turn
+from orin_vlm_node.engine.assemble import MAX_BATCH
 from orin_vlm_node.engine.decode_step import StaticDecodeStep
-from orin_vlm_node.engine.engine import MAX_BATCH
 from orin_vlm_node.engine.sampled_tokens import SampledTokens
 from support.checkpoints import cached_tiny_checkpoint
 
@@ -26,8 +26,10 @@ def _engine(overlap: bool, **fields) -> Engine:
     config = {"model_path": str(cached_tiny_checkpoint()), "device": "cpu", "max_sessions": 2} | fields
     engine = Engine(EngineConfig(**config))
     if overlap:
-        step = StaticDecodeStep(engine.model, engine.cache, torch.device("cpu"), False, MAX_BATCH, overlap=True)
-        engine.decode_step = step
+        step = StaticDecodeStep(
+            engine.parts.model, engine.parts.cache, torch.device("cpu"), False, MAX_BATCH, overlap=True
+        )
+        engine.parts.decode_step = step
     return engine
 
 
@@ -53,7 +55,7 @@ def _same(engines: tuple[Engine, Engine], request: Request) -> Finished:
 
 def test_the_step_is_not_the_default_on_a_cpu_but_overlaps_when_asked(engines):
     sync, overlapped = engines
-    assert sync.describe()["decode"]["step"] == "dynamic" and not sync.decode_step.overlap
+    assert sync.describe()["decode"]["step"] == "dynamic" and not sync.parts.decode_step.overlap
     assert overlapped.describe()["decode"]["overlap"] is True
 
 
@@ -97,8 +99,9 @@ def test_the_next_turn_of_a_conversation_sees_exactly_the_answer(engines):
         _same(engines, Request(turn, SamplingParams(temperature=0.0, max_new_tokens=20), session_id="talk"))
     sync, overlapped = engines
     assert overlapped.session_token_ids("talk") == sync.session_token_ids("talk")
-    kv = overlapped.cache.length(overlapped.session_store.get("talk").seq)
-    assert kv == sync.cache.length(sync.session_store.get("talk").seq)  # no slot of a row computed past the end
+    kv = overlapped.parts.cache.length(overlapped.parts.session_store.get("talk").seq)
+    # no slot of a row computed past the end
+    assert kv == sync.parts.cache.length(sync.parts.session_store.get("talk").seq)
     for e in engines:
         e.reset()
 
@@ -124,8 +127,8 @@ def test_a_cancel_ends_the_answer_and_frees_its_kv(engines):
 def test_the_host_reads_token_n_after_step_n_plus_1_was_launched(engines, monkeypatch):
     overlapped = engines[1]
     order: list[str] = []
-    run, read = overlapped.decode_step.run, SampledTokens.read
-    monkeypatch.setattr(overlapped.decode_step, "run", lambda: order.append("launch") or run())
+    run, read = overlapped.parts.decode_step.run, SampledTokens.read
+    monkeypatch.setattr(overlapped.parts.decode_step, "run", lambda: order.append("launch") or run())
     monkeypatch.setattr(SampledTokens, "read", lambda self: order.append("read") or read(self))
     sampling = SamplingParams(temperature=0.0, max_new_tokens=6, ignore_eos=True)
     final = _answer(overlapped, Request(Turn("Hello."), sampling))[1]

@@ -113,7 +113,7 @@ def test_greedy_matches_transformers_generate_all_layouts(parity_root):
             final = _greedy(engine, turn)
             assert list(final.token_ids) == ref, f"{name} {layout}"
             assert final.metrics["prompt_tokens"] == len(ids)
-            assert engine.cache.stats()["blocks_used"] == 0  # the request's sequence was released
+            assert engine.parts.cache.stats()["blocks_used"] == 0  # the request's sequence was released
 
 
 def test_greedy_matches_transformers_generate_second_checkpoint(parity_root):

@@ -30,8 +30,8 @@ def _finish(engine: Engine, request: Request) -> Finished:
 
 def _healthy(engine: Engine) -> None:
     """Only sessions hold KV blocks after a request, and a normal request still works."""
-    held = sum(len(engine.cache.block_table(engine.session_store.get(s).seq)) for s in engine.sessions())
-    assert engine.cache.stats()["blocks_used"] == held
+    held = sum(len(engine.parts.cache.block_table(engine.parts.session_store.get(s).seq)) for s in engine.sessions())
+    assert engine.parts.cache.stats()["blocks_used"] == held
     final = _finish(engine, Request(Turn("Go."), SamplingParams(temperature=0.0, max_new_tokens=5)))
     assert final.finish_reason == "length", final.error
     assert final.text == "Hello, 世界！"
@@ -58,7 +58,7 @@ def test_cancel_mid_decode_from_another_thread(engine):
     assert final.finish_reason == "cancelled"
     assert final.text == first.text + "".join(e.text for e in rest[:-1])
     assert 0 < len(final.text) < len(SCRIPT)
-    assert engine.cache.stats()["blocks_used"] == 0 and engine.cache.stats()["sequences"] == 0
+    assert engine.parts.cache.stats()["blocks_used"] == 0 and engine.parts.cache.stats()["sequences"] == 0
     _healthy(engine)
 
 
@@ -110,7 +110,7 @@ def test_cancelled_session_turn_keeps_answer_so_far(engine):
 
 
 def _prompt_len(engine: Engine, text: str) -> int:
-    return len(engine.turns.renderer.first_turn(None, Turn(text), [])[0])
+    return len(engine.parts.turns.renderer.first_turn(None, Turn(text), [])[0])
 
 
 def test_a_pool_that_cannot_hold_one_context_is_refused_and_a_full_one_serves_the_limit(tmp_path_factory):
@@ -127,7 +127,7 @@ def test_a_pool_that_cannot_hold_one_context_is_refused_and_a_full_one_serves_th
     final = _finish(engine, Request(Turn("Go."), GREEDY))
     assert final.finish_reason == "length" and 0 < len(final.token_ids) < len(answer)
     assert SCRIPT.startswith(final.text) and final.text
-    assert engine.cache.stats()["blocks_used"] == 0
+    assert engine.parts.cache.stats()["blocks_used"] == 0
     long_prompt = "Describe every object in the room, one by one, with its colour. " * 3
     final = _finish(engine, Request(Turn(long_prompt), GREEDY))
     assert final.finish_reason == "error" and "prompt is too long" in final.error
@@ -154,7 +154,7 @@ def test_sessions_beyond_max_sessions_are_dropped_least_recent_first(tmp_path_fa
     assert sorted(engine.sessions()) == ["b", "c"]
     engine.reconfigure(max_sessions=0)  # the KV layout changes: every session goes, and none is kept
     assert _finish(engine, Request(Turn("Go."), GREEDY, session_id="d")).finish_reason == "stop"
-    assert engine.sessions() == [] and engine.cache.stats()["blocks_used"] == 0
+    assert engine.sessions() == [] and engine.parts.cache.stats()["blocks_used"] == 0
 
 
 # -- bad input and failures -----------------------------------------------------------------------
@@ -208,7 +208,7 @@ def test_a_full_conversation_starts_over_with_a_turn_that_fits_alone(tmp_path_fa
     assert fresh.finish_reason == "stop" and fresh.metrics["forgotten_tokens"] == 0
     fresh_conversation = engine.session_token_ids("fresh")  # before "s" takes the one session kept
     assert _finish(engine, Request(Turn("Go."), GREEDY, session_id="s")).finish_reason == "stop"
-    before, held = engine.session_token_ids("s"), len(engine.session_store.get("s").token_ids)
+    before, held = engine.session_token_ids("s"), len(engine.parts.session_store.get("s").token_ids)
     assert len(before) + fresh.metrics["prompt_tokens"] > 96  # the turn does not fit after the first one
     final = _finish(engine, Request(turn, GREEDY, session_id="s"))
     assert final.finish_reason == "stop" and final.error is None
@@ -227,7 +227,7 @@ def test_a_full_conversation_starts_over_with_a_turn_that_fits_alone(tmp_path_fa
 
 @pytest.mark.parametrize("fail_at_call", [1, 4], ids=["prefill", "decode"])
 def test_exception_inside_model_finishes_with_error(engine, monkeypatch, fail_at_call):
-    real = engine.model.forward
+    real = engine.parts.model.forward
     calls = {"n": 0}
 
     def flaky(*args, **kwargs):
@@ -236,7 +236,7 @@ def test_exception_inside_model_finishes_with_error(engine, monkeypatch, fail_at
             raise RuntimeError("simulated device fault")
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(engine.model, "forward", flaky)
+    monkeypatch.setattr(engine.parts.model, "forward", flaky)
     for session_id in (None, "s"):
         calls["n"] = 0
         final = _finish(engine, Request(Turn("Go."), GREEDY, session_id=session_id))
@@ -295,9 +295,9 @@ def test_reconfigure_applies_settings(engine):
     engine.reconfigure(sampling=SamplingParams(max_new_tokens=3, temperature=0.0))
     final = _finish(engine, Request(Turn("Go.")))
     assert final.finish_reason == "length" and final.text == "Hello, "
-    tokens_before = engine.image_processor.num_image_tokens(480, 640)
+    tokens_before = engine.parts.image_processor.num_image_tokens(480, 640)
     engine.reconfigure(image_max_pixels=64 * 64 * 4)
-    assert engine.image_processor.num_image_tokens(480, 640) < tokens_before
+    assert engine.parts.image_processor.num_image_tokens(480, 640) < tokens_before
     engine.reconfigure(use_paged_attention=False, max_context_tokens=128)
     info = engine.describe()
     assert info["paged_attention"] is False and info["max_context_tokens"] == 128
@@ -308,22 +308,22 @@ def test_reconfigure_applies_settings(engine):
 
 def _before_model_loads(monkeypatch, hook) -> None:
     """Run ``hook()`` each time the engine is about to load a model (then load it)."""
-    import orin_vlm_node.engine.engine as engine_module
+    import orin_vlm_node.engine.assemble as assemble_module
 
-    load = engine_module.load_model
+    load = assemble_module.load_model
 
     def hooked(*args, **kwargs):
         hook()
         return load(*args, **kwargs)
 
-    monkeypatch.setattr(engine_module, "load_model", hooked)
+    monkeypatch.setattr(assemble_module, "load_model", hooked)
 
 
 def test_a_model_reload_frees_the_old_model_and_pool_before_loading(engine, monkeypatch):
     """A runtime dtype change loads the model again: the old weights, KV pool and decode step are gone by
     then (on a Jetson two models at once would not fit beside the robot's other software), and the engine
     answers with the new dtype."""
-    old_model, old_cache = weakref.ref(engine.model), weakref.ref(engine.cache)
+    old_model, old_cache = weakref.ref(engine.parts.model), weakref.ref(engine.parts.cache)
     alive_at_load = []
     _before_model_loads(monkeypatch, lambda: alive_at_load.append((old_model() is not None, old_cache() is not None)))
     engine.reconfigure(dtype="bf16")
@@ -409,7 +409,7 @@ def test_describe_and_auto_device_dtype(engine):
         "peak_memory_mb",
     ):
         assert key in metrics
-    assert metrics["generated_tokens"] == len(engine.tokenizer.encode(SCRIPT)) + 1
+    assert metrics["generated_tokens"] == len(engine.parts.tokenizer.encode(SCRIPT)) + 1
     assert metrics["decode_tokens_per_s"] > 0 and metrics["ttft_s"] > 0
 
 
@@ -417,7 +417,7 @@ def test_closing_the_iterator_mid_stream_frees_the_request(engine):
     events = engine.generate(Request(Turn("Go."), GREEDY))
     assert isinstance(next(events), TextDelta)
     events.close()
-    assert engine.cache.stats()["sequences"] == 0 and engine.cache.stats()["blocks_used"] == 0
+    assert engine.parts.cache.stats()["sequences"] == 0 and engine.parts.cache.stats()["blocks_used"] == 0
     _healthy(engine)  # the engine lock was released too
 
 
@@ -438,7 +438,7 @@ def test_reconfigurations_reuse_the_kernels_in_use_and_unload_those_they_replace
     once the new parts are built, and one that fails and rolls back keeps the original and unloads the
     attempt's. (Kernel selection stands in for CUDA here: one runtime per dtype, as the node builds them.)"""
     from orin_vlm_node.cuda import BackendChoice
-    from orin_vlm_node.engine import engine as engine_module
+    from orin_vlm_node.engine import assemble as assemble_module
 
     loads: list[_FakeKernels] = []
 
@@ -449,28 +449,28 @@ def test_reconfigurations_reuse_the_kernels_in_use_and_unload_those_they_replace
         loads.append(_FakeKernels(dtype))
         return BackendChoice(False, "fake", loaded=SimpleNamespace(runtime=loads[-1], reused=False))
 
-    monkeypatch.setattr(engine_module, "select_attention", select)
+    monkeypatch.setattr(assemble_module, "select_attention", select)
     engine = scripted_engine(tmp_path_factory)[0]
-    first = engine.attention.loaded.runtime
+    first = engine.parts.attention.loaded.runtime
     engine.reconfigure(page_size=32)
     engine.reconfigure(use_cuda_graph=False)
     engine.reconfigure(use_cuda_graph=True)
-    assert loads == [first] and engine.attention.loaded.runtime is first and not first.closed
+    assert loads == [first] and engine.parts.attention.loaded.runtime is first and not first.closed
     engine.reconfigure(dtype="bf16")
-    second = engine.attention.loaded.runtime
+    second = engine.parts.attention.loaded.runtime
     assert loads == [first, second] and (first.closed, second.closed) == (1, 0)
 
-    real_build_cache = engine._build_cache
+    real_build_cache = assemble_module.build_kv_cache
 
-    def fail_once() -> None:
-        monkeypatch.setattr(engine, "_build_cache", real_build_cache)
+    def fail_once(*args) -> None:
+        monkeypatch.setattr(assemble_module, "build_kv_cache", real_build_cache)
         raise OSError("no memory for the pool")
 
-    monkeypatch.setattr(engine, "_build_cache", fail_once)
+    monkeypatch.setattr(assemble_module, "build_kv_cache", fail_once)
     with pytest.raises(ValueError, match="previous settings restored: no memory for the pool"):
         engine.reconfigure(dtype="fp32")
     third = loads[-1]
-    assert engine.attention.loaded.runtime is second and (second.closed, third.closed) == (0, 1)
+    assert engine.parts.attention.loaded.runtime is second and (second.closed, third.closed) == (0, 1)
     assert _finish(engine, Request(Turn("Go."), GREEDY)).finish_reason in ("stop", "length")
     engine.close()  # the lifecycle node's cleanup: the kernels in use go too
-    assert [k.closed for k in loads] == [1, 1, 1] and engine.model is None and engine.cache is None
+    assert [k.closed for k in loads] == [1, 1, 1] and engine.parts.model is None and engine.parts.cache is None

@@ -47,7 +47,7 @@ def test_session_stream_equals_fresh_rendering_of_whole_conversation(tmp_path_fa
     r1 = _final(engine, Request(t1, GREEDY, system_prompt="You are a robot.", session_id="s"))
     assert r1.text == SCRIPT[: len(r1.text)] and r1.finish_reason == "length"
     _final(engine, Request(t2, SamplingParams(temperature=0.0), session_id="s"))
-    counts = [engine.image_processor.num_image_tokens(*img.shape[:2]) for img in (img1, img2)]
+    counts = [engine.parts.image_processor.num_image_tokens(*img.shape[:2]) for img in (img1, img2)]
     messages = [
         {"role": "system", "content": "You are a robot."},
         {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": t1.text}]},
@@ -56,7 +56,7 @@ def test_session_stream_equals_fresh_rendering_of_whole_conversation(tmp_path_fa
         {"role": "assistant", "content": SCRIPT},
     ]
     fresh = build_prompt_ids(
-        engine.tokenizer, engine.turns.renderer.template, messages, counts, add_generation_prompt=False
+        engine.parts.tokenizer, engine.parts.turns.renderer.template, messages, counts, add_generation_prompt=False
     )
     # The fresh rendering ends with "<|im_end|>\n"; the session holds up to the answer's <|im_end|>.
     assert engine.session_token_ids("s") == fresh[:-1]
@@ -67,11 +67,11 @@ def test_session_stream_equals_fresh_rendering_of_whole_conversation(tmp_path_fa
         {"role": "assistant", "content": SCRIPT},
     ]
     fresh = build_prompt_ids(
-        engine.tokenizer, engine.turns.renderer.template, messages, counts, add_generation_prompt=False
+        engine.parts.tokenizer, engine.parts.turns.renderer.template, messages, counts, add_generation_prompt=False
     )
     assert engine.session_token_ids("s") == fresh[:-1]
     engine.reset("s")
-    assert engine.sessions() == [] and engine.cache.stats()["blocks_used"] == 0
+    assert engine.sessions() == [] and engine.parts.cache.stats()["blocks_used"] == 0
 
 
 @pytest.mark.parametrize("chunk", [0, 6])
@@ -87,8 +87,8 @@ def test_turn_two_prefills_only_new_tokens_and_matches_transformers(chunk):
     r1 = _final(engine, Request(t1, GREEDY, session_id="s", system_prompt="Be brief."))
     history = engine.session_token_ids("s")  # turn 1 prompt + answer + <|im_end|>
     r2 = _final(engine, Request(t2, SamplingParams(temperature=0.0, max_new_tokens=24), session_id="s"))
-    batch = engine.image_processor.preprocess([img1, img2])
-    delta, _ = engine.turns.renderer.next_turn(
+    batch = engine.parts.image_processor.preprocess([img1, img2])
+    delta, _ = engine.parts.turns.renderer.next_turn(
         [
             {"role": "system", "content": "Be brief."},
             {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": t1.text}]},
@@ -98,13 +98,13 @@ def test_turn_two_prefills_only_new_tokens_and_matches_transformers(chunk):
         batch.num_tokens[1:],
     )
     full = history + delta
-    cached = len(history) - 2 if r1.token_ids[-1] not in engine.tokenizer.eos_token_ids else len(history) - 1
+    cached = len(history) - 2 if r1.token_ids[-1] not in engine.parts.tokenizer.eos_token_ids else len(history) - 1
     assert r2.metrics["prefill_tokens"] == len(full) - cached
     assert r2.metrics["prefix_hit_tokens"] == cached
     assert r2.metrics["prompt_tokens"] == len(full)
 
     hf = Qwen3VLForConditionalGeneration.from_pretrained(path, attn_implementation="eager", dtype=torch.float32).eval()
-    mm = torch.tensor([[1 if t == engine.model_config.image_token_id else 0 for t in full]], dtype=torch.int32)
+    mm = torch.tensor([[1 if t == engine.parts.model_config.image_token_id else 0 for t in full]], dtype=torch.int32)
     with torch.no_grad():
         out = hf.generate(
             input_ids=torch.tensor([full]),
@@ -117,7 +117,7 @@ def test_turn_two_prefills_only_new_tokens_and_matches_transformers(chunk):
             top_k=None,
             top_p=None,
             temperature=None,
-            eos_token_id=list(engine.tokenizer.eos_token_ids),
+            eos_token_id=list(engine.parts.tokenizer.eos_token_ids),
             pad_token_id=0,
         )
     assert list(r2.token_ids) == out[0, len(full) :].tolist()
@@ -132,15 +132,15 @@ def test_prefix_cache_serves_new_session_with_same_system_prompt_and_image():
     assert first.metrics["prefix_hit_tokens"] == 0
     second_req = Request(Turn("Is there a person?", (img,)), GREEDY, system, session_id="b")
     second = _final(engine, second_req)
-    ids_b, _ = engine.turns.renderer.first_turn(
-        system, second_req.turn, [engine.image_processor.num_image_tokens(96, 96)]
+    ids_b, _ = engine.parts.turns.renderer.first_turn(
+        system, second_req.turn, [engine.parts.image_processor.num_image_tokens(96, 96)]
     )
-    ids_a, _ = engine.turns.renderer.first_turn(
-        system, Turn("What is on the table?", (img,)), [engine.image_processor.num_image_tokens(96, 96)]
+    ids_a, _ = engine.parts.turns.renderer.first_turn(
+        system, Turn("What is on the table?", (img,)), [engine.parts.image_processor.num_image_tokens(96, 96)]
     )
     shared = next(i for i, (a, b) in enumerate(zip(ids_a, ids_b, strict=False)) if a != b)
-    first_pad = ids_b.index(engine.model_config.image_token_id)
-    last_pad = len(ids_b) - 1 - ids_b[::-1].index(engine.model_config.image_token_id)
+    first_pad = ids_b.index(engine.parts.model_config.image_token_id)
+    last_pad = len(ids_b) - 1 - ids_b[::-1].index(engine.parts.model_config.image_token_id)
     hit = second.metrics["prefix_hit_tokens"]
     # Every token both prompts share, the image's included, comes from the cache: whole pages and the
     # shared head of the page where the questions part.
@@ -155,14 +155,14 @@ def test_prefix_cache_serves_new_session_with_same_system_prompt_and_image():
     engine.reconfigure(prefix_caching=False)
     assert _final(engine, Request(second_req.turn, GREEDY, system)).token_ids == second.token_ids
     engine.reset()
-    assert engine.cache.stats()["blocks_used"] == 0
+    assert engine.parts.cache.stats()["blocks_used"] == 0
 
 
 def test_layout_change_drops_sessions_and_new_turn_starts_fresh():
     path = cached_tiny_checkpoint(**CHECKPOINT)
     engine = Engine(EngineConfig(model_path=str(path), max_context_tokens=256, page_size=4))
     _final(engine, Request(Turn("Hello there."), GREEDY, session_id="s"))
-    assert engine.sessions() == ["s"] and engine.cache.stats()["blocks_used"] > 0
+    assert engine.sessions() == ["s"] and engine.parts.cache.stats()["blocks_used"] > 0
     # Switching the decode path keeps the cache: the session continues with only its new tokens.
     engine.reconfigure(use_cuda_graph=False)
     assert engine.sessions() == ["s"]
@@ -185,15 +185,15 @@ def test_a_turn_after_an_answer_cut_at_a_generated_image_pad_takes_it_as_text(tm
     engine = Engine(EngineConfig(model_path=str(path), max_context_tokens=512, page_size=4, prefill_chunk_tokens=chunk))
     cut = SamplingParams(temperature=0.0, max_new_tokens=len(answer))
     first = _final(engine, Request(Turn("Hi."), cut, session_id="s"))
-    assert first.token_ids[-1] == engine.model_config.image_token_id and first.finish_reason == "length"
-    session = engine.session_store.get("s")
+    assert first.token_ids[-1] == engine.parts.model_config.image_token_id and first.finish_reason == "length"
+    session = engine.parts.session_store.get("s")
     turn = Turn("And this?", (_image(64, 96, 5),))
-    prepared = engine.turns.prepare(turn, None, session, 512)
-    assert prepared.new_ids[0] == engine.model_config.image_token_id and prepared.text_before == 2
+    prepared = engine.parts.turns.prepare(turn, None, session, 512)
+    assert prepared.new_ids[0] == engine.parts.model_config.image_token_id and prepared.text_before == 2
     # Text positions do not depend on the id: the same turn with the generated pad replaced by another id.
     text = [answer[0], *prepared.new_ids[1:]]
     grids = prepared.images.grid_thw
-    want, _ = mrope_positions(text, grids, engine.model_config.image_token_id, 2, start=session.next_position)
+    want, _ = mrope_positions(text, grids, engine.parts.model_config.image_token_id, 2, start=session.next_position)
     assert torch.equal(prepared.positions, want)
     assert prepared.extra_keys[0] is None and prepared.extra_keys.count(None) == len(text) - sum(
         prepared.images.num_tokens

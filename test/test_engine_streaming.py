@@ -77,7 +77,7 @@ def _run(engine: Engine, request: Request) -> tuple[list[TextDelta], Finished]:
 
 def test_deltas_concatenate_to_text_with_split_multibyte_characters(tmp_path_factory):
     engine, answer = scripted_engine(tmp_path_factory)
-    tok = engine.tokenizer
+    tok = engine.parts.tokenizer
     split = [t for t in answer if "\ufffd" in tok.decode([t])]
     assert len(split) >= 3, "the script must contain tokens holding partial UTF-8 characters"
     for sampling in (SamplingParams(temperature=0.0), SamplingParams(temperature=0.7, seed=3)):

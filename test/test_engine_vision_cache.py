@@ -37,13 +37,13 @@ def _engine(**overrides) -> Engine:
 def _count_tower_calls(engine: Engine, monkeypatch) -> list[int]:
     """Images per call of the vision tower."""
     calls: list[int] = []
-    encode = engine.model.encode_images
+    encode = engine.parts.model.encode_images
 
     def counting(pixel_values, grid_thw):
         calls.append(int(grid_thw.shape[0]))
         return encode(pixel_values, grid_thw)
 
-    monkeypatch.setattr(engine.model, "encode_images", counting)
+    monkeypatch.setattr(engine.parts.model, "encode_images", counting)
     return calls
 
 
@@ -73,12 +73,14 @@ def test_prefix_hit_inside_an_image_takes_the_rest_from_the_cache(monkeypatch):
     img = _image(96, 96, 5)
     _final(engine, Request(Turn("What is on the table?", (img,)), GREEDY, SYSTEM))
     second = Request(Turn("Is there a person?", (img,)), GREEDY, SYSTEM)
-    ids, _ = engine.turns.renderer.first_turn(SYSTEM, second.turn, [engine.image_processor.num_image_tokens(96, 96)])
-    pad = engine.model_config.image_token_id
+    ids, _ = engine.parts.turns.renderer.first_turn(
+        SYSTEM, second.turn, [engine.parts.image_processor.num_image_tokens(96, 96)]
+    )
+    pad = engine.parts.model_config.image_token_id
     first_pad, last_pad = ids.index(pad), len(ids) - 1 - ids[::-1].index(pad)
     # The pool evicts the cached prompt's tail pages (least recently used first) until its chain ends
     # inside the image, as a busy pool would: take every free page and as many cached ones.
-    cache, page = engine.cache, 4
+    cache, page = engine.parts.cache, 4
     pages = cache.stats()["blocks_free"] - last_pad // page  # all but the chain's pages up to the image's end
     others = []
     while pages > 0:  # sequences of at most a context each
@@ -97,20 +99,22 @@ def test_prefix_hit_inside_an_image_takes_the_rest_from_the_cache(monkeypatch):
 def test_partly_cached_images_equal_the_tower_over_all(monkeypatch):
     engine = _engine()
     a, b, c = _image(64, 96, 2), _image(96, 64, 3), _image(64, 64, 4)
-    batch = engine.image_processor.preprocess([a, b, c])
-    reference = engine.model.encode_images(batch.pixel_values, batch.grid_thw)
+    batch = engine.parts.image_processor.preprocess([a, b, c])
+    reference = engine.parts.model.encode_images(batch.pixel_values, batch.grid_thw)
     cache = VisionCache(4)
-    encode_needed(engine.model, engine.image_processor.preprocess([b]), 0, cache)  # b is cached, a and c are not
+    encode_needed(
+        engine.parts.model, engine.parts.image_processor.preprocess([b]), 0, cache
+    )  # b is cached, a and c are not
     calls = _count_tower_calls(engine, monkeypatch)
     skip = batch.num_tokens[0] // 2  # a prefix hit half-way through the first image
-    got = encode_needed(engine.model, batch, skip, cache)
+    got = encode_needed(engine.parts.model, batch, skip, cache)
     assert calls == [2], "a and c in one batch, b from the cache"
     want = reference.rows(skip, len(reference))
     torch.testing.assert_close(got.embeds, want.embeds, rtol=1e-5, atol=1e-5)
     for level, (g, w) in enumerate(zip(got.deepstack, want.deepstack, strict=True)):
         torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5, msg=f"deepstack level {level}")
     assert len(cache) == 3
-    assert encode_needed(engine.model, batch, sum(batch.num_tokens), cache) is None  # all inside the hit
+    assert encode_needed(engine.parts.model, batch, sum(batch.num_tokens), cache) is None  # all inside the hit
     assert calls == [2]
 
 
@@ -119,11 +123,11 @@ def test_cache_is_a_bounded_lru_and_a_new_capacity_empties_it():
     images = [_image(64, 64, seed) for seed in (10, 11, 12)]
     for img in images:
         _final(engine, Request(Turn("What is it?", (img,)), GREEDY))
-    cache = engine.vision_cache
-    keys = [engine.image_processor.preprocess([img]).digests[0] for img in images]
+    cache = engine.parts.vision_cache
+    keys = [engine.parts.image_processor.preprocess([img]).digests[0] for img in images]
     assert len(cache) == 2 and cache.get(keys[0]) is None and cache.get(keys[2]) is not None
     engine.reconfigure(vision_cache_images=0)
-    assert len(engine.vision_cache) == 0
+    assert len(engine.parts.vision_cache) == 0
     _final(engine, Request(Turn("What is it?", (images[0],)), GREEDY))
     assert engine.describe()["vision_cache"] == {"images": 0, "capacity": 0, "hits": 0, "misses": 1}
 

@@ -1,4 +1,4 @@
-"""``make gpu-wheels`` and ``tools/gpu_check.py`` on a machine without a GPU: the download, and every step
+"""``make gpu-wheels`` and ``bench/gpu_check.py`` on a machine without a GPU: the download, and every step
 up to the first GPU call, which must fail with a clear reason and leave a complete report behind.
 
 The download needs the package index (as ``make test`` itself does); the wheels are fetched for this
@@ -26,7 +26,7 @@ def _stand_in_prebuilt(folder: Path) -> Path:
     in for the build: importable, with a driver module."""
     import tarfile
 
-    from tools.gpu_check import prebuilt_name
+    from bench.gpu_check import prebuilt_name
 
     package = folder.parent / "stand-in" / "pycuda"
     package.mkdir(parents=True)
@@ -102,7 +102,7 @@ def test_gpu_wheels_for_a_jetson_resolve_for_its_python_and_arch(tmp_path):
 def test_gpu_check_runs_up_to_the_first_gpu_call_and_reports(wheels, tmp_path):
     out = tmp_path / "out"
     proc = subprocess.run(
-        [sys.executable, "-m", "tools.gpu_check", "--wheels", str(wheels), "--out", str(out),
+        [sys.executable, "-m", "bench.gpu_check", "--wheels", str(wheels), "--out", str(out),
          "--steps", "preflight,wheels,device,diagnostics,bench"],
         cwd=REPO,
         capture_output=True,
@@ -131,7 +131,7 @@ def test_gpu_check_runs_up_to_the_first_gpu_call_and_reports(wheels, tmp_path):
 
 def test_gpu_check_without_the_wheels_says_how_to_get_them(tmp_path):
     proc = subprocess.run(
-        [sys.executable, "-m", "tools.gpu_check", "--wheels", str(tmp_path / "none"), "--out", str(tmp_path / "out"),
+        [sys.executable, "-m", "bench.gpu_check", "--wheels", str(tmp_path / "none"), "--out", str(tmp_path / "out"),
          "--steps", "preflight"],
         cwd=REPO,
         capture_output=True,
@@ -146,7 +146,7 @@ def test_gpu_check_without_the_wheels_says_how_to_get_them(tmp_path):
 def test_gpu_check_refuses_an_unknown_bench_part_before_any_step(tmp_path):
     """A misspelt part would otherwise end the bench step after the device minutes of the steps before it."""
     proc = subprocess.run(
-        [sys.executable, "-m", "tools.gpu_check", "--wheels", str(tmp_path / "none"), "--out", str(tmp_path / "out"),
+        [sys.executable, "-m", "bench.gpu_check", "--wheels", str(tmp_path / "none"), "--out", str(tmp_path / "out"),
          "--bench-parts", "kernels,startup"],
         cwd=REPO, capture_output=True, text=True, timeout=120,
     )  # fmt: skip
@@ -157,11 +157,11 @@ def test_gpu_check_refuses_an_unknown_bench_part_before_any_step(tmp_path):
 def test_gpu_check_takes_the_pycuda_an_earlier_run_archived(wheels, tmp_path):
     """The fixture's folder holds a stand-in for the build (``_stand_in_prebuilt``): the check installs it
     instead of building the sdist."""
-    from tools.gpu_check import prebuilt_name
+    from bench.gpu_check import prebuilt_name
 
     out = tmp_path / "out"
     subprocess.run(
-        [sys.executable, "-m", "tools.gpu_check", "--wheels", str(wheels), "--out", str(out),
+        [sys.executable, "-m", "bench.gpu_check", "--wheels", str(wheels), "--out", str(out),
          "--steps", "preflight,wheels,pycuda"],
         cwd=REPO, capture_output=True, text=True, timeout=300,
     )  # fmt: skip

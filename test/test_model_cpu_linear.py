@@ -50,13 +50,13 @@ def test_a_model_with_the_kernel_computes_what_the_float_model_computes(rows, na
     engine = Engine(EngineConfig(model_path=str(path), device="cpu", dtype=name))
     routed, reference = load_model(path, dtype=dtype), load_model(path, dtype=dtype)
     use_cpu_gemm(routed, load_cpu_gemm(cache_dir=cpu_kernel_cache))
-    ids = (engine.tokenizer.encode("Where is the charging station? Count the boxes on the shelf.") * 4)[:rows]
+    ids = (engine.parts.tokenizer.encode("Where is the charging station? Count the boxes on the shelf.") * 4)[:rows]
     positions = torch.arange(len(ids)).expand(3, -1)
     logits = []
     for model in (routed, reference):
-        seq = engine.cache.new_sequence()
-        logits.append(model.forward(torch.tensor(ids), positions, engine.cache.step(seq, len(ids))))
-        engine.cache.release(seq)
+        seq = engine.parts.cache.new_sequence()
+        logits.append(model.forward(torch.tensor(ids), positions, engine.parts.cache.step(seq, len(ids))))
+        engine.parts.cache.release(seq)
     tolerance = dict(rtol=1e-4, atol=1e-5) if dtype == torch.float32 else dict(rtol=0.05, atol=0.05)
     torch.testing.assert_close(logits[0], logits[1], **tolerance)
 

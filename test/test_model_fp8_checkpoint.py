@@ -13,7 +13,7 @@ from safetensors.torch import load_file, save_file
 from orin_vlm_node.engine import Engine, EngineConfig
 from orin_vlm_node.model import CheckpointError, load_model
 from orin_vlm_node.model.fp8_weights import Fp8Weights, Fp8Widener
-from orin_vlm_node.model.loader import checkpoint_views, name_to_checkpoint_key
+from orin_vlm_node.model.keys import checkpoint_views, name_to_checkpoint_key
 from orin_vlm_node.model.pieces import WORK_ELEMENTS
 from orin_vlm_node.model.quant import QuantizedLinear, WeightQuant
 from support.checkpoints import cached_tiny_checkpoint, edit_config, fp8_copy, fp8_covered, rewrite_tensors

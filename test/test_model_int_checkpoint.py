@@ -15,7 +15,7 @@ from safetensors.torch import load_file
 
 from orin_vlm_node.model import CheckpointError, load_model
 from orin_vlm_node.model import int_weights as int_module
-from orin_vlm_node.model.loader import checkpoint_views, name_to_checkpoint_key
+from orin_vlm_node.model.keys import checkpoint_views, name_to_checkpoint_key
 from orin_vlm_node.model.quant import QuantizedLinear, WeightQuant
 from support.checkpoints import cached_tiny_checkpoint, edit_config, int_copy, rewrite_tensors
 

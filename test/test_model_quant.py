@@ -141,11 +141,11 @@ def test_a_quantized_model_computes_what_the_float_model_with_the_dequantized_we
     reference.lm_head = torch.nn.Linear(head.shape[1], head.shape[0], bias=False)
     reference.lm_head.weight.data = head
     engine = Engine(EngineConfig(model_path=str(checkpoint), device="cpu"))
-    ids = engine.tokenizer.encode("What is on the table? Count the boxes.")
+    ids = engine.parts.tokenizer.encode("What is on the table? Count the boxes.")
     positions = torch.arange(len(ids)).expand(3, -1)
     logits = []
     for m in (model, reference):
-        cache = engine.cache
+        cache = engine.parts.cache
         seq = cache.new_sequence()
         logits.append(m.forward(torch.tensor(ids), positions, cache.step(seq, len(ids))))
         cache.release(seq)
@@ -184,7 +184,7 @@ def test_the_cpu_kernels_compute_what_the_torch_path_computes(checkpoint, gemm, 
     engine = Engine(EngineConfig(model_path=str(checkpoint), device="cpu"))
     text = "Where is the charging station? Count the boxes on the shelf."
     for rows in (1, 3, 9, 40):  # a decode step, batches (pieces of the few-rows kernel), a prefill
-        ids = (engine.tokenizer.encode(text) * 4)[:rows]
+        ids = (engine.parts.tokenizer.encode(text) * 4)[:rows]
         positions = torch.arange(len(ids)).expand(3, -1)
         logits = []
         with (
@@ -192,9 +192,9 @@ def test_the_cpu_kernels_compute_what_the_torch_path_computes(checkpoint, gemm, 
             mock.patch.object(BoundWeight, "many_rows", autospec=True, side_effect=BoundWeight.many_rows) as many,
         ):
             for model in (with_kernels, torch_path):
-                seq = engine.cache.new_sequence()
-                logits.append(model.forward(torch.tensor(ids), positions, engine.cache.step(seq, len(ids))))
-                engine.cache.release(seq)
+                seq = engine.parts.cache.new_sequence()
+                logits.append(model.forward(torch.tensor(ids), positions, engine.parts.cache.step(seq, len(ids))))
+                engine.parts.cache.release(seq)
         # A prefill's last o product and MLP, like the head, multiply only the row whose logits are asked for.
         assert (few.call_count if rows <= KERNEL_ROWS else many.call_count + 3) >= projections, rows
         torch.testing.assert_close(logits[0], logits[1], rtol=1e-4, atol=1e-5)

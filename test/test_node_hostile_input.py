@@ -233,7 +233,7 @@ def test_a_node_killed_while_the_kernels_compile_leaves_no_compiler(values, tmp_
 )
 def test_prompts_with_nul_are_refused_not_truncated(text, problem):
     """rclpy itself cuts a published string at a NUL; other clients (C++) can deliver one."""
-    from orin_vlm_node.ros.node import prompt_problem
+    from orin_vlm_node.ros.startup import prompt_problem
 
     reason = prompt_problem(text)
     assert (reason is None) if problem is None else (problem in reason)

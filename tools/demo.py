@@ -7,7 +7,7 @@ this machine, its own ROS_DOMAIN_ID and a temporary ROS_LOG_DIR; publishes a sam
 on ``tokens``, then the metrics from ``status``; finally stops the node with SIGINT (SIGKILL if it
 does not exit in time) and exits non-zero if anything went wrong.
 
-Sample images come from ``tools.synthetic_scenes`` (the scenes the default model was trained on).
+Sample images come from ``support.synthetic_scenes`` (the scenes the default model was trained on).
 Run from the repository root: ``python -m tools.demo``.
 """
 
@@ -23,7 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
-from tools import synthetic_scenes
+from support import synthetic_scenes
 
 
 def samples(count: int) -> list[tuple[np.ndarray, str, str]]:

@@ -7,7 +7,9 @@ from __future__ import annotations
 
 from orin_vlm_node import settings
 
-HEADER = "| name | type | default | range / values | applies | meaning |\n|---|---|---|---|---|---|"
+HEADER = (
+    "| name | type | default | range / values | applies | a change rebuilds | meaning |\n|---|---|---|---|---|---|---|"
+)
 
 
 def _value(s: settings.Setting, value: settings.Value) -> str:
@@ -33,7 +35,8 @@ def _bounds(s: settings.Setting) -> str:
 def render() -> str:
     rows = [
         f"| `{s.name}` | {s.type.__name__} | `{_value(s, s.default)}` | {_bounds(s)} "
-        f"| {settings.APPLIES_TEXT[s.applies]}{'; per channel' if s.per_channel else ''} | {s.description} |"
+        f"| {settings.APPLIES_TEXT[s.applies]}{'; per channel' if s.per_channel else ''} "
+        f"| {settings.REBUILDS_TEXT[s.rebuilds] if s.consumer == 'engine' else ''} | {s.description} |"
         for s in settings.SETTINGS
     ]
     return "\n".join([HEADER, *rows]) + "\n"

@@ -7,7 +7,7 @@ two that only the Python API sets:
 ``sampling`` (default sampling under every request's own). The CLI builds it from its flags and the
 node from its parameters, and ``Engine.reconfigure`` takes a subset of its fields by name.
 
-Which part of the engine a change rebuilds is stated here too, once (:data:`REBUILDS`).
+Which part of the engine a change rebuilds is the schema's ``rebuilds`` column (:data:`REBUILDS`).
 """
 
 from __future__ import annotations
@@ -76,37 +76,13 @@ class EngineConfig:
 FIELDS = frozenset(f.name for f in dataclasses.fields(EngineConfig))
 SCHEMA_FIELDS = frozenset(s.name for s in settings.settings_for("engine"))
 
-# Which part of the engine a change rebuilds (anything else: nothing, it is read per request).
+# Which part of the engine a change rebuilds: the schema's ``rebuilds`` column, plus ``max_sessions`` (which
+# the frontends derive: it sizes the automatic pool). A field in none is read per request or switched in place.
 REBUILDS: dict[str, frozenset[str]] = {
-    "model": frozenset(
-        {"model_path", "device", "dtype", "weight_quant", "weight_quant_group_size", "weight_quant_lm_head"}
-    ),
-    "kv_cache": frozenset(
-        {
-            "use_paged_attention",
-            "page_size",
-            "kv_pool_blocks",
-            "kv_pool_mb",
-            "kv_prefix_share",
-            "kv_memory_reserve_mb",
-            "max_sessions",
-            "max_batch",
-            "max_context_tokens",
-        }
-    ),
-    "backend": frozenset(
-        {
-            "use_cuda_kernels",
-            "use_cuda_graph",
-            "fuse_decode_launches",
-            "dependent_launch",
-            "allow_kernel_fallback",
-            "kernel_dir",
-            "kernel_cache_dir",
-        }
-    ),
-    "images": frozenset({"image_min_pixels", "image_max_pixels"}),
-    "vision_cache": frozenset({"vision_cache_images"}),
+    part: frozenset(s.name for s in settings.settings_for("engine") if s.rebuilds == part)
+    | ({"max_sessions"} if part == "kv_cache" else set())
+    for part in settings.REBUILDS_TEXT
+    if part
 }
 
 

@@ -1,7 +1,7 @@
 """One request from start to ``Finished``: prepare the turn, take a KV sequence, prefill, decode, settle.
 
-The scheduler (:mod:`.scheduler`) drives it phase by phase, on the engine's model, KV cache, session
-store and decode step, interleaved with the other requests of the batch: :meth:`RequestRun.advance_prefill`
+The scheduler (:mod:`.scheduler`) drives it phase by phase, on the parts it was admitted with (model, KV
+cache, session store, decode step), interleaved with the other requests of the batch: :meth:`RequestRun.advance_prefill`
 one prompt piece at a time, then per token :meth:`~RequestRun.sample` (on the device),
 :meth:`~RequestRun.take` (the host reads it: stream, decide), :meth:`~RequestRun.stage` (reserve the KV
 slot in the batched decode step) and :meth:`~RequestRun.fed`.
@@ -32,8 +32,10 @@ from .session import Session, SessionSnapshot
 
 if TYPE_CHECKING:
     from ..model.vision import VisionFeatures
+    from .cancellation import Cancellations
+    from .config import EngineConfig
     from .decode_step import DecodeStep
-    from .engine import Engine
+    from .parts import EngineParts
 
 log = logging.getLogger("orin_vlm_node.engine")
 
@@ -70,7 +72,7 @@ class _Prefill:
 
     def piece(self, run: RequestRun) -> torch.Tensor:
         """Compute the next piece; its logits. PoolExhausted before anything changed."""
-        e = run.engine
+        e = run.parts
         size = run.config.prefill_chunk_tokens or len(self.ids)
         start, stop = self.next, min(self.next + size, len(self.ids))
         pad = e.tokenizer.special.image_pad
@@ -93,11 +95,13 @@ class _Prefill:
 class RequestRun:
     """The state of one running request and the steps it goes through."""
 
-    def __init__(self, engine: Engine, request: Request):
-        self.engine = engine
+    def __init__(self, request: Request, cancellations: Cancellations):
         self.request = request
         self.rid: str = request.request_id or ""
-        self.config = engine.config
+        self._cancellations = cancellations
+        self.parts: EngineParts | None = None  # what it runs on, from its admission (:meth:`admit`)
+        self.config: EngineConfig | None = None
+        self._sessions_in_use: Callable[..., set[str]] | None = None
         self.metrics = RequestMetrics()
         self.session: Session | None = None  # the continuing one; after prefill the turn's (throwaway without an id)
         self.seq: int | None = None
@@ -118,6 +122,11 @@ class RequestRun:
         return self.loop.text if self.loop is not None else ""
 
     # -- the phases the scheduler drives ------------------------------------------------------------
+    def admit(self, parts: EngineParts, sessions_in_use: Callable[..., set[str]]) -> None:
+        """The request starts running on ``parts``; ``sessions_in_use(ignore=None)`` names the sessions whose
+        requests run or wait (never evicted to make room)."""
+        self.parts, self.config, self._sessions_in_use = parts, parts.config, sessions_in_use
+
     def advance_prefill(self) -> torch.Tensor | None:
         """One piece of the prefill (the first call also prepares the turn, takes the KV sequence and
         encodes the images not cached); (1, vocab) logits of the last token once all are in, else None.
@@ -128,7 +137,7 @@ class RequestRun:
         piece can be tried again once another request made room.
         """
         if self._turn is None:
-            reset_peak_memory(self.engine.device)
+            reset_peak_memory(self.parts.device)
             self._prepare()
         self._check_cancelled()
         if self._prefill is None:
@@ -141,7 +150,7 @@ class RequestRun:
         if self.prefill_done:  # a recompute after preemption: the pending token is in the KV now
             self.fed(prefill.ids[-1])
             return logits
-        e, turn = self.engine, self._turn
+        e, turn = self.parts, self._turn
         self.metrics.prefill_tokens = prefill.computed
         self.metrics.mark_prefill_done()
         self.prefill_done = True
@@ -158,12 +167,12 @@ class RequestRun:
         """The token :meth:`sample` chose, read by the host: the text to stream and whether to feed it (False:
         the answer ended, :attr:`loop` ``.reason`` says why). ``staged``: it is in a decode step already
         (overlap), its KV slot reserved."""
-        e, seq, limit = self.engine, self.seq, self.config.max_context_tokens
+        e, seq, limit = self.parts, self.seq, self.config.max_context_tokens
 
         def interrupt() -> str | None:
             if not staged and e.cache.length(seq) + 1 > limit:
                 return "length"
-            return "cancelled" if e.is_cancelled(self.rid) else None
+            return "cancelled" if self._cancellations.is_cancelled(self.rid) else None
 
         pieces, go_on = self.loop.take(token, interrupt)
         return [TextDelta(self.rid, text, ids) for text, ids in pieces], go_on
@@ -173,7 +182,7 @@ class RequestRun:
         """Whether a token sampled but not yet read may go into the next decode step: not the answer's last
         by ``max_new_tokens`` and with a slot left under ``max_context_tokens`` (else :meth:`take` ends the
         answer with it, as it would have unstaged)."""
-        return not self.loop.last_by_length and self.engine.cache.length(self.seq) + 1 <= self.config.max_context_tokens
+        return not self.loop.last_by_length and self.parts.cache.length(self.seq) + 1 <= self.config.max_context_tokens
 
     def stage(self, step: DecodeStep, token: int | torch.Tensor) -> None:
         """Stage ``token`` in the decode step (its KV slot reserved; idle sessions evicted for room). May raise
@@ -182,7 +191,7 @@ class RequestRun:
 
     def unstage(self) -> None:
         """Release the KV slot :meth:`stage` reserved, for a step that is taken back before it runs."""
-        cache = self.engine.cache
+        cache = self.parts.cache
         cache.truncate(self.seq, cache.length(self.seq) - 1)
 
     def fed(self, token: int) -> None:
@@ -196,12 +205,12 @@ class RequestRun:
     @property
     def holds_turn_kv(self) -> bool:
         """Whether the KV holds tokens of this turn (what :meth:`preempt` would free)."""
-        return self.seq is not None and self.engine.cache.length(self.seq) > self._base
+        return self.seq is not None and self.parts.cache.length(self.seq) > self._base
 
     def preempt(self) -> int:
         """Free the KV this turn added (its session's earlier turns stay); the tokens freed. The next
         :meth:`advance_prefill` starts recomputing them."""
-        cache, freed = self.engine.cache, 0
+        cache, freed = self.parts.cache, 0
         if self.seq is not None:
             freed = cache.length(self.seq) - self._base
             cache.truncate(self.seq, self._base)
@@ -229,7 +238,7 @@ class RequestRun:
 
     def _prepare(self) -> None:
         """Sampling, session and the turn's tokens, positions and images (once per request)."""
-        e, request = self.engine, self.request
+        e, request = self.parts, self.request
         self._params = resolve_sampling(e.generation_defaults, self.config.sampling, request.sampling)
         self.session = e.session_store.get(request.session_id)
         try:
@@ -246,7 +255,7 @@ class RequestRun:
         self.metrics.prompt_tokens = self._turn.total_tokens
 
     def _prepare_turn(self, session: Session | None) -> PreparedTurn:
-        return self.engine.turns.prepare(
+        return self.parts.turns.prepare(
             self.request.turn,
             self.request.system_prompt,
             session,
@@ -258,7 +267,7 @@ class RequestRun:
         """What this turn must compute into the KV: the turn's tokens, and after a preemption the tokens
         generated since; the KV sequence (taken the first time), the cached prefix served, the images'
         features for the image tokens still to compute."""
-        e, turn = self.engine, self._turn
+        e, turn = self.parts, self._turn
         ids, extra, positions = list(turn.new_ids), list(turn.extra_keys), turn.positions
         if self.prefill_done:  # recompute after preemption: generated tokens are text, RoPE runs with the slot
             gen = self.generated
@@ -289,7 +298,7 @@ class RequestRun:
         return _Prefill(ids, range(turn.text_before, len(turn.new_ids)), positions, vision, hit)
 
     def _check_cancelled(self) -> None:
-        if self.engine.is_cancelled(self.rid):
+        if self._cancellations.is_cancelled(self.rid):
             raise _Cancelled()
 
     def _commit_turn(self, turn: PreparedTurn) -> Session:
@@ -298,25 +307,25 @@ class RequestRun:
         if session is None:
             session = Session(session_id=request.session_id or "", seq=self.seq)
             if request.session_id:
-                self.engine.session_store.keep(session)
+                self.parts.session_store.keep(session)
         session.append(turn.new_ids, turn.extra_keys)
         session.pending_ids = []
         session.rope_delta = turn.next_position - len(session.token_ids)
         session.messages, session.answer = turn.messages, ""
         session.turns += 1
         if self._prefix_caching:
-            self.engine.cache.register_prefix(self.seq, session.token_ids, session.extra_keys)
+            self.parts.cache.register_prefix(self.seq, session.token_ids, session.extra_keys)
         return session
 
     def finish(self, reason: str, error: str | None) -> Finished:
         """Metrics, what the KV keeps, the Finished event. A cleanup failure clears the cache (never a leak)."""
-        e, m = self.engine, self.metrics
+        e, m = self.parts, self.metrics
         m.generated_tokens = len(self.generated)
         m.mark_end()
         try:
             m.blocks_in_use = len(e.cache.block_table(self.seq)) if self.seq is not None else 0
             self.settle(reason)
-            e.session_store.trim(busy=e.scheduler.sessions_in_use(ignore=self))
+            e.session_store.trim(busy=self._sessions_in_use(ignore=self))
         except Exception as exc:  # noqa: BLE001
             log.exception("request %s: cleanup failed; clearing the KV cache", self.rid)
             e.session_store.forget_all()
@@ -329,7 +338,7 @@ class RequestRun:
 
     def settle(self, reason: str) -> None:
         """Decide what the KV keeps after the request (see Session for the invariants)."""
-        e, seq, session = self.engine, self.seq, self.session
+        e, seq, session = self.parts, self.seq, self.session
         if seq is None:
             return
         kept = e.session_store.kept(session)
@@ -359,7 +368,7 @@ class RequestRun:
 
     @property
     def _prefix_caching(self) -> bool:
-        return self.config.prefix_caching and self.engine.cache.supports_prefix_caching
+        return self.config.prefix_caching and self.parts.cache.supports_prefix_caching
 
     def with_eviction(self, fn: Callable[[], Any]) -> Any:
         """Run ``fn``; on PoolExhausted free the least recently used idle session and retry (a session whose
@@ -368,5 +377,5 @@ class RequestRun:
             try:
                 return fn()
             except PoolExhausted:
-                if not self.engine.session_store.evict_one(busy=self.engine.scheduler.sessions_in_use()):
+                if not self.parts.session_store.evict_one(busy=self._sessions_in_use()):
                     raise

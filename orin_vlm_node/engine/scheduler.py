@@ -1,47 +1,13 @@
 """Continuous batching: the requests of several callers decode together, one token each per step.
 
-Why: a decode step reads every weight of the model once, whatever the number of rows it computes, so on a
-Jetson (bound by memory bandwidth) four sequences cost little more than one; the paged KV pool is what lets
-their caches grow side by side. A robot's askers (channels) therefore share one model without waiting for
-each other's whole answers.
-
-How it runs, without a thread of its own: every caller of ``Engine.generate`` consumes its own event
-stream (:meth:`Scheduler.stream`). A caller with nothing to read takes the *step token* (one holder at a
-time) and runs one :meth:`~Scheduler._step` for everybody; callers whose events arrive meanwhile read them
-while the next step runs. A step:
-
-1. admits waiting requests, oldest first, while fewer than ``max_batch`` run (a request whose session is
-   in use by a running one waits for it: a conversation's turns never overlap);
-2. runs one prefill piece (``prefill_chunk_tokens``) of the oldest request still prefilling, so a long
-   prompt delays the running answers by one piece per step, not by its whole prefill;
-3. feeds the pending token of every decoding request through one batched decode step and samples each
-   request's next token from its row of logits (:meth:`.request.RequestRun.sample`, on the device);
-   the host reads the tokens and each request streams its text and decides whether to go on
-   (:meth:`.request.RequestRun.take`). Where the decode step *overlaps* (CUDA), the tokens are read one
-   step later: the next step is staged with the device tokens and launched first, so the host's share of
-   token N (reading it, detokenizing, stop strings, events) runs while the GPU computes token N+1 instead
-   of leaving it idle. An answer that ends at token N then had a row of step N+1 computed for nothing:
-   its reserved slot is released as it finishes. Tokens still unread are read before anything that
-   depends on them (a preemption, a failed staging), and a token that will be an answer's last by
-   ``max_new_tokens`` or the context limit is never staged.
-
-When the pool runs out (a prefill piece or a decode token needs blocks that evicting idle sessions
-does not free), the most recently admitted request that holds KV of its turn is *preempted*: that KV is
-freed and the request waits at the head of the queue; when it runs again it recomputes its prompt and the
-tokens it had generated (a prefill, served from the prefix cache where it can) and goes on from the same
-token. A preempted request is readmitted only after some running request finished (before that the
-memory it needs is still taken), and nothing new is admitted ahead of it. The oldest running request is
-never preempted for a younger one, so it always progresses; only a request that cannot get its KV while
-no other running request holds KV of its turn ends with ``kv_pool_exhausted``. The earlier turns of a
-conversation whose next turn runs or waits are not freed by a preemption (they cannot be recomputed
-without that turn's images) nor evicted (the conversation is in use): in a pool too small for them and
-the request, the request ends. The automatic pool (one context per running request and per session)
-never comes to that. Greedy tokens do not depend on the company
-a request keeps: every row of a batch is computed from its own sequence's KV and its own token only, and a
-recompute gives the KV the decode steps gave.
-
-``exclusive()`` is how reconfiguration and session resets wait: new requests are not admitted while one
-is pending, and it runs once the running ones have finished, holding the step token.
+A decode step reads every weight once whatever its rows, so on a bandwidth-bound Jetson four sequences
+cost little more than one. There is no thread of its own: each caller of ``Engine.generate`` consumes its
+stream (:meth:`Scheduler.stream`), and one with nothing to read takes the step token and runs a step for
+everybody: admit waiting requests up to ``max_batch`` (a conversation's turns never overlap), one prefill
+piece of the oldest request prefilling, one batched decode step. Where the decode step overlaps (CUDA) the
+host reads token N while the device computes N+1. When the pool runs out the most recently admitted request
+holding KV of its turn is preempted and later recomputes it. ``exclusive()`` is how reconfiguration and
+resets wait. docs/architecture.md ("The scheduler") has the rules and why.
 """
 
 from __future__ import annotations
@@ -51,47 +17,30 @@ import threading
 from collections import deque
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from ..kvcache import PoolExhausted
 from .events import Event, Finished
+from .member import Member
 from .sampled_tokens import SampledTokens
 
 if TYPE_CHECKING:
+    from .cancellation import Cancellations
     from .decode_step import DecodeStep
-    from .engine import Engine
+    from .parts import EngineParts
     from .request import RequestRun
 
 log = logging.getLogger("orin_vlm_node.engine")
 
 
-@dataclass(eq=False)
-class Member:
-    """A request in the scheduler: its run, the events its caller has not read, where it stands."""
-
-    run: RequestRun
-    arrival: int  # submission order: the queue's order, preempted requests included
-    events: deque[Event] = field(default_factory=deque)
-    phase: str = "waiting"  # waiting -> prefill -> decode -> done; a preemption goes back to waiting
-    token: int | None = None  # decode: the token to feed next, when the host has it (else it is sampled, unread)
-    readmit_after: int | None = None  # preempted: admitted again once more than this many requests finished
-
-    @property
-    def done(self) -> bool:
-        return self.phase == "done"
-
-    @property
-    def preempted(self) -> bool:
-        """Waiting again after a preemption: its turn is under way (a sequence, a session turn taken)."""
-        return self.phase == "waiting" and self.readmit_after is not None
-
-
 class Scheduler:
     """Waiting and running requests of one engine, and the step that advances them (module docstring)."""
 
-    def __init__(self, engine: Engine, on_finished: Callable[[RequestRun], None]) -> None:
-        self.engine = engine
+    def __init__(
+        self, parts: EngineParts, cancellations: Cancellations, on_finished: Callable[[RequestRun], None]
+    ) -> None:
+        self._parts = parts  # what an admitted request runs on (swapped by ``use`` while nothing runs)
+        self._cancellations = cancellations
         self._on_finished = on_finished  # the engine's bookkeeping of a finished request
         self._cond = threading.Condition()  # guards everything below and every member's events and phase
         self._waiting: deque[Member] = deque()
@@ -120,7 +69,7 @@ class Scheduler:
                     return
         finally:
             if not member.done:  # the caller closed the stream: cancel, and step until the run is settled
-                self.engine.cancel(run.rid)
+                self._cancellations.cancel(run.rid)
                 with self._cond:
                     if member.phase == "waiting" and not member.preempted:  # nothing to settle yet
                         self._waiting.remove(member)
@@ -128,6 +77,10 @@ class Scheduler:
                 while not member.done:
                     if self._take_events_or_step_token(member, discard=True) is None:
                         self._step_and_release()
+
+    def use(self, parts: EngineParts) -> None:
+        """Run the requests admitted from now on with ``parts`` (called inside :meth:`exclusive`)."""
+        self._parts = parts
 
     @contextmanager
     def if_idle(self) -> Iterator[bool]:
@@ -208,7 +161,7 @@ class Scheduler:
         with self._cond:
             if not self._waiting:
                 return
-            limit = self.engine.max_batch
+            limit = self._parts.config.max_batch
             busy = {m.run.request.session_id for m in self._running if m.run.request.session_id}
             for member in list(self._waiting):
                 if len(self._running) >= limit:
@@ -216,7 +169,7 @@ class Scheduler:
                 if member.preempted:
                     # Its memory is still taken until a request finishes, and nothing goes ahead of it;
                     # a cancelled one goes at once (it only ends).
-                    if self._finished <= member.readmit_after and not self.engine.is_cancelled(member.run.rid):
+                    if self._finished <= member.readmit_after and not self._cancellations.is_cancelled(member.run.rid):
                         break
                 elif self._paused:  # exclusive() waits: finish what is under way, start nothing new
                     continue
@@ -226,6 +179,7 @@ class Scheduler:
                 busy.add(session)
                 self._waiting.remove(member)
                 member.phase = "prefill"
+                member.run.admit(self._parts, self.sessions_in_use)
                 self._running.append(member)
 
     def _prefill_piece(self, member: Member) -> None:
@@ -253,7 +207,7 @@ class Scheduler:
         the host streams token N while the device computes N+1. A member whose token turns out to end its
         answer had its row computed for nothing; its reserved slot is released when it finishes.
         """
-        step = self.engine.decode_step
+        step = self._parts.decode_step
         sampled, self._sampled = self._sampled, None
         fed, complete = self._stage(step, members, sampled)
         if not complete:  # staging needs the tokens read first (the pool ran out): take the rows back, read them

@@ -1,20 +1,11 @@
 """Paged KV cache: a shared pool of fixed-size blocks, one block table per sequence for all layers.
 
 Storage is one tensor ``(2, num_layers, num_blocks, page_size, num_kv_heads, head_dim)`` (K/V, layer,
-block, offset); block ``b`` of layer ``l`` is ``k_pool(l)[b]``. A sequence's slot ``i`` lives in block
-``table[i // page_size]`` at offset ``i % page_size``, physical slot ``block * page_size + offset``.
-
-Lifecycle of one step (``step`` / ``prepare_static_decode``), in this order, all before a kernel runs:
-
-1. count the blocks the step needs (new pages + copy-on-write copies) and raise PoolExhausted if the
-   pool cannot give them -- nothing has changed yet;
-2. allocate the new pages and copy any shared (forked) or cached block the step writes into;
-3. upload the changed block-table entries to the sequence's device table (only those entries);
-4. compute the slot mapping on the device from that table.
-
-Skipping 1-3 for a step that crosses a page boundary is the page-boundary pitfall of CUDA graphs
-(docs/architecture.md, "Paging under CUDA graphs"): graphs replay kernels only, so the host half runs
-before every replay. The StepAttention objects a step hands the model are in :mod:`.paged_step`.
+block, offset); a sequence's slot ``i`` lives in block ``table[i // page_size]`` at offset ``i % page_size``.
+A step (``step`` / ``prepare_static_decode``) first counts the blocks it needs and raises PoolExhausted
+before anything changes, then allocates pages and copies shared blocks it writes into, uploads the changed
+table entries and computes the slot mapping on the device, all before a kernel runs: graphs replay kernels
+only (docs/architecture.md, "Paging under CUDA graphs"). The StepAttention objects are in :mod:`.paged_step`.
 """
 
 from __future__ import annotations
@@ -31,7 +22,7 @@ from .base import ExtraKeys, KVCache, StaticDecodeBuffers
 from .block_pool import BlockKey, BlockPool
 from .config import KVCacheConfig, plan_pool
 from .errors import PoolExhausted
-from .paged_step import PagedStaticDecode, PagedStep
+from .paged_step import PagedLayers, PagedStaticDecode, PagedStep
 from .prefix_hash import block_extras, block_hash, normalize_extra_keys, normalize_tokens
 from .storage import allocate_kv_storage
 
@@ -86,6 +77,10 @@ class PagedKVCache(KVCache):
 
     def set_attention_impl(self, impl: PagedAttentionImpl | None) -> None:
         self.attention_impl = impl or TorchPagedAttention()
+
+    def _layers(self) -> PagedLayers:
+        """What a step reads of this cache (a step's attention object takes it, never the cache)."""
+        return PagedLayers(self._pools, self.attention_impl, self.config)
 
     # -- sequences -------------------------------------------------------------------------------
     def _get(self, seq: int) -> _Seq:
@@ -191,7 +186,7 @@ class PagedKVCache(KVCache):
         if s.runs is None:  # the table changed (a new page, copy-on-write): once per page, not per token
             s.runs = block_runs(s.table)
         blocks = StepBlocks(s.dev_table, s.runs)
-        return PagedStep(self, self._slot_mapping(s, start, new_len), blocks, start, new_len, num_new)
+        return PagedStep(self._layers(), self._slot_mapping(s, start, new_len), blocks, start, new_len, num_new)
 
     def _slot_mapping(self, s: _Seq, start: int, end: int) -> torch.Tensor:
         """Step 4: physical slots of positions ``start..end-1`` as an (L,) int64 device tensor.
@@ -381,7 +376,7 @@ class PagedKVCache(KVCache):
         blocks = self.config.max_blocks_per_sequence
         if width is not None:
             blocks = min(blocks, max(1, -(-width // self.page_size)))
-        return PagedStaticDecode(self, buffers, blocks)
+        return PagedStaticDecode(self._layers(), buffers, blocks)
 
     # -- introspection ---------------------------------------------------------------------------
     def stats(self) -> dict:

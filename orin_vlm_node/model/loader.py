@@ -27,10 +27,11 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
+from .checkpoint_plan import MAX_LISTED, plan_checkpoint
 from .config import ModelConfig
 from .dtypes import resolve_dtype
 from .errors import CheckpointError
-from .int_weights import PACKED_SUFFIX
+from .keys import checkpoint_views
 from .quant import QuantizedLinear, WeightQuant, weight_bytes
 from .qwen3_vl import Qwen3VLModel
 from .stored_format import INTEGER_FORMATS, StoredFormat
@@ -39,11 +40,9 @@ from .text import FusedLinear
 logger = logging.getLogger("orin_vlm_node.model")
 
 _PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt")
-_MAX_LISTED = 8  # keys named in one error message
 # A progress line at most this often: an 8B checkpoint from a Jetson's eMMC takes a minute, a small one
 # loads before the first line would be worth reading.
 PROGRESS_INTERVAL_S = 2.0
-FLOAT_DTYPES = ("F64", "F32", "F16", "BF16")  # safetensors' names; a weight in another dtype is stored quantized
 
 
 def load_model(
@@ -56,66 +55,26 @@ def load_model(
     root = Path(path)
     if not root.is_dir():
         raise CheckpointError(f"{root}: model directory does not exist")
-    target = resolve_dtype(dtype)
+    target, device = resolve_dtype(dtype), torch.device(device)
     config = ModelConfig.from_dir(root)
     fmt = config.weight_format
     files = weight_files(root)
     with torch.device("meta"):
         model = Qwen3VLModel(config)
     expected = {name: tuple(view.shape) for name, view in checkpoint_views(model).items()}
-    plan, companions = _plan(files, expected, config.tie_word_embeddings, fmt)
+    plan, companions = plan_checkpoint(files, expected, config.tie_word_embeddings, fmt)
     quantizer = (
-        _QuantizeOnLoad(model, quant, target, torch.device(device), fmt, frozenset(companions))
+        _QuantizeOnLoad(model, quant, target, device, fmt, frozenset(companions))
         if quant and quant.mode != "none"
         else None
     )
-    _materialize(model, target, torch.device(device), skip=quantizer.deferred if quantizer else frozenset())
-    views = checkpoint_views(model)
-    element = torch.empty((), dtype=target).element_size()
-    total = sum(views[name].numel() for _, name in plan.values()) * element
-    kept = quantizer.kept_views() if quantizer else set()
-    logger.info(
-        "loading %s: %d tensors from %d file(s), %.1f MB as %s on %s%s%s",
-        root,
-        len(plan),
-        len(files),
-        total / 1e6,
-        str(target).replace("torch.", ""),
-        device,
-        f", {len(companions)} of them stored as {fmt.describe()}, {len(kept)} kept as stored" if fmt else "",
-        f", decoder projections as {quant.mode}{', LM head as ' + quant.head.mode if quant.head else ''}"
-        if quantizer
-        else "",
-    )
-    _warn_widened_integers(fmt, set(companions) - kept, quant, target)
-    widener = fmt.widener(torch.device(device)) if fmt else None
-    done_bytes = 0
-    last_report = t0
-    with ExitStack() as stack:
-        handles = {file: stack.enter_context(safe_open(str(file), framework="pt", device="cpu")) for file in files}
-        for file in files:
-            for key, name in [(key, name) for key, (f, name) in plan.items() if f == file]:
-                tensor = _get(handles, file, key)
-                parts = {role: _get(handles, *where) for role, where in companions.get(name, {}).items()}
-                if name in kept:
-                    quantizer.store(name, tensor, parts)
-                elif quantizer and name in quantizer.owner:
-                    quantizer.quantize(name, _widened(widener, tensor, parts, views[name].shape, target, device))
-                elif parts:
-                    widener.widen_into(views[name], tensor, **parts)
-                else:
-                    views[name].copy_(tensor)
-                done_bytes += views[name].numel() * element
-                del tensor, parts
-                if quantizer and name in quantizer.owner:
-                    quantizer.loaded(name)
-                if time.perf_counter() - last_report >= PROGRESS_INTERVAL_S:
-                    logger.info("  %3.0f%% (%s)", 100 * done_bytes / total, file.name)
-                    last_report = time.perf_counter()
+    _materialize(model, target, device, skip=quantizer.deferred if quantizer else frozenset())
+    load = _Load(root, files, plan, companions, checkpoint_views(model), target, device, fmt, quantizer)
+    load.announce(quant)
+    load.stream()
     if quantizer:
         quantizer.finish()
-    del widener
-    if torch.device(device).type == "cuda":
+    if device.type == "cuda":
         torch.cuda.empty_cache()  # the working copies of widening and quantizing: on a Jetson, the robot's RAM
     model.init_buffers()
     model.eval()
@@ -127,6 +86,70 @@ def load_model(
         weight_bytes(model) / 1e6,
     )
     return model
+
+
+class _Load:
+    """One checkpoint read into a materialised model: every planned tensor, file by file, copied, widened or
+    quantized into its view, with a progress line every ``PROGRESS_INTERVAL_S``."""
+
+    def __init__(self, root, files, plan, companions, views, dtype, device, fmt, quantizer) -> None:
+        self.root, self.files, self.plan, self.companions = root, files, plan, companions
+        self.views, self.dtype, self.device, self.fmt, self.quantizer = views, dtype, device, fmt, quantizer
+        self.element = torch.empty((), dtype=dtype).element_size()
+        self.total = sum(views[name].numel() for _, name in plan.values()) * self.element
+        self.kept = quantizer.kept_views() if quantizer else set()
+
+    def announce(self, quant: WeightQuant | None) -> None:
+        """The log line of what is about to load, and the warning when integer weights are widened."""
+        fmt, quantizer = self.fmt, self.quantizer
+        stored = (
+            f", {len(self.companions)} of them stored as {fmt.describe()}, {len(self.kept)} kept as stored"
+            if fmt
+            else ""
+        )
+        head = f", LM head as {quant.head.mode}" if quant and quant.head else ""
+        logger.info(
+            "loading %s: %d tensors from %d file(s), %.1f MB as %s on %s%s%s",
+            self.root,
+            len(self.plan),
+            len(self.files),
+            self.total / 1e6,
+            str(self.dtype).replace("torch.", ""),
+            self.device,
+            stored,
+            f", decoder projections as {quant.mode}{head}" if quantizer else "",
+        )
+        _warn_widened_integers(fmt, set(self.companions) - self.kept, quant, self.dtype)
+
+    def stream(self) -> None:
+        widener = self.fmt.widener(self.device) if self.fmt else None
+        done, last_report = 0, time.perf_counter()
+        with ExitStack() as stack:
+            handles = {f: stack.enter_context(safe_open(str(f), framework="pt", device="cpu")) for f in self.files}
+            for file in self.files:
+                for key, name in [(key, name) for key, (f, name) in self.plan.items() if f == file]:
+                    self._one(handles, widener, file, key, name)
+                    done += self.views[name].numel() * self.element
+                    if time.perf_counter() - last_report >= PROGRESS_INTERVAL_S:
+                        logger.info("  %3.0f%% (%s)", 100 * done / self.total, file.name)
+                        last_report = time.perf_counter()
+
+    def _one(self, handles, widener, file: Path, key: str, name: str) -> None:
+        """Checkpoint tensor ``key`` into parameter view ``name``."""
+        quantizer, view = self.quantizer, self.views[name]
+        tensor = _get(handles, file, key)
+        parts = {role: _get(handles, *where) for role, where in self.companions.get(name, {}).items()}
+        if name in self.kept:
+            quantizer.store(name, tensor, parts)
+        elif quantizer and name in quantizer.owner:
+            quantizer.quantize(name, _widened(widener, tensor, parts, view.shape, self.dtype, self.device))
+        elif parts:
+            widener.widen_into(view, tensor, **parts)
+        else:
+            view.copy_(tensor)
+        del tensor, parts
+        if quantizer and name in quantizer.owner:
+            quantizer.loaded(name)
 
 
 def _widened(
@@ -302,154 +325,11 @@ def weight_files(root: Path) -> list[Path]:
     pickles = sorted(p.name for p in root.iterdir() if p.suffix in _PICKLE_SUFFIXES)
     if pickles:
         raise CheckpointError(
-            f"{root}: only PyTorch pickle weights found ({', '.join(pickles[:_MAX_LISTED])}); they are refused "
+            f"{root}: only PyTorch pickle weights found ({', '.join(pickles[:MAX_LISTED])}); they are refused "
             "because loading them can run arbitrary code. Convert them to safetensors (e.g. load with "
             "transformers and save_pretrained(..., safe_serialization=True))."
         )
     raise CheckpointError(f"{root}: no weights (expected model.safetensors or model.safetensors.index.json)")
-
-
-def checkpoint_key_to_name(key: str) -> str:
-    """Checkpoint key -> our parameter name; accepts the Qwen3-VL layout and older spellings.
-
-    ``model.visual.*`` / ``visual.*`` -> ``visual.*``; ``model.language_model.*`` / ``model.*`` (pre-4.52
-    layout) / ``language_model.model.*`` -> ``language_model.*``; ``lm_head.*`` and
-    ``language_model.lm_head.*`` -> ``lm_head.*``.
-    """
-    for prefix, repl in (
-        ("model.visual.", "visual."),
-        ("model.language_model.", "language_model."),
-        ("language_model.model.", "language_model."),
-        ("language_model.lm_head.", "lm_head."),
-        ("visual.", "visual."),
-        ("lm_head.", "lm_head."),
-        ("model.", "language_model."),
-    ):
-        if key.startswith(prefix):
-            return repl + key[len(prefix) :]
-    return key
-
-
-def name_to_checkpoint_key(name: str) -> str:
-    """Our parameter name -> the key an HF Qwen3-VL checkpoint stores it under."""
-    return name if name.startswith("lm_head.") else "model." + name
-
-
-def checkpoint_views(model: nn.Module) -> dict[str, torch.Tensor]:
-    """Every tensor a checkpoint provides, by parameter name (as :func:`checkpoint_key_to_name` gives it),
-    as the tensor it is copied into: the parameter itself, or for a :class:`FusedLinear` the rows of its
-    weight that one checkpoint matrix fills (``...self_attn.q_proj.weight`` -> rows of ``qkv_proj.weight``).
-    Tied parameters appear once (under their first name)."""
-    fused = {f"{name}.weight": (name, m) for name, m in model.named_modules() if isinstance(m, FusedLinear)}
-    views: dict[str, torch.Tensor] = {}
-    for name, param in model.named_parameters():
-        if name not in fused:
-            views[name] = param
-            continue
-        module_name, module = fused[name]
-        parent = module_name.rpartition(".")[0]
-        for part, rows in module.part_rows().items():
-            views[f"{parent}.{part}.weight"] = param[rows]
-    return views
-
-
-def _plan(
-    files: list[Path], expected: dict[str, tuple[int, ...]], tied: bool, fmt: StoredFormat | None
-) -> tuple[dict[str, tuple[Path, str]], dict[str, dict[str, tuple[Path, str]]]]:
-    """(checkpoint key -> (file, parameter name), parameter name -> {keyword: (file, key)} of the tensors its
-    quantized weight is read with: the parameters stored quantized, each with its scales and zero points),
-    after checking every header against the model and ``fmt``."""
-    plan: dict[str, tuple[Path, str]] = {}
-    seen: dict[str, str] = {}  # parameter name -> key that provides it
-    unexpected: list[str] = []
-    mismatched: list[str] = []
-    stored: dict[str, tuple[str, str]] = {}  # name -> (key, dtype) of the weights stored quantized
-    found: dict[str, dict[str, tuple[Path, str, str, tuple[int, ...]]]] = {}  # name -> keyword -> (file, key, ...)
-    roles = {suffix: role for role, suffix in fmt.companions.items()} if fmt else {}
-    for file in files:
-        try:
-            handle_ctx = safe_open(str(file), framework="pt", device="cpu")
-        except Exception as exc:  # safetensors raises its own error types for corrupt headers
-            raise CheckpointError(f"{file}: cannot open as safetensors ({exc})") from exc
-        with handle_ctx as handle:
-            for key in handle.keys():
-                meta = handle.get_slice(key)
-                dtype, shape = meta.get_dtype(), tuple(meta.get_shape())
-                suffix = next((s for s in roles if key.endswith(s)), None)
-                if suffix:
-                    owner = checkpoint_key_to_name(key.removesuffix(suffix) + ".weight")
-                    found.setdefault(owner, {})[roles[suffix]] = (file, key, dtype, shape)
-                    continue
-                if fmt and key.endswith(fmt.ignored_suffixes):
-                    continue  # activations stay in the model's dtype; config.json gives the shapes
-                if fmt and key.endswith(fmt.weight_suffix):
-                    key_name = key.removesuffix(fmt.weight_suffix) + ".weight"
-                else:
-                    key_name = key
-                name = checkpoint_key_to_name(key_name)
-                if name not in expected:
-                    if tied and name == "lm_head.weight":
-                        continue  # tied: lm_head is embed_tokens; a saved copy is redundant
-                    unexpected.append(f"{file.name}:{key}")
-                    continue
-                if name in seen:
-                    raise CheckpointError(f"{file.name}: {key} duplicates {seen[name]} (both map to {name})")
-                want = expected[name]
-                if dtype not in FLOAT_DTYPES:
-                    stored[name] = (key, dtype)
-                    want = fmt.stored_shape(want) if fmt and len(want) == 2 else want
-                if shape != want:
-                    mismatched.append(f"{file.name}:{key} has shape {list(shape)}, config.json implies {list(want)}")
-                seen[name] = key
-                plan[key] = (file, name)
-    problems = _stored_problems(stored, found, fmt, expected)
-    packed = [key for key in unexpected if key.endswith(PACKED_SUFFIX)]
-    if packed and fmt is None:
-        problems.append(f"packed integer weights but config.json has no quantization_config: {_listing(packed)}")
-    strays = {name: parts for name, parts in found.items() if name not in stored}
-    if tied:
-        strays.pop("lm_head.weight", None)  # the scales of a saved copy of the tied head, skipped with it
-    unexpected += [f"{file.name}:{key}" for parts in strays.values() for file, key, *_ in parts.values()]
-    if mismatched:
-        problems.append(f"shape mismatch: {_listing(mismatched)}")
-    if unexpected:
-        problems.append(f"unexpected keys: {_listing(unexpected)}")
-    missing = [name_to_checkpoint_key(name) for name in expected if name not in seen]
-    if missing:
-        problems.append(f"missing keys: {_listing(missing)}")
-    if problems:
-        where = files[0].parent
-        raise CheckpointError(f"{where}: checkpoint does not match config.json; " + "; ".join(problems))
-    companions = {name: {role: part[:2] for role, part in found.get(name, {}).items()} for name in stored}
-    return plan, companions
-
-
-def _stored_problems(
-    stored: dict[str, tuple[str, str]],
-    found: dict[str, dict[str, tuple[Path, str, str, tuple[int, ...]]]],
-    fmt: StoredFormat | None,
-    expected: dict[str, tuple[int, ...]],
-) -> list[str]:
-    """What keeps the weights ``stored`` quantized (name -> (key, dtype)) from being read as ``fmt`` with the
-    scales etc. ``found`` beside them."""
-    if not stored:
-        return []
-    if fmt is None:
-        dtypes = {dtype for _, dtype in stored.values()}
-        kind = "FP8" if all(d.startswith("F8_") for d in dtypes) else "/".join(sorted(dtypes))
-        keys = [key for key, _ in stored.values()]
-        return [f"{kind} weights but config.json has no quantization_config that describes them: {_listing(keys)}"]
-    why = [
-        fmt.problem(key, dtype, expected[name], {role: part[2:] for role, part in found.get(name, {}).items()})
-        for name, (key, dtype) in stored.items()
-    ]
-    shown = [w for w in why if w]
-    return [f"quantized weights: {_listing(shown)}"] if shown else []
-
-
-def _listing(items: list[str]) -> str:
-    shown = ", ".join(items[:_MAX_LISTED])
-    return shown + (f" (+{len(items) - _MAX_LISTED} more)" if len(items) > _MAX_LISTED else "")
 
 
 def _materialize(model: nn.Module, dtype: torch.dtype, device: torch.device, skip: frozenset[int]) -> None:

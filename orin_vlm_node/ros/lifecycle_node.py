@@ -28,8 +28,9 @@ from rclpy.lifecycle import LifecycleNode, LifecycleState, TransitionCallbackRet
 from rclpy.qos import QoSProfile
 
 from ..engine import EngineError
-from .main import NODE_NAME
-from .node import StartupError, VlmServing
+from .names import NODE_NAME
+from .node import VlmServing
+from .startup import StartupError
 
 DEACTIVATE_TIMEOUT_S = 5.0
 

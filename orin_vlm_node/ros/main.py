@@ -38,12 +38,13 @@ import sys
 import threading
 from typing import TYPE_CHECKING
 
+from .names import NODE_NAME
+
 if TYPE_CHECKING:
     import socket
     from collections.abc import Callable
     from typing import Any
 
-NODE_NAME = "orin_vlm"
 STOP_WITH_PARENT = "--stop-with-parent"  # the one option of the entry points besides the ROS arguments
 _PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
@@ -140,7 +141,8 @@ def serve(stop: StopSignals, args: list[str] | None = None, managed: bool = Fals
     from rclpy.signals import SignalHandlerOptions
 
     from ..engine import EngineError
-    from .node import StartupError, VlmNode
+    from .node import VlmNode
+    from .startup import StartupError
 
     rclpy.init(args=args, signal_handler_options=SignalHandlerOptions.NO)
     try:

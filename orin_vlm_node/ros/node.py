@@ -1,20 +1,11 @@
 """The ROS 2 node ``orin_vlm``: camera images + text prompts in, streamed tokens out.
 
-Topics (relative, so namespaces and remaps apply): subscribes each of ``image_topics`` (sensor_msgs/Image,
-default ``image``) with ``<topic>/compressed`` (sensor_msgs/CompressedImage) and ``prompt`` (std_msgs/String);
-publishes ``tokens`` (streamed text, coalesced: ``token_stream.py``), ``response`` (the whole answer),
-``status`` (one JSON object per event, see ``status``) and ``/diagnostics`` (about 1 Hz). Services ``~/reset``
-(forget the multi-turn conversation) and ``~/cancel`` (stop the running prompt, drop waiting ones). With
-``channels`` every asker has these prompt/answer topics and services under its name (``channel.py``).
-
-Threading, and why: generation takes seconds, so it runs on one worker thread (``worker.py``) that owns every
-mutating engine call (``generate``, ``reconfigure``, ``reset``) and is the only long-lived thread that computes
-(the model loads on a thread that ends: torch's OpenMP pools, see ``worker.py``). ROS callbacks only enqueue work or
-flip flags, so one executor thread keeps services, parameter changes and image updates responsive during a
-generation (``main.py`` says why not several). ``Engine.cancel`` is the only engine call
-made from another thread (it is thread-safe by contract); ``validate_changes``/``describe`` only read.
-Parameter changes for the engine (paging, pool, kernels, graphs, dtype, ...) are validated at once,
-so ``ros2 param set`` gets a reason for a refusal, then applied between two requests.
+Topics, services and parameters are listed in the README. One worker thread (``worker.py``) owns every
+engine call that changes it (``generate``, ``reconfigure``, ``reset``); ROS callbacks only enqueue work or
+flip flags, so one executor thread keeps services, parameter changes and images responsive during an answer.
+``Engine.cancel`` is the one engine call made from another thread (thread-safe); ``validate_changes`` and
+``describe`` only read. A parameter change is validated at once (``ros2 param set`` gets the reason of a
+refusal), then applied between two requests. docs/architecture.md follows a prompt through it.
 """
 
 from __future__ import annotations
@@ -23,112 +14,48 @@ import functools
 import gc
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping
 from typing import Any
 
-import numpy as np
 import torch
 from diagnostic_msgs.msg import DiagnosticArray, DiagnosticStatus, KeyValue
 from rcl_interfaces.msg import SetParametersResult
 from rclpy.duration import Duration
-from rclpy.exceptions import InvalidTopicNameException
 from rclpy.node import Node
 from rclpy.parameter import Parameter
 from rclpy.qos import QoSProfile, ReliabilityPolicy
-from rclpy.validate_topic_name import validate_topic_name
 from sensor_msgs.msg import CompressedImage, Image
 from std_msgs.msg import String
 from std_srvs.srv import Trigger
 
-from ..engine import Engine, EngineConfig
-from .channel import Channel, channel_names_problem
+from ..engine import Engine
+from .camera_intake import CameraIntake
+from .channel import Channel
 from .image import (
-    ImageConversionError,
     ImageConverter,
     LatestFrames,
-    check_compressed,
-    stamp_seconds,
-    validate_image_msg,
 )
 from .image_inputs import ImageInputs
 from .log_bridge import PackageLogs
-from .main import NODE_NAME
+from .names import NODE_NAME
 from .params import (
     RUNTIME_ENGINE_FIELDS,
     SAMPLING_FIELDS,
     channel_values,
     check_changes,
     declare_parameters,
-    engine_config,
     engine_kwargs,
     sampling_params,
     unknown_parameters_problem,
 )
 from .request_queue import PendingPrompt, RequestQueue
-from .status import backend_summary, engine_diagnostics, status_json
+from .startup import StartupError, channel_list, prompt_problem, startup_config
+from .status import backend_summary, engine_diagnostics
+from .status_events import READY_POLL_S, READY_SLOW_POLL_S, StatusEvents
 from .worker import Worker, on_passing_thread
 
-# Identical image errors (a broken camera at 30 Hz) are reported at most this often.
-IMAGE_ERROR_INTERVAL_S = 1.0
-# `status` is volatile: an event reaches only the subscribers matched to the publisher when it goes out, and
-# discovery between processes takes milliseconds on an idle machine, seconds on a loaded one. So each channel
-# announces `ready` once its status topic has a subscriber and others that came up with it had a moment to
-# match too, however late that is (or with the channel's first event of a prompt, if that comes sooner). The
-# node looks often while subscribers are likely to appear (at startup), then once a second.
-READY_POLL_S = 0.05
-READY_SETTLE_S = 0.25
-READY_FAST_POLL_S = 10.0
-READY_SLOW_POLL_S = 1.0
-
-
-def prompt_problem(text: str) -> str | None:
-    """Why a prompt cannot be answered as it arrived, or None. A NUL is refused rather than cut at: ROS
-    strings end at the first NUL on most paths, so the text could not be what the sender meant."""
-    if "\x00" in text:
-        return f"prompt contains a NUL character at position {text.index(chr(0))}: refused, not truncated"
-    if not text.strip():
-        return "empty prompt: nothing to answer"
-    return None
-
-
-class StartupError(RuntimeError):
-    """The node cannot start (bad parameters, missing model); the message says what to fix."""
-
-
-def startup_config(values: Mapping[str, Any]) -> EngineConfig:
-    """The engine config of the declared parameter values; StartupError before anything loads when the
-    values are out of bounds or the model directory is not one."""
-    reason = (
-        check_changes(values)
-        or channel_names_problem(values["channels"])
-        or image_topics_problem([t for ch in channel_list(values) for t in channel_values(values, ch)["image_topics"]])
-    )
-    if reason:
-        raise StartupError(f"invalid parameter value: {reason}")
-    config = engine_config(values)
-    if not (config.model_dir / "config.json").is_file():
-        if not values["model_path"]:
-            raise StartupError(f"the embedded default model is missing at {config.model_dir} (reinstall the package)")
-        raise StartupError(
-            f"model_path {str(config.model_dir)!r} is not a Hugging Face model directory (no config.json there); "
-            "pass -p model_path:=/path/to/Qwen3-VL-... or leave it empty for the embedded default model"
-        )
-    return config
-
-
-def channel_list(values: Mapping[str, Any]) -> list[str]:
-    """The node's channels: those of ``channels``, or the one unnamed channel on the plain topics."""
-    return list(values["channels"]) or [""]
-
-
-def image_topics_problem(topics: Sequence[str]) -> str | None:
-    """Why an ``image_topics`` entry cannot be subscribed (ROS topic name rules), or None."""
-    for topic in topics:
-        try:
-            validate_topic_name(f"{topic}/compressed")  # the raw topic's name is valid when this one is
-        except InvalidTopicNameException as exc:
-            return f"image_topics entry {topic!r} is not a valid ROS topic name: {str(exc).splitlines()[0]}"
-    return None
+# How long a stopping node waits, in all, for subscribers to acknowledge what it published last.
+ACK_WAIT_S = 0.5
 
 
 class VlmServing:
@@ -145,8 +72,7 @@ class VlmServing:
     def _declare(self) -> None:
         self._package_logs = PackageLogs(self.get_logger())  # the ROS-free layers' records, in the node's log
         self._lock = threading.Lock()  # guards _values, the channels' session ids and the counters
-        self._status_lock = threading.Lock()  # orders status events; guards _ready_announced
-        self._ready_announced: set[str] = set()  # channels whose status has carried ``ready``
+        self._status_events = StatusEvents(self.get_logger().warning)
         self._values: dict[str, Any] = declare_parameters(self)
         given = getattr(self, "_parameter_overrides", {})  # rclpy keeps no public list of what it was given
         unknown = unknown_parameters_problem(given, self.get_parameters_by_prefix(""))  # all declared names
@@ -158,7 +84,6 @@ class VlmServing:
         self._session_counter = 0
         self._request_counter = 0
         self._channels: dict[str, Channel] = {}
-        self._image_errors: dict[str, float] = {}
         self._serving_entities: list[Any] = []  # subscriptions, services and timers of the serving state
         self.finished = False  # the node is done and its process may exit (a managed node shut down)
         self.add_on_set_parameters_callback(self._on_set_parameters)
@@ -184,12 +109,13 @@ class VlmServing:
         names = channel_list(self._values)
         topics = [t for ch in names for t in channel_values(self._values, ch)["image_topics"]]
         self._frames = LatestFrames(list(dict.fromkeys(topics)))  # each camera once, in first-use order
+        self._cameras = CameraIntake(self._frames, self._converter, self._values, self._tell_image_error)
         self._queue = RequestQueue(int(self._values["max_queue"]))
         prompt_depth = int(self._values["prompt_queue_depth"])
         stream_qos = QoSProfile(depth=max(1000, 3 * prompt_depth), reliability=ReliabilityPolicy.RELIABLE)
         period_s = int(self._values["token_publish_period_ms"]) / 1e3
         self._channels = {
-            name: Channel(name, self._make_publisher, stream_qos, period_s, self._on_channel_status,
+            name: Channel(name, self._make_publisher, stream_qos, period_s, self._status_events.publish,
                           self.get_logger().warning, self._new_session_id())
             for name in names
         }  # fmt: skip
@@ -217,8 +143,8 @@ class VlmServing:
                 entry
                 for topic in self._frames.topics
                 for entry in (
-                    (topic, Image, functools.partial(self._on_image, topic)),
-                    (f"{topic}/compressed", CompressedImage, functools.partial(self._on_compressed, topic)),
+                    (topic, Image, functools.partial(self._cameras.on_image, topic)),
+                    (f"{topic}/compressed", CompressedImage, functools.partial(self._cameras.on_compressed, topic)),
                 )
             ],
         )
@@ -235,8 +161,6 @@ class VlmServing:
                 (self.destroy_service, self.create_service(
                     Trigger, ch.service("cancel"), functools.partial(self._on_cancel, ch))),
             ]  # fmt: skip
-        with self._status_lock:
-            self._ready_announced = set()
         self._refusing = None
         self._worker.start()
         described = self._describe()
@@ -246,9 +170,7 @@ class VlmServing:
             f"ready in {load_s:.1f} s: model {self._engine.config.model_dir}, device {described.get('device', '?')}, "
             f"dtype {described.get('dtype', '?')}, images via {self._converter.backend}; {backend}"
         )
-        self._ready_note = backend
-        self._ready_matched: dict[str, float] = {}  # channel -> when its status first had a subscriber
-        self._ready_slow_after: float | None = time.monotonic() + READY_FAST_POLL_S
+        self._status_events.start(backend, time.monotonic())
         self._ready_timer = self.create_timer(READY_POLL_S, self._announce_ready)
 
     def _close(self, why: str, timeout_s: float = 2.0) -> None:
@@ -264,8 +186,9 @@ class VlmServing:
         self._worker.stop(timeout_s, why)
         for ch in self._channels.values():
             ch.token_stream.flush(timeout_s)
+        acked_by = time.monotonic() + ACK_WAIT_S  # one bound for all publishers, not one each
         for publisher in (p for ch in self._channels.values() for p in ch.publishers):
-            publisher.wait_for_all_acked(Duration(seconds=1.0))
+            publisher.wait_for_all_acked(Duration(seconds=max(0.0, acked_by - time.monotonic())))
         self.destroy_timer(self._ready_timer)
 
     def _unload(self) -> None:
@@ -275,7 +198,7 @@ class VlmServing:
         for publisher in (*(p for ch in self._channels.values() for p in ch.publishers), self._diag_pub):
             self._destroy_publisher(publisher)
         self._channels = {}
-        device = self._engine.device
+        device = self._engine.parts.device
         self._engine.close()
         self._engine = self._worker = None
         gc.collect()
@@ -286,77 +209,17 @@ class VlmServing:
         self.destroy_publisher(publisher)
 
     def _announce_ready(self) -> None:
-        """The first status event of each channel: the node serves, and which attention path and KV pool it
-        runs with; sent once the channel's status has a subscriber (see ``READY_POLL_S``).
-
-        A prompt's first event announces it at once if it comes sooner (see ``_on_channel_status``).
-        """
-        now = time.monotonic()
-        with self._status_lock:
-            waiting = [ch for ch in self._channels.values() if ch.name not in self._ready_announced]
-        for ch in waiting:
-            if ch.status_pub.get_subscription_count() > 0:
-                self._ready_matched.setdefault(ch.name, now)
-        matched = self._ready_matched
-        due = [ch for ch in waiting if ch.name in matched and now - matched[ch.name] >= READY_SETTLE_S]
-        for ch in due:
-            ch.status("ready", None, note=self._ready_note)
-        if len(due) == len(waiting):
+        """The first status event of each channel, once its status has a subscriber (``status_events``)."""
+        outcome = self._status_events.poll(self._channels.values(), time.monotonic())
+        if outcome:
             self.destroy_timer(self._ready_timer)
-        elif self._ready_slow_after is not None and now >= self._ready_slow_after:
-            self._ready_slow_after = None
-            self.destroy_timer(self._ready_timer)
+        if outcome == "slow":
             self._ready_timer = self.create_timer(READY_SLOW_POLL_S, self._announce_ready)
 
     # ---------------------------------------------------------------- inputs (the executor's thread)
 
-    def _on_image(self, topic: str, msg: Image) -> None:
-        self._take_frame(topic, msg, "image", validate_image_msg, self._converter.image_to_rgb)
-
-    def _on_compressed(self, topic: str, msg: CompressedImage) -> None:
-        self._take_frame(topic, msg, "compressed image", check_compressed, self._converter.compressed_to_rgb)
-
-    def _take_frame(
-        self,
-        topic: str,
-        msg: Image | CompressedImage,
-        kind: str,
-        check: Callable[[Any, int], object],
-        convert: Callable[[Any, int], np.ndarray],
-    ) -> None:
-        """Keep the topic's newest frame: checked now (sizes, encoding, the compressed header: microseconds,
-        and a bad camera is reported at once), converted only when a prompt takes it (``LatestImage``)."""
-        if float(self._values["image_max_age_s"]) <= 0:
-            return  # images disabled: nothing to keep
-        stamp = stamp_seconds(msg.header.stamp)
-        max_pixels = int(self._values["image_max_input_pixels"])
-        rejected = f"{kind} rejected{self._from(topic)}"
-        try:
-            check(msg, max_pixels)
-        except ImageConversionError as exc:
-            self._report_image_error(topic, f"{rejected}: {exc}", stamp)
-            return
-
-        def converted() -> np.ndarray:
-            try:
-                return convert(msg, max_pixels)
-            except ImageConversionError as exc:
-                raise ImageConversionError(f"{rejected}: {exc}") from None
-
-        self._frames.set(topic, converted, stamp)
-
-    def _from(self, topic: str) -> str:
-        """`` from <topic>`` when there are several cameras to tell apart."""
-        return f" from {topic}" if len(self._frames.topics) > 1 else ""
-
-    def _report_image_error(self, topic: str, error: str, stamp: float) -> None:
-        """Log and tell the channels that look at ``topic`` (identical errors at most once a second)."""
-        now = time.monotonic()
-        if now - self._image_errors.get(error, -1e9) < IMAGE_ERROR_INTERVAL_S:
-            return
-        if len(self._image_errors) > 64:  # error texts carry sizes: keep the throttle table small
-            self._image_errors = {k: t for k, t in self._image_errors.items() if now - t < IMAGE_ERROR_INTERVAL_S}
-        self._image_errors[error] = now
+    def _tell_image_error(self, topic: str, error: str, stamp: float) -> None:
+        """Log a camera's unusable frame and tell the channels that look at ``topic``."""
         self.get_logger().warning(error)
         for ch in self._channels.values():
             if topic in channel_values(self._values, ch.name)["image_topics"]:
@@ -374,7 +237,7 @@ class VlmServing:
             return
         frames = self._frames.pick(float(values["image_max_age_s"]), values["image_topics"])
         for topic, error, stamp in frames.errors:  # a frame whose header passed but whose data did not
-            self._report_image_error(topic, error, stamp)
+            self._cameras.report_error(topic, error, stamp)
         system_prompt = str(values["system_prompt"]) or None
         item = PendingPrompt(
             request_id=request_id,
@@ -481,24 +344,6 @@ class VlmServing:
             return self._channels[channel].session_id if self._values["multi_turn"] else None
 
     # ---------------------------------------------------------------- reporting
-
-    def _on_channel_status(self, ch: Channel, event: str, request_id: str | None, fields: dict[str, Any]) -> None:
-        """Publish one event on the channel's status; ``ready`` always comes first, whichever thread reports
-        first. A prompt that ends without an answer (``error``, ``dropped``) is logged too: the operator reading
-        the node's log sees every prompt that was lost, and why. (Events of no prompt are logged where they
-        arise: image errors throttled, once for every channel that watches the camera.)"""
-        if request_id is not None and event == "error":
-            self.get_logger().warning(f"{request_id}: {fields.get('error')}")
-        elif request_id is not None and event == "dropped":
-            self.get_logger().warning(f"{request_id} dropped: {fields.get('note')}")
-        with self._status_lock:
-            first = ch.name not in self._ready_announced
-            self._ready_announced.add(ch.name)
-            if event == "ready" and not first:
-                return  # a prompt's event announced it already
-            if first and event != "ready":
-                ch.status_pub.publish(String(data=status_json("ready", None, note=self._ready_note)))  # type: ignore[arg-type]
-            ch.status_pub.publish(String(data=status_json(event, request_id, **fields)))  # type: ignore[arg-type]
 
     def _describe(self) -> dict[str, Any]:
         try:

@@ -4,7 +4,7 @@ Why this exists: the package must ship a model that runs out of the box, on any 
 and that demonstrably uses the picture. Real Qwen3-VL weights cannot be bundled (size, licence, no network),
 so this package builds a few-million-parameter model with the *exact* Qwen3-VL architecture
 (``transformers.Qwen3VLForConditionalGeneration``: vision tower with DeepStack, interleaved M-RoPE, tied
-embeddings) and trains it on the CPU on ``tools/synthetic_scenes.py``. It is a DEMO model, not Qwen3-VL.
+embeddings) and trains it on the CPU on ``support/synthetic_scenes.py``. It is a DEMO model, not Qwen3-VL.
 
 Pixels are produced by the runtime's own ``orin_vlm_node.processing.ImageProcessor`` so training and
 inference see identical inputs. The result is written in Hugging Face format (config.json, model.safetensors,

@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from tools import synthetic_scenes as scenes
+from support import synthetic_scenes as scenes
 
 
 class Pixels:

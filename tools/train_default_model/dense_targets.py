@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from tools import synthetic_scenes as scenes
+from support import synthetic_scenes as scenes
 
 SHAPE_BACKGROUND = len(scenes.SHAPES)  # dense label of a token that shows no shape (kind classes 0..4)
 COLOR_BACKGROUND = len(scenes.COLORS)  # (colour classes 0..5)

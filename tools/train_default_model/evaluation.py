@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from tools import synthetic_scenes as scenes
+from support import synthetic_scenes as scenes
 
 from .batches import Encoder, Pixels
 from .vocabulary import SPECIAL_TOKENS

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from tools import synthetic_scenes as scenes
+from support import synthetic_scenes as scenes
 
 from .batches import Encoder
 from .dense_targets import IGNORE, MIN_COVER, shape_cover

@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from tools import synthetic_scenes as scenes
+from support import synthetic_scenes as scenes
 
 
 @dataclass

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from tools import synthetic_scenes as scenes
+from support import synthetic_scenes as scenes
 
 from .batches import Encoder, Pixels, make_batch
 from .checkpoint_files import build_config, save, write_side_configs

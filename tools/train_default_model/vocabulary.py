@@ -7,7 +7,7 @@ from pathlib import Path
 
 import numpy as np
 
-from tools import synthetic_scenes as scenes
+from support import synthetic_scenes as scenes
 
 from .recipe import TrainConfig
 

@@ -284,8 +284,8 @@ for dtype, torch_dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16), ("
     engine = Engine(EngineConfig(model_path=str(ckpt), device="cuda", dtype=dtype, max_sessions=0, max_batch=1))
     sampling = SamplingParams(temperature=0.0, max_new_tokens=n, ignore_eos=True)
     ours = list(list(engine.generate(Request(Turn(prompt, (image,)), sampling)))[-1].token_ids)
-    batch = engine.image_processor.preprocess([image])
-    ids, _ = engine.turns.renderer.first_turn(None, Turn(prompt, (image,)), list(batch.num_tokens))
+    batch = engine.parts.image_processor.preprocess([image])
+    ids, _ = engine.parts.turns.renderer.first_turn(None, Turn(prompt, (image,)), list(batch.num_tokens))
     model = Qwen3VLForConditionalGeneration.from_pretrained(ckpt, dtype=torch_dtype, attn_implementation="eager")
     model = model.to("cuda").eval()
     model.generation_config.eos_token_id = None  # like ignore_eos: EOS is an ordinary token, never a stop

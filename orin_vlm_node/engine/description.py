@@ -1,0 +1,79 @@
+"""What the engine reports about its parts: the node's ``/diagnostics`` and ``ready`` event, the CLI's
+``--json``. Every field is read from the parts in effect; the KV figures come from a snapshot the engine
+takes while no request runs, so the cache is never read while it changes.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ..model.cpu_linear import KERNEL_ROWS, quant_refusal
+from .backend import decode_path
+from .config import EngineConfig
+from .parts import EngineParts
+
+
+def lm_head_storage(config: EngineConfig, dtype: torch.dtype) -> str:
+    """How the LM head is stored: its quantized format (``weight_quant_lm_head``) or the model's dtype."""
+    head = config.quant.head
+    return head.mode if head else str(dtype).replace("torch.", "")
+
+
+def weight_path(parts: EngineParts) -> str:
+    """How the projections multiply: on CUDA with the kernels, which take the GEMV kernels for decode rows
+    (quantized ones all, float ones where they measured faster) and whether the norms join the products'
+    launches and a layer's products chain into one (``fuse_decode_launches``); else float weights through the
+    CPU GEMM kernels or ``F.linear``, quantized ones through the CPU GEMM kernels on the stored bytes or torch."""
+    cfg = parts.config
+    mode, group = cfg.weight_quant, cfg.weight_quant_group_size
+    if parts.gemv_path:  # CUDA with the kernels: which products take the GEMV kernels, measured
+        fused = "on" if cfg.fuse_decode_launches else "off (fuse_decode_launches)"
+        return (f"{'float weights' if mode == 'none' else mode}: {parts.gemv_path}; norms in the products' "
+                f"launches, one sequence's products between two attentions in one: {fused}")  # fmt: skip
+    if mode == "none":
+        return f"float weights: {parts.float_path}"
+    if parts.cpu_gemm is None:
+        return f"{mode}: torch (weights widened for each product)"
+    refusal = quant_refusal(mode, group, parts.cpu_gemm)
+    if refusal:
+        return f"{mode}: torch (weights widened for each product; {refusal})"
+    return f"{mode}: CPU GEMM kernels on the stored weights, few rows for 1..{KERNEL_ROWS}, many rows above"
+
+
+def describe_parts(parts: EngineParts, kv: dict[str, Any], busy: bool, served: int, last: dict) -> dict[str, Any]:
+    """The description of ``parts``: ``kv`` the KV cache's stats snapshot, ``served`` the requests finished,
+    ``last`` the metrics of the last one."""
+    stats, cfg = dict(kv), parts.config
+    return {
+        "busy": busy,
+        "model_path": str(cfg.model_dir),
+        "device": str(parts.device),
+        "dtype": str(parts.dtype).replace("torch.", ""),
+        "checkpoint_weights": fmt.describe() if (fmt := parts.model_config.weight_format) else "float",
+        "weight_quant": cfg.weight_quant,
+        "lm_head": lm_head_storage(cfg, parts.dtype),
+        "weight_mb": round(parts.weight_bytes / 1e6, 3),
+        "weight_path": weight_path(parts),
+        "paged_attention": cfg.use_paged_attention,
+        "page_size": stats.get("page_size"),
+        "kv_blocks_total": stats.get("blocks_total"),
+        "kv_blocks_used": stats.get("blocks_used"),
+        "kv_blocks_free": stats.get("blocks_free"),
+        "kv_blocks_cached": stats.get("blocks_cached", 0),
+        "prefix_caching": stats.get("prefix_caching", False),
+        "prefix_hit_rate": stats.get("prefix_hit_rate", 0.0),
+        "max_context_tokens": cfg.max_context_tokens,
+        "kv_pool": stats.get("pool"),
+        "decode_path": decode_path(parts.attention, parts.decode_step),
+        "kernels": parts.attention.status,
+        "kernels_degraded": parts.attention.degraded,
+        "decode": parts.decode_step.describe(),
+        "sessions": len(parts.session_store),
+        "vision_cache": parts.vision_cache.stats(),
+        "requests_served": served,
+        "eos_token_ids": list(parts.tokenizer.eos_token_ids),
+        "last_metrics": dict(last),
+        "kv_cache": stats,
+    }
