@@ -683,7 +683,7 @@ NO_L2_PREFETCH = "__device__ __forceinline__ void prefetch_l2(const void*) {}"
 def _l2_prefetch(ctx: BenchContext, res: SectionResult, model_dir: Path) -> None:
     """What the GEMV kernels' L2 prefetch of their weights gains a token where it is meant to: every launch
     dependent, so a GEMV's blocks start, and ask for their weights, while the kernel before it runs. With
-    INT4 weights dependent launch turned from a gain (fifth session, before the prefetch) into a loss; this
+    INT4 weights dependent launch turned from a gain (at 4cc2443, before the prefetch) into a loss; this
     separates the prefetch from the other changes since. The kernels without it are built from a copy of the
     sources (``kernel_dir``) whose ``prefetch_l2`` is empty."""
     from orin_vlm_node.cuda.sources import find_kernel_sources

@@ -1,21 +1,13 @@
-"""Every setting of the product, written once: name, type, default, bounds, unit, when a change takes effect.
+"""Every setting of the product, written once: name, type, default, bounds, unit, when a change takes effect
+and what it rebuilds.
 
-The frontends are derived from this table, never typed again: the node's ROS parameters and their
-descriptors (``ros/params.py``), the command-line flags (``cli.py``: ``page_size`` is ``--page-size``), the
-launch file's arguments, and, checked by tests, ``config/orin_vlm.yaml``, the README's parameter table and
-the defaults of ``EngineConfig``. A value is checked here against its type and bounds only; every rule
-beyond that lives in the layer that owns it: the KV cache (page size a power of two, the pool fits in
-memory and holds one context), sampling (``engine/sampling.py``), the image processor (min <= max pixels),
-the CUDA layer (the kernel directory holds the kernels) and the engine (the device exists).
-
-Who consumes a setting:
-
-* ``engine``: an ``EngineConfig`` field, applied by ``Engine.reconfigure`` between requests;
-* ``sampling``: a ``SamplingParams`` field, taken by the next prompt;
-* ``node``: the ROS node itself (queue, images, conversation), taken by the next prompt.
-
-This module imports nothing but the standard library: the launch file imports it in the ``ros2 launch``
-process, which must not pay for torch.
+The frontends are derived from this table, never typed again: the node's ROS parameters and descriptors
+(``ros/params.py``), the command-line flags (``generate.py``: ``page_size`` is ``--page-size``), the launch
+file's arguments, ``EngineConfig``'s defaults and rebuild rules, and (held to it by tests) ``config/orin_vlm.yaml``
+and the README's parameter table. A value is checked here against its type and bounds only; every rule beyond
+that lives in the layer that owns it (docs/architecture.md, "Settings"). A setting's consumer is the engine
+(``EngineConfig``, applied between requests), sampling (``SamplingParams``, the next prompt) or the node.
+Standard library only: the launch file imports it in the ``ros2 launch`` process, which must not pay for torch.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """On a real GPU: kernels built by build.py, loaded by runtime.py, against the torch reference; CUDA-graph decode.
 
-Skipped without CUDA or PyCUDA (see kernels/README.md for running these on a Jetson).
+Skipped without CUDA or PyCUDA (see docs/cuda-kernels.md for running these on a Jetson).
 """
 
 from __future__ import annotations

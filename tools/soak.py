@@ -9,13 +9,16 @@ prompt runs. With ``--managed`` it runs the lifecycle node, which it also deacti
 again; ``--param`` sets startup settings. The mix is drawn from ``--seed``; the timing is the machine's, so
 two runs differ in detail.
 
-It checks what must hold whatever the timing: every prompt ends with exactly one ``finished``, ``dropped``
-or ``error`` event; every parameter change is either applied or refused with a reason; the node logs no
-traceback, reports nothing above OK on ``/diagnostics``, is alive at the end and stops with exit code 0 on
-SIGINT. It samples the node's resident memory (all its processes) every 15 s. It prints a summary, writes it
-as JSON with ``--out`` and exits non-zero when a check fails. Why a tool and not a test: it found a crash
-that no test had (a setting changed twice while a prompt ran), but only after minutes of such traffic; the
-tests keep the case it found.
+It checks what must hold whatever the timing: every prompt it sent ends with exactly one ``finished``,
+``dropped`` or ``error`` event of its request id (the node numbers prompts ``req-1``, ``req-2``, ... as they
+arrive; an ``error`` of no prompt, a bad camera frame, counts for none); every parameter change is applied or
+refused with a reason; the node's resident memory (all its processes, sampled every 15 s) grows by no more
+than ``--max-growth-mb`` after the warm-up (``--warmup-s``: model reloads, allocator pools and caches fill
+first); the camera published at the rate asked; the node logs no traceback, reports nothing above OK on
+``/diagnostics``, is alive at the end and stops with exit code 0 on SIGINT. It prints a summary, writes it as
+JSON with ``--out`` and exits non-zero when a check fails. It runs in ``ROS_DOMAIN_ID`` when that is set.
+Why a tool and not a test: it found a crash no test had (a setting changed twice while a prompt ran), but only
+after minutes of such traffic; the tests keep the case it found.
 """
 
 from __future__ import annotations
@@ -76,11 +79,31 @@ def group_rss_mb(group: int) -> float:
     return total_kb / 1024
 
 
+def _ends_prompt(event: dict[str, Any]) -> bool:
+    """A prompt's terminal event (an ``error`` without a request id reports a camera frame, no prompt)."""
+    return event["event"] in ("finished", "dropped", "error") and event["request_id"] is not None
+
+
+def memory_growth_problems(rss: list[tuple[float, float, int]], warmup_s: float, max_growth_mb: float) -> list[str]:
+    """The node's growth after the warm-up beyond ``max_growth_mb``: from the first sample at or after
+    ``warmup_s`` to the largest after it (``rss``: (seconds, MB, prompts) samples)."""
+    after = [mb for seconds, mb, _ in rss if seconds >= warmup_s]
+    if len(after) < 2:
+        return [f"fewer than two memory samples after the {warmup_s:g} s warm-up: run longer"]
+    growth = max(after) - after[0]
+    if growth > max_growth_mb:
+        return [f"memory grew by {growth:.0f} MB after the warm-up ({after[0]:.0f} -> {max(after):.0f} MB), more "
+                f"than {max_growth_mb:g} MB"]  # fmt: skip
+    return []
+
+
 class Soak:
     """The client side: the camera thread, the actions, the bookkeeping of prompts and refusals."""
 
     def __init__(self, client: Any, node: Any, rng: random.Random, frames: list[bytes], managed: bool = False) -> None:
         self.client, self.node, self.rng, self.frames = client, node, rng, frames
+        self.camera_published = 0
+        self.camera_s = 0.0
         self.managed = managed  # the lifecycle node: deactivated and activated again among the actions
         self.sent = 0
         self.actions: dict[str, int] = {}
@@ -91,22 +114,27 @@ class Soak:
         self._scanned = self._ends = 0
 
     def camera(self, hz: float) -> None:
+        """Publish a frame every 1/hz s on a fixed schedule (a frame it is late for is skipped, not sent in a
+        burst); each distinct frame for 3 s in turn. The messages are built once: only the stamp changes."""
         from sensor_msgs.msg import CompressedImage
 
-        i = 0
+        messages = [CompressedImage(format="jpeg", data=frame) for frame in self.frames]
+        t0, tick = time.monotonic(), 0
         while not self._stop.is_set():
-            msg = CompressedImage(format="jpeg", data=self.frames[(i // 45) % len(self.frames)])
+            msg = messages[int(tick / hz / 3.0) % len(messages)]
             msg.header.stamp = self.client.node.get_clock().now().to_msg()
-            self.client.publish_compressed(msg)
-            i += 1
-            time.sleep(1 / hz)
+            self.client.compressed_pub.publish(msg)
+            self.camera_published += 1
+            tick = max(tick + 1, int((time.monotonic() - t0) * hz))
+            self._stop.wait(max(0.0, t0 + tick / hz - time.monotonic()))
+        self.camera_s = time.monotonic() - t0
 
     def _ended(self) -> int:
-        """Terminal events so far, counting only the events that came since the last call (a soak collects
-        tens of thousands, and this runs on every message the client receives while it waits)."""
+        """Terminal events of prompts so far, counting only the events that came since the last call (a soak
+        collects tens of thousands, and this runs on every message the client receives while it waits)."""
         new = self.client.status[self._scanned :]
         self._scanned += len(new)
-        self._ends += sum(1 for event in new if event["event"] in ("finished", "dropped", "error"))
+        self._ends += sum(1 for event in new if _ends_prompt(event))
         return self._ends
 
     def _wait_all_ended(self, timeout: float = 300.0) -> None:
@@ -164,7 +192,7 @@ class Soak:
             while (elapsed := time.monotonic() - t0) < duration_s:
                 if elapsed >= next_sample:
                     self.rss.append((round(elapsed, 1), round(group_rss_mb(self.node.proc.pid), 1), self.sent))
-                    next_sample = elapsed + 15.0
+                    next_sample = elapsed + min(15.0, duration_s / 20)
                 self.step()
             self._wait_all_ended()
             self.rss.append((round(time.monotonic() - t0, 1), round(group_rss_mb(self.node.proc.pid), 1), self.sent))
@@ -172,17 +200,22 @@ class Soak:
             self._stop.set()
             camera.join(5.0)  # before the client closes: a publish on a destroyed publisher raises
 
-    def problems(self) -> list[str]:
+    def problems(self, warmup_s: float, max_growth_mb: float, camera_hz: float) -> list[str]:
         """What broke the checks (empty: all held)."""
         ends: dict[str, int] = {}
         for event in self.client.events():
-            if event["event"] in ("finished", "dropped", "error"):
+            if _ends_prompt(event):
                 ends[event["request_id"]] = ends.get(event["request_id"], 0) + 1
-        found = []
-        if sum(ends.values()) != self.sent:
-            found.append(f"{self.sent} prompts sent, {sum(ends.values())} terminal events")
+        expected = {f"req-{i}" for i in range(1, self.sent + 1)}
+        missing = sorted(expected - set(ends))
+        found = [f"{len(missing)} prompts never ended, the first: {missing[0]}"] if missing else []
         found += [f"{rid} ended {n} times" for rid, n in ends.items() if n != 1]
+        found += [f"an end of a prompt never sent: {rid}" for rid in sorted(set(ends) - expected)]
         found += [f"refused without a reason: {r}" for r in self.refused if r.endswith(": ")]
+        found += memory_growth_problems(self.rss, warmup_s, max_growth_mb)
+        rate = self.camera_published / self.camera_s if self.camera_s else 0.0
+        if rate < 0.9 * camera_hz:
+            found.append(f"the camera published {rate:.1f} frames/s, not the {camera_hz:g} asked")
         found += self.failed_transitions
         if not self.node.alive():
             found.append("the node died")
@@ -210,6 +243,7 @@ class Soak:
         notes = [e["note"] for e in self.client.events(event="finished") if "started over" in (e["note"] or "")]
         return {
             "prompts": self.sent,
+            "camera_frames_per_s": round(self.camera_published / self.camera_s, 2) if self.camera_s else 0.0,
             "events": kinds,
             "finish_reasons": reasons,
             "conversations_started_over": len(notes),
@@ -238,6 +272,10 @@ def main() -> int:
         help="the lifecycle node (vlm_lifecycle_node): configured and activated, then deactivated mid-answer and "
         "activated again among the actions",
     )
+    parser.add_argument("--warmup-s", type=float, help="seconds before memory must stay flat (default: a third)")
+    parser.add_argument(
+        "--max-growth-mb", type=float, default=64.0, help="the node's memory growth allowed after the warm-up"
+    )
     parser.add_argument("--out", type=Path, help="write the summary here as JSON")
     args = parser.parse_args()
     startup = {}
@@ -249,7 +287,7 @@ def main() -> int:
 
     from support.node_process import domain_id_for
 
-    domain = domain_id_for("tools.soak")
+    domain = int(os.environ.get("ROS_DOMAIN_ID") or domain_id_for("tools.soak"))
     workdir = Path(tempfile.mkdtemp(prefix="orin_vlm_soak_"))
     os.environ.update(ROS_AUTOMATIC_DISCOVERY_RANGE="LOCALHOST", ROS_DOMAIN_ID=str(domain))  # before rclpy loads
     from support.node_client import VlmClient
@@ -275,7 +313,8 @@ def main() -> int:
         client.wait_for(lambda: client.events(event="ready"), 300.0, "the ready event")
         print(f"node ready; {args.duration:.0f} s of traffic, logs in {workdir}", flush=True)
         soak.run(args.duration, args.camera_hz)
-        problems = soak.problems()
+        warmup_s = args.duration / 3 if args.warmup_s is None else args.warmup_s
+        problems = soak.problems(warmup_s, args.max_growth_mb, args.camera_hz)
     except AssertionError as exc:  # the client's timeouts: the node stopped answering
         problems = [f"stopped answering: {exc}"]
     finally:

@@ -16,7 +16,7 @@ Public API (the engine uses these names):
 Layout: ``sources.py`` (finding ``kernels/`` in every install layout), ``build.py`` (nvcc + cubin cache),
 ``launch.py`` (grid/block/shared sizes, pure), ``runtime.py`` (PyCUDA context + launches),
 ``attention.py``, ``graph.py``, ``backend.py``, ``diagnostics.py`` (``python -m orin_vlm_node.cuda``).
-Importing this package imports neither pycuda nor anything that needs a GPU. See ``kernels/README.md``.
+Importing this package imports neither pycuda nor anything that needs a GPU. See ``docs/cuda-kernels.md``.
 """
 
 from .attention import CudaPagedAttention

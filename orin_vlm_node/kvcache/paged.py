@@ -24,6 +24,7 @@ from .config import KVCacheConfig, plan_pool
 from .errors import PoolExhausted
 from .paged_step import PagedLayers, PagedStaticDecode, PagedStep
 from .prefix_hash import block_extras, block_hash, normalize_extra_keys, normalize_tokens
+from .prefix_lookup import find_prefix
 from .storage import allocate_kv_storage
 
 _log = logging.getLogger(__name__)
@@ -250,62 +251,11 @@ class PagedKVCache(KVCache):
                 s.hashes.clear()
         return self._prefix_enabled
 
-    def _find_prefix(
-        self, tokens: tuple[int, ...], extras: tuple | None
-    ) -> tuple[list[tuple[int, bytes]], int, tuple[int, int] | None]:
-        """Longest verified chain of cached blocks for this prompt, leaving the last token uncached; the
-        full blocks (block, digest), how many full blocks the prompt has to look up, and the cached block
-        that shares the most of the next tokens (block, tokens shared) or None.
-
-        Why the partial block: a robot asks new questions about the same system prompt and image, and the
-        page that holds the image's end holds the previous question's start too, so whole pages alone
-        would leave up to a page of the shared prompt to recompute. The shared head of such a page is
-        reused as it is: the sequence holds the block and, when its prefill writes the rest of the page,
-        copy-on-write (or, for a block nobody else holds, dropping its key) keeps the cached content intact.
-        """
-        max_full = (len(tokens) - 1) // self.page_size if tokens else 0
-        hits: list[tuple[int, bytes]] = []
-        parent: bytes | None = None
-        p = self.page_size
-        for i in range(max_full):
-            blk = tokens[i * p : (i + 1) * p]
-            ex = block_extras(extras, i, p)
-            digest = block_hash(parent, blk, ex)
-            block = self.pool.lookup(digest)
-            if block is None:
-                break
-            key = self.pool.key(block)
-            if key is None or key.tokens != blk or key.extras != ex or key.parent != parent:
-                break  # digest collision: never serve KV computed from other content
-            hits.append((block, digest))
-            parent = digest
-        return hits, max_full, self._partial_block(tokens, extras, len(hits), parent)
-
-    def _partial_block(
-        self, tokens: tuple[int, ...], extras: tuple | None, index: int, parent: bytes | None
-    ) -> tuple[int, int] | None:
-        """The cached block after ``parent`` whose tokens (and extra keys) agree longest with the prompt's
-        block ``index``, and how many tokens agree (at most all but the prompt's last token); None if none."""
-        p = self.page_size
-        head = tokens[index * p : (index + 1) * p]
-        limit = min(len(head), len(tokens) - index * p - 1)
-        wanted = dict(block_extras(extras, index, p))
-        best: tuple[int, int] | None = None
-        for block in self.pool.children(parent):
-            key = self.pool.key(block)
-            have = dict(key.extras)
-            n = 0
-            while n < limit and key.tokens[n] == head[n] and have.get(n) == wanted.get(n):
-                n += 1
-            if n and (best is None or n > best[1]):
-                best = (block, n)
-        return best
-
     def match_prefix(self, token_ids: Sequence[int], extra_keys: ExtraKeys | None = None) -> int:
         if not self._prefix_enabled:
             return 0
         tokens = normalize_tokens(token_ids)
-        hits, _, partial = self._find_prefix(tokens, normalize_extra_keys(extra_keys, len(tokens)))
+        hits, _, partial = find_prefix(self.pool, self.page_size, tokens, normalize_extra_keys(extra_keys, len(tokens)))
         return len(hits) * self.page_size + (partial[1] if partial else 0)
 
     def attach_prefix(self, seq: int, token_ids: Sequence[int], extra_keys: ExtraKeys | None = None) -> int:
@@ -317,7 +267,7 @@ class PagedKVCache(KVCache):
         if not self._prefix_enabled:
             return 0
         self._check_context(len(tokens))
-        hits, max_full, partial = self._find_prefix(tokens, extras)
+        hits, max_full, partial = find_prefix(self.pool, self.page_size, tokens, extras)
         self._prefix_queries += 1
         self._prefix_hit_blocks += len(hits)
         self._prefix_miss_blocks += max_full - len(hits)
