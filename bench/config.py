@@ -132,8 +132,8 @@ PRESETS = {"full": FULL, "medium": MEDIUM, "quick": QUICK}
 
 
 # The parts besides the decode of each dtype, in the order they run after the first dtype's decode.
-OTHER_PARTS = ("step_profile", "startup_memory", "kernels", "gemv", "quant", "norm_epilogue", "mlp_chain", "tail_chain",
-               "epilogues", "pdl", "l2_prefetch", "step_profile_int4", "batching")  # fmt: skip
+OTHER_PARTS = ("step_profile", "startup_memory", "kernels", "gemv", "quant", "pdl", "l2_prefetch", "step_profile_int4",
+               "batching")  # fmt: skip
 
 
 def part_names(dtypes: Sequence[str], chosen: Sequence[str] = ()) -> list[str]:

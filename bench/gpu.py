@@ -34,20 +34,12 @@ that config is absent), batch 1, greedy, answers of a fixed length (``ignore_eos
   attention, fused elementwise, other elementwise) with their count per token, and the time with any
   kernel running (``busy_ms``); the 15 costliest kernels in ``setup``. Launched plainly, so that each
   kernel's duration is its own.
-* ``pdl.<none|int4>.<on|off>``: batch-1 decode with programmatic dependent launch on and off (sm_90 and
-  later; ``dependent_launch`` on / off, where the default, auto, keeps the faster per graph), fp16 and INT4
-  weights, alternating; ``gain`` = on / off per pair.
+* ``pdl.<none|int4>.<on|off>``: batch-1 decode with programmatic dependent launch forced on and off (sm_90 and
+  later; the engine captures each graph both ways and keeps the faster), fp16 and INT4 weights, alternating;
+  ``gain`` = on / off per pair.
 * ``l2_prefetch.<none|int4>.<on|off>``: the same with every launch dependent and the GEMV kernels' L2
   prefetch of their weights (between the prologue's halves) as built, against kernels built without it (a
   copy of the sources whose ``prefetch_l2`` is empty, the bench's own: the product has no switch for it).
-* ``norm_epilogue.<none|int4>.<on|off>``: the same with the GEMV's norm epilogues on and off (each residual
-  add + RMSNorm in the launch of the o or down product before it, and the q/k norms + RoPE + KV sink in the
-  q/k/v product's launch; or each a launch of its own: 8 a layer), on engines with ``fuse_decode_launches``
-  on, whose chains need the epilogues: the parameter on against off.
-* ``epilogues.<qkv|o|down>.<side>.us``: each of those epilogues against the launch it replaces, product by
-  product (one fp16 row, device time in CUDA graphs): the product then the separate launch, after cuBLAS's
-  product and after the kernel's (``fp16_cublas_then``, ``fp16_kernel_then``, ``int4_then``), and the
-  product with the epilogue in its launch (``fp16_kernel_fused``, ``int4_fused``).
 * ``ttft_448.<dtype>``: an image of 448x448 and a short question: vision tower + prefill + first token.
 * ``startup.cold_s`` / ``warm_s``: a fresh process from start to a ready engine (fp16), with an empty
   kernel cache and again with the cache it filled; its GPU memory at 8192 context (``memory.*``) and the
@@ -82,10 +74,6 @@ PATHS = {  # engine settings of each decode path
     "torch": dict(use_cuda_kernels=False, use_cuda_graph=True),
 }
 QUANT = ("none", "int8", "int4")  # weight_quant of the quantized-decode comparison
-# The engines of the norm_epilogue, mlp_chain and tail_chain parts: every fusion on (the parameter's default is
-# off), each part turning one off, so "off" is the launch each fusion replaces and norm_epilogue's on / off is
-# fuse_decode_launches' on / off.
-FUSED = dict(fuse_decode_launches=True)
 MB = 2**20
 
 
@@ -350,15 +338,16 @@ def _step_profile(torch, ctx: BenchContext, res: SectionResult, model_dir: Path,
     figures under ``step.fp16`` for fp16 weights and ``step.<weights>`` for quantized ones): the wall time
     of a token, overlapped and step by step (what overlapping the host with the device gains), and
     torch.profiler's kernels over 16 tokens by category, with their count per token (what the kernels do
-    not cover of a token is gaps between kernels and host time). Launches are plain (``dependent_launch``
-    off): a dependent launch's profiled duration includes its wait for the kernel before it, so the kernels'
-    times would not add up to the token."""
+    not cover of a token is gaps between kernels and host time). Launches are plain (:func:`launching` "off"):
+    a dependent launch's profiled duration includes its wait for the kernel before it, so the kernels' times
+    would not add up to the token."""
     from torch.profiler import ProfilerActivity, profile
 
     from orin_vlm_node.engine import Request, SamplingParams, Turn
 
-    engine = _engine(model_dir, "fp16", str(ctx.scratch / "kernel_cache"), weight_quant=weights, **PATHS["graphs"],
-                     dependent_launch="off")  # fmt: skip
+    engine = _engine(model_dir, "fp16", str(ctx.scratch / "kernel_cache"), weight_quant=weights, **PATHS["graphs"])
+    if engine.parts.attention.kernels:
+        launching(engine, "off")
     key = "fp16" if weights == "none" else weights
     ids = iter(range(10**6))
 
@@ -467,152 +456,6 @@ def _projections_and_kernels(torch, ctx: BenchContext, res: SectionResult, part:
     return shapes, (heads, kv_heads, head_dim), choice.launcher
 
 
-def _bench_weights(gemv, n: int, k: int, copies: int, device) -> tuple[list, list, list]:
-    """``copies`` random fp16 weights of N x K: as tensors, as the GEMV kernels' float projections and as INT4
-    projections."""
-    import torch
-
-    from orin_vlm_node.model.gemv_linear import GemvLinear
-    from orin_vlm_node.model.quant import QuantizedLinear, WeightQuant
-
-    weights = [(torch.randn(n, k, device=device) * 0.02).to(torch.float16) for _ in range(copies)]
-    floats = []
-    for w in weights:
-        linear = torch.nn.Linear(k, n, bias=False, device="meta")
-        linear.weight = torch.nn.Parameter(w, requires_grad=False)
-        floats.append(GemvLinear(linear, gemv, rows=gemv.max_rows))
-    return weights, floats, [QuantizedLinear.from_weight(w, WeightQuant("int4")) for w in weights]
-
-
-def _chain_sides(gemv, ops, name: str, hidden: int, inter: int, attn: int, copies: int, device) -> dict:
-    """``epilogue_sides`` of a chained launch of one fp16 row: ``"mlp"`` (gate/up 2I x D + SwiGLU, down D x I + add +
-    norm) or ``"tail"`` (o D x A + add + norm before those). cuBLAS's products with the ``silu_mul`` and
-    ``add_rms_norm`` launches; the kernels' launches as the decoder runs them without the chain (the SwiGLU launch
-    then the down launch with its norm epilogue; for the tail the o launch with its norm epilogue then the MLP's
-    launch); and the chain's one launch (``gemv_mlp``, ``gemv_tail``)."""
-    import torch
-    import torch.nn.functional as F
-
-    x = torch.randn(1, attn if name == "tail" else hidden, device=device).to(torch.float16)
-    residual, norm_weight = x.new_zeros((1, hidden)), x.new_ones(hidden)
-    shapes = [(2 * inter, hidden), (hidden, inter)]
-    if name == "tail":
-        shapes.insert(0, (hidden, attn))
-    kinds = zip(*(_bench_weights(gemv, *shape, copies, device) for shape in shapes), strict=True)
-    weights, floats, int4 = ([list(layer) for layer in zip(*kind, strict=True)] for kind in kinds)
-
-    def cublas_mlp(h, r, ws):  # the MLP of rows h added to r and normalised, cuBLAS's products
-        return ops.add_rms_norm(r, F.linear(ops.silu_mul(F.linear(h, ws[0])), ws[1]), norm_weight, 1e-6)
-
-    def cublas_tail(ws):
-        total, normed = ops.add_rms_norm(residual, F.linear(x, ws[0]), norm_weight, 1e-6)
-        return cublas_mlp(normed, total, ws[1:])
-
-    def kernels_mlp(ms):  # without the chain: the SwiGLU launch, then the down launch with its norm epilogue
-        return gemv.add_rms_norm(ms[1], gemv(ms[0], x, swiglu=True), residual, norm_weight, 1e-6)
-
-    def kernels_tail(ms):  # without the tail's chain: the o launch with its norm epilogue, then the MLP's launch
-        total, normed = gemv.add_rms_norm(ms[0], x, residual, norm_weight, 1e-6)
-        return gemv.mlp_add_rms_norm(*ms[1:], normed, total, norm_weight, 1e-6)
-
-    def one_launch(ms):
-        if name == "mlp":
-            return gemv.mlp_add_rms_norm(*ms, x, residual, norm_weight, 1e-6)
-        return gemv.tail_add_rms_norm(ms, x, residual, (norm_weight, 1e-6), norm_weight, 1e-6)
-
-    if name == "mlp":
-        cublas, then = (lambda ws: cublas_mlp(x, residual, ws)), kernels_mlp
-    else:
-        cublas, then = cublas_tail, kernels_tail
-    return {
-        "fp16_cublas_then": (cublas, weights),
-        "fp16_kernel_then": (then, floats),
-        "fp16_kernel_fused": (one_launch, floats),
-        "int4_then": (then, int4),
-        "int4_fused": (one_launch, int4),
-    }
-
-
-def epilogue_sides(launcher, name: str, n: int, k: int, heads: tuple[int, int, int], copies: int, device) -> dict:
-    """What the ``epilogues`` part times for projection ``name`` (``"qkv"``, ``"o"`` / ``"down"``, or a chain:
-    ``"mlp"``, ``"tail"``) of N x K, one fp16 row: side -> (fn, items), ``fn(next item)`` one call. The product
-    then the launch its epilogue replaces (``rms_norm_rope`` into a KV sink after q/k/v, ``add_rms_norm`` after o
-    and down), after cuBLAS's product and after the kernel's, and the kernel's product with the epilogue in its
-    launch, on fp16 weights and INT4 weights (``copies`` distinct weights each, called in turn). A chain's N x K is
-    the down projection's (``_chain_sides``)."""
-    import torch
-
-    from orin_vlm_node.cuda.fused import CudaFusedOps
-    from orin_vlm_node.cuda.gemv import CudaGemv
-    from orin_vlm_node.kvcache import KVSink
-    from orin_vlm_node.model.rope import TextRopeTables
-    from orin_vlm_node.model.text import HeadNorms
-
-    gemv, ops = CudaGemv(launcher), CudaFusedOps(launcher)
-    if name in ("mlp", "tail"):
-        return _chain_sides(gemv, ops, name, n, k, heads[0] * heads[2], copies, device)
-    import torch.nn.functional as F
-
-    x = torch.randn(1, k, device=device).to(torch.float16)
-    weights, floats, int4 = _bench_weights(gemv, n, k, copies, device)
-    if name == "qkv":
-        q_heads, kv_heads, dim = heads
-        norms = HeadNorms(x.new_ones(dim), x.new_ones(dim), q_heads, 1e-6)
-        rope = TextRopeTables.build(x.new_ones((1, dim)), x.new_zeros((1, dim)))
-        pools = x.new_zeros((2, 1, 1, kv_heads, dim))  # one block of one slot
-        sink = KVSink(pools[0], pools[1], torch.zeros(1, dtype=torch.int64, device=device))
-
-        def after(y):
-            return ops.norm_rope_product(y, norms, rope, sink)
-
-        def fused(m):
-            return gemv.norm_rope_heads(m, x, norms, rope, sink)
-    else:
-        residual, norm_weight = x.new_zeros((1, n)), x.new_ones(n)
-
-        def after(y):
-            return ops.add_rms_norm(residual, y, norm_weight, 1e-6)
-
-        def fused(m):
-            return gemv.add_rms_norm(m, x, residual, norm_weight, 1e-6)
-
-    return {
-        "fp16_cublas_then": (lambda w: after(F.linear(x, w)), weights),
-        "fp16_kernel_then": (lambda m: after(gemv(m, x)), floats),
-        "fp16_kernel_fused": (fused, floats),
-        "int4_then": (lambda m: after(gemv(m, x)), int4),
-        "int4_fused": (fused, int4),
-    }
-
-
-def _epilogues(torch, ctx: BenchContext, res: SectionResult) -> None:
-    """Each GEMV epilogue against the launch it replaces, product by product (the 2B's q/k/v with its q/k
-    norms, RoPE and KV sink; o and down with the residual add + RMSNorm; the MLP's two products, and the o
-    product and the MLP, in one launch; ``epilogue_sides``), one row, device time in CUDA graphs, weights cycled so
-    none is in L2: ``epilogues.<qkv|o|down|mlp|tail>.<side>.us``. What each saves, apart from the decode step
-    around it (the ``norm_epilogue``, ``mlp_chain`` and ``tail_chain`` parts)."""
-    import itertools
-
-    from orin_vlm_node.cuda.graph import device_us
-
-    found = _projections_and_kernels(torch, ctx, res, "epilogues")
-    if found is None:
-        return
-    shapes, heads, launcher = found
-    stream = torch.cuda.Stream()  # every timing graph's capture stream
-    copies = 8
-    for name in ("qkv", "o", "down", "mlp", "tail"):
-        n, k = shapes["down" if name in ("mlp", "tail") else name]
-        for side, (fn, items) in epilogue_sides(launcher, name, n, k, heads, copies, "cuda").items():
-            turn = itertools.cycle(items)
-            us = [
-                device_us(lambda f=fn, t=turn: f(next(t)), stream=stream, calls=copies)
-                for _ in range(ctx.config.gpu_repeats)
-            ]
-            res.add(f"epilogues.{name}.{side}.us", "us", us, f"{n}x{k} weight, one fp16 row, device time", side=side)
-        torch.cuda.empty_cache()
-
-
 def _on_and_off(
     ctx: BenchContext,
     res: SectionResult,
@@ -659,18 +502,41 @@ def _on_and_off(
                 mode=mode)  # fmt: skip
 
 
-def _dependent_launches_work(engine, on: bool) -> str | None:
-    """``_on_and_off``'s check that the engine's kernels can launch dependently (sm_90 and later), or why not."""
-    status = engine.parts.attention.launcher.programmatic_status
-    return None if status == "on" else f"programmatic dependent launch {status}"
+def launching(engine, setting: str) -> None:
+    """A benchmark's choice of how ``engine``'s decode graphs launch their kernels: its decode step built again
+    with ``setting`` "on" (every launch programmatic dependent) or "off" (every launch plain), before its first
+    request. The engine itself captures each graph both ways and keeps the faster replay."""
+    import torch
+
+    from orin_vlm_node.cuda import LaunchModes
+    from orin_vlm_node.engine.assemble import MAX_BATCH
+    from orin_vlm_node.engine.decode_step import build_decode_step
+
+    parts = engine.parts
+    modes = LaunchModes(parts.attention.launcher, setting)
+    stream = torch.cuda.Stream(parts.device)
+    parts.decode_step = build_decode_step(parts.model, parts.cache, parts.device, True, MAX_BATCH, stream, modes)
+
+
+def _dependent_launches(setting: str):
+    """``_on_and_off``'s toggle: the engine's graphs launched ``setting`` (:func:`launching`) where its kernels can
+    launch dependently (sm_90 and later); else why not."""
+
+    def toggle(engine, on: bool) -> str | None:
+        status = engine.parts.attention.launcher.programmatic_status
+        if status != "on":
+            return f"programmatic dependent launch {status}"
+        launching(engine, setting if setting != "pair" else ("on" if on else "off"))
+        return None
+
+    return toggle
 
 
 def _dependent_launch(ctx: BenchContext, res: SectionResult, model_dir: Path) -> None:
     """What overlapping each kernel's start with its predecessor's end gains a token: the decode graphs'
-    launches all programmatic dependent or all plain (``dependent_launch`` on / off; the default, auto,
-    captures each graph both ways and keeps the faster, which the ``quant`` part measures)."""
-    states = {state: {"dependent_launch": state} for state in ("on", "off")}
-    _on_and_off(ctx, res, model_dir, "pdl", "dependent launches", _dependent_launches_work, states)
+    launches all programmatic dependent or all plain (the engine's own choice, both captured and the faster
+    kept, is what the ``quant`` part measures)."""
+    _on_and_off(ctx, res, model_dir, "pdl", "dependent launches", _dependent_launches("pair"))
 
 
 # compat.cuh's sm_90 L2 prefetch, and what the l2_prefetch part's copy of the sources has in its place.
@@ -696,60 +562,7 @@ def _l2_prefetch(ctx: BenchContext, res: SectionResult, model_dir: Path) -> None
         return
     (copy / "compat.cuh").write_text(compat.replace(L2_PREFETCH, NO_L2_PREFETCH))
     states = {"on": {}, "off": {"kernel_dir": str(copy)}}
-    _on_and_off(ctx, res, model_dir, "l2_prefetch", "the L2 prefetch", _dependent_launches_work, states,
-                dependent_launch="on")  # fmt: skip
-
-
-def _gemv_kernels(engine):
-    """The engine's GEMV kernels (one ``CudaGemv``, attached to its projections), or None."""
-    from orin_vlm_node.cuda.gemv import CudaGemv
-
-    return next(
-        (k for m in engine.parts.model.modules() if isinstance(k := getattr(m, "kernels", None), CudaGemv)), None
-    )
-
-
-def _gemv_switch(name: str):
-    """``_on_and_off``'s toggle of the engine's GEMV kernels' switch ``name`` (``CudaGemv.mlp_chain``, ...)."""
-
-    def toggle(engine, on: bool) -> str | None:
-        kernels = _gemv_kernels(engine)
-        if not kernels:
-            return "the engine has no GEMV kernels attached"
-        setattr(kernels, name, on)
-        return None
-
-    return toggle
-
-
-def _norm_epilogue(ctx: BenchContext, res: SectionResult, model_dir: Path) -> None:
-    """What running each norm in the launch of the GEMV product before it gains a token: the residual adds +
-    RMSNorms after the o and down products, the q/k norms + RoPE + KV sink after the q/k/v product (fp16
-    weights: where the product is the kernel's, not cuBLAS's; INT4: every projection)."""
-    from orin_vlm_node.model.gemv_linear import attach_gemv
-
-    def toggle(engine, on: bool) -> str | None:
-        refused = _gemv_switch("norm_epilogue")(engine, on)
-        if not refused and not on:  # the float shapes were timed with the epilogues at load: time them as they run
-            attach_gemv(engine.parts.model, _gemv_kernels(engine))
-        return refused
-
-    _on_and_off(ctx, res, model_dir, "norm_epilogue", "the norm epilogues", toggle, **FUSED)
-
-
-def _mlp_chain(ctx: BenchContext, res: SectionResult, model_dir: Path) -> None:
-    """What computing a layer's products after its attention in one launch gains a token (o + add + norm, gate/up +
-    SwiGLU, down + add + norm: ``gemv_tail``) against a launch a product (INT4: every layer; fp16 weights: the
-    layers whose o, gate/up and down products all are the kernel's, not cuBLAS's)."""
-    what = "the products between two attentions in one launch"
-    _on_and_off(ctx, res, model_dir, "mlp_chain", what, _gemv_switch("mlp_chain"), **FUSED)
-
-
-def _tail_chain(ctx: BenchContext, res: SectionResult, model_dir: Path) -> None:
-    """What joining each layer's o product (and the add + norm after it) to its MLP's launch gains a token: 3
-    launches a layer against 4 (``gemv_tail`` against the o launch and ``gemv_mlp``)."""
-    what = "the o product in the MLP's launch"
-    _on_and_off(ctx, res, model_dir, "tail_chain", what, _gemv_switch("tail_chain"), **FUSED)
+    _on_and_off(ctx, res, model_dir, "l2_prefetch", "the L2 prefetch", _dependent_launches("on"), states)
 
 
 def _batching(ctx: BenchContext, res: SectionResult, model_dir: Path) -> None:
@@ -855,10 +668,6 @@ def run(ctx: BenchContext) -> SectionResult:
         "quant": functools.partial(_quantized_decode, torch, ctx, res, model_dir, bandwidth),
         "pdl": functools.partial(_dependent_launch, ctx, res, model_dir),
         "l2_prefetch": functools.partial(_l2_prefetch, ctx, res, model_dir),
-        "norm_epilogue": functools.partial(_norm_epilogue, ctx, res, model_dir),
-        "mlp_chain": functools.partial(_mlp_chain, ctx, res, model_dir),
-        "tail_chain": functools.partial(_tail_chain, ctx, res, model_dir),
-        "epilogues": functools.partial(_epilogues, torch, ctx, res),
         "batching": functools.partial(_batching, ctx, res, model_dir),
     }
     for d in cfg.gpu_dtypes:

@@ -1,13 +1,9 @@
-// The residual add before an RMSNorm and the norm, one row by one block of kNormThreads threads: shared by
-// the add_rms_norm kernel (rms_norm.cu, a row a block) and the GEMV's norm epilogue (gemv.cuh: the block of a
-// product that finishes last adds the product's rows to the residual stream and normalises them, so the
-// norm costs no launch of its own).
+// The residual add before an RMSNorm and the norm, one row by one block of kNormThreads threads: the
+// add_rms_norm kernel's row (rms_norm.cu, a row a block).
 //
 // sum = x + delta rounded to the storage type (torch's add), written to sum_out; out = weight * cast(sum *
 // rsqrt(mean(sum^2) + eps)), the product with the weight after the cast back and rounded again (Qwen3's
-// RMSNorm), the mean as sum * (1 / dim). delta is read with __ldcg (through L2, not the read-only cache): in
-// the epilogue other blocks of the same launch wrote it; x too with X_L2 (a chain kernel, gemv.cuh: the down
-// product's residual is the o product's sum, written in the same launch).
+// RMSNorm), the mean as sum * (1 / dim). delta is read with __ldcg (through L2, not the read-only cache).
 #pragma once
 
 #include "attention_common.cuh"
@@ -17,8 +13,7 @@ namespace orin_vlm {
 constexpr int kNormThreads = 128;
 
 // 1 / sqrt(mean of squares + eps) of a row whose squares each thread of the block summed in part. Every
-// thread of the block calls it; the shared buffer is free again when it returns (the epilogue normalises
-// several rows one after another).
+// thread of the block calls it; the shared buffer is free again when it returns.
 __device__ __forceinline__ float rms_scale(float squares, int dim, float eps) {
   __shared__ float warp_sums[kNormThreads / kWarpSize];
   squares = warp_sum(squares);
@@ -40,7 +35,7 @@ __device__ __forceinline__ bool aligned16(const void* p) { return reinterpret_ca
 // One row (pointers at the row) that fits the registers: every load of x, delta and the weight is issued
 // before the first is used, so a row costs one memory round trip, not one per loop step (at batch 1 the
 // kernel is a single block, and its latency is the whole cost).
-template <typename T, bool X_L2>
+template <typename T>
 __device__ __forceinline__ void add_rms_norm_vec(T* __restrict__ sum_out, T* __restrict__ out, const T* __restrict__ x,
                                                  const T* __restrict__ delta, const T* __restrict__ weight, int dim,
                                                  float eps) {
@@ -50,7 +45,7 @@ __device__ __forceinline__ void add_rms_norm_vec(T* __restrict__ sum_out, T* __r
   for (int v = 0; v < kNormVecs; ++v) {
     const int d = (v * kNormThreads + static_cast<int>(threadIdx.x)) * kElems;
     const bool in = d < dim;
-    xr[v] = in ? load_ro_or_l2<X_L2>(reinterpret_cast<const uint4*>(x + d)) : make_uint4(0, 0, 0, 0);
+    xr[v] = in ? __ldg(reinterpret_cast<const uint4*>(x + d)) : make_uint4(0, 0, 0, 0);
     dr[v] = in ? __ldcg(reinterpret_cast<const uint4*>(delta + d)) : make_uint4(0, 0, 0, 0);
     wr[v] = in ? __ldg(reinterpret_cast<const uint4*>(weight + d)) : make_uint4(0, 0, 0, 0);
   }
@@ -89,19 +84,19 @@ __device__ __forceinline__ void add_rms_norm_vec(T* __restrict__ sum_out, T* __r
 // One row of `dim` elements (pointers at the row), by every thread of a block of kNormThreads. A row that
 // fits the registers in 16-byte vectors takes add_rms_norm_vec; any other (longer, or not 16-byte aligned)
 // the loop below, where each thread reads back only the sums it wrote itself.
-template <typename T, bool X_L2 = false>
+template <typename T>
 __device__ __forceinline__ void add_rms_norm_row(T* __restrict__ sum_out, T* __restrict__ out, const T* __restrict__ x,
                                                  const T* __restrict__ delta, const T* __restrict__ weight, int dim,
                                                  float eps) {
   constexpr int kElems = Vec<T>::kElems;
   if (dim % kElems == 0 && dim <= kNormThreads * kNormVecs * kElems && aligned16(x) && aligned16(delta) &&
       aligned16(weight) && aligned16(sum_out) && aligned16(out)) {
-    add_rms_norm_vec<T, X_L2>(sum_out, out, x, delta, weight, dim, eps);
+    add_rms_norm_vec<T>(sum_out, out, x, delta, weight, dim, eps);
     return;
   }
   float squares = 0.0f;
   for (int d = threadIdx.x; d < dim; d += kNormThreads) {
-    const T sum = from_float<T>(__fadd_rn(to_float(load_ro_or_l2<X_L2>(x + d)), to_float(__ldcg(delta + d))));
+    const T sum = from_float<T>(__fadd_rn(to_float(__ldg(x + d)), to_float(__ldcg(delta + d))));
     sum_out[d] = sum;
     const float v = to_float(sum);
     squares += v * v;

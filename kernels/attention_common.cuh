@@ -24,14 +24,6 @@ __device__ __forceinline__ uint4 load_raw(const T* __restrict__ p) {
   return __ldg(reinterpret_cast<const uint4*>(p));
 }
 
-// A global load through the read-only cache, or with L2 (data an earlier block of the same launch may have
-// written: the chain kernels, gemv.cuh) through L2 only.
-template <bool L2, typename V>
-__device__ __forceinline__ V load_ro_or_l2(const V* p) {
-  if constexpr (L2) return __ldcg(p);
-  else return __ldg(p);
-}
-
 // Element i of a vector as load_raw returned it, widened to fp32.
 template <typename T>
 __device__ __forceinline__ float raw_elem(const uint4& raw, int i) {
@@ -88,42 +80,6 @@ __device__ __forceinline__ bool last_to_finish(unsigned* counter, int count) {
   }
   __syncthreads();
   return last;
-}
-
-// Tickets and counts of a chained launch (gemv.cuh's chain kernels): one launch computes several products in turn,
-// and the blocks of a product may only start once every block of the product before it is done. A block's
-// blockIdx says nothing about when it runs (a GPU starts blocks in no promised order), so each block takes a
-// ticket as it starts (take_ticket: the order in which blocks started) and the tickets, not blockIdx, say
-// which product and which part of it a block computes: the earlier products get the lower tickets. A block
-// that waits for a product's count (wait_for_count) waits only for blocks with lower tickets, which have all
-// started and hold their place on the GPU, so the count is always reached, however few blocks fit at once.
-
-// This block's ticket: 0, 1, 2 ... in the order the launch's blocks get here (the counter back at 0 after the
-// launch: the caller's last block resets it).
-__device__ __forceinline__ int take_ticket(unsigned* counter) {
-  __shared__ int ticket;
-  if (threadIdx.x == 0) ticket = static_cast<int>(atomicAdd(counter, 1u));
-  __syncthreads();
-  return ticket;
-}
-
-// Counts this block done on `counter` once every thread's stores are visible device-wide (every thread calls it
-// after its stores).
-__device__ __forceinline__ void count_done(unsigned* counter) {
-  __threadfence();
-  __syncthreads();
-  if (threadIdx.x == 0) atomicAdd(counter, 1u);
-}
-
-// Waits until `count` blocks have counted themselves done on `counter` (every thread calls it). The block's
-// threads then see the stores those blocks made before counting; they read them with __ldcg (not through the
-// read-only cache, nor an L1 line an earlier read of the launch left).
-__device__ __forceinline__ void wait_for_count(const unsigned* counter, int count) {
-  if (threadIdx.x == 0) {
-    poll_at_least(counter, static_cast<unsigned>(count));
-    __threadfence();
-  }
-  __syncthreads();
 }
 
 // exp2(a - b) that is 0 (not NaN) when a is -inf, including -inf - -inf.

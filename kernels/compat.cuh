@@ -5,14 +5,11 @@
 // __half, __nv_bfloat16, ...) plus the two macros defined here:
 //   DYNAMIC_SHARED(type, name)  declares `type* name` pointing at the block's dynamic shared memory.
 //   KERNEL_TRAP()               aborts the launch (a launch-configuration bug), like __trap().
-//   KERNEL_NOINLINE             a device function compiled once and called, not inlined (__noinline__).
 //   dynamic_shared_bytes()      the dynamic shared memory the launch gave the block (a kernel that needs more
 //                               traps instead of writing past it).
 //   async_copy16 / async_commit / async_wait<N>   global -> shared copies in flight while a thread computes.
 //   KERNEL_PROLOGUE()           the first statement of every kernel (programmatic dependent launch, below;
 //                               its two halves, and prefetch_l2 between them, for the GEMV).
-//   poll_at_least(counter, n)   one thread waits until another block of the launch has counted `*counter` up to
-//                               n (a chain kernel, gemv.cuh); in the harness a count not reached yet traps.
 //   ORIN_WITH_f32/f16/bf16(...) the kernels of one storage type, or nothing in a build for another (below).
 #pragma once
 
@@ -49,7 +46,6 @@
   extern __shared__ __align__(16) unsigned char name##_raw_[]; \
   type* name = reinterpret_cast<type*>(name##_raw_)
 #define KERNEL_TRAP() __trap()
-#define KERNEL_NOINLINE __noinline__
 __device__ __forceinline__ unsigned dynamic_shared_bytes() {
   unsigned bytes;
   asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(bytes));
@@ -58,7 +54,6 @@ __device__ __forceinline__ unsigned dynamic_shared_bytes() {
 
 #else  // CPU harness build (g++)
 #include "cuda_emu.h"
-#define KERNEL_NOINLINE
 inline unsigned dynamic_shared_bytes() { return static_cast<unsigned>(::cuemu::dynamic_smem_bytes()); }
 #endif
 
@@ -88,39 +83,6 @@ __device__ __forceinline__ void prefetch_l2(const void*) {}
 #define KERNEL_PROLOGUE()    \
   KERNEL_ALLOW_DEPENDENTS(); \
   KERNEL_WAIT_PREDECESSOR()
-
-// A chain kernel (gemv.cuh) runs the blocks of a later product only after every block of
-// the product before it has counted itself done. One thread polls the count with acquire loads (so the stores
-// counted before it are seen once it is reached), sleeping a little between polls. The blocks counted all took
-// their place in the launch before the waiting one (tickets, gemv.cuh), so they are running and the count is
-// reached: a wait longer than kPollLimitNs is a broken kernel, and it traps (a launch error the node reports)
-// rather than hang the robot's GPU. The harness runs blocks one after another, so there every block counted
-// has finished before a later one starts: a count not reached is a wait on a block that has not run, the bug
-// that would hang a GPU, and it traps.
-#ifdef __CUDACC__
-constexpr unsigned long long kPollLimitNs = 10000000000ull;  // 10 s
-__device__ __forceinline__ unsigned long long global_ns() {
-  unsigned long long t;
-  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-  return t;
-}
-__device__ __forceinline__ unsigned load_acquire(const unsigned* p) {
-  unsigned v;
-  asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
-  return v;
-}
-__device__ __forceinline__ void poll_at_least(const unsigned* counter, unsigned n) {
-  const unsigned long long start = global_ns();
-  while (load_acquire(counter) < n) {
-    __nanosleep(64);
-    if (global_ns() - start > kPollLimitNs) __trap();
-  }
-}
-#else
-inline void poll_at_least(const unsigned* counter, unsigned n) {
-  if (*counter < n) ::cuemu::trap("a block waits for a count that only later blocks make (it would hang a GPU)");
-}
-#endif
 
 // Asynchronous 16-byte copies from global into shared memory (sm_80 and later: cp.async, through L2 only),
 // so a thread has the next step's loads in flight while it computes on the current step's data without

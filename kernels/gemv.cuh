@@ -33,54 +33,19 @@
 // gemv_<float|int8|int4>[_swiglu]_<f32|f16|bf16>_r<R>: x, y (and float weights) in the activation type, R =
 // the rows bucket (1, 2, 4, 8; rows <= R). Grid: (ceil(N / (kGemvWarps / slices * kGemvColumns))), N the output
 // columns, `slices` warps of a block sharing columns on long rows (gemv_slices); block: kGemvWarps warps
-// (launch.py: GEMV_WARPS, GEMV_COLUMNS, gemv_slices). Every kernel takes the same
-// arguments (y, x, weight, scales, offsets, residual, norm_weight, sum_out, normed, counter, heads_out,
-// q_norm_weight, k_norm_weight, cos, sin_signed, k_pool, v_pool, slots, rows, N, K, group, heads, split,
-// head_dim, eps); those a format or a launch has no use for are null / 0 (a SwiGLU kernel has no epilogue of
-// these two).
+// (launch.py: GEMV_WARPS, GEMV_COLUMNS, gemv_slices). Every kernel takes the same arguments (y, x, weight,
+// scales, offsets, rows, N, K, group); those a format has no use for are null / 0.
 //
-// Norm epilogue (the plain products; `counter` not null): the product of a layer's o or down projection is the
-// delta its residual add takes, and the RMSNorm after that add needs the whole row of it, which no block has.
-// So each block counts itself done (last_to_finish), and the block that finishes last adds the product's rows
-// to `residual` and normalises them (add_rms_norm.cuh, the add_rms_norm kernel's arithmetic): sum_out = residual
-// + y, out = norm_weight * cast(sum / rms(sum)). The add and the norm cost no launch of their own, and no
-// kernel start or first memory round trip: a block's tail instead, one block's read of the rows from L2.
-// y is still written (the sum reads it back). `counter` is zero before the launch and after it.
-//
-// Heads epilogue (the plain products; `counter` not null and heads > 0: a layer's fused q/k/v projection in a
-// decode step): y's rows are heads of head_dim, the q heads (below `split`), the k heads (up to `heads`), then
-// the v heads (as many as the k heads). The q and k norms and RoPE need a head's whole row, which several
-// blocks compute, so each head has a finish counter (counter[h]) and the block that finishes a head last
-// normalises and rotates it (norm_rope.cuh, the rms_norm_rope kernel's arithmetic) into heads_out ([rows,
-// heads, head_dim]); with a KV sink (k_pool not null: a static decode step) it also stores a rotated k head,
-// or copies a v head, at its token's slot of the pools. The q/k norms cost no launch, and their blocks run
-// as the product's tail, head by head, rather than after all of it. counter[0 .. heads with work) are zero
-// before the launch and after it.
-//
-// Chain kernels (gemv_<mlp|tail>_<float|int8|int4>_<dtype>, one decode row: the batch-1 step of a robot's one
-// camera stream, where a launch's fixed cost weighs most): a decode row's products between two attentions in one
-// launch, each product's blocks waiting inside it for every block of the product before. gemv_mlp: the SwiGLU
-// product, then the down product with its norm epilogue; gemv_tail: the o product with its norm epilogue (the
-// post-attention norm), then those two. A GPU starts a launch's blocks in no promised order and runs only as many
-// at once as fit, so a block waiting for a block that has not started could wait forever; instead each block
-// takes a ticket as it starts (take_ticket) and its ticket says what it computes: the first product's tiles
-// first, then the next product's. A block waits (wait_for_count) only for blocks with lower tickets, which have
-// all started, so it never waits for a block that cannot run. Each product's blocks take their places as the
-// previous product's last blocks finish, with no launch between them; a decode layer is then 3 launches (q/k/v;
-// attention; the tail).
-//
-// This header holds the kernels; gemv.cu instantiates the plain products, gemv_swiglu.cu the SwiGLU ones and
-// gemv_chain.cu the chains: three modules, which nvcc compiles in parallel at a cold start (in one module sm_87
-// took 30 s, split 9.5 and 19.6 s; since the SwiGLU kernels read gate and up in one pass, about 11 s each; the
-// chains, one row only, 7 s).
+// This header holds the kernels; gemv.cu instantiates the plain products and gemv_swiglu.cu the SwiGLU ones:
+// two modules, which nvcc compiles in parallel at a cold start (in one module sm_87 took 30 s, split 9.5 and
+// 19.6 s; since the SwiGLU kernels read gate and up in one pass, about 11 s each).
 #pragma once
 
-#include "norm_rope.cuh"
+#include "attention_common.cuh"
 
 namespace orin_vlm {
 
 constexpr int kGemvWarps = 4;
-static_assert(kGemvWarps * kWarpSize == kNormThreads, "the norm epilogue runs add_rms_norm_row on a GEMV block");
 // Output columns one warp computes. A quantized weight costs more arithmetic per byte than a float one (the
 // widening), so there a warp reads several weight rows and widens (and for int4 scales and sums) each piece
 // of x once for all of them: int8 two columns; int4, whose bytes hold twice the weights, four rows (four
@@ -250,33 +215,23 @@ struct Int4Rows {
   }
 };
 
-// Elements k0 .. k0+n-1 of row m of x, widened to fp32 (16-byte loads when `vec`, else one by one); with X_L2
-// through L2 only: the products of a chain kernel, all but the first of which read what an earlier product of
-// the same launch wrote.
-template <typename T, int N, bool X_L2>
+// Elements k0 .. k0+n-1 of row m of x, widened to fp32 (16-byte loads when `vec`, else one by one).
+template <typename T, int N>
 __device__ __forceinline__ void load_x(const T* __restrict__ x, size_t offset, bool vec, float* __restrict__ out) {
   if (vec) {
 #pragma unroll
-    for (int i = 0; i < N; i += Vec<T>::kElems) {
-      if constexpr (X_L2) {
-        const uint4 raw = __ldcg(reinterpret_cast<const uint4*>(x + offset + i));
-#pragma unroll
-        for (int e = 0; e < Vec<T>::kElems; ++e) out[i + e] = raw_elem<T>(raw, e);
-      } else {
-        load_vec(x + offset + i, out + i);
-      }
-    }
+    for (int i = 0; i < N; i += Vec<T>::kElems) load_vec(x + offset + i, out + i);
   } else {
 #pragma unroll
-    for (int i = 0; i < N; ++i) out[i] = to_float(load_ro_or_l2<X_L2>(x + offset + i));
+    for (int i = 0; i < N; ++i) out[i] = to_float(__ldg(x + offset + i));
   }
 }
 
 // The lane's part of the products of weight rows n[0..J) with each row of x, into acc[j][m]: one pass over
 // K for all J rows. Int4 rows sum each vector's products apart (dot), then scale them and add the offset
 // times the vector's sum of x; dense rows sum into acc directly (an int8 row's scale is applied by the
-// caller, to the total). X_L2: x was written by this launch (load_x).
-template <typename T, typename Rows, int R, int J, bool X_L2>
+// caller, to the total).
+template <typename T, typename Rows, int R, int J>
 __device__ __forceinline__ void rows_dot(const T* __restrict__ x, const Rows& w, const int* n, int rows, int K,
                                          int lane, int slice, int slices, float (&acc)[J][R]) {
   using W = typename Rows::Elem;
@@ -324,7 +279,7 @@ __device__ __forceinline__ void rows_dot(const T* __restrict__ x, const Rows& w,
         for (int m = 0; m < R; ++m) {
           if (m >= rows) break;
           float xs[kPiece];
-          load_x<T, kPiece, X_L2>(x, static_cast<size_t>(m) * K + k + p * kPiece, true, xs);
+          load_x<T, kPiece>(x, static_cast<size_t>(m) * K + k + p * kPiece, true, xs);
           if constexpr (kGrouped)
 #pragma unroll
             for (int i = 0; i < kPiece; ++i) xsum[m] += xs[i];
@@ -355,7 +310,7 @@ __device__ __forceinline__ void rows_dot(const T* __restrict__ x, const Rows& w,
       const float wk = w.scalar(n[j], k);
 #pragma unroll
       for (int m = 0; m < R; ++m)
-        if (m < rows) acc[j][m] += to_float(load_ro_or_l2<X_L2>(x + static_cast<size_t>(m) * K + k)) * wk;
+        if (m < rows) acc[j][m] += to_float(__ldg(x + static_cast<size_t>(m) * K + k)) * wk;
     }
   }
 }
@@ -371,26 +326,12 @@ __device__ __forceinline__ void warp_rows(int n0, int N, int* n) {
   }
 }
 
-// The first output column of this warp in the block computing `tile` (the product's blocks a kGemvWarps / slices * C
-// columns each: blockIdx.x, or in the chain kernels the block's place in its product); `slices` adjacent warps
-// share their columns (gemv_slices).
+// The first output column of this warp in block `tile` (the product's blocks a kGemvWarps / slices * C columns
+// each); `slices` adjacent warps share their columns (gemv_slices).
 template <int C>
 __device__ __forceinline__ int warp_first_column(int tile, int slices) {
   return (tile * (kGemvWarps / slices) + static_cast<int>(threadIdx.x) / kWarpSize / slices) * C;
 }
-
-// Which of a product's blocks this one is: for a kernel of one product the launch's own (LaunchTile: blockIdx.x of
-// gridDim.x, read where they are used, so no register holds them through the product), in the chain kernels its
-// place among its product's blocks (ChainTile).
-struct LaunchTile {
-  __device__ __forceinline__ int index() const { return static_cast<int>(blockIdx.x); }
-  __device__ __forceinline__ int count() const { return static_cast<int>(gridDim.x); }
-};
-struct ChainTile {
-  int i, n;
-  __device__ __forceinline__ int index() const { return i; }
-  __device__ __forceinline__ int count() const { return n; }
-};
 
 // Output columns of a block of kGemvWarps warps, `slices` of them sharing C columns.
 template <int C>
@@ -478,108 +419,23 @@ __device__ __forceinline__ void prefetch_weight_rows(const void* w, size_t row_b
     for (int j = 0; j < J; ++j) prefetch_l2(rows + static_cast<size_t>(n[j]) * row_bytes + at);
 }
 
-// The residual add and RMSNorm a plain product's launch finishes with (the norm epilogue, at the top of the
-// file); `counter` null: none.
-template <typename T>
-struct NormEpilogue {
-  const T* residual;     // [rows, N], the residual stream the product's rows are added to
-  const T* weight;       // [N], the norm's weight
-  T* sum_out;            // [rows, N]: residual + y
-  T* out;                // [rows, N]: the norm of the sum
-  unsigned* counter;     // the launch's finish counter (zero before and after), or null
-  float eps;
-};
-
-// The q/k norms, RoPE and KV sink a fused q/k/v product's launch finishes with (the heads epilogue, at the top
-// of the file); heads 0: none.
-template <typename T>
-struct HeadsEpilogue {
-  T* out;                // [rows, heads, dim]: the q and k heads normalised and rotated
-  const T* q_weight;     // [dim]: q_norm's weight (heads below split)
-  const T* k_weight;     // [dim]: k_norm's weight
-  const T* cos;          // [rows, dim]: the tokens' RoPE tables
-  const T* sin_signed;
-  T* k_pool;             // the KV sink's pools and the tokens' slots; k_pool null: no sink
-  T* v_pool;
-  const long long* slots;
-  int heads, split, dim;
-};
-
-// Head h of the product's rows (y [rows, N]) by the block that finished it last: a q or k head normalised
-// and rotated into e.out (a k head also stored at its slot with a sink), or a v head copied to its slot.
-template <typename T>
-__device__ __forceinline__ void head_rows(const HeadsEpilogue<T>& e, const T* y, int h, int rows, int N, float eps) {
-  const int kv_heads = e.heads - e.split;
-  for (int m = 0; m < rows; ++m) {
-    const T* row = y + static_cast<size_t>(m) * N + static_cast<size_t>(h) * e.dim;
-    const long long slot = e.k_pool != nullptr ? __ldg(e.slots + m) : -1;
-    if (h >= e.heads) {  // a v head (only a sink launch counts them)
-      if (slot >= 0) copy_head(pool_row(e.v_pool, slot, kv_heads, h - e.heads, e.dim), row, e.dim);
-      continue;
-    }
-    T* k_row = h >= e.split && slot >= 0 ? pool_row(e.k_pool, slot, kv_heads, h - e.split, e.dim) : nullptr;
-    norm_rope_row<T>(e.out + (static_cast<size_t>(m) * e.heads + h) * e.dim, row, h < e.split ? e.q_weight : e.k_weight,
-                     e.cos + static_cast<size_t>(m) * e.dim, e.sin_signed + static_cast<size_t>(m) * e.dim, k_row, e.dim,
-                     eps);
-  }
-}
-
-// This block's part of the heads epilogue: each head its columns (`columns` of them) fall in is counted done,
-// and the heads it finished last it normalises (head_rows). The heads with work are the q and k heads, and
-// the v heads too with a sink. Called, not inlined, as add_rms_norm_rows, and once a block: a call a head
-// from inside this loop put gemv_int4_f16_r1 at 108 registers on sm_90; this way sm_90 keeps the norm
-// epilogue's counts (72), and on sm_87 ptxas gives the int4 and int8 r1 kernels 96 and 88 (5 blocks an SM,
-// still far more loads in flight than an Orin's bandwidth needs) and the int4 main loop 7% fewer instructions.
-template <typename T, typename Tile>
-__device__ KERNEL_NOINLINE void heads_epilogue(HeadsEpilogue<T> e, unsigned* counters, const T* y, int rows,
-                                               int N, float eps, Tile tile, int columns) {
-  const int kv_heads = e.heads - e.split;
-  if (e.dim < 1 || kv_heads < 1 || N != (e.heads + kv_heads) * e.dim) KERNEL_TRAP();
-  const int with_work = e.k_pool != nullptr ? e.heads + kv_heads : e.heads;
-  const int first = tile.index() * columns, last = min(first + columns, N) - 1;
-  for (int h = first / e.dim; h <= last / e.dim && h < with_work; ++h) {
-    const int blocks = ((h + 1) * e.dim - 1) / columns - h * e.dim / columns + 1;  // the blocks that compute head h
-    if (last_to_finish(counters + h, blocks)) head_rows<T>(e, y, h, rows, N, eps);
-  }
-}
-
-// The norm epilogue's work, by the block that finished last: `rows` rows of the product y ([rows, N]) added to
-// the residual and normalised. Called, not inlined: inlined, ptxas allocated the product's registers around
-// it (gemv_int4_f16_r1 took 109 registers, 72 called; 78 before the epilogue existed) and the main loop's
-// instructions changed; called, they are the product's alone (tools/sass_loop). nvcc still emits a copy in
-// each kernel (gemv.cu compiles in about 18 s for sm_87 instead of 13-15 s). X_L2: the residual too is read
-// through L2 (a chain kernel, whose down product adds to the o product's sum).
-template <typename T, bool X_L2>
-__device__ KERNEL_NOINLINE void add_rms_norm_rows(NormEpilogue<T> norm, const T* y, int rows, int N) {
-  for (int m = 0; m < rows; ++m) {
-    const size_t row = static_cast<size_t>(m) * N;
-    add_rms_norm_row<T, X_L2>(norm.sum_out + row, norm.out + row, norm.residual + row, y + row, norm.weight, N,
-                              norm.eps);
-  }
-}
-
 // y = x w^T for weight rows stored as `w` says (dense: `scales` null for float weights, one per row for
-// int8), or its SwiGLU (weight rows n and n + N); then, when `norm` has a counter, the heads epilogue if `qk`
-// has heads, else the norm epilogue. This block computes the columns of `tile` (LaunchTile or ChainTile).
-// X_L2: x was written by this launch (load_x).
-template <typename T, int R, bool SWIGLU, bool X_L2 = false, typename Rows, typename Tile>
+// int8), or its SwiGLU (weight rows n and n + N); this block computes its columns.
+template <typename T, int R, bool SWIGLU, typename Rows>
 __device__ __forceinline__ void gemv(T* __restrict__ y, const T* __restrict__ x, const Rows& w,
-                                     const __half* __restrict__ row_scales, int rows, int N, int K,
-                                     const NormEpilogue<T>& norm, const HeadsEpilogue<T>& qk, const Tile& tile) {
+                                     const __half* __restrict__ row_scales, int rows, int N, int K) {
   constexpr int C = kGemvColumns<typename Rows::Elem, SWIGLU>;
   constexpr int J = C * (SWIGLU ? 2 : 1);
-  if (rows < 1 || rows > R || blockDim.x != kGemvWarps * kWarpSize || (SWIGLU && norm.counter != nullptr) ||
-      (qk.heads > 0 && norm.counter == nullptr))
-    KERNEL_TRAP();
+  if (rows < 1 || rows > R || blockDim.x != kGemvWarps * kWarpSize) KERNEL_TRAP();
   const int slices = gemv_slices<typename Rows::Elem, SWIGLU>(K);
-  const int n0 = warp_first_column<C>(tile.index(), slices);
+  const int n0 = warp_first_column<C>(static_cast<int>(blockIdx.x), slices);
   const bool active = n0 < N;  // a warp past N skips the product as a whole: the reductions stay full-warp
   float acc[J][R];
   if (active) {
     int n[J];
     warp_rows<C, SWIGLU>(n0, N, n);
     const int warp = static_cast<int>(threadIdx.x) / kWarpSize;
-    rows_dot<T, Rows, R, J, X_L2>(x, w, n, rows, K, threadIdx.x % kWarpSize, warp % slices, slices, acc);
+    rows_dot<T, Rows, R, J>(x, w, n, rows, K, threadIdx.x % kWarpSize, warp % slices, slices, acc);
     if (row_scales) {
 #pragma unroll
       for (int j = 0; j < J; ++j) {
@@ -595,93 +451,8 @@ __device__ __forceinline__ void gemv(T* __restrict__ y, const T* __restrict__ x,
       for (int m = 0; m < R; ++m) acc[j][m] = 0.0f;
   }
   store_columns<T, R, C, SWIGLU>(y, acc, rows, n0, N, slices, active);
-  if (tile.count() != gemv_tiles<C>(N, slices)) KERNEL_TRAP();  // a grid launch.py sized otherwise: columns missed
-  if constexpr (!SWIGLU) {
-    if (norm.counter == nullptr) return;
-    if (qk.heads > 0) heads_epilogue<T>(qk, norm.counter, y, rows, N, norm.eps, tile, block_columns<C>(slices));
-    else if (last_to_finish(norm.counter, tile.count())) add_rms_norm_rows<T, X_L2>(norm, y, rows, N);
-  }
-}
-
-// One product of a chained launch (the chain kernels, see the top of the file): y = x w^T for the weight rows
-// `w` (`row_scales`: int8's, else null), or with `swiglu` silu(gate) * up of its 2N rows; with the norm
-// epilogue when norm.weight is given (the chain sets its counter). One decode row.
-template <typename T, typename Rows>
-struct Link {
-  T* y;
-  const T* x;
-  Rows w;
-  const __half* row_scales;
-  NormEpilogue<T> norm;
-  int N, K;
-  bool swiglu;
-  __device__ __forceinline__ int tiles() const {
-    using W = typename Rows::Elem;
-    return swiglu ? gemv_tiles<kGemvColumns<W, true>>(N, gemv_slices<W, true>(K))
-                  : gemv_tiles<kGemvColumns<W, false>>(N, gemv_slices<W, false>(K));
-  }
-  // L2 prefetch of tile `tile`'s weight rows (prefetch_weight_rows).
-  __device__ __forceinline__ void prefetch(int tile) const {
-    using W = typename Rows::Elem;
-    if (swiglu)
-      prefetch_weight_rows<kGemvColumns<W, true>, true>(w.row(0), w.row_bytes(), N, tile, gemv_slices<W, true>(K));
-    else
-      prefetch_weight_rows<kGemvColumns<W, false>, false>(w.row(0), w.row_bytes(), N, tile, gemv_slices<W, false>(K));
-  }
-};
-
-// Blocks an SM must hold at once, the register bound the chain kernels are compiled with: 7 of 128 threads leave
-// each 72 registers, the plain products' count on sm_90. Left alone ptxas gave the INT4 MLP kernel 96 on sm_90
-// (the SwiGLU kernel's): 5 blocks an SM, and the 2B's INT4 MLP (896 blocks) in two waves on an H200's 132 SMs
-// instead of one.
-constexpr int kChainBlocksPerSm = 7;
-
-// The links' products of one decode row in one launch, in order: link p's blocks take the tickets after link p -
-// 1's, and wait until every block of link p - 1 has counted itself done (its norm epilogue, run by its last
-// block, included) before they read what it wrote. `chain` holds 1 + 2P counters, zero before the launch and
-// after it (launch.py: chain_counters): chain[0] the tickets, chain[2p + 1] link p's blocks done, chain[2p + 2]
-// link p's norm epilogue's finish counter. The block that finishes the last link last sets the tickets and the
-// counts back to 0. Between the halves of the kernel prologue each block asks L2 for the weight rows of
-// the tile of its own index (every tile's rows once, whichever block computes it), as every GEMV does: on sm_90
-// they stream in while the kernel before this one finishes (dependent launch); before sm_90 prefetch_l2 is empty.
-// Every link reads its x through L2 (X_L2), the first one's too (one kernel body for every link).
-template <typename T, typename Rows, int P>
-__device__ __forceinline__ void gemv_chain(const Link<T, Rows> (&links)[P], unsigned* chain) {
-  int first[P + 1];  // link p's tickets: first[p] .. first[p + 1] - 1
-  first[0] = 0;
-#pragma unroll
-  for (int p = 0; p < P; ++p) first[p + 1] = first[p] + links[p].tiles();
-  if (static_cast<int>(gridDim.x) != first[P]) KERNEL_TRAP();
-  KERNEL_ALLOW_DEPENDENTS();
-  const int own = static_cast<int>(blockIdx.x);
-#pragma unroll
-  for (int p = 0; p < P; ++p)
-    if (own >= first[p] && own < first[p + 1]) links[p].prefetch(own - first[p]);
-  KERNEL_WAIT_PREDECESSOR();
-  const int ticket = take_ticket(chain);
-  int p = 0;  // this block's link, its fields picked with constant indices (no local-memory copy of the array)
-  Link<T, Rows> link = links[0];
-#pragma unroll
-  for (int i = 1; i < P; ++i)
-    if (ticket >= first[i]) p = i, link = links[i];
-  const int tiles = link.tiles(), begin = ticket - (first[p + 1] - tiles);
-  if (p > 0) wait_for_count(chain + 2 * p - 1, first[p] - first[p - 1]);
-  const ChainTile tile{begin, tiles};
-  if (link.swiglu) {
-    gemv<T, 1, true, true>(link.y, link.x, link.w, link.row_scales, 1, link.N, link.K, NormEpilogue<T>{},
-                           HeadsEpilogue<T>{}, tile);
-  } else {
-    link.norm.counter = link.norm.weight != nullptr ? chain + 2 * p + 2 : nullptr;
-    gemv<T, 1, false, true>(link.y, link.x, link.w, link.row_scales, 1, link.N, link.K, link.norm, HeadsEpilogue<T>{},
-                            tile);
-  }
-  if (p < P - 1) {
-    count_done(chain + 2 * p + 1);
-  } else if (last_to_finish(chain + 2 * p + 1, tiles) && threadIdx.x == 0) {
-    chain[0] = 0u;
-#pragma unroll
-    for (int i = 0; i < P - 1; ++i) chain[2 * i + 1] = 0u;
-  }
+  // a grid launch.py sized otherwise: columns missed
+  if (static_cast<int>(gridDim.x) != gemv_tiles<C>(N, slices)) KERNEL_TRAP();
 }
 
 // log2 of the int4 group size, which must be a power of two (quant.py refuses others).
@@ -701,39 +472,25 @@ __device__ __forceinline__ int group_shift(int group) {
       (weights), (row_bytes), (columns), blockIdx.x, orin_vlm::gemv_slices<W, SWIGLU>(K));                    \
   KERNEL_WAIT_PREDECESSOR()
 
-// The epilogues' parameters (between the weight's and the sizes, and the heads' sizes after those), and the
-// NormEpilogue and HeadsEpilogue they make.
-#define ORIN_GEMV_EPILOGUE_PARAMS(T)                                                                            \
-  const T *residual, const T *norm_weight, T *sum_out, T *normed, unsigned *counter, T *heads_out,          \
-      const T *q_norm_weight, const T *k_norm_weight, const T *cos, const T *sin_signed, T *k_pool, T *v_pool, \
-      const long long *slots
-#define ORIN_GEMV_HEADS_SIZES int heads, int split, int head_dim
-#define ORIN_GEMV_EPILOGUES                                                                                        \
-  {residual, norm_weight, sum_out, normed, counter, eps},                                                     \
-      {heads_out, q_norm_weight, k_norm_weight, cos, sin_signed, k_pool, v_pool, slots, heads, split, head_dim}
-
 #define ORIN_GEMV_KERNELS_E(DT, T, R, E, SWIGLU)                                                                     \
   extern "C" __global__ void gemv_float##E##_##DT##_r##R(T* y, const T* x, const T* weight, const __half* scales,      \
-                                                        const __half* offsets, ORIN_GEMV_EPILOGUE_PARAMS(T), int rows,     \
-                                                        int n, int k, int group, ORIN_GEMV_HEADS_SIZES, float eps) {                          \
+                                                        const __half* offsets, int rows, int n, int k, int group) {                          \
     ORIN_GEMV_PROLOGUE(T, SWIGLU, weight, static_cast<size_t>(k) * sizeof(T), k, n);              \
-    orin_vlm::gemv<T, R, SWIGLU>(y, x, orin_vlm::DenseRows<T>{weight, k}, nullptr, rows, n, k, ORIN_GEMV_EPILOGUES, orin_vlm::LaunchTile{});  \
+    orin_vlm::gemv<T, R, SWIGLU>(y, x, orin_vlm::DenseRows<T>{weight, k}, nullptr, rows, n, k);  \
   }                                                                                                                    \
   extern "C" __global__ void gemv_int8##E##_##DT##_r##R(T* y, const T* x, const int8_t* qweight,                       \
                                                        const __half* scales, const __half* offsets,                    \
-                                                       ORIN_GEMV_EPILOGUE_PARAMS(T), int rows, int n, int k, int group,    \
-                                                       ORIN_GEMV_HEADS_SIZES, float eps) {                                                    \
+                                                       int rows, int n, int k, int group) {                                                    \
     ORIN_GEMV_PROLOGUE(int8_t, SWIGLU, qweight, static_cast<size_t>(k), k, n);                    \
-    orin_vlm::gemv<T, R, SWIGLU>(y, x, orin_vlm::DenseRows<int8_t>{qweight, k}, scales, rows, n, k, ORIN_GEMV_EPILOGUES, orin_vlm::LaunchTile{}); \
+    orin_vlm::gemv<T, R, SWIGLU>(y, x, orin_vlm::DenseRows<int8_t>{qweight, k}, scales, rows, n, k); \
   }                                                                                                                    \
   extern "C" __global__ void gemv_int4##E##_##DT##_r##R(T* y, const T* x, const uint8_t* qweight,                      \
                                                        const __half* scales, const __half* offsets,                    \
-                                                       ORIN_GEMV_EPILOGUE_PARAMS(T), int rows, int n, int k, int group,    \
-                                                       ORIN_GEMV_HEADS_SIZES, float eps) {                                                    \
+                                                       int rows, int n, int k, int group) {                                                    \
     ORIN_GEMV_PROLOGUE(uint8_t, SWIGLU, qweight, static_cast<size_t>(k + 1) / 2, k, n);           \
     const orin_vlm::Int4Rows rows_ = {qweight, scales, offsets, k, (k + group - 1) / group,                       \
                                          orin_vlm::group_shift(group)};                                               \
-    orin_vlm::gemv<T, R, SWIGLU>(y, x, rows_, nullptr, rows, n, k, ORIN_GEMV_EPILOGUES, orin_vlm::LaunchTile{});                              \
+    orin_vlm::gemv<T, R, SWIGLU>(y, x, rows_, nullptr, rows, n, k);                              \
   }
 
 // The kernels of one epilogue (E: empty or _swiglu) for every rows bucket (ORIN_GEMV_KERNELS_ROWS: of one
@@ -747,45 +504,3 @@ __device__ __forceinline__ int group_shift(int group) {
   ORIN_WITH_f32(ORIN_GEMV_KERNELS_ROWS(f32, float, E, SWIGLU))        \
   ORIN_WITH_f16(ORIN_GEMV_KERNELS_ROWS(f16, __half, E, SWIGLU))       \
   ORIN_WITH_bf16(ORIN_GEMV_KERNELS_ROWS(bf16, __nv_bfloat16, E, SWIGLU))
-
-// The chain kernels (gemv_chain.cu), gemv_<mlp|tail>_<float|int8|int4>_<DT>, one decode row, every weight stored
-// alike (W: the activation type, int8_t or uint8_t; int8's row scales, int4's scales and offsets, as `group`).
-//   mlp: the MLP and the add + norm after it: act = SwiGLU of x through gate_up, y = act through down, then
-//        sum_out = residual + y and normed = norm(sum_out).
-//   tail: the rest of a layer after attention, its o product and the MLP: y_o = x through o, sum_o = residual +
-//        y_o and normed_o = post_norm(sum_o), then the MLP of normed_o added to sum_o and normalised.
-#define ORIN_WEIGHT_PARAMS(W, name) const W *name, const __half *name##_scales, const __half *name##_offsets
-#define ORIN_GEMV_MLP_PARAMS(T, W)                                                                                 \
-  T *act, const T *x, ORIN_WEIGHT_PARAMS(W, gate_up), T *y, ORIN_WEIGHT_PARAMS(W, down), const T *residual,     \
-      const T *norm_weight, T *sum_out, T *normed, unsigned *chain, int inter, int hidden, int group, float eps
-#define ORIN_GEMV_TAIL_PARAMS(T, W)                                                                                \
-  T *y_o, const T *x, ORIN_WEIGHT_PARAMS(W, o), const T *residual, const T *post_weight, T *sum_o, T *normed_o,  \
-      T *act, ORIN_WEIGHT_PARAMS(W, gate_up), T *y, ORIN_WEIGHT_PARAMS(W, down), const T *norm_weight, T *sum_out, \
-      T *normed, unsigned *chain, int attn, int inter, int hidden, int group, float post_eps, float eps
-// Weight rows `name` of K columns as the format reads them, and the row scales the format passes to gemv.
-#define ORIN_FLOAT_ROWS(T, name, K) orin_vlm::DenseRows<T>{name, (K)}, nullptr
-#define ORIN_INT8_ROWS(T, name, K) orin_vlm::DenseRows<int8_t>{name, (K)}, name##_scales
-#define ORIN_INT4_ROWS(T, name, K) \
-  orin_vlm::Int4Rows{name, name##_scales, name##_offsets, (K), ((K) + group - 1) / group, orin_vlm::group_shift(group)}, nullptr
-#define ORIN_GEMV_CHAIN_KERNELS_M(DT, T, MODE, W, RT, ROWS)                                                              \
-  extern "C" __global__ void ORIN_GEMV_CHAIN_BOUNDS gemv_mlp_##MODE##_##DT(ORIN_GEMV_MLP_PARAMS(T, W)) {            \
-    using Link = orin_vlm::Link<T, RT>;                                                                              \
-    const Link links[2] = {{act, x, ROWS(T, gate_up, hidden), {}, inter, hidden, true},                              \
-                           {y, act, ROWS(T, down, inter), {residual, norm_weight, sum_out, normed, nullptr, eps}, hidden,\
-                            inter, false}};                                                                          \
-    orin_vlm::gemv_chain<T>(links, chain);                                                                           \
-  }                                                                                                                  \
-  extern "C" __global__ void ORIN_GEMV_CHAIN_BOUNDS gemv_tail_##MODE##_##DT(ORIN_GEMV_TAIL_PARAMS(T, W)) {          \
-    using Link = orin_vlm::Link<T, RT>;                                                                              \
-    const Link links[3] = {                                                                                          \
-        {y_o, x, ROWS(T, o, attn), {residual, post_weight, sum_o, normed_o, nullptr, post_eps}, hidden, attn, false},  \
-        {act, normed_o, ROWS(T, gate_up, hidden), {}, inter, hidden, true},                                          \
-        {y, act, ROWS(T, down, inter), {sum_o, norm_weight, sum_out, normed, nullptr, eps}, hidden, inter, false}};   \
-    orin_vlm::gemv_chain<T>(links, chain);                                                                           \
-  }
-#define ORIN_GEMV_CHAIN_BOUNDS \
-  __launch_bounds__(orin_vlm::kGemvWarps * orin_vlm::kWarpSize, orin_vlm::kChainBlocksPerSm)
-#define ORIN_GEMV_CHAIN_KERNELS(DT, T)                                   \
-  ORIN_GEMV_CHAIN_KERNELS_M(DT, T, float, T, orin_vlm::DenseRows<T>, ORIN_FLOAT_ROWS)       \
-  ORIN_GEMV_CHAIN_KERNELS_M(DT, T, int8, int8_t, orin_vlm::DenseRows<int8_t>, ORIN_INT8_ROWS) \
-  ORIN_GEMV_CHAIN_KERNELS_M(DT, T, int4, uint8_t, orin_vlm::Int4Rows, ORIN_INT4_ROWS)

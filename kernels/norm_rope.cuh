@@ -1,14 +1,13 @@
-// The q/k norm of one attention head followed by RoPE, by one block: shared by the rms_norm_rope kernel
-// (rms_norm.cu, a head a block) and the GEMV's heads epilogue (gemv.cuh: in a decode step the block of the
-// q/k/v product that finishes a head last normalises and rotates it, so the q/k norms cost no launch of
-// their own). Also the step's KV sink: where the rotated keys and the values of a static decode step go.
+// The q/k norm of one attention head followed by RoPE, by one block: the rms_norm_rope kernel's head
+// (rms_norm.cu, a head a block). Also the step's KV sink: where the rotated keys and the values of a static
+// decode step go.
 //
 // The arithmetic is torch's, rounding where torch's separate ops round: x widened to fp32, mean of squares
 // as sum * (1 / dim), x * rsqrt(mean + eps) rounded to the storage type, the weight product rounded (Qwen3's
 // RMSNorm multiplies by its weight after casting back), then y = x * cos + swap_halves(x) * sin_signed with
 // the token's rows of the two tables (the storage type, sin_signed = [-sin, sin] of the halves), each product
 // and the sum rounded on its own and never contracted into a fused multiply-add. The head is read with __ldcg
-// (through L2, not the read-only cache): in the epilogue other blocks of the same launch wrote it.
+// (through L2, not the read-only cache).
 #pragma once
 
 #include "add_rms_norm.cuh"
@@ -85,7 +84,7 @@ __device__ __forceinline__ void norm_rope_row(T* __restrict__ out, const T* __re
     out[d] = rotated;
     if (k_row != nullptr) k_row[d] = rotated;
   }
-  __syncthreads();  // normed_row is free again when it returns (the epilogue rotates several rows in turn)
+  __syncthreads();  // normed_row is free again when it returns
 }
 
 }  // namespace orin_vlm

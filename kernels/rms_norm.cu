@@ -4,8 +4,7 @@
 //
 // add_rms_norm_<dtype>: the residual add before a norm too: sum = x + delta (rounded to the storage type, as
 // torch's add) is written to sum_out and normalised into out, one row per token ([rows, dim], contiguous).
-// The row's arithmetic is add_rms_norm.cuh's, which the GEMV's norm epilogue shares (the product and the add
-// + norm after it in one launch, where the product is one of our kernels).
+// The row's arithmetic is add_rms_norm.cuh's.
 //
 // rms_norm_<dtype> / rms_norm_rope_<dtype>: row r of `rows = tokens * heads` is head h = r % heads of token
 // t = r / heads, read at x + t * x_token_stride + h * dim (the q and k heads of a fused q/k/v projection are
@@ -16,7 +15,7 @@
 // The arithmetic is torch's, rounding where torch's separate ops round: x widened to fp32, mean of squares
 // as sum * (1 / dim), x * rsqrt(mean + eps) rounded to the storage type, the weight product rounded (Qwen3's
 // RMSNorm multiplies by its weight after casting back). RoPE (the _rope kernels; dim even, <= 256): a head's
-// row as norm_rope.cuh computes it (shared with the GEMV's heads epilogue), with the token's rows of the two
+// row as norm_rope.cuh computes it, with the token's rows of the two
 // tables ([tokens, dim], the storage type, sin_signed = [-sin, sin] of the halves).
 //
 // KV sink (rms_norm_rope with k_pool not null; a static decode step): the step's new keys and values go

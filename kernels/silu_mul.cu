@@ -4,7 +4,7 @@
 // silu_mul_<dtype>: gate_up [rows, 2 * inter] (gate columns first, then up, as the fused projection stores
 // them) -> out [rows, inter]. torch's arithmetic (attention_common.cuh: swiglu_value): silu in fp32 as
 // x / (1 + exp(-x)) rounded to the storage type, then the product with up in fp32 rounded again. A decode
-// step's few rows take the GEMV kernel's SwiGLU epilogue instead (gemv.cuh); this kernel serves the rest.
+// step's few rows take the GEMV kernel's SwiGLU launch instead (gemv.cuh); this kernel serves the rest.
 #include "attention_common.cuh"
 
 namespace orin_vlm {

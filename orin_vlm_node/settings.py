@@ -150,14 +150,6 @@ SETTINGS: tuple[Setting, ...] = (
     # -- CUDA
     _s("use_cuda_kernels", bool, True, "custom CUDA attention kernels (CUDA only)", E, BETWEEN, rebuilds=BACKEND),
     _s("use_cuda_graph", bool, True, "replay the decode step as CUDA graphs (CUDA only)", E, BETWEEN, rebuilds=BACKEND),
-    _s("fuse_decode_launches", bool, False, "the decode step runs each norm in the launch of the product before it "
-       "and, for one sequence, a layer's products between two attentions (o, gate/up, down and their norms) as one "
-       "CUDA launch; false = a launch a product and a launch a norm, measured faster on an H200 (CUDA kernels "
-       "only)", E, BETWEEN, rebuilds=BACKEND),
-    _s("dependent_launch", str, "auto", "kernels in a decode graph start while the one before them ends (sm_90 "
-       "and later): on, off, or auto = each graph captured both ways at its first use and the faster replay "
-       "kept (an H200: faster with fp16 weights, slower with INT4)", E, BETWEEN, choices=("auto", "on", "off"),
-       rebuilds=BACKEND),
     _s("allow_kernel_fallback", bool, True, "true: torch attention, reported as 'kernels: off (<reason>)', when "
        "the kernels cannot be used; false: that is a startup error", E, BETWEEN, rebuilds=BACKEND),
     _s("kernel_dir", str, "", "CUDA kernel sources; '' = the ones installed with the package", E, BETWEEN,

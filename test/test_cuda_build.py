@@ -126,7 +126,6 @@ def test_source_closure_follows_includes_of_the_real_kernels():
         "paged_prefill_attention",
         "paged_kv_write",
         "gemv",
-        "gemv_chain",
         "gemv_swiglu",
         "rms_norm",
         "silu_mul",

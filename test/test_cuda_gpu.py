@@ -72,12 +72,13 @@ def test_gpu_launches_are_programmatic_dependent_from_hopper_on(backend):
 
 
 def test_gpu_decode_graphs_keep_the_faster_of_dependent_and_plain_launches(tmp_path_factory, kernel_cache):
-    """``dependent_launch`` auto: each decode graph is captured both ways at its first use and the faster
-    replay kept, both times in ``describe``; on and off capture one way (off wherever dependent launch does not
-    work). The tokens are the same all three ways (the same kernels, launched differently), and the runtime's
-    switch is back as it was after the captures."""
+    """The engine's decode graphs: each captured both ways at its first use and the faster replay kept, both
+    times in ``describe``; a benchmark's forced on and off (``bench.gpu.launching``) capture one way (off wherever
+    dependent launch does not work). The tokens are the same all three ways (the same kernels, launched
+    differently), and the runtime's switch is back as it was after the captures."""
     import re
 
+    from bench.gpu import launching
     from orin_vlm_node.engine import Engine, EngineConfig, Request, SamplingParams, Turn
 
     path = str(_tiny(tmp_path_factory, 64))
@@ -87,7 +88,9 @@ def test_gpu_decode_graphs_keep_the_faster_of_dependent_and_plain_launches(tmp_p
     turn = Turn("Tell the robot what to do next, step by step.")
     tokens, ways = {}, {}
     for setting in ("auto", "on", "off"):
-        engine = Engine(EngineConfig(**common, dependent_launch=setting))
+        engine = Engine(EngineConfig(**common))
+        if setting != "auto":
+            launching(engine, setting)
         tokens[setting] = list(engine.generate(Request(turn, sampling)))[-1].token_ids
         ways[setting] = engine.describe()["decode"]["dependent_launch"]
         runtime = engine.parts.attention.launcher
@@ -323,147 +326,6 @@ def _projection(gemv, mode: str, dtype: torch.dtype, n: int, k: int):
     return GemvLinear(linear, gemv, rows=gemv.max_rows)
 
 
-@pytest.mark.parametrize("mode", ["float", "int8", "int4"])
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_gpu_norm_epilogue_gives_the_separate_launches_to_the_bit_eager_and_in_a_graph(all_kernels, mode, dtype):
-    """The o (2048 x 2048) and down (2048 x 6144) products of the 2B with the residual add + RMSNorm in their
-    launch (the block that finishes last): the sum and the norm of the product then the add_rms_norm kernel,
-    to the bit, launch after launch (the blocks finish in another order each time) and in a CUDA graph
-    replayed (the finish counter is zero again after each launch; dependent launches on sm_90)."""
-    from orin_vlm_node.cuda.fused import CudaFusedOps
-    from orin_vlm_node.cuda.gemv import CudaGemv
-
-    gemv, ops = CudaGemv(all_kernels), CudaFusedOps(all_kernels)
-    for n, k in ((2048, 2048), (2048, 6144)):
-        module = _projection(gemv, mode, dtype, n, k)
-        norm_weight = (1 + 0.3 * torch.randn(n, device="cuda")).to(dtype)
-        for rows in (1, 4, 8):
-            x = torch.randn(rows, k, device="cuda").to(dtype)
-            residual = (3 * torch.randn(rows, n, device="cuda")).to(dtype)
-            want = ops.add_rms_norm(residual, gemv(module, x), norm_weight, 1e-6)
-            for _ in range(3):
-                got = gemv.add_rms_norm(module, x, residual, norm_weight, 1e-6)
-                assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
-            stream = torch.cuda.Stream()
-            stream.wait_stream(torch.cuda.current_stream())
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, stream=stream):
-                captured = gemv.add_rms_norm(module, x, residual, norm_weight, 1e-6)
-            for _ in range(4):
-                graph.replay()
-                torch.cuda.synchronize()
-                assert torch.equal(captured[0], want[0]) and torch.equal(captured[1], want[1])
-
-
-@pytest.mark.parametrize("mode", ["float", "int8", "int4"])
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_gpu_mlp_in_one_launch_gives_its_two_launches_to_the_bit_eager_and_in_a_graph(all_kernels, mode, dtype):
-    """The 2B's MLP (gate/up 12288 x 2048, down 2048 x 6144) of one row in one launch: the SwiGLU product's
-    blocks, then the down product's, which wait for them (tickets and a count; more blocks than fit the GPU at
-    once with float weights), with the add + norm after it: the SwiGLU launch then the down launch with its
-    norm epilogue, to the bit, 20 launches in a row, and a CUDA graph of 28 of them (a token's layers, dependent
-    launches on sm_90) replayed; the chain's counters are zero after each."""
-    from orin_vlm_node.cuda.gemv import CudaGemv
-
-    gemv = CudaGemv(all_kernels)
-    shapes = ((12288, 2048), (2048, 6144))  # gate/up, down
-    layers = [tuple(_projection(gemv, mode, dtype, *shape) for shape in shapes) for _ in range(4)]
-    norm_weight = (1 + 0.3 * torch.randn(2048, device="cuda")).to(dtype)
-    x = torch.randn(1, 2048, device="cuda").to(dtype)
-    residual = (3 * torch.randn(1, 2048, device="cuda")).to(dtype)
-    want = [gemv.add_rms_norm(down, gemv(up, x, swiglu=True), residual, norm_weight, 1e-6) for up, down in layers]
-    _chained_to_the_bit(gemv, want, lambda layer: gemv.mlp_add_rms_norm(*layer, x, residual, norm_weight, 1e-6), layers)
-
-
-def _chained_to_the_bit(gemv, want: list, launch, layers: list) -> None:
-    """``launch(layer)`` (a chained launch's (sum, normed) for one layer's projections) gives ``want`` of that layer
-    to the bit, 20 launches in a row (the layers in turn) and in a CUDA graph of 28 replayed 4 times, and leaves
-    the chain's counters zero."""
-    for i in range(20):
-        got = launch(layers[i % len(layers)])
-        assert torch.equal(got[0], want[i % len(layers)][0]) and torch.equal(got[1], want[i % len(layers)][1])
-    counters = gemv._counters_on(torch.device("cuda"))
-    assert not counters.any()
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, stream=stream):
-        captured = [launch(layers[i % len(layers)]) for i in range(28)]
-    for _ in range(4):
-        graph.replay()
-        torch.cuda.synchronize()
-        for i, (total, normed) in enumerate(captured):
-            assert torch.equal(total, want[i % len(layers)][0]) and torch.equal(normed, want[i % len(layers)][1])
-        assert not counters.any()
-
-
-@pytest.mark.parametrize("mode", ["float", "int8", "int4"])
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_gpu_layer_tail_in_one_launch_gives_its_launches_to_the_bit_eager_and_in_a_graph(all_kernels, mode, dtype):
-    """The 2B's layer after attention (o 2048 x 2048 with the add + post-attention norm, then the MLP with the
-    add + norm) of one row in one launch: the o launch with its norm epilogue followed by the MLP launch, to the
-    bit, 20 launches in a row and a CUDA graph of 28 replayed; the chain's counters are zero after each."""
-    from orin_vlm_node.cuda.gemv import CudaGemv
-
-    gemv = CudaGemv(all_kernels)
-    shapes = ((2048, 2048), (12288, 2048), (2048, 6144))  # o, gate/up, down
-    layers = [tuple(_projection(gemv, mode, dtype, *shape) for shape in shapes) for _ in range(4)]
-    post, weight = ((1 + 0.3 * torch.randn(2048, device="cuda")).to(dtype) for _ in range(2))
-    x = torch.randn(1, 2048, device="cuda").to(dtype)
-    residual = (3 * torch.randn(1, 2048, device="cuda")).to(dtype)
-
-    def separate(o, gate_up, down):
-        sum_o, normed_o = gemv.add_rms_norm(o, x, residual, post, 1e-6)
-        return gemv.mlp_add_rms_norm(gate_up, down, normed_o, sum_o, weight, 1e-6)
-
-    want = [separate(*layer) for layer in layers]
-    _chained_to_the_bit(
-        gemv, want, lambda layer: gemv.tail_add_rms_norm(layer, x, residual, (post, 1e-6), weight, 1e-6), layers
-    )
-
-
-@pytest.mark.parametrize("mode", ["float", "int8", "int4"])
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_gpu_heads_epilogue_gives_the_separate_launches_to_the_bit_eager_and_in_a_graph(all_kernels, mode, dtype):
-    """The 2B's q/k/v product (16 q heads, 8 k and 8 v heads of 128; K 2048) with the q/k norms, RoPE and the
-    KV sink in its launch (the block that finishes a head last): the heads, the values and the pools of the
-    product then the rms_norm_rope kernel, to the bit, launch after launch and in a CUDA graph replayed (the
-    finish counters are zero again after each launch; dependent launches on sm_90)."""
-    from orin_vlm_node.cuda.fused import CudaFusedOps
-    from orin_vlm_node.cuda.gemv import CudaGemv
-    from orin_vlm_node.kvcache import KVSink
-    from orin_vlm_node.model.rope import TextRopeTables
-    from orin_vlm_node.model.text import HeadNorms
-
-    gemv, ops = CudaGemv(all_kernels), CudaFusedOps(all_kernels)
-    nq, nkv, hd, k = 16, 8, 128, 2048
-    module = _projection(gemv, mode, dtype, (nq + 2 * nkv) * hd, k)
-    q_w, k_w = ((1 + 0.3 * torch.randn(hd, device="cuda")).to(dtype) for _ in range(2))
-    norms = HeadNorms(q_w, k_w, nq, 1e-6)
-    for rows in (1, 4, 8):
-        x = torch.randn(rows, k, device="cuda").to(dtype)
-        angles = torch.rand(rows, hd // 2, device="cuda") * 50
-        rope = TextRopeTables.build(angles.cos().repeat(1, 2).to(dtype), angles.sin().repeat(1, 2).to(dtype))
-        slots = torch.randperm(16 * rows, device="cuda")[:rows]
-        heads = gemv(module, x).view(rows, -1, hd)
-        pools = [torch.zeros(2, 2 * rows, 8, nkv, hd, device="cuda", dtype=dtype) for _ in range(2)]
-        qk_heads, v_heads = heads[:, : nq + nkv], heads[:, nq + nkv :]
-        want = ops.rms_norm(qk_heads, q_w, k_w, nq, 1e-6, rope, KVSink(*pools[0], slots), v_heads)
-        for _ in range(3):
-            qk, v = gemv.norm_rope_heads(module, x, norms, rope, KVSink(*pools[1], slots))
-            assert torch.equal(qk, want) and torch.equal(v, v_heads) and torch.equal(pools[1], pools[0])
-        pools[1].zero_()
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, stream=stream):
-            captured, _ = gemv.norm_rope_heads(module, x, norms, rope, KVSink(*pools[1], slots))
-        for _ in range(4):
-            graph.replay()
-            torch.cuda.synchronize()
-            assert torch.equal(captured, want) and torch.equal(pools[1], pools[0])
-
-
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
 @pytest.mark.parametrize(("n", "k"), [(4096, 2048), (2048, 6144), (37, 75)])
 def test_gpu_float_gemv_matches_f_linear_and_is_timed_against_it(all_kernels, timer, dtype, n, k):
@@ -511,7 +373,7 @@ def test_gpu_swiglu_epilogue_matches_the_product_then_the_activation(all_kernels
         tol = {torch.float16: 2e-3, torch.bfloat16: 1.6e-2}[dtype] * expected.abs().amax().item()
         torch.testing.assert_close(gemv(module, x, swiglu=True).float(), expected, rtol=0, atol=tol)
     if mode == "float":
-        rows, why = gemv.faster_rows([weight], epilogue="swiglu")
+        rows, why = gemv.faster_rows([weight], swiglu=True)
         assert rows in (0, 1, 2, 4, 8) and "kernel vs F.linear: 1 row " in why, why
 
 
@@ -622,10 +484,7 @@ def test_gpu_engine_loads_its_dtypes_kernels_once_and_unloads_those_a_reconfigur
 @pytest.mark.parametrize("mode", ["int8", "int4"])
 def test_gpu_engine_quantized_kernels_and_graphs_match_the_torch_path(tmp_path_factory, kernel_cache, mode):
     """fp32 activations: the GEMV kernels inside the captured decode graphs give the tokens of the torch
-    path (weights widened for torch's GEMM), 200 greedy tokens, with ``fuse_decode_launches`` off (the default:
-    a launch a product and a launch a norm) and on (the norms in the products' launches, a layer's products
-    between two attentions in one)."""
-    from orin_vlm_node.cuda.gemv import CudaGemv
+    path (weights widened for torch's GEMM), 200 greedy tokens."""
     from orin_vlm_node.engine import Engine, EngineConfig
 
     path = str(_tiny(tmp_path_factory, 64))
@@ -636,13 +495,6 @@ def test_gpu_engine_quantized_kernels_and_graphs_match_the_torch_path(tmp_path_f
     assert fast.describe()["weight_path"].startswith(f"{mode}: GEMV kernels")
     assert slow.describe()["weight_path"].startswith(f"{mode}: torch")
     same_greedy_answer(fast, slow, "Tell the robot what to do next, step by step.", 200)
-    fused = Engine(EngineConfig(**common, allow_kernel_fallback=False, fuse_decode_launches=True))
-    for engine, on in ((fast, False), (fused, True)):
-        kernels = {m.kernels for m in engine.parts.model.modules() if isinstance(getattr(m, "kernels", None), CudaGemv)}
-        assert [(k.norm_epilogue, k.mlp_chain, k.tail_chain) for k in kernels] == [(on, on, on)]
-    assert fast.describe()["weight_path"].endswith(": off (fuse_decode_launches)")
-    assert fused.describe()["weight_path"].endswith("between two attentions in one: on")
-    same_greedy_answer(fused, fast, "Tell the robot what to do next, step by step.", 200)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])

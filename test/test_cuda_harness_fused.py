@@ -119,7 +119,7 @@ def test_launch_arguments_follow_the_one_rule_the_gpu_runtime_applies(harness):
     L.check_launch_args(cfg, args(torch.ones(8, 16)[:, :8]), cpu)
     L.check_launch_args(
         L.gemv_launch("float", 1, 8, 8, torch.float32),
-        [torch.empty(1, 8), torch.ones(1, 8), w.view(1, 8), *[None] * 15, 1, 8, 8, 0, 0, 0, 0, 0.0],
+        [torch.empty(1, 8), torch.ones(1, 8), w.view(1, 8), None, None, 1, 8, 8, 0],
         cpu,
     )
     refused = {

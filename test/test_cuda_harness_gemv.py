@@ -14,17 +14,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 from cuda_harness.harness import HarnessError, RecordingLauncher
-from cuda_harness.static_step import PROMPTS, run_static_decode
 
 from orin_vlm_node.cuda import launch as L
-from orin_vlm_node.cuda.fused import CudaFusedOps
 from orin_vlm_node.cuda.gemv import CudaGemv
-from orin_vlm_node.kvcache import KVSink
 from orin_vlm_node.model import load_model
 from orin_vlm_node.model.gemv_linear import GemvLinear, attach_gemv
 from orin_vlm_node.model.quant import QuantizedLinear, WeightQuant
-from orin_vlm_node.model.rope import TextRopeTables
-from orin_vlm_node.model.text import HeadNorms, product_epilogue
+from orin_vlm_node.model.text import takes_swiglu
 from support.checkpoints import cached_tiny_checkpoint
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -179,203 +175,9 @@ def _module(mode: str, n: int, k: int, group: int, dtype: torch.dtype, kernels: 
     return module
 
 
-@pytest.mark.parametrize("mode", ["float", "int8", "int4"])
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("n,k,group", [(37, 96, 32), (64, 128, 32), (2056, 64, 32), (37, 3072, 64)])
-def test_the_norm_epilogue_gives_what_the_product_then_the_add_rms_norm_kernel_give(harness, mode, dtype, n, k, group):
-    """The product's launch adds its rows to the residual and normalises them (the block that finishes last,
-    in the harness's scrambled block order): the sum and the norm are the separate add_rms_norm kernel's to
-    the bit, rows held in registers (n 64; 2056 in half precision) or looped over (37; 2056 in fp32), one
-    launch a batch of up to 8 rows (13 quantized rows: two), and the finish counter is zero again after."""
-    launcher = RecordingLauncher(harness)
-    gemv = CudaGemv(launcher)
-    module = _module(mode, n, k, group, dtype, gemv)
-    gen = torch.Generator().manual_seed(n)
-    weight = (1 + 0.3 * torch.randn(n, generator=gen)).to(dtype)
-    batches = (1, 3, 8) if mode == "float" else (1, 3, 8, 13)
-    for rows in batches if n < 2048 else (3,):  # a long row (many blocks): one batch
-        x = torch.randn(rows, k, generator=gen).to(dtype)
-        residual = (3 * torch.randn(rows, n, generator=gen)).to(dtype)
-        want_sum, want = CudaFusedOps(harness).add_rms_norm(residual, gemv(module, x), weight, 1e-6)
-        launcher.kernels.clear()
-        got_sum, got = gemv.add_rms_norm(module, x, residual, weight, 1e-6)
-        assert torch.equal(got_sum, want_sum) and torch.equal(got, want)
-        buckets = {1: [1], 3: [4], 8: [8], 13: [8, 8]}[rows]  # 13 rows: 8, then 5 in the 8-row kernel
-        assert launcher.kernels == [f"gemv_{mode}_{L.DTYPE_TAGS[str(dtype)[6:]]}_r{r}" for r in buckets]
-        assert not gemv._counters["cpu"].any()
-
-
-def test_the_norm_epilogue_refuses_rows_that_do_not_belong_to_the_product(harness):
-    """A residual or norm weight of another shape or dtype is refused before any launch; a SwiGLU kernel
-    given a finish counter traps (it has no norm epilogue)."""
-    gemv = CudaGemv(harness)
-    module = _module("int8", 16, 32, 32, torch.float32, gemv)
-    x, weight = torch.randn(2, 32), torch.ones(16)
-    for residual, w in ((torch.zeros(2, 15), weight), (torch.zeros(3, 16), weight), (torch.zeros(2, 16), weight[:8]),
-                        (torch.zeros(2, 16).half(), weight)):  # fmt: skip
-        with pytest.raises(ValueError, match="a norm epilogue adds"):
-            gemv.add_rms_norm(module, x, residual, w, 1e-6)
-    cfg = L.gemv_launch("int8", 2, 8, 32, torch.float32, swiglu=True)
-    args = [torch.empty(2, 8), x, module.qweight, module.scales, None, torch.zeros(2, 8), torch.ones(8),
-            torch.empty(2, 8), torch.empty(2, 8), torch.zeros(1, dtype=torch.int32), *[None] * 8,
-            2, 8, 32, 32, 0, 0, 0, 1e-6]  # fmt: skip
-    with pytest.raises(HarnessError, match="trap"):
-        harness.launch(cfg, args)
-
-
-@pytest.mark.parametrize("mode", ["float", "int8", "int4"])
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize(
-    "hidden,inter,group", [(37, 64, 32), (64, 96, 32), (2056, 64, 32), (96, 200, 64), (40, 4608, 64)]
-)
-def test_an_mlp_in_one_launch_gives_what_its_launch_a_product_give(harness, mode, dtype, hidden, inter, group):
-    """One row's MLP in one launch (gemv_mlp: the SwiGLU product's blocks, then the down product's with the add +
-    norm after it, ordered by the tickets the blocks take as they start, in the harness's scrambled block
-    order): the sum and the norm are those of the SwiGLU launch followed by the down product's launch with its
-    norm epilogue, to the bit, for hidden sizes held in registers or looped over (the norm) and inter sizes of
-    whole vectors or not, and the chain's counters are zero again after it."""
-    launcher = RecordingLauncher(harness)
-    gemv = CudaGemv(launcher)
-    gate_up = _module(mode, 2 * inter, hidden, group, dtype, gemv)
-    down = _module(mode, hidden, inter, group, dtype, gemv)
-    gen = torch.Generator().manual_seed(hidden + inter)
-    weight = (1 + 0.3 * torch.randn(hidden, generator=gen)).to(dtype)
-    x = torch.randn(1, hidden, generator=gen).to(dtype)
-    residual = (3 * torch.randn(1, hidden, generator=gen)).to(dtype)
-    assert gemv.chains((gate_up, down), x)
-    want_sum, want = gemv.add_rms_norm(down, gemv(gate_up, x, swiglu=True), residual, weight, 1e-6)
-    launcher.kernels.clear()
-    got_sum, got = gemv.mlp_add_rms_norm(gate_up, down, x, residual, weight, 1e-6)
-    assert torch.equal(got_sum, want_sum) and torch.equal(got, want)
-    assert launcher.kernels == [f"gemv_mlp_{mode}_{L.DTYPE_TAGS[str(dtype)[6:]]}"]
-    assert not gemv._counters["cpu"].any()
-
-
-@pytest.mark.parametrize("mode", ["float", "int8", "int4"])
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("hidden,inter,attn", [(37, 64, 48), (64, 96, 32), (2056, 64, 64), (40, 4608, 3072)])
-def test_a_layer_tail_in_one_launch_gives_what_its_launches_give(harness, mode, dtype, hidden, inter, attn):
-    """A layer's rest after attention for one row in one launch (gemv_tail: the o product's blocks with the add +
-    post-attention norm, then the SwiGLU product's, then the down product's with the add + norm, each waiting for
-    the one before, blocks in scrambled order): the two sums and norms are those of the o launch with its norm
-    epilogue followed by the MLP launch, to the bit, and the chain's counters are zero again after it."""
-    launcher = RecordingLauncher(harness)
-    gemv = CudaGemv(launcher)
-    o, gate_up, down = (_module(mode, n, k, 32, dtype, gemv) for n, k in ((hidden, attn), (2 * inter, hidden),
-                                                                        (hidden, inter)))  # fmt: skip
-    gen = torch.Generator().manual_seed(hidden + inter + attn)
-    post_weight, weight = ((1 + 0.3 * torch.randn(hidden, generator=gen)).to(dtype) for _ in range(2))
-    x = torch.randn(1, attn, generator=gen).to(dtype)
-    residual = (3 * torch.randn(1, hidden, generator=gen)).to(dtype)
-    assert gemv.chains((o, gate_up, down), x)
-    sum_o, normed_o = gemv.add_rms_norm(o, x, residual, post_weight, 1e-5)
-    want_sum, want = gemv.mlp_add_rms_norm(gate_up, down, normed_o, sum_o, weight, 1e-6)
-    launcher.kernels.clear()
-    got_sum, got = gemv.tail_add_rms_norm((o, gate_up, down), x, residual, (post_weight, 1e-5), weight, 1e-6)
-    assert torch.equal(got_sum, want_sum) and torch.equal(got, want)
-    assert launcher.kernels == [f"gemv_tail_{mode}_{L.DTYPE_TAGS[str(dtype)[6:]]}"]
-    assert not gemv._counters["cpu"].any()
-    gemv.tail_chain = False
-    assert not gemv.chains((o, gate_up, down), x) and gemv.chains((gate_up, down), normed_o)
-
-
-def test_an_mlp_launch_refuses_what_is_not_one_row_of_an_mlp_and_traps_a_wait_on_later_blocks(harness):
-    """Rows, weights stored differently or not an MLP's shapes are refused before any launch, and ``chains`` says
-    no for them; in the harness (blocks one after another) a down block that would wait for act blocks that have
-    not run traps, where a GPU would wait for them forever."""
-    gemv = CudaGemv(harness)
-    gate_up, down = _module("int8", 64, 32, 32, torch.float32, gemv), _module("int8", 32, 32, 32, torch.float32, gemv)
-    x, residual, weight = torch.randn(1, 32), torch.zeros(1, 32), torch.ones(32)
-    others = {
-        "rows": (gate_up, down, torch.randn(2, 32), torch.zeros(2, 32)),
-        "storage": (gate_up, _module("int4", 32, 32, 32, torch.float32, gemv), x, residual),
-        "shape": (gate_up, _module("int8", 32, 16, 16, torch.float32, gemv), x, residual),
-    }
-    for what, (up, dn, rows, res) in others.items():
-        assert not gemv.chains((up, dn), rows) or what == "shape"  # a shape is the launch's to check
-        with pytest.raises(ValueError, match="a chained launch takes one row"):
-            gemv.mlp_add_rms_norm(up, dn, rows, res, weight, 1e-6)
-    cfg = L.gemv_chain_launch("mlp", "int8", 32, 32, 32, torch.float32)
-    up_tiles = L.gemv_launch("int8", 1, 32, 32, torch.float32, swiglu=True).grid[0]
-    chain = torch.zeros(L.chain_counters("mlp"), dtype=torch.int32)
-    chain[0] = up_tiles  # the first block to start takes the first down ticket
-    args = [torch.empty(1, 32), x, gate_up.qweight, gate_up.scales, None, torch.empty(1, 32), down.qweight, down.scales,
-            None, residual, weight, torch.empty(1, 32), torch.empty(1, 32), chain, 32, 32, 32, 1e-6]  # fmt: skip
-    with pytest.raises(HarnessError, match="only later blocks make"):
-        harness.launch(cfg, args)
-
-
 # (head_dim, q heads, kv heads): Qwen3-VL's GQA of 2 at a small head size; one kv head; heads of 24, which
 # the 16 columns of an int4 block (8 of int8) do not divide, so a block computes parts of two heads.
 HEAD_SHAPES = [(32, 4, 2, 64), (64, 2, 1, 64), (24, 6, 3, 64), (32, 4, 2, 3072)]  # dim, q heads, kv heads, K
-
-
-@pytest.mark.parametrize("mode", ["float", "int8", "int4"])
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("dim,nq,nkv,k", HEAD_SHAPES)
-def test_the_heads_epilogue_gives_what_the_product_then_the_norm_rope_kernel_give(
-    harness, mode, dtype, dim, nq, nkv, k
-):
-    """The q/k/v product's launch normalises and rotates its q and k heads (the block that finishes a head
-    last, in the harness's scrambled block order), and with a KV sink stores each rotated key and each value
-    at its token's slot, nothing for a padding row (slot -1): the heads, the values and the pools are those of
-    the product followed by the rms_norm_rope kernel, to the bit; one launch a batch of up to 8 rows (13
-    quantized rows: two); the finish counters are zero again after."""
-    launcher = RecordingLauncher(harness)
-    gemv = CudaGemv(launcher)
-    heads = nq + nkv
-    module = _module(mode, (nq + 2 * nkv) * dim, k, 32, dtype, gemv)
-    gen = torch.Generator().manual_seed(dim)
-    q_w, k_w = ((1 + 0.3 * torch.randn(dim, generator=gen)).to(dtype) for _ in range(2))
-    ops = CudaFusedOps(harness)
-    for rows in (1, 3, 8) if mode == "float" else (1, 3, 13):
-        x = torch.randn(rows, k, generator=gen).to(dtype)
-        angles = torch.rand(rows, dim // 2, generator=gen) * 50
-        rope = TextRopeTables.build(angles.cos().repeat(1, 2).to(dtype), angles.sin().repeat(1, 2).to(dtype))
-        product = gemv(module, x).view(rows, -1, dim)
-        slots = torch.randperm(4 * rows, generator=gen)[:rows]
-        slots[rows // 2] = -1
-        sinks = [torch.full((2, rows, 4, nkv, dim), 7.0, dtype=dtype) for _ in range(2)]  # k and v pools
-        want = ops.rms_norm(product[:, :heads], q_w, k_w, nq, 1e-6, rope, KVSink(*sinks[0], slots), product[:, heads:])
-        assert torch.equal(want, ops.rms_norm(product[:, :heads], q_w, k_w, nq, 1e-6, rope))
-        for sink in (None, KVSink(*sinks[1], slots)):
-            launcher.kernels.clear()
-            qk, v = gemv.norm_rope_heads(module, x, HeadNorms(q_w, k_w, nq, 1e-6), rope, sink)
-            assert torch.equal(qk, want) and torch.equal(v, product[:, heads:])
-            buckets = {1: [1], 3: [4], 8: [8], 13: [8, 8]}[rows]
-            assert launcher.kernels == [f"gemv_{mode}_{L.DTYPE_TAGS[str(dtype)[6:]]}_r{r}" for r in buckets]
-            assert not gemv._counters["cpu"].any()
-        assert torch.equal(sinks[1], sinks[0])
-        assert (sinks[1] != 7).sum() == 2 * (rows - 1) * nkv * dim  # the padding row stored nothing
-
-
-def test_the_heads_epilogue_refuses_what_is_not_a_layer_of_heads(harness):
-    """A projection whose rows are not q heads then as many k as v heads, norm weights or RoPE tables of
-    another size, and a KV sink that does not take the heads are refused before any launch; a launch with
-    heads but no finish counters traps."""
-    gemv = CudaGemv(harness)
-    module = _module("int8", 4 * 8, 32, 32, torch.float32, gemv)  # 4 heads of 8: 2 q, 1 k, 1 v
-    x, w = torch.randn(2, 32), torch.ones(8)
-    angles = torch.rand(2, 4)
-    rope = TextRopeTables.build(angles.cos().repeat(1, 2), angles.sin().repeat(1, 2))
-    gemv.norm_rope_heads(module, x, HeadNorms(w, w, 2, 1e-6), rope)
-    slots = torch.tensor([0, 1])
-    refused = {
-        "a heads epilogue takes": ((w, w, 1, rope, None), (torch.ones(6), torch.ones(6), 2, rope, None)),
-        "weight": ((w, torch.ones(4), 2, rope, None),),
-        "rope table": ((w, w, 2, TextRopeTables.build(angles.cos(), angles.sin()), None),),
-        "do not take": ((w, w, 2, rope, KVSink(torch.zeros(2, 4, 2, 8), torch.zeros(2, 4, 2, 8), slots)),),
-        "slots must be": ((w, w, 2, rope, KVSink(torch.zeros(2, 4, 1, 8), torch.zeros(2, 4, 1, 8), slots.int())),),
-    }
-    for message, cases in refused.items():
-        for q_w, k_w, split, tables, sink in cases:
-            with pytest.raises(ValueError, match=message):
-                gemv.norm_rope_heads(module, x, HeadNorms(q_w, k_w, split, 1e-6), tables, sink)
-    cfg = L.gemv_launch("int8", 2, 32, 32, torch.float32)
-    args = [torch.empty(2, 32), x, module.qweight, module.scales, *[None] * 5, None, torch.empty(2, 3, 8), w, w,
-            rope.cos, rope.sin_signed, None, None, None, 2, 32, 32, 32, 3, 2, 8, 1e-6]  # fmt: skip
-    with pytest.raises(HarnessError, match="trap"):
-        harness.launch(cfg, args)
 
 
 def _timer(launcher: RecordingLauncher, kernel_wins_up_to: int):
@@ -421,40 +223,11 @@ def test_a_float_weight_takes_the_kernel_for_the_row_buckets_it_won_and_says_so(
 
 
 def test_a_swiglu_weight_is_timed_with_its_activation_on_both_sides(harness):
-    """The epilogue kernel against what the MLP runs without it: F.linear, then the silu_mul kernel."""
+    """The SwiGLU launch against what the MLP runs without it: F.linear, then the silu_mul kernel."""
     launcher = RecordingLauncher(harness)
-    rows, why = CudaGemv(launcher, _timer(launcher, 1)).faster_rows([torch.randn(40, 64)], epilogue="swiglu")
+    rows, why = CudaGemv(launcher, _timer(launcher, 1)).faster_rows([torch.randn(40, 64)], swiglu=True)
     assert rows == 1 and why.startswith("kernel for 1..1 rows (kernel vs F.linear: 1 row 1.0 vs 2.0 us")
     assert launcher.kernels == ["gemv_float_swiglu_f32_r1", "silu_mul_f32", "gemv_float_swiglu_f32_r2", "silu_mul_f32"]
-
-
-def test_an_o_or_down_weight_is_timed_with_the_add_and_norm_after_it_on_both_sides(harness):
-    """The kernel with its norm epilogue (one launch) against F.linear followed by the add_rms_norm kernel;
-    with the epilogue off, the kernel followed by add_rms_norm too."""
-    launcher = RecordingLauncher(harness)
-    gemv = CudaGemv(launcher, _timer(launcher, 1))
-    rows, why = gemv.faster_rows([torch.randn(40, 64)], epilogue="norm")
-    assert rows == 1 and why.startswith("kernel for 1..1 rows (kernel vs F.linear: 1 row 1.0 vs 2.0 us")
-    assert launcher.kernels == ["gemv_float_f32_r1", "add_rms_norm_f32", "gemv_float_f32_r2", "add_rms_norm_f32"]
-    launcher.kernels.clear()
-    gemv.norm_epilogue = False
-    assert gemv.faster_rows([torch.randn(40, 64)], epilogue="norm")[0] == 1
-    assert launcher.kernels[:3] == ["gemv_float_f32_r1", "add_rms_norm_f32", "add_rms_norm_f32"]
-
-
-def test_a_q_k_v_weight_is_timed_with_the_norms_rope_and_kv_sink_after_it_on_both_sides(harness):
-    """The kernel with its heads epilogue (one launch) against F.linear followed by the rms_norm_rope kernel;
-    with the epilogue off, the kernel followed by rms_norm_rope too. The log names the epilogue."""
-    launcher = RecordingLauncher(harness)
-    gemv = CudaGemv(launcher, _timer(launcher, 1))
-    weight = torch.randn(8 * 16, 64)  # 4 q heads, 2 k and 2 v heads of 16
-    rows, why = gemv.faster_rows([weight], epilogue="heads 4 16")
-    assert rows == 1 and why.startswith("kernel for 1..1 rows (kernel vs F.linear: 1 row 1.0 vs 2.0 us")
-    assert launcher.kernels == ["gemv_float_f32_r1", "rms_norm_rope_f32", "gemv_float_f32_r2", "rms_norm_rope_f32"]
-    launcher.kernels.clear()
-    gemv.norm_epilogue = False
-    assert gemv.faster_rows([weight], epilogue="heads 4 16")[0] == 1
-    assert launcher.kernels[:3] == ["gemv_float_f32_r1", "rms_norm_rope_f32", "rms_norm_rope_f32"]
 
 
 @pytest.mark.parametrize("mode", ["int8", "int4"])
@@ -530,7 +303,7 @@ def test_a_model_routed_to_the_kernels_computes_what_it_computed_and_detaching_r
     from orin_vlm_node.engine import Engine, EngineConfig
 
     path = cached_tiny_checkpoint()
-    cache = Engine(EngineConfig(model_path=str(path), device="cpu", max_sessions=0)).cache
+    cache = Engine(EngineConfig(model_path=str(path), device="cpu", max_sessions=0)).parts.cache
     # The LM head stays float: a model with both quantized and float weights to route.
     model = load_model(path, quant=WeightQuant(mode, 32, lm_head=False) if mode != "none" else None)
     sites = [*model.language_model.projection_sites(), (model, "lm_head")]
@@ -554,7 +327,7 @@ def test_a_model_routed_to_the_kernels_computes_what_it_computed_and_detaching_r
 
     what = attach_gemv(model, CudaGemv(launcher, time_us))
     floats = 1 if mode == "int4" else len(sites)
-    epilogue = [product_epilogue(parent, attr) for parent, attr in sites]
+    epilogue = [takes_swiglu(parent, attr) for parent, attr in sites]
     keys = {
         (tuple(m.weight.shape), e)
         for m, e in zip(loaded, epilogue, strict=True)
@@ -565,7 +338,6 @@ def test_a_model_routed_to_the_kernels_computes_what_it_computed_and_detaching_r
     assert ("+ SwiGLU: kernel for 1..8 rows" in what) == (mode == "none")
     tie = "+ SwiGLU: SwiGLU in the product's launch (then silu_mul vs in the launch: 1 row 1.0 vs 1.0 us)"
     assert (tie in what) == (mode == "int4")
-    assert ("+ q/k norms + RoPE: kernel for 1..8 rows" in what) == (mode == "none")
     assert what.startswith("GEMV kernels for decode rows: ")
     assert f"{floats} of {floats} float ones" in what
     assert (f"{len(sites) - 1} quantized projections" in what) == (mode == "int4")
@@ -577,7 +349,7 @@ def test_a_model_routed_to_the_kernels_computes_what_it_computed_and_detaching_r
     launcher.kernels.clear()
     torch.testing.assert_close(logits(1), want[1], rtol=1e-4, atol=1e-5)
     stored = "int4" if mode == "int4" else "float"  # the gate/up products with the activation in the kernel
-    epilogues = ["_swiglu" if e == "swiglu" else "" for e in epilogue[:-1]]
+    epilogues = ["_swiglu" if e else "" for e in epilogue[:-1]]
     assert launcher.kernels == [f"gemv_{stored}{e}_f32_r1" for e in epilogues] + ["gemv_float_f32_r1"]
     assert epilogues.count("_swiglu") == model.config.text.num_hidden_layers
     launcher.kernels.clear()
@@ -597,65 +369,12 @@ def test_a_model_routed_to_the_kernels_computes_what_it_computed_and_detaching_r
     assert all(getattr(parent, attr) is m for (parent, attr), m in zip(sites, loaded, strict=True))
 
 
-@pytest.mark.parametrize("mode", ["none", "int4"])
-def test_a_decode_step_runs_its_norms_in_the_launches_of_the_products_before_them(harness, mode):
-    """With the GEMV and the fused kernels attached, a one-token forward runs every residual add + norm in the
-    launch of the product before it (each layer's o and down projections; the first layer's input norm has
-    no add) and the q/k norms + RoPE in the q/k/v product's launch: no add_rms_norm or rms_norm_rope launch,
-    everything after a layer's attention one launch (o + add + norm, gate/up + SwiGLU, down + add + norm:
-    gemv_tail), and the logits of the separate launches to the bit, as with the o product alone (``tail_chain``
-    off: gemv_mlp) and with a launch a product (``mlp_chain`` off). A prefill's rows (more than a launch takes)
-    keep the separate launches, but for the last layer's tail (its last row: o, the MLP, the post-attention and
-    final norms)."""
-    from orin_vlm_node.engine import Engine, EngineConfig
-    from orin_vlm_node.model.text import attach_fused_ops
-
-    path = cached_tiny_checkpoint()
-    cache = Engine(EngineConfig(model_path=str(path), device="cpu", max_sessions=0)).cache
-    model = load_model(path, quant=WeightQuant(mode, 32) if mode != "none" else None)
-    launcher = RecordingLauncher(harness)
-    gemv = CudaGemv(launcher, _timer(launcher, 8))  # float weights: the kernel won every rows bucket
-    attach_gemv(model, gemv)
-    attach_fused_ops(model, CudaFusedOps(launcher))
-    layers = model.config.text.num_hidden_layers
-
-    def logits(tokens: int, epilogue: bool) -> torch.Tensor:
-        gemv.norm_epilogue = epilogue
-        launcher.kernels.clear()
-        seq = cache.new_sequence()
-        out = model.forward(torch.arange(5, 5 + tokens), torch.arange(tokens).expand(3, -1), cache.step(seq, tokens))
-        cache.release(seq)
-        return out
-
-    separate = logits(1, epilogue=False)
-    assert launcher.kernels.count("add_rms_norm_f32") == 2 * layers
-    assert launcher.kernels.count("rms_norm_rope_f32") == layers
-    assert torch.equal(logits(1, epilogue=True), separate)
-    assert "add_rms_norm_f32" not in launcher.kernels and "rms_norm_rope_f32" not in launcher.kernels
-    assert launcher.kernels.count("rms_norm_f32") == 1  # the first layer's input norm: no residual add before it
-    stored = "int4" if mode == "int4" else "float"
-    assert launcher.kernels.count(f"gemv_tail_{stored}_f32") == layers  # o, the MLP and both norms after attention
-    gemvs = 2 * layers + 1  # q/k/v and the tail a layer, and the LM head
-    assert len(launcher.kernels) == 2 + gemvs  # and the RoPE tables, the input norm (attention is torch's here)
-    for chains, per_layer in (({"tail_chain": False}, 3), ({"mlp_chain": False}, 4)):  # o alone; every product alone
-        vars(gemv).update(chains)
-        assert torch.equal(logits(1, epilogue=True), separate)
-        assert len(launcher.kernels) == 2 + per_layer * layers + 1
-        assert launcher.kernels.count(f"gemv_mlp_{stored}_f32") == layers * (per_layer == 3)
-    gemv.mlp_chain = gemv.tail_chain = True
-    torch.testing.assert_close(logits(20, epilogue=True), logits(20, epilogue=False), rtol=0, atol=0)
-    assert launcher.kernels.count("add_rms_norm_f32") == 2 * layers  # the last two: the last layer's tail's
-    logits(20, epilogue=True)
-    assert launcher.kernels.count("add_rms_norm_f32") == 2 * layers - 2
-    assert launcher.kernels.count("rms_norm_rope_f32") == layers
-
-
 def test_a_quantized_lm_head_takes_the_kernels_and_the_model_computes_what_it_computed(harness):
     path = cached_tiny_checkpoint()
     model = load_model(path, quant=WeightQuant("int8"))  # the LM head quantized too (tied: a copy)
     from orin_vlm_node.engine import Engine, EngineConfig
 
-    cache = Engine(EngineConfig(model_path=str(path), device="cpu", max_sessions=0)).cache
+    cache = Engine(EngineConfig(model_path=str(path), device="cpu", max_sessions=0)).parts.cache
     ids = torch.arange(5, 25)  # 20 tokens: more rows than the kernels take
 
     def logits() -> torch.Tensor:
@@ -715,7 +434,6 @@ def test_long_rows_share_a_blocks_columns_among_its_warps_by_their_length_alone(
     assert L.gemv_launch("int4", 1, 2048, 2048, torch.float16).grid == (128, 1, 1)
     assert L.gemv_launch("int4", 1, 2048, 6144, torch.float16).grid == (512, 1, 1)  # 4 columns a block
     assert L.gemv_launch("int8", 1, 2048, 4096, torch.float16).grid == (512, 1, 1)  # 2 warps a column pair
-    assert L.gemv_chain_launch("tail", "int4", 6144, 2048, 2048, torch.float16).grid == (128 + 768 + 512, 1, 1)
 
 
 def test_a_gemv_launch_sized_for_other_slices_traps(harness):
@@ -725,7 +443,7 @@ def test_a_gemv_launch_sized_for_other_slices_traps(harness):
     x = torch.randn(1, 3072)
     cfg = L.gemv_launch("int8", 1, 8, 3072, torch.float32)
     y = torch.full((1, 8), float("nan"))
-    args = [y, x, module.qweight, module.scales, None, *[None] * 13, 1, 8, 3072, 32, 0, 0, 0, 1e-6]
+    args = [y, x, module.qweight, module.scales, None, 1, 8, 3072, 32]
     harness.launch(cfg, args)
     torch.testing.assert_close(y, F.linear(x, module.dequantize(torch.float32)), rtol=1e-5, atol=1e-5)
     for grid in (L.gemv_launch("int8", 1, 8, 64, torch.float32).grid, (cfg.grid[0] + 1, 1, 1)):
@@ -737,73 +455,3 @@ def test_a_gemv_launch_sized_for_other_slices_traps(harness):
     half = GemvLinear(torch.nn.Linear(32, 8, bias=False).half(), gemv, rows=8)
     assert not gemv.fits(half, torch.randn(2, 32))  # fp32 rows, fp16 weight
     assert gemv.fits(half, torch.randn(2, 32).half())
-
-
-@pytest.mark.parametrize("prompts", [PROMPTS, (7,)], ids=["three", "one"])
-@pytest.mark.parametrize("mode", ["none", "int4"])
-def test_a_static_decode_step_stores_kv_from_the_q_k_v_products_launch(harness, tmp_path, mode, prompts):
-    """The static decode step (what a CUDA graph captures) with the GEMV kernels and the attention kernel,
-    three sequences of different lengths in buffers of four (one padding row), or one sequence alone, crossing
-    pages: the q/k/v product's launch normalises and rotates the heads and stores the step's K/V at their slots,
-    and logits and the pool are those of the step with the separate launches (norm + RoPE storing them, add +
-    norm, a launch a product), bit for bit; a layer is then 5 launches (q/k/v, attention, o, gate/up, down), 3
-    for one sequence (o, the MLP and both norms one launch)."""
-    from orin_vlm_node.cuda import CudaPagedAttention
-    from orin_vlm_node.model.text import attach_fused_ops
-    from support.checkpoints import make_tiny_checkpoint
-
-    quant = WeightQuant(mode, 32) if mode != "none" else None
-    model = load_model(make_tiny_checkpoint(tmp_path / "ckpt", layers=2, seed=5), quant=quant)
-    launcher = RecordingLauncher(harness)
-    gemv = CudaGemv(launcher, _timer(launcher, 8))  # float weights: the kernel won every rows bucket
-    attach_gemv(model, gemv)
-    attach_fused_ops(model, CudaFusedOps(launcher))
-
-    def run(epilogue: bool) -> tuple[list[torch.Tensor], torch.Tensor, list[list[str]]]:
-        gemv.norm_epilogue = epilogue
-        attention = CudaPagedAttention(launcher, sm_count=16, min_tokens_per_split=16)
-        return run_static_decode(model, torch.float32, attention, launcher.kernels, steps=4, prompts=prompts)
-
-    fused, separate = run(epilogue=True), run(epilogue=False)
-    for a, b in zip(fused[0], separate[0], strict=True):
-        assert torch.equal(a, b)
-    assert torch.equal(fused[1], separate[1])
-    layers = model.config.text.num_hidden_layers
-    for kernels in fused[2]:
-        assert not any(k.startswith(("rms_norm_rope", "add_rms_norm", "paged_kv_write")) for k in kernels)
-        per_layer = 5 if len(prompts) > 1 else 3  # one sequence: o, the MLP and both norms one launch
-        assert kernels.count(f"gemv_tail_{'float' if mode == 'none' else mode}_f32") == layers * (per_layer == 3)
-        assert len(kernels) == 2 + per_layer * layers + 1  # the RoPE tables, the input norm, the layers, the LM head
-    assert all(kernels.count("rms_norm_rope_f32") == layers for kernels in separate[2])
-
-
-@pytest.mark.parametrize("name", ["qkv", "o", "mlp", "tail"])
-def test_the_epilogue_benchmark_times_the_launches_the_decoder_runs(harness, name):
-    """The GPU benchmark's ``epilogues`` part (``bench.gpu.epilogue_sides``) run here on small shapes: each
-    side launches what its name says (the product, then the separate launch; or the product with the epilogue
-    in its launch), and the epilogue's results are those of the separate launch after the same kernel."""
-    from bench.gpu import epilogue_sides
-
-    launcher = RecordingLauncher(harness)
-    n, k = (8 * 16, 64) if name == "qkv" else (48, 64)  # 4 q heads, 2 k and 2 v heads of 16
-    sides = epilogue_sides(launcher, name, n, k, (4, 2, 16), copies=2, device="cpu")
-    separate = "rms_norm_rope_f16" if name == "qkv" else "add_rms_norm_f16"
-    results = {}
-    for side, (fn, items) in sides.items():
-        launcher.kernels.clear()
-        results[side] = [fn(item) for item in items]
-        mode = "int4" if side.startswith("int4") else "float"
-        if name == "mlp":  # cuBLAS's products (torch's) with the activation and the add + norm; the kernels' two; one
-            ours = {"then": [f"gemv_{mode}_swiglu_f16_r1", f"gemv_{mode}_f16_r1"], "fused": [f"gemv_mlp_{mode}_f16"]}
-            launches = ["silu_mul_f16", separate] if side == "fp16_cublas_then" else ours[side.rsplit("_", 1)[1]]
-        elif name == "tail":  # the same after o and its add + norm; the kernels' o launch and MLP launch; one
-            ours = {"then": [f"gemv_{mode}_f16_r1", f"gemv_mlp_{mode}_f16"], "fused": [f"gemv_tail_{mode}_f16"]}
-            cublas = [separate, "silu_mul_f16", separate]
-            launches = cublas if side == "fp16_cublas_then" else ours[side.rsplit("_", 1)[1]]
-        else:
-            product = [] if side == "fp16_cublas_then" else [f"gemv_{mode}_f16_r1"]
-            launches = product + ([] if side.endswith("fused") else [separate])
-        assert launcher.kernels == launches * len(items)
-    for kind in ("fp16_kernel", "int4"):
-        for then, fused in zip(results[f"{kind}_then"], results[f"{kind}_fused"], strict=True):
-            assert all(torch.equal(a, b) for a, b in zip(then, fused, strict=True))

@@ -31,8 +31,8 @@ def test_the_main_loop_is_the_one_with_the_most_vector_loads_and_its_opcodes_are
     assert loop.opcodes() == {"LDG": 2, "PRMT": 1, "FFMA": 2, "BRA": 1}  # predicates and modifiers dropped
 
 
-MLP_SASS = """
-        Function : gemv_mlp_int4_f16
+TWO_LOOPS_SASS = """
+        Function : two_loops
         /*0000*/                   LDG.E.128.CONSTANT R4, [R2.64] ;       /* 0x0000000802047981 */
         /*0010*/                   FFMA R8, R4, R5, R8 ;                  /* 0x0000000504087223 */
         /*0020*/              @!P1 BRA 0x0 ;                              /* 0xffffffd000009947 */
@@ -47,8 +47,8 @@ MLP_SASS = """
 
 
 def test_two_loops_of_as_many_loads_are_both_main_and_a_branch_around_them_is_not():
-    """An MLP kernel: its SwiGLU loop and its down loop, and a backward branch whose body holds both."""
-    loops = main_loops(MLP_SASS)
+    """A kernel with two loops of as many vector loads, and a backward branch whose body holds both."""
+    loops = main_loops(TWO_LOOPS_SASS)
     assert [(loop.start, loop.end, len(loop.instructions)) for loop in loops] == [(0x0, 0x20, 3), (0x40, 0x70, 4)]
     assert [loop.vector_loads for loop in loops] == [1, 1]
 
@@ -62,5 +62,4 @@ def test_weights_a_gemv_loop_step_reads():
     assert gemv_weights_per_step("gemv_int4_f16_r1") == 256  # 8 vectors of 32 int4 weights
     assert gemv_weights_per_step("gemv_int8_swiglu_bf16_r8") == 128
     assert gemv_weights_per_step("gemv_float_f16_r2") == 64 and gemv_weights_per_step("gemv_float_f32_r1") == 32
-    assert gemv_weights_per_step("gemv_mlp_int4_f16") == 256  # each of its two loops
     assert gemv_weights_per_step("paged_decode_attention_f16_d128_g2") is None

@@ -20,7 +20,6 @@ def test_the_checkout_finds_its_own_kernels():
     assert found.directory == (REPO / "kernels").resolve() and found.found_by == "source checkout"
     assert found.modules == (
         "gemv",
-        "gemv_chain",
         "gemv_swiglu",
         "paged_decode_attention",
         "paged_kv_write",
@@ -39,7 +38,7 @@ def test_kernel_dir_setting_wins_and_is_checked(tmp_path):
     (copy / "paged_kv_write.cu").unlink()
     with pytest.raises(
         S.KernelSourcesNotFound,
-        match=r"lacks paged_kv_write\.cu \(has gemv\.cu, gemv_chain\.cu, gemv_swiglu\.cu, paged_decode_attention\.cu",
+        match=r"lacks paged_kv_write\.cu \(has gemv\.cu, gemv_swiglu\.cu, paged_decode_attention\.cu",
     ):
         S.find_kernel_sources(str(copy))
     with pytest.raises(S.KernelSourcesNotFound, match="holds no .cu files"):

@@ -69,11 +69,12 @@ def _setup(tmp_root: str, checkpoint: str):
     probe = Engine(EngineConfig(model_path=str(src), max_context_tokens=512))  # renders prompts + pixels
     refs = {}
     for name, turn in CASES.items():
-        batch = probe.image_processor.preprocess(list(turn.images)) if turn.images else None
-        ids, _ = probe.turns.renderer.first_turn(None, turn, batch.num_tokens if batch else [])
+        batch = probe.parts.image_processor.preprocess(list(turn.images)) if turn.images else None
+        ids, _ = probe.parts.turns.renderer.first_turn(None, turn, batch.num_tokens if batch else [])
         kwargs = dict(input_ids=torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long))
         if batch is not None:
-            mm = torch.tensor([[1 if t == probe.model_config.image_token_id else 0 for t in ids]], dtype=torch.int32)
+            image_token = probe.parts.model_config.image_token_id
+            mm = torch.tensor([[1 if t == image_token else 0 for t in ids]], dtype=torch.int32)
             kwargs.update(pixel_values=batch.pixel_values, image_grid_thw=batch.grid_thw, mm_token_type_ids=mm)
         with torch.no_grad():
             out = hf.generate(**kwargs, max_new_tokens=STEPS, do_sample=False, top_k=None, top_p=None, temperature=None)

@@ -469,7 +469,7 @@ def test_diagnostics_report_the_engine(vlm):
     (status,) = [s for s in array.status if s.name.startswith("orin_vlm")]
     values = {kv.key: kv.value for kv in status.values}
     assert values["state"] in ("idle", "generating")
-    assert values["engine.parts.device"] == "cpu" and values["engine.paged_attention"] == "True"
+    assert values["engine.device"] == "cpu" and values["engine.paged_attention"] == "True"
     assert int(values["requests_completed"]) >= 1 and float(values["last_ttft_s"]) > 0
     for key in ("engine.kv_blocks_total", "engine.kv_blocks_used", "engine.decode_path", "last_decode_tokens_per_s"):
         assert key in values

@@ -77,7 +77,7 @@ def main_loops(sass: str) -> list[Loop]:
 
 def gemv_weights_per_step(kernel: str) -> int | None:
     """Weights one lane's loop step reads in a ``gemv_*`` kernel, else None."""
-    match = re.fullmatch(r"gemv_(?:mlp_)?(float|int8|int4)(?:_swiglu)?_(f32|f16|bf16)(?:_r\d+)?", kernel)
+    match = re.fullmatch(r"gemv_(float|int8|int4)(?:_swiglu)?_(f32|f16|bf16)_r\d+", kernel)
     if not match:
         return None
     mode, dtype = match.groups()

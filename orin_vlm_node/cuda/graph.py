@@ -14,7 +14,7 @@ Several graphs (one per batch and context bucket of the decode step) can share o
 consumed before the next replay.
 
 Dependent launches (sm_90 and later: a kernel starts while the one before it finishes, ``runtime.py``) are
-chosen per graph (``LaunchModes``, the engine's ``dependent_launch`` setting): "auto" captures the graph
+chosen per graph (``LaunchModes``; the engine's is "auto", a benchmark may force one): "auto" captures the graph
 both ways, replays each a few times and keeps the faster. Measured on an H200 they gained fp16 weights 4%
 and cost INT4 weights 8% a token, and before sm_90 (an Orin) there are none: no fixed choice is right
 everywhere. Replaying the step more than once is safe for the reason warm-up is: it is idempotent.

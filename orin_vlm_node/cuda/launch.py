@@ -44,11 +44,6 @@ WIDEN_THREADS = 256  # kWidenThreads in kernels/widen_int4.cu
 GEMV_ROW_BUCKETS = (1, 2, 4, 8)
 GEMV_MODES = ("float", "int8", "int4")  # how the weight is stored: the activations' dtype, or quantized
 GEMV_EPILOGUES = ("", "_swiglu")  # the product itself, or silu(gate) * up of a fused gate/up weight
-# Chained launches of one decode row (kernels/gemv.cuh, the chain kernels): their products in order, each (output
-# columns, input columns, whether SwiGLU) with I the MLP's inter size, D the hidden size and A the attention
-# output's width: the MLP, and the o product and the MLP.
-GEMV_CHAINS = {"mlp": (("I", "D", True), ("D", "I", False)),
-               "tail": (("D", "A", False), ("I", "D", True), ("D", "I", False))}  # fmt: skip
 # Output columns one GEMV warp computes, by weight storage and whether the epilogue is SwiGLU (kGemvColumns
 # in kernels/gemv.cuh): quantized weights share each widened piece of x between the weight rows a warp reads
 # (int8 two, int4 four: four columns, or two with their up rows).
@@ -81,7 +76,6 @@ def kernel_modules(tags: Iterable[str] = DTYPE_TAGS.values()) -> dict[str, tuple
             )
             for epilogue in GEMV_EPILOGUES
         },
-        "gemv_chain": tuple(f"gemv_{kind}_{mode}_{t}" for kind in GEMV_CHAINS for mode in GEMV_MODES for t in tags),
         "rms_norm": tuple(f"{kind}_{t}" for kind in NORM_KERNELS for t in tags),
         "silu_mul": tuple(f"silu_mul_{t}" for t in tags),
         "widen_int4": tuple(f"widen_int4_{t}" for t in tags),
@@ -96,13 +90,7 @@ ARG_KINDS: dict[str, tuple[str, ...]] = {
     "paged_decode_attention": ("ptr",) * 9 + ("i32",) * 6 + ("f32",),
     "paged_prefill_attention": ("ptr",) * 7 + ("i32",) * 4 + ("f32",),
     "paged_kv_write": ("ptr",) * 5 + ("i32",),
-    # after the weight's pointers the norm epilogue's 5 and the heads epilogue's 8; after the sizes the heads'
-    "gemv": ("ptr",) * 18 + ("i32",) * 7 + ("f32",),
-    # act, x, the gate/up weight's 3, y, the down weight's 3, the norm epilogue's 4, the chain's counters
-    "gemv_mlp": ("ptr",) * 14 + ("i32",) * 3 + ("f32",),
-    # y_o, x, the o weight's 3, the post-attention norm's 4, then as gemv_mlp from act on; attn, inter, hidden,
-    # group, the two norms' epsilons
-    "gemv_tail": ("ptr",) * 21 + ("i32",) * 4 + ("f32",) * 2,
+    "gemv": ("ptr",) * 5 + ("i32",) * 4,  # y, x, weight, scales, offsets; rows, N, K, group
     "rms_norm": ("ptr",) * 4 + ("i32",) * 4 + ("f32",),
     "rms_norm_rope": ("ptr",) * 10 + ("i32",) * 5 + ("f32",),
     "add_rms_norm": ("ptr",) * 5 + ("i32", "f32"),
@@ -345,24 +333,6 @@ def gemv_launch(
     grid = (math.ceil(out_features / block_columns), 1, 1)
     kernel = f"gemv_{mode}{GEMV_EPILOGUES[swiglu]}_{tag}_r{bucket}"
     return _checked(LaunchConfig(kernel, grid, (GEMV_WARPS * WARP_SIZE, 1, 1), 0))
-
-
-def chain_counters(kind: str) -> int:
-    """The counters a chained launch of ``kind`` takes (zero before it and after it; kernels/gemv.cuh:
-    chain_counters): the tickets, and for each product its blocks done and its norm epilogue's counter."""
-    return 1 + 2 * len(GEMV_CHAINS[kind])
-
-
-def gemv_chain_launch(kind: str, mode: str, inter: int, hidden: int, attn: int, dtype: object) -> LaunchConfig:
-    """The products of one decode row chained in one launch (``gemv_<kind>_<mode>_<dtype>``, ``kind`` one of
-    GEMV_CHAINS; ``attn`` the attention output's width, the o product's K): each product's blocks as
-    :func:`gemv_launch` sizes them, one after another in one grid; the kernel orders them by the tickets its
-    blocks take, not by their index."""
-    sizes = {"I": inter, "D": hidden, "A": attn}
-    links = GEMV_CHAINS[kind]
-    blocks = sum(gemv_launch(mode, 1, sizes[n], sizes[k], dtype, swiglu).grid[0] for n, k, swiglu in links)
-    tag = DTYPE_TAGS[dtype_name(dtype)]
-    return _checked(LaunchConfig(f"gemv_{kind}_{mode}_{tag}", (blocks, 1, 1), (GEMV_WARPS * WARP_SIZE, 1, 1), 0))
 
 
 def rows_in_place(t) -> bool:

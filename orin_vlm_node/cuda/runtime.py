@@ -18,7 +18,7 @@ makes each kernel wait for that one's stores before it touches memory); eager la
 the driver takes such launches is checked once when the kernels load: two dependent launches captured and
 replayed must give what the same two launched plainly give; if not, every launch is plain and
 ``programmatic_status`` says why. Where it works, whoever captures picks per capture
-(``dependent_launches``): the decode graphs follow the engine's ``dependent_launch`` setting (``graph.py``).
+(``dependent_launches``): each decode graph is captured both ways and the faster kept (``graph.py``).
 
 All CUDA imports happen inside functions; importing this module works on a machine without a GPU.
 """

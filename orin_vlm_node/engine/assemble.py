@@ -130,8 +130,6 @@ class Assembler:
         # The CUDA GEMV kernels for decode rows (the CPU kernels are routed with the model's load).
         timer = functools.partial(device_us, stream=self._capture_stream(device))
         gemv = CudaGemv(launcher, timer) if launcher else None
-        if gemv is not None:  # before attach_gemv: the float shapes are timed as they will run
-            gemv.norm_epilogue = gemv.mlp_chain = gemv.tail_chain = config.fuse_decode_launches
         gemv_path = attach_gemv(model, gemv, floats=config.use_cuda_graph)
         attach_fused_ops(model, CudaFusedOps(launcher) if launcher else None)
         return {"attention": attention, "gemv_path": gemv_path}
@@ -141,7 +139,7 @@ class Assembler:
         launcher = attention.launcher if attention.kernels else None
         step = build_decode_step(
             parts["model"], parts["cache"], device, config.use_cuda_graph, MAX_BATCH, self._capture_stream(device),
-            LaunchModes(launcher, config.dependent_launch) if launcher else None,
+            LaunchModes(launcher) if launcher else None,
         )  # fmt: skip
         log.log(logging.WARNING if attention.degraded else logging.INFO, "%s", attention.status)
         log.info("decode path: %s", decode_path(attention, step))

@@ -52,8 +52,6 @@ class EngineConfig:
     prefill_chunk_tokens: int = _default("prefill_chunk_tokens")
     use_cuda_kernels: bool = _default("use_cuda_kernels")
     use_cuda_graph: bool = _default("use_cuda_graph")
-    fuse_decode_launches: bool = _default("fuse_decode_launches")
-    dependent_launch: str = _default("dependent_launch")
     allow_kernel_fallback: bool = _default("allow_kernel_fallback")
     kernel_dir: str = _default("kernel_dir")
     kernel_cache_dir: str = _default("kernel_cache_dir")

@@ -23,15 +23,12 @@ def lm_head_storage(config: EngineConfig, dtype: torch.dtype) -> str:
 
 def weight_path(parts: EngineParts) -> str:
     """How the projections multiply: on CUDA with the kernels, which take the GEMV kernels for decode rows
-    (quantized ones all, float ones where they measured faster) and whether the norms join the products'
-    launches and a layer's products chain into one (``fuse_decode_launches``); else float weights through the
-    CPU GEMM kernels or ``F.linear``, quantized ones through the CPU GEMM kernels on the stored bytes or torch."""
+    (quantized ones all, float ones where they measured faster); else float weights through the CPU GEMM
+    kernels or ``F.linear``, quantized ones through the CPU GEMM kernels on the stored bytes or torch."""
     cfg = parts.config
     mode, group = cfg.weight_quant, cfg.weight_quant_group_size
     if parts.gemv_path:  # CUDA with the kernels: which products take the GEMV kernels, measured
-        fused = "on" if cfg.fuse_decode_launches else "off (fuse_decode_launches)"
-        return (f"{'float weights' if mode == 'none' else mode}: {parts.gemv_path}; norms in the products' "
-                f"launches, one sequence's products between two attentions in one: {fused}")  # fmt: skip
+        return f"{'float weights' if mode == 'none' else mode}: {parts.gemv_path}"
     if mode == "none":
         return f"float weights: {parts.float_path}"
     if parts.cpu_gemm is None:

@@ -66,6 +66,11 @@ class Engine:
         """A copy of the settings in effect."""
         return dataclasses.replace(self.parts.config)
 
+    @property
+    def max_batch(self) -> int:
+        """Requests that decode together (no copy of the config: the node's worker reads it every turn)."""
+        return self.parts.config.max_batch
+
     def generate(self, request: Request) -> Iterator[Event]:
         """Stream ``TextDelta`` events, then exactly one ``Finished``.
 

@@ -8,7 +8,7 @@ faster depends on the GPU, the weight's shape and the row count, so a float weig
 for the row buckets where it measured faster on this GPU (``CudaGemv.faster_rows``, timed once per shape
 over the layers of that shape when the kernels are attached); a quantized weight always takes it (its torch
 path widens the whole weight for every product). The MLP's gate/up projection runs with the SwiGLU
-activation in the kernel's epilogue (``text.swiglu``), and is timed that way; a quantized one is timed with
+activation in the kernel's launch (``text.swiglu``), and is timed that way; a quantized one is timed with
 it against its plain product followed by the ``silu_mul`` kernel (``CudaGemv.swiglu_rows``).
 
 :func:`attach_gemv` wraps the float projections that take the kernel in a :class:`GemvLinear` (the loaded
@@ -27,14 +27,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..kvcache import KVSink
 from .quant import QuantizedLinear, quantized_summary
-from .rope import TextRopeTables
-from .text import HeadNorms, product_epilogue
+from .text import takes_swiglu
 
 log = logging.getLogger("orin_vlm_node.model")
-# text.product_epilogue's kinds (its first word), for the log
-EPILOGUE_NAMES = {"": "", "swiglu": " + SwiGLU", "norm": " + add + norm", "heads": " + q/k norms + RoPE"}
 
 
 class GemvKernels(Protocol):
@@ -51,26 +47,10 @@ class GemvKernels(Protocol):
         :meth:`fits` takes (``QuantizedLinear.forward``): ``module.dequantize(dtype)``'s values, one launch."""
         ...
 
-    norm_epilogue: bool  # whether ``text.add_rms_norm`` asks for :meth:`add_rms_norm`
-
-    def add_rms_norm(
-        self, module: nn.Module, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The product added to ``residual`` and RMS-normalised with ``weight`` in the product's launch: (sum,
-        normed), both (L, N)."""
-        ...
-
-    def norm_rope_heads(
-        self, module: nn.Module, x: torch.Tensor, norms: HeadNorms, rope: TextRopeTables, sink: KVSink | None = None
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The fused q/k/v product's q/k norms, RoPE and KV sink in the product's launch: (qk (L, heads, D),
-        v (L, kv_heads, D))."""
-        ...
-
-    def faster_rows(self, weights: Sequence[torch.Tensor], epilogue: str = "") -> tuple[int, str]:
+    def faster_rows(self, weights: Sequence[torch.Tensor], swiglu: bool = False) -> tuple[int, str]:
         """The largest rows bucket up to which the kernel beat torch on ``weights`` (of one shape; 0: never),
-        each side with what follows the product in the decoder (``epilogue``: ``text.product_epilogue``),
-        and the timings that decided it, for the log."""
+        with ``swiglu`` each side followed by the SwiGLU (``text.takes_swiglu``), and the timings that decided
+        it, for the log."""
         ...
 
     def swiglu_rows(self, modules: Sequence[nn.Module], dtype: torch.dtype) -> tuple[int, str]:
@@ -121,9 +101,9 @@ class GemvLinear(nn.Module):
 
 
 def _timing_key(parent: nn.Module, attr: str) -> tuple:
-    """Projections timed together: one weight shape and dtype, and what follows the product in the decoder."""
+    """Projections timed together: one weight shape and dtype, and whether the SwiGLU follows the product."""
     weight = getattr(parent, attr).weight
-    return tuple(weight.shape), weight.dtype, product_epilogue(parent, attr)
+    return tuple(weight.shape), weight.dtype, takes_swiglu(parent, attr)
 
 
 def _quantized_swiglus(model: nn.Module) -> dict[tuple[str, str], list[QuantizedLinear]]:
@@ -132,8 +112,8 @@ def _quantized_swiglus(model: nn.Module) -> dict[tuple[str, str], list[Quantized
     found: dict[tuple[str, str], list[QuantizedLinear]] = {}
     for parent, attr in _sites(model):
         module = getattr(parent, attr)
-        if isinstance(module, QuantizedLinear) and product_epilogue(parent, attr) == "swiglu":
-            shape = f"{module.out_features}x{module.in_features}{EPILOGUE_NAMES['swiglu']}"
+        if isinstance(module, QuantizedLinear) and takes_swiglu(parent, attr):
+            shape = f"{module.out_features}x{module.in_features} + SwiGLU"
             found.setdefault((module.mode, shape), []).append(module)
     return found
 
@@ -187,8 +167,8 @@ def attach_gemv(model: nn.Module, kernels: GemvKernels | None, floats: bool = Tr
     elif floating:
         parts.append(f"{routed} of {len(floating)} float ones")
         parts += [
-            f"{n}x{k}{EPILOGUE_NAMES[e.partition(' ')[0]]}: {timings}"
-            for ((n, k), _, e), (_, timings) in decided.items()
+            f"{n}x{k}{' + SwiGLU' if swiglu else ''}: {timings}"
+            for ((n, k), _, swiglu), (_, timings) in decided.items()
         ]
     what = "GEMV kernels for decode rows: " + "; ".join(parts)
     log.info("CUDA projections: %s", what)

@@ -5,17 +5,11 @@ interleaved M-RoPE in the activation dtype -> attention through the step's :clas
 (the KV backend owns slots, masks and GQA) -> o_proj -> residual -> RMSNorm -> SwiGLU (gate and up fused)
 -> residual. Each residual add is left to the norm after it (the o_proj's to the post-attention norm, the
 MLP's to the next layer's input norm or the final one): the delta is passed on as a :class:`Product` not yet
-computed, so on CUDA one kernel adds and normalises, and where the projection is one of the GEMV kernels that
-kernel's launch does (its norm epilogue). A layer returns everything after its attention that way (a
-:class:`LayerTail`: o_proj, the post-attention norm and the MLP), so at one row the kernels run the o product,
-both norms and the MLP in one launch.
+computed (a layer's whole tail after attention as a :class:`LayerTail`), so on CUDA one kernel adds and
+normalises, and a prefill's last layer computes its tail for the rows whose logits are asked for only.
 No biases anywhere. RMSNorm multiplies by its weight *after* casting back to the input dtype
-(docs/architecture.md, pitfall 8); that order is what makes bf16 results match transformers.
-With the GPU's GEMV kernels a decode step's SwiGLU is the gate/up kernel's epilogue (:func:`swiglu`), and its
-q/k norms + RoPE the q/k/v kernel's (:meth:`SelfAttention.norm_rope_heads`). The MLP's output is passed on with
-both of its products not computed yet (a :class:`Product` with its ``mlp``), so at one row the kernels run the
-whole MLP and the add + norm after it in one launch (:func:`in_one_launch`), and a prefill's last layer
-computes its MLP for the rows whose logits are asked for only.
+(docs/architecture.md, pitfall 8); that order is what makes bf16 results match transformers. With the GPU's
+GEMV kernels a decode step's SwiGLU runs in the gate/up product's launch (:func:`swiglu`).
 """
 
 from __future__ import annotations
@@ -80,8 +74,7 @@ class HeadNorms(NamedTuple):
 class Product(NamedTuple):
     """A projection's output not computed yet: ``proj`` applied to rows ``x`` (L, K), or with ``mlp`` (the MLP whose
     down projection ``proj`` is) to the activation of the MLP's input rows ``x``, not computed yet either. The
-    residual add it feeds computes it (:func:`add_rms_norm`), in the projection kernel's launch where it can (with
-    ``mlp``, both of the MLP's products in one launch where the kernels chain them)."""
+    residual add it feeds computes it (:func:`add_rms_norm`)."""
 
     x: torch.Tensor
     proj: nn.Module
@@ -107,8 +100,7 @@ class Product(NamedTuple):
 class LayerTail(NamedTuple):
     """The rest of a decoder layer after its attention, not computed yet: the ``attention`` output through o_proj
     (a :class:`Product`), the post-attention ``norm`` and the ``mlp``. On the residual stream x it gives x1 + mlp(
-    norm(x1)), x1 = x + o; the residual add after it computes it (:func:`add_rms_norm`), with the GEMV kernels in
-    one launch where they chain all three products (:func:`in_one_launch`)."""
+    norm(x1)), x1 = x + o; the residual add after it computes it (:func:`add_rms_norm`)."""
 
     attention: Product
     norm: RMSNorm
@@ -134,28 +126,14 @@ def add_rms_norm(
     norm: RMSNorm, x: torch.Tensor, delta: Product | LayerTail | None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The residual add ``delta.added_to(x)`` (none when ``delta`` is None) and ``norm`` of the sum: (sum,
-    normed), both (L, D). With the fused kernels attached one kernel adds and normalises, and where the
-    projection's GEMV kernels take the rows and run the norm epilogue, the product's own launch does; where
-    the delta is a layer's tail or an MLP's whose products the kernels chain, their one launch does."""
+    normed), both (L, D). With the fused kernels attached one kernel adds and normalises."""
     if delta is None:
         return x, rms_norm(norm, x)
     if norm.fused is None:
         x = delta.added_to(x)
         return x, rms_norm(norm, x)
     if isinstance(delta, LayerTail):
-        o, mlp = delta.attention, delta.mlp
-        projections = (o.proj, mlp.gate_up_proj, mlp.down_proj)
-        if in_one_launch(projections, o.x):
-            post = (delta.norm.weight, delta.norm.eps)
-            return o.proj.kernels.tail_add_rms_norm(projections, o.x, x, post, norm.weight, norm.eps)
         x, delta = delta.mlp_after(x)
-    if delta.mlp is not None:
-        gate_up = delta.mlp.gate_up_proj
-        if in_one_launch((gate_up, delta.proj), delta.x):
-            return gate_up.kernels.mlp_add_rms_norm(gate_up, delta.proj, delta.x, x, norm.weight, norm.eps)
-        delta = Product(delta.operand(), delta.proj)
-    if gemv_takes(delta.proj, delta.x) and delta.proj.kernels.norm_epilogue:
-        return delta.proj.kernels.add_rms_norm(delta.proj, delta.x, x, norm.weight, norm.eps)
     return norm.fused.add_rms_norm(x, delta.value(), norm.weight, norm.eps)
 
 
@@ -187,18 +165,11 @@ class FusedLinear(nn.Module):
 
 def gemv_takes(proj: nn.Module, x: torch.Tensor) -> bool:
     """Whether ``proj``'s GEMV kernels multiply rows ``x`` (:class:`.gemv_linear.GemvLinear`, or a
-    :class:`.quant.QuantizedLinear` with kernels attached; ``kernel_takes``), so an epilogue can run in that
+    :class:`.quant.QuantizedLinear` with kernels attached; ``kernel_takes``), so the SwiGLU can run in that
     launch. Looked up on the class: a plain module (the CPU's, torch's) has no such method, and a missing
     attribute asked of the module itself goes through nn.Module.__getattr__'s exception, on every decode step."""
     kernel_takes = getattr(type(proj), "kernel_takes", None)
     return kernel_takes is not None and kernel_takes(proj, x)
-
-
-def in_one_launch(projections: tuple, x: torch.Tensor) -> bool:
-    """Whether the GEMV kernels chain ``projections`` (an MLP's gate/up and down, or a layer's o, gate/up and down)
-    into one launch for the first one's input rows ``x``: every projection's kernels take rows like x (each later
-    product's input has x's rows and dtype, in a buffer the launch allocates) and chain them (``CudaGemv.chains``)."""
-    return all(gemv_takes(m, x) for m in projections) and projections[0].kernels.chains(projections, x)
 
 
 def project(x: torch.Tensor, linear: nn.Module) -> torch.Tensor:
@@ -248,13 +219,9 @@ class SelfAttention(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """With the fused kernels: the q/k/v product of rows ``x``, its q and k heads normalised and rotated
         (L, nq + nkv, hd) and its v heads (L, nkv, hd); with ``sink`` the rotated keys and the values are
-        stored there too. In the product's launch where the projection's GEMV kernels take the rows and run
-        the heads epilogue, else the product, then the fused norm + RoPE launch."""
-        proj = self.qkv_proj
+        stored there too: the product, then the fused norm + RoPE launch."""
         norms = HeadNorms(self.q_norm.weight, self.k_norm.weight, self.num_heads, self.q_norm.eps)
-        if gemv_takes(proj, x) and proj.kernels.norm_epilogue:
-            return proj.kernels.norm_rope_heads(proj, x, norms, rope, sink)
-        return self.q_norm.fused.norm_rope_product(project(x, proj), norms, rope, sink)
+        return self.q_norm.fused.norm_rope_product(project(x, self.qkv_proj), norms, rope, sink)
 
 
 def swiglu(x: torch.Tensor, gate_up_proj: nn.Module, fused) -> torch.Tensor:
@@ -285,19 +252,10 @@ class MLP(nn.Module):
         return Product(x, self.down_proj, self)
 
 
-def product_epilogue(parent: nn.Module, attr: str) -> str:
-    """What the GEMV kernels run after the product of the projection ``getattr(parent, attr)`` in its launch,
-    and what its kernel is timed with: ``"swiglu"`` for an MLP's gate/up projection (the activation,
-    :func:`swiglu`), ``"norm"`` for an o or down projection (the residual add and the norm after it,
-    :func:`add_rms_norm`), ``"heads <q heads> <head_dim>"`` for the fused q/k/v projection (the q/k norms,
-    RoPE and KV sink, :meth:`SelfAttention.norm_rope_heads`), else ``""``."""
-    if isinstance(parent, MLP) and attr == "gate_up_proj":
-        return "swiglu"
-    if (isinstance(parent, SelfAttention) and attr == "o_proj") or (isinstance(parent, MLP) and attr == "down_proj"):
-        return "norm"
-    if isinstance(parent, SelfAttention) and attr == "qkv_proj":
-        return f"heads {parent.num_heads} {parent.head_dim}"
-    return ""
+def takes_swiglu(parent: nn.Module, attr: str) -> bool:
+    """Whether the SwiGLU follows the product of the projection ``getattr(parent, attr)`` (an MLP's gate/up
+    projection: :func:`swiglu`), which the GEMV kernels then run in the product's launch and are timed with."""
+    return isinstance(parent, MLP) and attr == "gate_up_proj"
 
 
 def attach_fused_ops(model: nn.Module, ops) -> int:
