@@ -149,7 +149,8 @@ SETTINGS: tuple[Setting, ...] = (
        max=262_144),
     # -- CUDA
     _s("use_cuda_kernels", bool, True, "custom CUDA attention kernels (CUDA only)", E, BETWEEN, rebuilds=BACKEND),
-    _s("use_cuda_graph", bool, True, "replay the decode step as CUDA graphs (CUDA only)", E, BETWEEN, rebuilds=BACKEND),
+    _s("use_cuda_graph", bool, True, "replay the decode step as CUDA graphs (CUDA only); float projections take "
+       "the GEMV kernels only then (they are timed as a graph runs them)", E, BETWEEN, rebuilds=BACKEND),
     _s("allow_kernel_fallback", bool, True, "true: torch attention, reported as 'kernels: off (<reason>)', when "
        "the kernels cannot be used; false: that is a startup error", E, BETWEEN, rebuilds=BACKEND),
     _s("kernel_dir", str, "", "CUDA kernel sources; '' = the ones installed with the package", E, BETWEEN,

@@ -364,7 +364,7 @@ def test_a_model_routed_to_the_kernels_computes_what_it_computed_and_detaching_r
     assert all(getattr(parent, attr) is m for (parent, attr), m in zip(sites, loaded, strict=True))
     assert all(m.kernels is None for m in model.modules() if isinstance(m, QuantizedLinear))
     timed.clear()  # a decode without CUDA graphs: float weights stay on torch, untimed
-    what = attach_gemv(model, CudaGemv(launcher, time_us), floats=False)
+    what = attach_gemv(model, CudaGemv(launcher, time_us), use_cuda_graph=False)
     assert what.endswith(f"float ones: F.linear ({floats}; decode not in CUDA graphs)") and not timed
     assert all(getattr(parent, attr) is m for (parent, attr), m in zip(sites, loaded, strict=True))
 

@@ -66,7 +66,7 @@ def test_static_step_matches_dynamic_step(model, kind, page_size):
     logits_dyn = model.forward(torch.tensor(ids), positions, cache.step(seq_dyn, len(ids)), vision)
     logits_static = model.forward(torch.tensor(ids), positions, cache.step(seq_static, len(ids)), vision)
     buckets = (40, 64, 256)  # slots 30..69 are decoded: the step moves through all three buckets
-    step = StaticDecodeStep(model, cache, torch.device("cpu"), use_graphs=True, buckets=buckets)
+    step = StaticDecodeStep(model, cache, torch.device("cpu"), use_cuda_graph=True, buckets=buckets)
     dynamic = DynamicDecodeStep(model, cache)
     assert step.describe()["graphs"] == "off (cpu device)"
     buffers = [step.input_ids, step.positions, step.buffers.slot_mapping, step.buffers.kv_len, step.buffers.block_table]
@@ -121,7 +121,7 @@ def test_batched_static_step_matches_each_sequence_alone(model, kind, page_size)
         static_seqs.append(pair[0])
         dyn_seqs.append(pair[1])
         pending.append(int(logits[0].argmax()))
-    step = StaticDecodeStep(model, cache, torch.device("cpu"), use_graphs=True, max_batch=4, buckets=(40, 256))
+    step = StaticDecodeStep(model, cache, torch.device("cpu"), use_cuda_graph=True, max_batch=4, buckets=(40, 256))
     assert step.batch_buckets == (1, 2, 4)
     dynamic = DynamicDecodeStep(model, cache)
     storage = cache.kv_storage
@@ -150,7 +150,7 @@ def test_a_full_static_step_refuses_another_sequence_and_run_needs_one(model):
     seqs = [cache.new_sequence() for _ in range(3)]
     for seq in seqs:
         cache.step(seq, 3)
-    step = StaticDecodeStep(model, cache, torch.device("cpu"), use_graphs=False, max_batch=2)
+    step = StaticDecodeStep(model, cache, torch.device("cpu"), use_cuda_graph=False, max_batch=2)
     with pytest.raises(RuntimeError, match="without prepare"):
         step.run()
     step.prepare(seqs[0], 5, 0)
@@ -167,6 +167,6 @@ def test_buckets_double_up_to_the_limit_and_the_step_is_chosen_by_device(model):
     assert context_buckets(100) == (100,)
     assert batch_buckets(16) == (1, 2, 4, 8, 16) and batch_buckets(6) == (1, 2, 4, 6) and batch_buckets(1) == (1,)
     cache = _cache(model, "paged", 16, sequences=1, max_context=64)
-    step = build_decode_step(model, cache, torch.device("cpu"), use_graphs=True, max_batch=4)
+    step = build_decode_step(model, cache, torch.device("cpu"), use_cuda_graph=True, max_batch=4)
     assert isinstance(step, DynamicDecodeStep)  # on the CPU one dynamic step serves every batch
     assert step.describe() == {"step": "dynamic", "overlap": False}

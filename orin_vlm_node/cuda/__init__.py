@@ -7,7 +7,7 @@ Public API (the engine uses these names):
   (...)"``, ``attention_impl``): ``attention_impl`` is a kvcache ``PagedAttentionImpl``
   (``CudaPagedAttention``) or None for the torch one. ``KernelsUnavailable`` when kernels are required
   but cannot be used.
-* ``DecodeGraph(fn, device, enabled=True, warmup=2, pool=None, *, stream, launches=None)``: ``run()`` /
+* ``DecodeGraph(fn, device, use_cuda_graph=True, warmup=2, pool=None, *, stream, launches=None)``: ``run()`` /
   ``describe()``; ``LaunchModes(runtime, setting)``: its kernels launched dependent, plain, or both timed.
 * ``CudaPagedAttention(launcher, sm_count=16)``: write_kv / attend / attend_decode.
 * ``find_kernel_sources(kernel_dir="")``: where the ``.cu`` files are in this install.

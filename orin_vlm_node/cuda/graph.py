@@ -79,7 +79,7 @@ class DecodeGraph:
         self,
         fn: Callable[[], Any],
         device: str | torch.device,
-        enabled: bool = True,
+        use_cuda_graph: bool = True,
         warmup: int = 2,
         pool: Any = None,
         *,
@@ -88,7 +88,7 @@ class DecodeGraph:
     ):
         self.fn = fn
         self.device = torch.device(device)
-        self.enabled = enabled
+        self.use_cuda_graph = use_cuda_graph
         self.warmup = warmup
         self._graph: torch.cuda.CUDAGraph | None = None
         self._output: Any = None
@@ -99,7 +99,7 @@ class DecodeGraph:
         self.fallback_reason = ""
         if self.device.type != "cuda":
             self.fallback_reason = "cpu device"
-        elif not enabled:
+        elif not use_cuda_graph:
             self.fallback_reason = "disabled by use_cuda_graph"
         elif stream is None:
             raise ValueError("a CUDA graph is captured on the process's capture stream: pass it as stream")

@@ -130,7 +130,7 @@ class Assembler:
         # The CUDA GEMV kernels for decode rows (the CPU kernels are routed with the model's load).
         timer = functools.partial(device_us, stream=self._capture_stream(device))
         gemv = CudaGemv(launcher, timer) if launcher else None
-        gemv_path = attach_gemv(model, gemv, floats=config.use_cuda_graph)
+        gemv_path = attach_gemv(model, gemv, use_cuda_graph=config.use_cuda_graph)
         attach_fused_ops(model, CudaFusedOps(launcher) if launcher else None)
         return {"attention": attention, "gemv_path": gemv_path}
 

@@ -130,7 +130,7 @@ class StaticDecodeStep:
     """Fixed buffers for up to ``max_batch`` sequences, one attention per (batch bucket, context bucket),
     and that bucket's graph runner.
 
-    With ``use_graphs`` on a CUDA device each bucket's forward is captured once and replayed; otherwise
+    With ``use_cuda_graph`` on a CUDA device each bucket's forward is captured once and replayed; otherwise
     (CPU, graphs disabled, a failed capture) it runs eagerly over the same buffers. ``overlap`` (default:
     on CUDA) lets the scheduler stage device tokens and read them while the next step runs.
     ``capture_stream``: the side stream the graphs are captured on, the process's one (``cuda.graph``);
@@ -142,7 +142,7 @@ class StaticDecodeStep:
         model: torch.nn.Module,
         cache: KVCache,
         device: torch.device,
-        use_graphs: bool,
+        use_cuda_graph: bool,
         max_batch: int = 1,
         buckets: tuple[int, ...] | None = None,
         overlap: bool | None = None,
@@ -165,13 +165,12 @@ class StaticDecodeStep:
             for b in self.batch_buckets
             for w in self.buckets
         }
-        graphs = use_graphs and device.type == "cuda"
-        pool = torch.cuda.graph_pool_handle() if graphs else None
+        pool = torch.cuda.graph_pool_handle() if use_cuda_graph and device.type == "cuda" else None
         self._runners = {
             key: DecodeGraph(
                 functools.partial(self.forward, *key),
                 device,
-                enabled=graphs,
+                use_cuda_graph=use_cuda_graph,
                 pool=pool,
                 stream=capture_stream,
                 launches=launches,
@@ -242,18 +241,18 @@ def build_decode_step(
     model: torch.nn.Module,
     cache: KVCache,
     device: torch.device,
-    use_graphs: bool,
+    use_cuda_graph: bool,
     max_batch: int,
     capture_stream: torch.cuda.Stream | None = None,
     launches: LaunchModes | None = None,
 ) -> DecodeStep:
     """The one place that decides how decode runs, for batches of up to ``max_batch`` sequences.
 
-    On CUDA the static step (CUDA graphs when ``use_graphs``, one per batch and context bucket, captured on
+    On CUDA the static step (CUDA graphs when ``use_cuda_graph``, one per batch and context bucket, captured on
     ``capture_stream``, their kernels launched as ``launches`` says); on CPU, where a graph gains nothing, the
     dynamic step."""
     if device.type == "cuda":
         return StaticDecodeStep(
-            model, cache, device, use_graphs, max_batch, capture_stream=capture_stream, launches=launches
+            model, cache, device, use_cuda_graph, max_batch, capture_stream=capture_stream, launches=launches
         )
     return DynamicDecodeStep(model, cache)

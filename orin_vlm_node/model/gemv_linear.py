@@ -123,11 +123,11 @@ def _sites(model: nn.Module) -> list[tuple[nn.Module, str]]:
     return [*model.language_model.projection_sites(), (model, "lm_head")]
 
 
-def attach_gemv(model: nn.Module, kernels: GemvKernels | None, floats: bool = True) -> str:
+def attach_gemv(model: nn.Module, kernels: GemvKernels | None, use_cuda_graph: bool = True) -> str:
     """Route ``model``'s decoder projections and LM head through ``kernels`` (module docstring), or back to
-    torch when None; what was done, for the log and diagnostics ('' when None). ``floats`` False keeps the
-    float weights on torch: the kernels were timed as a CUDA graph runs them, and a decode launched from
-    Python (no graphs) pays the PyCUDA launch on every product, several times torch's."""
+    torch when None; what was done, for the log and diagnostics ('' when None). Without ``use_cuda_graph`` the
+    float weights stay on torch: the kernels are timed as a CUDA graph runs them, and a decode launched from
+    Python pays the PyCUDA launch on every product, several times torch's."""
     for parent, attr in _sites(model):
         module = getattr(parent, attr)
         if isinstance(module, GemvLinear):
@@ -142,13 +142,13 @@ def attach_gemv(model: nn.Module, kernels: GemvKernels | None, floats: bool = Tr
         for parent, attr in _sites(model)
         if isinstance(getattr(getattr(parent, attr), "weight", None), torch.Tensor)  # not quantized, not the CPU's
     ]
-    targets = floating if floats else []
+    targets = floating if use_cuda_graph else []
     by_shape: dict[tuple, list[torch.Tensor]] = {}  # (shape, dtype, swiglu) -> the weights: one timing each
     for parent, attr in targets:
         weight = getattr(parent, attr).weight
         by_shape.setdefault(_timing_key(parent, attr), []).append(weight)
     decided = {key: kernels.faster_rows(weights, key[2]) for key, weights in by_shape.items()}  # -> (rows, timings)
-    swiglus = _quantized_swiglus(model) if floats else {}  # timed as a graph runs them, as the float weights
+    swiglus = _quantized_swiglus(model) if use_cuda_graph else {}  # timed as a graph runs them, as the float weights
     dtype = model.language_model.embed_tokens.weight.dtype  # the activations' (the embedding keeps the checkpoint's)
     swiglu_timings = [f"{m} {shape}: {kernels.swiglu_rows(ms, dtype)[1]}" for (m, shape), ms in swiglus.items()]
     routed = 0
@@ -162,7 +162,7 @@ def attach_gemv(model: nn.Module, kernels: GemvKernels | None, floats: bool = Tr
     counts = quantized_summary(sum(m is not model.lm_head for m in quantized), head_mode)
     parts = [" + ".join(counts)] if counts else []
     parts += swiglu_timings
-    if floating and not floats:
+    if floating and not use_cuda_graph:
         parts.append(f"float ones: F.linear ({len(floating)}; decode not in CUDA graphs)")
     elif floating:
         parts.append(f"{routed} of {len(floating)} float ones")

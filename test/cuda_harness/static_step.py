@@ -34,7 +34,7 @@ def run_static_decode(
         ),
         attention_impl=attention_impl,
     )  # fmt: skip
-    step = StaticDecodeStep(model, cache, torch.device("cpu"), use_graphs=False, max_batch=4)
+    step = StaticDecodeStep(model, cache, torch.device("cpu"), use_cuda_graph=False, max_batch=4)
     seqs, tokens = [], []
     for n in prompts:
         prompt = torch.arange(10, 10 + n)
