@@ -1,18 +1,7 @@
 """What the node compiles on the robot at startup (CUDA cubins, the CPU GEMM library): the compiler run and
 the on-disk cache.
 
-Compiling costs seconds to minutes on a Jetson, so every build is cached under a key its builder derives
-from everything that changes the binary. A cache file carries a header (magic, payload length, SHA-256 of
-the payload) and is written atomically (temporary file + rename), so a write interrupted by a power cut or
-Ctrl-C, or a corrupted file, is detected and rebuilt instead of crashing a loader; a read-only cache only
-costs a rebuild at every start. The cache stays bounded on a robot that is updated for years: each
-artifact (a module for one architecture) keeps its ``KEEP_PER_ARTIFACT`` most recently used builds, so
-switching between a few installed versions still hits and older builds are deleted. That rule only sees
-the builds of artifacts still built; the entries of a module a later release renamed or dropped, and the
-temporary files of writes cut short by a power cut, would stay forever. So a cache folder as a whole also
-keeps at most ``CACHE_BUDGET_BYTES`` of entries (the least recently used deleted first), and a temporary
-file older than any write takes is deleted. Only files that are this cache's own are touched (an entry
-starts with the header's magic), as ``kernel_cache_dir`` may name a folder other files live in.
+More in docs/modules.md, ``orin_vlm_node/artifact_cache.py``.
 """
 
 from __future__ import annotations

@@ -9,9 +9,7 @@ the node a respawn starts. Linux tells a process that asks (``PR_SET_PDEATHSIG``
 it ends, but tells that process alone, not what it spawned; so this guard asks, runs the compiler in its group
 with its temporary files in the build folder (``TMPDIR``), and when told ends the group and removes the folder.
 
-A script rather than a module of the package: it runs with Python's site packages off (``-S``, a start of
-about 40 ms), so it imports nothing but the standard library. It exits with the compiler's status (128 + the
-signal's number when a signal ended it), or 127 when the compiler cannot be started.
+More in docs/modules.md, ``orin_vlm_node/compiler_guard.py``.
 """
 
 from __future__ import annotations

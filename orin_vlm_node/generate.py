@@ -6,11 +6,7 @@ or a settings change before launching the node. Every engine and sampling settin
 (``page_size`` is ``--page-size``, a boolean ``use_cuda_graph`` is ``--use-cuda-graph`` /
 ``--no-use-cuda-graph``), plus ``--system-prompt``, ``--stop`` and ``--ignore-eos``.
 
-Text streams to stdout as it is generated; with ``--json`` one JSON object ``{"text", "token_ids",
-"finish_reason", "metrics", "backend"}`` is printed instead; ``backend`` says which attention path ran
-(``kernels: on (...)`` / ``kernels: off (<reason>)``), the decode path and the KV pool size and why.
-Exit status: 0 for every finish reason except ``error``; errors go to stderr with status 1 (bad
-input, failed generation) or 2 (bad command line, from argparse).
+More in docs/modules.md, ``orin_vlm_node/generate.py``.
 """
 
 from __future__ import annotations

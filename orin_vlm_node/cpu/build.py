@@ -7,10 +7,7 @@ what ``-march=native`` resolves to on this machine (the compiler's own driver li
 and the target CPU and features), so another compiler, CPU or board rebuilds. Cache files are verified and
 written atomically (``artifact_cache``).
 
-``-fopenmp`` links the library against ``libgomp.so.1``; loaded into a process where torch has loaded its
-own ``libgomp.so.1`` (the CPU wheels, JetPack's builds), the dynamic linker binds both to that one
-runtime, so a kernel's parallel loop runs on torch's intra-op worker threads instead of competing with
-them.
+More in docs/modules.md, ``orin_vlm_node/cpu/build.py``.
 """
 
 from __future__ import annotations

@@ -7,10 +7,7 @@ weights widened in registers, fp32 sums.
   multiplied by broadcast activations (the GEMM micro-kernel), so a bf16 or quantized weight is never
   copied to fp32 in memory and the arithmetic runs near the FMA units' peak.
 
-A quantized weight is read as stored: int8 gives the product with the integer values (the caller applies the
-per-row scale, where it factors out of the sum); int4 is an :class:`Int4Weight`, its groups' scales and
-offsets applied in the kernel (``many_rows`` widens each weight; ``few_rows`` sums ``x * q`` and ``x`` over a
-group and applies the group's scale and offset once, half the work a value).
+More in docs/modules.md, ``orin_vlm_node/cpu/gemm.py``.
 """
 
 from __future__ import annotations

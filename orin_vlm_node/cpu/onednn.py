@@ -9,9 +9,7 @@ MKL, without such caches). 128 entries hold every shape that repeats (a decode s
 camera's frame size) and bound the caches near 100 MB; the default model answered as fast with 128 as with
 1024 (30 image prompts of 32 tokens, three runs each).
 
-oneDNN and ideep read their capacities from the environment once per process, the first time they run:
-``bound_onednn_caches`` sets them, unless the environment already does (an operator's values win), and has
-effect only before the process's first oneDNN matmul; the engine calls it before it loads a model on the CPU.
+More in docs/modules.md, ``orin_vlm_node/cpu/onednn.py``.
 """
 
 from __future__ import annotations

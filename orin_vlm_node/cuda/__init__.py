@@ -2,21 +2,7 @@
 
 Public API (the engine uses these names):
 
-* ``select_backend(device, use_cuda_kernels, shape, kernel_dir="", kernel_cache_dir="", allow_fallback=True)
-  -> BackendChoice`` (``kernels``, ``reason``, ``status`` = ``"kernels: on (...)"`` / ``"kernels: off
-  (...)"``, ``attention_impl``): ``attention_impl`` is a kvcache ``PagedAttentionImpl``
-  (``CudaPagedAttention``) or None for the torch one. ``KernelsUnavailable`` when kernels are required
-  but cannot be used.
-* ``DecodeGraph(fn, device, use_cuda_graph=True, warmup=2, pool=None, *, stream, launches=None)``: ``run()`` /
-  ``describe()``; ``LaunchModes(runtime, setting)``: its kernels launched dependent, plain, or both timed.
-* ``CudaPagedAttention(launcher, sm_count=16)``: write_kv / attend / attend_decode.
-* ``find_kernel_sources(kernel_dir="")``: where the ``.cu`` files are in this install.
-* ``KernelBuildError`` (build failures), ``CudaRuntimeError`` (driver failures).
-
-Layout: ``sources.py`` (finding ``kernels/`` in every install layout), ``build.py`` (nvcc + cubin cache),
-``launch.py`` (grid/block/shared sizes, pure), ``runtime.py`` (PyCUDA context + launches),
-``attention.py``, ``graph.py``, ``backend.py``, ``diagnostics.py`` (``python -m orin_vlm_node.cuda``).
-Importing this package imports neither pycuda nor anything that needs a GPU. See ``docs/cuda-kernels.md``.
+More in docs/modules.md, ``orin_vlm_node/cuda/__init__.py``.
 """
 
 from .attention import CudaPagedAttention

@@ -8,15 +8,7 @@ harness in the tests). A call that does not fit (a prefill of many rows) goes ba
 with hundreds of rows the product is compute-bound, the weights are read once either way, and torch's tiled
 GEMM is the faster one.
 
-A float weight competes with torch's product (cuBLAS), which is close to the bandwidth on some shapes and
-GPUs and not on others; :meth:`CudaGemv.faster_rows` times both on this GPU, as a decode graph runs them, and
-the engine routes a shape to the kernel only for the rows it won.
-
-The MLP's fused gate/up projection takes the kernels' SwiGLU epilogue (``swiglu=True``): one launch writes
-silu(gate) * up, where the unfused path writes the 2I-wide product and launches ``silu_mul`` on it; its
-timing is against that pair (``F.linear`` then the ``silu_mul`` kernel), and a quantized one's against its
-own plain launch then ``silu_mul`` (:meth:`CudaGemv.swiglu_rows`: the two kernels differ in registers, by
-architecture, so the GPU decides).
+More in docs/modules.md, ``orin_vlm_node/cuda/gemv.py``.
 """
 
 from __future__ import annotations

@@ -9,21 +9,7 @@ idempotent for fixed buffer contents (writing the same K/V to the same slot agai
 
 If capture fails (an op that is not capturable, a host sync), the runner logs why and stays eager.
 
-Several graphs (one per batch and context bucket of the decode step) can share one memory pool
-(``torch.cuda.graph_pool_handle()``): they never replay at the same time, and each graph's output is
-consumed before the next replay.
-
-Dependent launches (sm_90 and later: a kernel starts while the one before it finishes, ``runtime.py``) are
-chosen per graph (``LaunchModes``; the engine's is "auto", a benchmark may force one): "auto" captures the graph
-both ways, replays each a few times and keeps the faster. Measured on an H200 they gained fp16 weights 4%
-and cost INT4 weights 8% a token, and before sm_90 (an Orin) there are none: no fixed choice is right
-everywhere. Replaying the step more than once is safe for the reason warm-up is: it is idempotent.
-
-Every capture here (the decode graphs and :func:`device_us`'s timing graphs) warms up and captures on a
-side stream the caller passes in, and a process should pass the same one each time: cuBLAS keeps a
-workspace for each (handle, stream) pair that runs a product, allocated from torch's cache and held for
-the life of the process (32 MiB on Hopper). A new stream per capture cost 32 MiB each: the engine's
-startup timing of its weight shapes made about 16 of them, half a gigabyte on the GPU for a 9 MB model.
+More in docs/modules.md, ``orin_vlm_node/cuda/graph.py``.
 """
 
 from __future__ import annotations

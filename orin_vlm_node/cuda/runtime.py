@@ -5,22 +5,7 @@ Context: torch works in the device's *primary* context. PyCUDA retains that same
 (a context is current per thread; the engine may run on a worker thread). Tensors' ``data_ptr()`` are
 then valid kernel arguments.
 
-Launch: kernels go to ``torch.cuda.current_stream().cuda_stream`` so they order with torch's ops and
-are recorded when torch captures a CUDA graph on its side stream. PyCUDA's own launch API only accepts
-PyCUDA ``Stream`` objects, so modules are loaded and launched through the driver API
-(``cuModuleLoadData`` / ``cuLaunchKernel``, via ctypes on libcuda) inside the PyCUDA-managed context.
-Nothing here allocates or synchronizes: a launch is capture-safe.
-
-Programmatic dependent launch (sm_90 and later): there a launch recorded into a CUDA graph (the decode
-step's) goes through ``cuLaunchKernelEx`` with the programmatic-stream-serialization attribute, so in the
-graph a kernel may start while the kernel before it finishes (``KERNEL_PROLOGUE`` in ``kernels/compat.cuh``
-makes each kernel wait for that one's stores before it touches memory); eager launches stay plain. Whether
-the driver takes such launches is checked once when the kernels load: two dependent launches captured and
-replayed must give what the same two launched plainly give; if not, every launch is plain and
-``programmatic_status`` says why. Where it works, whoever captures picks per capture
-(``dependent_launches``): each decode graph is captured both ways and the faster kept (``graph.py``).
-
-All CUDA imports happen inside functions; importing this module works on a machine without a GPU.
+More in docs/modules.md, ``orin_vlm_node/cuda/runtime.py``.
 """
 
 from __future__ import annotations

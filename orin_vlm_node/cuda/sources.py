@@ -4,17 +4,7 @@ The kernels are compiled on the robot at startup, so the ``.cu`` files must be f
 copy of ``orin_vlm_node`` is running. They are not Python package data; ``setup.py`` installs them as
 data files, so their place depends on the install:
 
-* source checkout: ``<repo>/orin_vlm_node/`` with ``<repo>/kernels/`` beside it (``package.xml`` there);
-* ``pip install .`` (venv, ``--user``, system, ``--prefix``): ``<prefix>/lib/pythonX.Y/site-packages/
-  orin_vlm_node`` and ``<prefix>/share/orin_vlm_node/kernels``;
-* ``colcon build`` (ament_python): ``install/orin_vlm_node/lib/pythonX.Y/site-packages`` (or
-  ``local/lib/python3/dist-packages`` on Debian) and ``install/orin_vlm_node/share/orin_vlm_node/kernels``,
-  the prefix listed in ``AMENT_PREFIX_PATH`` (``ament_index_python`` finds it);
-* the ``kernel_dir`` setting, which overrides all of these.
-
-Candidates are tried nearest first (the checkout or prefix that holds the running package, then the ament
-index, then ``sys.prefix``), and a directory only counts when it holds every kernel module the runtime
-loads, so a stray ``kernels`` folder of another project is never mistaken for ours.
+More in docs/modules.md, ``orin_vlm_node/cuda/sources.py``.
 """
 
 from __future__ import annotations

@@ -6,26 +6,7 @@ the sequence's next KV slot (may raise PoolExhausted before any change, so the e
 retry, or leave that sequence out) and stages the token. ``run()`` is the device half: the logits of the
 staged tokens, in staging order. Two implementations, chosen in one place (:func:`build_decode_step`):
 
-* :class:`DynamicDecodeStep` (CPU): fresh tensors and the cache's ordinary ``step`` every token; its work
-  follows the tokens held. Several sequences go through the model as the rows of one forward (their
-  attention per sequence, :class:`~..kvcache.SequencesAttention`).
-* :class:`StaticDecodeStep` (CUDA): everything that changes from one token to the next (input tokens,
-  RoPE positions, KV slots, block-table rows) lives in tensors allocated once and refilled in place by
-  ``prepare``, so ``run`` can be captured as a CUDA graph and replayed. ``prepare`` always goes through
-  ``KVCache.prepare_static_decode``, which allocates the block and uploads the table row before any
-  replay (docs/architecture.md, "Paging under CUDA graphs"). The batch runs as one forward whose
-  attention is one kernel launch over the batch's ``[batch, max_blocks]`` table rows. On CUDA it
-  *overlaps* (``overlap``): a staged token may be a device tensor, the token the previous step's logits
-  chose, not yet read by the host, so the scheduler can queue step N+1 before it reads token N
-  (:mod:`.sampled_tokens`); ``discard()`` forgets the staged rows when the scheduler must read the
-  tokens first after all (it releases their KV slots itself, ``RequestRun.unstage``).
-
-A graph has fixed shapes. One graph attending over the whole ``max_context_tokens`` would cost every
-token as much as the longest conversation, so the static step keeps one attention (and one graph) per
-*context bucket*: widths of 256, 512, 1024, ... tokens up to the context limit, the smallest that holds
-every sequence of the step. And one graph per *batch bucket* (1, 2, 4, 8, ...): a step of 3 sequences
-replays the graph of 4 with one padding row, which stores nothing and attends to nothing. Graphs are
-captured lazily, the first time a (batch, context) bucket is used, and share one memory pool.
+More in docs/modules.md, ``orin_vlm_node/engine/decode_step.py``.
 """
 
 from __future__ import annotations

@@ -1,16 +1,6 @@
 """One request from start to ``Finished``: prepare the turn, take a KV sequence, prefill, decode, settle.
 
-The scheduler (:mod:`.scheduler`) drives it phase by phase, on the parts it was admitted with (model, KV
-cache, session store, decode step), interleaved with the other requests of the batch: :meth:`RequestRun.advance_prefill`
-one prompt piece at a time, then per token :meth:`~RequestRun.sample` (on the device),
-:meth:`~RequestRun.take` (the host reads it: stream, decide), :meth:`~RequestRun.stage` (reserve the KV
-slot in the batched decode step) and :meth:`~RequestRun.fed`.
-When the pool runs out the scheduler may :meth:`~RequestRun.preempt` a request: the KV this turn added
-is freed and, once it runs again, recomputed by the same piecewise prefill (its prompt, then the tokens
-it had generated) before decoding goes on where it stopped. Whatever way it ends -- finished,
-cancelled, an exception, the consumer closing the stream -- :meth:`RequestRun.settle` leaves the KV as
-the session invariants say (:mod:`.session`): a kept session holds its whole conversation, a turn that
-never reached prefill (or ended while preempted) is undone, everything else is released.
+More in docs/modules.md, ``orin_vlm_node/engine/request.py``.
 """
 
 from __future__ import annotations

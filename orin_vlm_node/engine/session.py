@@ -4,16 +4,7 @@ A session owns one KV sequence. Its KV holds every token the model has seen so f
 user turns with their image tokens, the assistant answers) so turn N only prefills what it adds.
 Three things must stay consistent with that KV, and live here together so they cannot drift apart:
 
-* ``token_ids`` / ``extra_keys``: the tokens whose KV is cached, slot by slot (extra key = image
-  content hash for image-pad tokens, used for prefix-cache registration);
-* ``rope_delta``: RoPE position minus KV slot after the cached tokens (next RoPE position is
-  ``len(token_ids) + rope_delta``); it is negative once an image was shown, in any earlier turn;
-* ``pending_ids``: tokens that belong to the conversation but are not in the KV yet: the last
-  sampled token (a sampled token is only fed to the model by the *next* step) and the ``<|im_end|>``
-  that closes the answer. The next turn prefills them in front of its own tokens.
-
-``messages`` is the conversation in chat-template form, used to render the next turn's delta. A turn
-that fails before its prefill ran goes back to the :class:`SessionSnapshot` taken when it started.
+More in docs/modules.md, ``orin_vlm_node/engine/session.py``.
 """
 
 from __future__ import annotations

@@ -7,25 +7,7 @@ reference; the CUDA helper provides the same three methods with kernels
 
 Layouts an implementation receives (one layer at a time, all on the cache device):
 
-* ``k_pool``, ``v_pool``: (num_blocks, page_size, num_kv_heads, head_dim), contiguous, the cache dtype.
-  Physical slot ``s`` is ``k_pool.view(-1, nkv, hd)[s]``, i.e. block ``s // page_size``, offset
-  ``s % page_size``.
-* ``slot_mapping``: (L,) int64, the physical slot of each new token, in token order. A negative slot (a
-  padding row of a batched static decode step) may only reach an implementation whose
-  ``skips_negative_slots`` is true; for the others the caller redirects such rows first
-  (:func:`~.base.padded_writes`).
-* ``blocks`` (:meth:`attend`): a :class:`StepBlocks`, the sequence's table twice: on the device (int32,
-  at least ``ceil(kv_len / page_size)`` valid entries; what kernels read) and on the host as runs of
-  consecutive blocks (what the torch path reads in place, one view per run).
-* ``block_table`` (:meth:`attend_decode`): (B, W) int32 device rows of fixed width
-  (``max_blocks_per_sequence``), one per sequence of the batch, entries past its last block ``-1``;
-  ``blocks`` says how many leading entries any row can use at this step (the context bucket's width).
-* The block table a kernel reads has been uploaded before the step that needs it (``PagedKVCache.step``
-  and ``prepare_static_decode`` upload changed entries before they return), never during a launch.
-
-Semantics (both must match :mod:`.reference` exactly up to kernel rounding): query ``i`` of a step sits at
-slot ``q_start + i`` and attends causally to slots ``0 .. q_start + i``; GQA maps kv head ``j`` to q heads
-``j*g .. j*g+g-1``; scale ``head_dim ** -0.5``; softmax in fp32; output in q's dtype.
+More in docs/modules.md, ``orin_vlm_node/kvcache/attention.py``.
 """
 
 from __future__ import annotations

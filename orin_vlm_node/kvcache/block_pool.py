@@ -9,10 +9,7 @@ Every block is in exactly one state:
 
 All operations are O(1) per block (list / OrderedDict / dict), so the engine can call them per step.
 
-The free list is a stack (last freed, first reused): a released sequence frees its blocks tail first, so
-the next sequence pops them head first and gets the same consecutive run back. With a FIFO queue the
-freed blocks went to the back and, after a few requests, a 4k-token table was 60-130 scattered runs; the
-torch attention reads each run in place, so fewer runs means fewer, larger products per step.
+More in docs/modules.md, ``orin_vlm_node/kvcache/block_pool.py``.
 """
 
 from __future__ import annotations

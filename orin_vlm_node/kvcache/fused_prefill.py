@@ -8,15 +8,7 @@ each query head to its KV head itself (``enable_gqa``: K/V are never repeated). 
 the benchmark machine: the default model's 53-token text prompt 215 -> 74 us; a 700-token prompt of the
 2B's attention shape 163 -> 61 ms in fp32 and 2.4 s -> 58 ms in bf16.
 
-It is the call transformers' default ("sdpa") attention makes for a prompt (``is_causal``, ``enable_gqa``,
-the scale ``head_dim ** -0.5``). Against the reference formula the outputs move by fp32 rounding (up to
-7e-7 in fp32, one or two ulps in bf16), as any change of summation order does.
-
-Single-query steps (decode) keep the reference's grouped product, which reads a paged sequence's runs of
-blocks in place; the fused kernel needs K/V as one tensor, so a prefill piece over several runs (a table
-with gaps) concatenates them first: one copy of the sequence's K/V per layer, smaller than the score
-matrix the reference would build. Other devices keep the reference (on CUDA the kernels, or the
-reference when they are off, whose fused kernels may repeat K/V for GQA).
+More in docs/modules.md, ``orin_vlm_node/kvcache/fused_prefill.py``.
 """
 
 from __future__ import annotations

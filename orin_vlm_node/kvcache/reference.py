@@ -5,16 +5,7 @@ It follows the transformers "eager" attention of Qwen3 (scores in the input dtyp
 mask, softmax in fp32, cast back to the input dtype before the product with V) so that a model running
 through our caches can be compared with a transformers checkpoint token for token.
 
-GQA without copies: transformers repeats every K/V head ``group`` times before the product; on a decode
-step that copy of the whole cache dominated the step (about three quarters of it at 4k context on the
-2B shape). Here the ``group`` query heads that share a KV head become rows of one matrix instead, so
-one batched product per KV head reads K and V in place: q (L, nq, hd) -> (nkv, group * L, hd), scores
-(nkv, group * L, T). Each score is still the dot product of one query row with one key row.
-
-Keys and values may come in *parts* (consecutive runs of slots that are not adjacent in memory, e.g.
-the runs of consecutive blocks of a paged sequence): the scores of all parts are concatenated before one
-softmax, so the result is the single-softmax formula over all slots; with one part it is exactly the
-one-tensor computation.
+More in docs/modules.md, ``orin_vlm_node/kvcache/reference.py``.
 """
 
 from __future__ import annotations

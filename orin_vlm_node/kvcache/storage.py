@@ -9,9 +9,7 @@ pass walks 8 pages. ``madvise(MADV_HUGEPAGE)`` asks for them where the kernel's 
 are in ``madvise`` mode (the default of Ubuntu and JetPack) or ``always``; where they are off or the
 call is unsupported, the storage is the same tensor in ordinary pages.
 
-The memory is committed at allocation (written with zeros), as ``torch.zeros`` does: the pool was sized
-from the memory available at startup and must stay reserved for it, not be taken by the robot's other
-processes before the first long conversation. On a GPU the tensor comes from torch's allocator.
+More in docs/modules.md, ``orin_vlm_node/kvcache/storage.py``.
 """
 
 from __future__ import annotations

@@ -9,29 +9,7 @@ quarter of the fp16 bytes. Widening such a checkpoint and quantizing it again wo
 
 Layout of a converted linear ``<module>`` whose weight is (N, K) (N outputs, K inputs), groups of G inputs:
 
-* ``<module>.qweight`` int32 (K, N / 8): each word holds 8 consecutive outputs of one input, 4 bits each, in
-  the interleaved order AutoAWQ packs for its GEMM kernel: bits 4i .. 4i + 3 of word c hold output
-  ``8c + AWQ_PACK_ORDER[i]``. Values u are unsigned, 0..15.
-* ``<module>.qzeros`` int32 (K / G, N / 8): the zero point z of each (group, output), packed the same way.
-* ``<module>.scales`` fp16 (K / G, N): the scale s of each (group, output).
-
-``w[n, k] = (u[k, n] - z[k // G, n]) * s[k // G, n]``. Note the orientation: input-major, the transpose of the
-node's (and compressed-tensors') output-major layout, so reading it means unpacking and transposing.
-
-**Kept** as ``int4`` (group size a power of two, as the CUDA kernels shift by it): u is already the node's
-unsigned nibble (two a byte along K, even k in the low nibble once transposed), s its scale and ``-z * s`` its
-offset (``w = u * s + offset``), rounded to fp16: at most 2^-11 of |offset| <= 15 s away, under 0.8% of one
-quantization step (as for compressed-tensors' zero points, :mod:`.int_weights`).
-
-Everything else is **widened**: ``(u - z) * s`` in fp32 (exact: a 5-bit integer times an fp16 scale) rounded once
-to the model's dtype, which in fp16 is what AutoAWQ's and transformers' fp16 dequantization gives. That covers
-``weight_quant=none`` and ``int8``, group sizes that are not powers of two, and an LM head or vision tower saved
-quantized (AutoAWQ leaves both in float: ``modules_to_not_convert``, which needs nothing here since their
-weights are ordinary float tensors).
-
-Not read, refused by name (:meth:`AwqWeights.from_awq_spec`): the other AutoAWQ layouts (``gemv``,
-``gemv_fast``, ``marlin``, ``exllama``, ``ipex``: other packings), other widths than 4 bits, and
-``zero_point: false``.
+More in docs/modules.md, ``orin_vlm_node/model/awq_weights.py``.
 """
 
 from __future__ import annotations

@@ -9,34 +9,7 @@ on some x86 CPUs: on the AMD EPYC the benchmarks run on, one thread, a 2B-shape 
 compiled on the machine at startup: ``orin_vlm_node.cpu``) reads each weight block once for all rows:
 4.2 ms and 5.9 ms, 54 ms and 73 ms; it also splits the weight over torch's threads.
 
-Every output of the few-rows kernel is summed in the same order whatever the row count, so a sequence's
-tokens are bit-identical alone and in a batch: every decode step goes through it (up to ``KERNEL_ROWS``
-rows, the largest ``max_batch``, in pieces of the kernel's ``max_rows``). bf16 weights are widened in
-registers and accumulated in fp32, as torch's bf16 GEMM does (one 2B gate+up row 4.2 ms against torch's
-5.4, four rows 6.1 against 20.3). The module keeps the float weight itself (shared, not copied: a tied
-head's is the embedding table). No C++ compiler, a compile error or a probe that disagrees with
-``F.linear`` keeps ``F.linear``, with the reason in the log and diagnostics.
-
-More rows (a prefill, or the suffix left after a prefix-cache hit) take the many-rows kernel, the GEMM
-micro-kernel on panels of the weight packed in the kernel. Measured on the same CPU, one thread, 2B shapes
-in bf16: gate+up 24 rows 18 ms, 256 rows 151 ms, 1024 rows 621 ms, against 26 / 166 / 654 ms for torch's
-GEMM on 256-row weight blocks widened to fp32 (the previous path) and 34 ms for 24 rows through the few-rows
-kernel in pieces; ``F.linear`` in bf16 costs about 4.8 ms per row at every row count (this CPU has no bf16
-arithmetic). In fp32 it is 5..18% faster than the blocks. A small fp32 weight (at most
-``ONE_CALL_ELEMENTS``, the default model's) stays one ``F.linear`` call: it fits the cache, where torch's
-GEMM is as fast and the call cheaper (default model, 17..200 rows: 21..252 us against 27..238 us); a small
-bf16 weight takes the kernel (384 x 128, 53 rows: 105 us against 843 us). Those bf16 figures are from a
-CPU without bf16 arithmetic; on one with it (``cpu.gemm.native_bf16``: AVX512-BF16, AMX, Arm BF16) torch's
-bf16 GEMM runs on those units and beats the kernel, which widens to fp32 (24 rows 9.1 ms against 15.9, 256
-rows 60 against 130), so a bf16 prefill takes ``F.linear`` there; decode rows keep the few-rows kernel.
-
-Quantized projections (``weight_quant``) keep their :class:`~.quant.QuantizedLinear` (the stored bytes) inside
-a :class:`CpuQuantLinear`, which hands those bytes to the same kernels: the rows are routed as above
-(:func:`kernel_product`), so a decode step's tokens are batch-invariant there too.
-
-A routed projection binds its weight once, when it is routed (``RowsGemm.bind``: dtype, shape, layout and
-int4 groups checked there, not on every call: the check costs as much as a small product). The model is on
-its device and in its dtype by then and is not moved afterwards (another device or dtype reloads it).
+More in docs/modules.md, ``orin_vlm_node/model/cpu_linear.py``.
 """
 
 from __future__ import annotations

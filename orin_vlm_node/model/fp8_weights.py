@@ -6,24 +6,7 @@ and disk size -- what a robot with a small eMMC and a slow uplink wants to fetch
 no FP8 arithmetic, so each weight is widened to the model's dtype as it streams in; with ``weight_quant``
 the decoder projections are then stored as INT8/INT4 from the widened values, as from any float checkpoint.
 
-In both layouts a converted linear's ``<module>.weight`` is float8_e4m3fn (N, K) and a scale tensor beside
-it holds one scale per block of (bn, bk) weights, shape (ceil(N / bn), ceil(K / bk)):
-``w[n, k] = q[n, k] * s[n // bn, k // bk]`` (a last block row or column that the block size does not divide
-is a partial block with its own scale). The two layouts differ in names and in which blocks they allow:
-
-* ``quant_method: fp8`` ("fine-grained FP8", Qwen's and DeepSeek's; as transformers saves it): the scale
-  is ``<module>.weight_scale_inv``, blocks of ``weight_block_size = [bn, bk]`` or, without it, one scale
-  for the tensor. Scales are float32, or powers of two stored as float8_e8m0fnu (``scale_fmt: ue8m0``).
-* ``quant_method: compressed-tensors`` with ``format: float-quantized`` (llm-compressor): the scale is
-  ``<module>.weight_scale``; the config group's ``weights`` (8-bit float, symmetric) say the ``strategy``:
-  ``tensor`` (one scale), ``channel`` (one per output row, (N, 1)), ``group`` (1 x ``group_size``) or
-  ``block`` (``block_structure``).
-
-Modules left unconverted are ordinary float tensors. Activation scales (a static activation scheme) are
-not used: activations stay in the model's dtype, which only removes a rounding step.
-
-Integer weights are :mod:`.int_weights`; which format a checkpoint is in, and the refusal of the others, is
-:mod:`.stored_format`.
+More in docs/modules.md, ``orin_vlm_node/model/fp8_weights.py``.
 """
 
 from __future__ import annotations

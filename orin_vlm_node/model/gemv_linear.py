@@ -1,20 +1,7 @@
 """The GPU path of the decoder's projections and LM head: a decode step's few rows through the GEMV kernels
 (``kernels/gemv.cuh``, launched by ``cuda.gemv.CudaGemv``), everything else through torch.
 
-Why: at batch 1 a decode step reads every weight once, so its projections should run at the memory's copy
-bandwidth. torch's product of one row (cuBLAS) reached 65-80% of it on an H200 for the 2B's layer shapes, and
-adds a split-K reduce kernel to most of them; the GEMV kernel is one launch per product. Which of the two is
-faster depends on the GPU, the weight's shape and the row count, so a float weight takes the kernel only
-for the row buckets where it measured faster on this GPU (``CudaGemv.faster_rows``, timed once per shape
-over the layers of that shape when the kernels are attached); a quantized weight always takes it (its torch
-path widens the whole weight for every product). The MLP's gate/up projection runs with the SwiGLU
-activation in the kernel's launch (``text.swiglu``), and is timed that way; a quantized one is timed with
-it against its plain product followed by the ``silu_mul`` kernel (``CudaGemv.swiglu_rows``).
-
-:func:`attach_gemv` wraps the float projections that take the kernel in a :class:`GemvLinear` (the loaded
-module stays inside it: no copy of the weight, a tied head keeps the embedding table) and points every
-:class:`~.quant.QuantizedLinear` at the kernels; called with None it undoes both, so switching the kernels
-off at runtime leaves the model as loaded.
+More in docs/modules.md, ``orin_vlm_node/model/gemv_linear.py``.
 """
 
 from __future__ import annotations

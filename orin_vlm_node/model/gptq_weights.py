@@ -8,32 +8,7 @@ would lose the calibration and hold four times the bytes the robot downloaded.
 
 Layout of a converted linear ``<module>`` whose weight is (N, K) (N outputs, K inputs), groups of G inputs:
 
-* ``<module>.qweight`` int32 (K / 8, N): word (r, n) holds inputs 8r .. 8r + 7 of output n, input 8r + p at
-  bits 4p .. 4p + 3. Values u are unsigned, 0..15.
-* ``<module>.qzeros`` int32 (groups, N / 8): word (g, c) holds the zero points of outputs 8c .. 8c + 7 of group
-  g, output 8c + j at bits 4j .. 4j + 3. In the original format (``checkpoint_format: gptq``, "v1") the word
-  stores ``z - 1`` in every field, subtracted from the whole word (0x11111111: a field of 0 borrows from the
-  next), which GPTQModel undoes by adding 0x11111111 back; ``gptq_v2`` stores z itself. A symmetric checkpoint
-  has z = 8 everywhere (v1 words 0x77777777).
-* ``<module>.scales`` fp16 (groups, N).
-* ``<module>.g_idx`` int32 (K,): the group of each input. Without activation order (``desc_act: false``) it is
-  k // G; with it, the inputs were quantized in order of their activations' size and g_idx says which group
-  each input's scale is in (not groups of consecutive inputs). ``group_size: -1``: one group a row. Without
-  activation order some exporters leave it out; it is then k // G.
-
-``w[n, k] = (u[k, n] - z[g_idx[k], n]) * s[g_idx[k], n]``.
-
-**Kept** as ``int4`` without activation order: the bytes of a qweight word are already the node's nibble pairs
-for its 8 inputs (even input in the low nibble), so a (K / 8, N) word matrix becomes the node's (N, K / 2) bytes
-by a transpose; scale s, offset ``-z * s`` (``w = u * s + offset``) rounded to fp16 (exact when symmetric: -8 s).
-The node's groups are the checkpoint's when G is a power of two; one group a row (``group_size: -1``) repeats
-its scale over groups of ``weight_quant_group_size``, as for compressed-tensors' per-channel scales.
-
-Everything else is **widened**: ``(u - z) * s`` in fp32 (exact) rounded once to the model's dtype. That covers
-``weight_quant=none`` and ``int8``, activation order, and group sizes that are not powers of two.
-
-Not read, refused by name (:meth:`GptqWeights.from_gptq_spec`): other widths than 4 bits, and other
-checkpoint formats (``marlin``, ``bitblas``, ``gptq_p``, ...: other packings).
+More in docs/modules.md, ``orin_vlm_node/model/gptq_weights.py``.
 """
 
 from __future__ import annotations

@@ -8,38 +8,7 @@ machine, often with calibration (GPTQ's error feedback, AWQ's activation-aware s
 answers than the round-to-nearest INT4 this node computes at load; and a robot with a small eMMC and a slow
 uplink fetches a quarter of the bytes. Widening them to fp16 and quantizing again would lose both.
 
-Layout of a converted linear ``<module>`` whose weight is (N, K), b bits a value (4 or 8):
-
-* ``pack-quantized``: ``<module>.weight_packed`` int32 (N, ceil(K * b / 32)): value k of a row at bits
-  b * k .. b * k + b - 1 of the row's words (little-endian), stored plus 2^(b-1), so q = stored - 2^(b-1) lies
-  in -2^(b-1) .. 2^(b-1) - 1; ``<module>.weight_shape`` int64 [N, K] (config.json fixes the shape already).
-* ``int-quantized``: ``<module>.weight`` int8 (N, K), q itself (8 bits only here).
-* ``<module>.weight_scale`` s, float: (N, ceil(K / group_size)) for the ``group`` strategy (a last group that
-  the group size does not divide is shorter), (N, 1) for ``channel``, one value for ``tensor``.
-* asymmetric schemes also ``<module>.weight_zero_point`` z in q's range, (N, G) like the scale: pack-quantized
-  packs it like the weight but along N (int32 (ceil(N * b / 32), G)), int-quantized stores int8.
-
-``w[n, k] = (q[n, k] - z[n, g]) * s[n, g]`` with g = k // group_size (z = 0 when symmetric).
-
-**Kept** (:meth:`IntWeights.keeps`), the stored values are the node's format with no requantization:
-
-* 4 bits as ``int4``: the packed bytes are already its layout (two values a byte, even k in the low nibble,
-  q + 8 in 0..15); scale s and offset -(z + 8) * s. Symmetric schemes map exactly (the offset is -8 s, a power
-  of two times s); for asymmetric ones the offset is rounded to fp16, at most 2^-11 of |offset| <= 15 s away:
-  under 0.8% of one quantization step. A ``channel`` or ``tensor`` scale is repeated over groups of
-  ``weight_quant_group_size``; a ``group`` size must be a power of two (the CUDA kernels shift by it).
-* 8 bits as ``int8``, symmetric per channel or tensor: q and s as stored (q may be -128, which the kernels take).
-
-Scales are stored in fp16: a bf16 or fp16 scale converts exactly (above fp16's smallest normal, 6e-5); an
-fp32 one rounds to 11 significant bits.
-
-Everything else is **widened**: ``(q - z) * s`` in fp32 (exact for bf16/fp16 scales), rounded once to the
-model's dtype, as transformers loads the same files in the scales' dtype. That covers the vision tower,
-``weight_quant=none``, another mode than the stored one, 8-bit groups or zero points, and group sizes that are
-not powers of two; ``weight_quant`` then quantizes the widened projections as from a float checkpoint.
-
-Activation quantization (W8A8's int8 activations) is not used: activations stay in the model's dtype, which
-only removes a rounding step.
+More in docs/modules.md, ``orin_vlm_node/model/int_weights.py``.
 """
 
 from __future__ import annotations

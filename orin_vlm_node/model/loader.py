@@ -6,12 +6,7 @@ on the meta device (no storage), each parameter is allocated once, empty, in the
 target device, and every checkpoint tensor is read from its safetensors file and copied into place
 (cast on the way). Peak memory is about the model size plus the largest single tensor.
 
-All headers are checked before any data is read: missing/unexpected keys, shape mismatches, missing
-shard files, pickle-only checkpoints and quantized weights without fitting scales raise :class:`CheckpointError`
-naming the files and keys. Weights stored quantized (:mod:`.stored_format`) are widened to ``dtype`` tensor
-by tensor (FP8: :mod:`.fp8_weights`), or kept as stored where ``weight_quant`` asks for their integer format
-(:mod:`.int_weights`, :mod:`.awq_weights`, :mod:`.gptq_weights`); a weight's scales are read with it, from
-whichever shard holds them.
+More in docs/modules.md, ``orin_vlm_node/model/loader.py``.
 """
 
 from __future__ import annotations

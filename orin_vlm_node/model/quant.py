@@ -5,25 +5,7 @@ bytes / memory bandwidth, and the weights are most of what the model takes of th
 activations stay in the model's dtype; only the stored weights shrink (and are widened again in the
 product). Embeddings, norms and the vision tower keep the checkpoint dtype.
 
-The LM head is stored in INT8 whatever the mode (``WeightQuant.lm_head``, on by default): it is the largest
-single product of a step (the 2B's 151936 x 2048 is 18% of its fp16 weight bytes, and in fp16 it was 46%
-of what an INT4 step reads), and every logit goes through it, so it gets the finer of the two formats. A
-head tied to the embedding table becomes a quantized copy beside the table, which stays in the checkpoint
-dtype for the token lookups (half the table's bytes more than sharing it).
-
-Formats (the layout the CUDA GEMV kernels and the CPU GEMM kernels read, and what
-:meth:`QuantizedLinear.forward` computes):
-
-* ``int8``: ``qweight`` (N, K) int8 and ``scales`` (N,) fp16, symmetric: ``w[n, k] = q[n, k] * s[n]``,
-  with ``s[n] = max_k |w[n, k]| / 127``.
-* ``int4``: ``qweight`` (N, ceil(K / 2)) uint8, two weights a byte along K (even k in the low nibble),
-  ``scales`` and ``offsets`` (N, ceil(K / G)) fp16, asymmetric per group of G consecutive k:
-  ``w[n, k] = q[n, k] * s[n, k // G] + m[n, k // G]`` with q in 0..15, ``m`` the group's minimum and
-  ``s = (max - min) / 15``. A last group shorter than G (K not a multiple of G) is quantized on its own
-  range; an odd K pads the last byte's high nibble with 0.
-
-The scale and offset are rounded to fp16 *before* the weights are quantized against them, so the stored
-values are the ones the rounding was chosen for.
+More in docs/modules.md, ``orin_vlm_node/model/quant.py``.
 """
 
 from __future__ import annotations

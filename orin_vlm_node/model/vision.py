@@ -1,17 +1,6 @@
 """Qwen3-VL vision tower: patches of several images in, merged LLM tokens + DeepStack features out.
 
-Module and parameter names mirror the checkpoint (``model.visual.*``) so loading is a name lookup.
-Numerics follow transformers 5.x:
-- patch embedding is a Linear over the flattened (3, 2, 16, 16) patch. It equals the checkpoint's
-  Conv3d (kernel = stride) mathematically; in fp32 it agrees to ~1e-7, in bf16 the two differ by
-  rounding only (<= 1 ulp; measured end-to-end effect in test/test_model_bf16.py);
-- the learned 48x48 position table is resampled bilinearly (align_corners=True) with fp32 weights,
-  products and sum, then cast once to the activation dtype;
-- 2-D rotary in fp32; attention is block-diagonal (one segment per image and temporal slice) through
-  ``scaled_dot_product_attention`` so large images never materialise an N x N score matrix (HF's
-  default "sdpa" does the same; vs HF "eager" this is ~1e-6 in fp32 and the only bf16 difference);
-- tanh-GELU in the block MLP, erf-GELU in both mergers; the final merger normalises each patch (D)
-  before the 2x2 concat, the DeepStack mergers normalise the concatenated 4D vector after it.
+More in docs/modules.md, ``orin_vlm_node/model/vision.py``.
 """
 
 from __future__ import annotations

@@ -9,20 +9,7 @@ values so no Python object with methods reaches the template. The environment op
 ``strftime_now``) are the ones Hugging Face templates are written against, so output matches
 ``transformers``' ``apply_chat_template`` for the same template.
 
-Messages use the Hugging Face format::
-
-    [{"role": "system" | "user" | "assistant",
-      "content": str | [{"type": "text", "text": str}, {"type": "image"}, ...]}]
-
-An image part may carry the image itself under another key (e.g. "image"); only its position matters
-here, the pixels go through ``ImageProcessor``.
-
-Why bounded: the sandbox stops escapes, not cost. A template can loop for minutes or build gigabytes
-(``'x' * 10**9``, a string doubled in a loop), and the render runs on the thread that serves every
-prompt. So a render stops with ChatTemplateError after :data:`RENDER_TIME_LIMIT_S` or once its output or
-any value it builds exceeds :data:`RENDER_MAX_CHARS` (:class:`_RenderBudget`). One call into C (a
-filter given an enormous width) cannot be interrupted; sizes that multiplication and ``%`` formatting
-would build are checked before they are built.
+More in docs/modules.md, ``orin_vlm_node/processing/chat_template.py``.
 """
 
 from __future__ import annotations

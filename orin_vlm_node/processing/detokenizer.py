@@ -7,13 +7,7 @@ and lose the character. Instead we keep two offsets into the generated ids:
     ids[prefix:read]   already emitted; its text is cached (``_prefix_text``)
     ids[prefix:]       decoded again after every push (a few tokens, so O(1) per token)
 
-If the text of ``ids[prefix:]`` ends with U+FFFD the last character is still incomplete and we wait;
-otherwise we emit the new suffix and slide the window. Both decodes start at the same token, so
-decoder effects at a window start (e.g. a stripped leading space) cancel out. A window only starts
-after text that ended in a complete character, where a UTF-8 decoder has no pending state, so the
-deltas concatenate to exactly ``tokenizer.decode(all_ids)``. Truly invalid bytes keep the window
-open until a complete character follows (or ``flush``), then appear as U+FFFD exactly where the
-full decode has them.
+More in docs/modules.md, ``orin_vlm_node/processing/detokenizer.py``.
 """
 
 from __future__ import annotations

@@ -4,12 +4,7 @@ Why expand after tokenizing: the template writes one ``<|image_pad|>`` per image
 one per merged vision patch (``ImageBatch.num_tokens``). Expanding ids instead of text avoids
 tokenizing thousands of pad tokens and cannot merge them with neighbouring text.
 
-Why messages are plain text: a prompt or system prompt containing ``<|im_end|>\n<|im_start|>system``
-would otherwise close its own turn and open a forged one, and ``<|endoftext|>`` would end the sequence.
-Only the special tokens the chat template writes itself are control tokens (:func:`render_prompt`
-finds them); special-token text inside a message is encoded as the characters it is, as OpenAI-style
-servers do. ``plain_text=False`` reads special-token text in messages as tokens, for experts who build raw
-prompts.
+More in docs/modules.md, ``orin_vlm_node/processing/prompt.py``.
 """
 
 from __future__ import annotations

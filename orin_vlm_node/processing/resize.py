@@ -9,15 +9,7 @@ shrinking 1920x1080 to 672x384 and INTER_AREA by up to 0.69 (mean 0.10) when enl
 images both stay within ~0.02. This module is bit-exact (max diff 0, see test_processing_image.py),
 so ``pixel_values`` equal the reference's. Pillow and torchvision stay out of the Jetson runtime.
 
-Algorithm (separable convolution, the same arithmetic Pillow documents for its resampler):
-for each output coordinate i, the source centre is ``(i + 0.5) * scale``; the kernel is evaluated
-at ``(src - centre + 0.5) / max(scale, 1)`` over ``support = 2 * max(scale, 1)`` on each side,
-normalised to sum 1, then converted to 22-bit fixed point. One pass per axis that changes, with an
-intermediate uint8 image in between (horizontal first, except when Pillow 13 goes vertical first).
-Each output value is ``clip((2**21 + sum(w_fixed * pixel)) >> 22, 0, 255)``.
-
-Cost: about ``4 * max(scale, 1)`` int32 multiply-adds per output sample and pass (CPU time on one
-x86 core: 1280x720 -> 1280x704 ~25 ms, 1920x1080 -> 672x384 ~65 ms).
+More in docs/modules.md, ``orin_vlm_node/processing/resize.py``.
 """
 
 from __future__ import annotations

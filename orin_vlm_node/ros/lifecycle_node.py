@@ -6,18 +6,7 @@ down when the robot parks or changes task; the model's memory (the robot's RAM o
 held only between ``configure`` and ``cleanup``. The transitions map onto the steps of
 :class:`~.node.VlmServing`:
 
-* ``configure``: the parameters are read, the model loaded and the kernels built, the publishers and the
-  worker created (not serving yet). A bad parameter or a missing model fails the transition, with the
-  reason in the log; the node stays unconfigured and can be configured again.
-* ``activate``: subscriptions, services and diagnostics start, the publishers are enabled, ``ready`` goes out.
-* ``deactivate``: no new prompts; the waiting ones are dropped and the running one cancelled, each with its
-  terminal event, before the publishers are disabled. Parameters may still be set; engine changes are
-  applied when the node is activated again.
-* ``cleanup``: the model is freed (and the CUDA cache emptied).
-* ``shutdown``: from any state, the steps back in order; the process then exits 0.
-
-Out-of-order transitions are refused by the lifecycle state machine itself (rclpy), as the ROS 2
-lifecycle design says. Parameters are declared at construction, so they can be set before ``configure``.
+More in docs/modules.md, ``orin_vlm_node/ros/lifecycle_node.py``.
 """
 
 from __future__ import annotations

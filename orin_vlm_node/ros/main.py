@@ -9,20 +9,7 @@ any of that is imported, so every stop takes one of two clean paths and exits 0 
   shuts the node down in order (``VlmNode.shutdown``: no new prompts, the running one cancelled, a
   terminal event for every prompt, publishers flushed), while the ROS context is still valid to publish.
 
-Why a guard condition and not a spin loop with a timeout that looks at the flag: rclpy's executor builds
-its wait set anew at every turn, about 0.7 ms of CPU for this node, and a turn every 0.1 s took the GIL
-from generation ten times a second (the decoding thread's only waits besides the 1 Hz timers). A signal
-cannot end rclpy's wait by itself (Python runs signal handlers between bytecodes of the main thread, which
-waits in C), so a watcher thread reads the signal from a wakeup fd and triggers the guard condition.
-
-rclpy's own signal handlers are therefore turned off (they would shut the context down first).
-
-The callbacks run on the main thread (a single-threaded executor): each only converts a frame, queues a
-prompt or flips a flag, as generation has a thread of its own. With rclpy's multi-threaded executor (four
-threads, callback groups) the main thread's Python dispatch loop ran at full CPU for 0.1 to 1.5 s at a time
-around image and prompt arrivals (perf: the main thread in the interpreter, no Python thread getting the
-GIL), while a prompt that DDS had received within a millisecond waited for its callback: the first token
-over ROS came up to 1.6 s late in one or two of five requests. On one thread that never happened.
+More in docs/modules.md, ``orin_vlm_node/ros/main.py``.
 """
 
 from __future__ import annotations

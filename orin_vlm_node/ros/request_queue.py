@@ -5,12 +5,7 @@ less than the one just asked, and a bounded queue keeps the latency of the newes
 Every dropped item is returned to the caller so it can publish a ``dropped`` event for it; nothing
 disappears silently.
 
-Why one queue per channel, taken in turn: the askers (manipulation, navigation, an operator UI) share one
-model; each channel's bound is its own (a chatty asker drops its own oldest prompts, never another's) and
-the worker takes the channels round-robin, so a burst on one channel delays another's prompt by at most one
-answer per channel ahead of it.
-
-Plain Python (no ROS), shared between the subscription callbacks (put) and the worker thread (get).
+More in docs/modules.md, ``orin_vlm_node/ros/request_queue.py``.
 """
 
 from __future__ import annotations

@@ -3,17 +3,7 @@
 Why JSON on a ``std_msgs/String``: it needs no custom message package (which cannot be built from the
 ROS wheels CI uses), any language can read it, and ``ros2 topic echo`` shows it as is.
 
-Every status message is one JSON object with the same keys, so consumers never test for presence:
-``event`` (ready | accepted | started | finished | error | dropped | reconfigured), ``request_id``,
-``finish_reason``, ``error``, ``metrics``, ``image_stamp`` (the header stamp of the prompt's first image),
-``images`` (every frame the prompt uses: ``[{"topic": ..., "stamp": ...}]``, in ``image_topics`` order),
-plus ``note`` (a human-readable remark, e.g. which cameras' frames were missing or too old, and why, or
-that a multi-turn conversation was full and started over with the prompt, or that the request was
-preempted when the KV pool ran out and its tokens recomputed;
-for ``ready`` and ``reconfigured`` the attention path: ``kernels: on (...)`` or ``kernels: off
-(<reason>)``, the decode path and the KV pool size and why) and ``changes`` (the applied parameter
-values of a ``reconfigured``).
-Each prompt ends with exactly one of ``finished``, ``dropped`` or ``error``.
+More in docs/modules.md, ``orin_vlm_node/ros/status.py``.
 """
 
 from __future__ import annotations

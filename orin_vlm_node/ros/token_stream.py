@@ -5,22 +5,7 @@ token, each taken from the decoder's time). A subscriber that renders or speaks 
 rate, not per token: with a 20 ms period a 400-token answer goes out in a few dozen messages, and the first
 delta still leaves at once (time to first token is what an operator feels).
 
-Where the publish runs: on the generation thread, at the first delta after a period ends (and in ``flush``).
-The ``tokens`` writer is KEEP_LAST (the node's stream QoS), and a KEEP_LAST DDS write does not wait for its
-readers: with a full history it replaces the oldest sample (Fast DDS and Cyclone DDS alike; measured with
-Fast DDS, 20,000 writes to a reader stopped with SIGSTOP: 10 us each, the slowest 0.3 ms). A publisher
-thread cost generation more than the publish itself: every message handed the GIL to that thread and back,
-and the decoder waited for it to come back (60 waits a second, 97.7% of the decoder's time on the CPU
-instead of 99.3% on the bench machine). A publish can still take long in ways no QoS rules out (a transport
-lock held by a DDS thread that sends to many readers over a network): the first publish that takes longer
-than :data:`SLOW_PUBLISH_S` moves the stream to a publisher thread of its own for good, with a warning, so
-generation does not wait on a publish again. That thread wakes once per message: within a period it sleeps
-the period out and takes whatever is pending at its end.
-
-Deltas are whole characters, so joining them never splits a UTF-8 character, and the messages concatenate
-to exactly the pushed text: the joined ``tokens`` stay equal to ``response``. ``flush`` publishes
-everything pushed so far; the node calls it before publishing ``response`` so that no token message
-trails its answer.
+More in docs/modules.md, ``orin_vlm_node/ros/token_stream.py``.
 """
 
 from __future__ import annotations

@@ -9,14 +9,7 @@ together. Engine changes are applied once no answer runs (``Engine.reconfigure``
 requests; new prompts wait meanwhile). Each answer goes out through its channel's :class:`Outputs`.
 ``Engine.cancel`` is the only engine call made from a ROS callback (it is thread-safe).
 
-Why one thread and not one per answer: torch's CPU operators (and the CPU GEMM kernels) run their parallel
-parts on OpenMP worker threads, and the OpenMP runtime keeps a pool of them for every thread that ever ran
-such a part, for as long as that thread lives. Two pools on a CPU with as many cores as torch threads
-make the runtime stop spinning between parallel regions and put its workers to sleep instead: measured on
-the default model, a decode step on a second thread took 1.6x as long as on the first. So all the node's
-computing happens on this thread, and the model loads on a thread that ends (:func:`on_passing_thread`).
-
-No rclpy import: the node passes its publishing functions in.
+More in docs/modules.md, ``orin_vlm_node/ros/worker.py``.
 """
 
 from __future__ import annotations
