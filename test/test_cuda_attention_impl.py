@@ -32,7 +32,7 @@ def _caches(impl, dtype, page, nkv=2, hd=64, max_ctx=96):
         head_dim=hd,
         dtype=dtype,
         page_size=page,
-        num_blocks=40,
+        kv_pool_blocks=40,
         max_context_tokens=max_ctx,
         prefix_caching=False,
     )

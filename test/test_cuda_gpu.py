@@ -111,7 +111,7 @@ def _caches(impl, dtype, page, nkv, hd, max_ctx):
         dtype=dtype,
         device="cuda",
         page_size=page,
-        num_blocks=2 * (max_ctx // page) + 8,
+        kv_pool_blocks=2 * (max_ctx // page) + 8,
         max_context_tokens=max_ctx,
         prefix_caching=False,
     )

@@ -44,7 +44,7 @@ def _cache(model, kind: str, page_size: int, sequences: int, max_context: int = 
         cfg.num_key_value_heads,
         cfg.head_dim,
         page_size=page_size,
-        num_blocks=sequences * units,
+        kv_pool_blocks=sequences * units,
         max_context_tokens=max_context,
         prefix_caching=False,
     )

@@ -64,7 +64,12 @@ def test_paged_equals_contiguous_equals_reference(page_size, nkv, group, hd):
     k = torch.randn(layers, TOTAL, nkv, hd, generator=gen)
     v = torch.randn(layers, TOTAL, nkv, hd, generator=gen)
     cfg = KVCacheConfig(
-        num_layers=layers, num_kv_heads=nkv, head_dim=hd, page_size=page_size, max_context_tokens=256, num_blocks=None
+        num_layers=layers,
+        num_kv_heads=nkv,
+        head_dim=hd,
+        page_size=page_size,
+        max_context_tokens=256,
+        kv_pool_blocks=None,
     )
     paged_cache = PagedKVCache(cfg)
     paged = _run(paged_cache, q, k, v)
@@ -90,7 +95,7 @@ def test_bf16_pools_match_bf16_reference():
 
 def test_scattered_blocks_after_other_sequences_released():
     """A sequence whose blocks come back from the free list in several runs still reads its own pages."""
-    cfg = KVCacheConfig(num_layers=1, num_kv_heads=1, head_dim=8, page_size=4, num_blocks=12, max_context_tokens=64)
+    cfg = KVCacheConfig(num_layers=1, num_kv_heads=1, head_dim=8, page_size=4, kv_pool_blocks=12, max_context_tokens=64)
     cache = PagedKVCache(cfg)
     fillers = [cache.new_sequence() for _ in range(3)]
     for i, s in enumerate(fillers):

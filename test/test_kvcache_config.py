@@ -33,13 +33,13 @@ def _free(monkeypatch, free_bytes: int, total_bytes: int = 16 * GIB) -> None:
 
 def test_sizing_priority_blocks_then_mb_then_need(monkeypatch):
     _free(monkeypatch, 10 * 2**20)
-    both = KVCacheConfig(**SHAPE, page_size=16, num_blocks=7, pool_mb=1.0, max_context_tokens=64)
-    assert plan_pool(both).num_blocks == 7 and plan_pool(both).source == "num_blocks"
-    mb = KVCacheConfig(**SHAPE, page_size=16, pool_mb=1.0, max_context_tokens=64)
+    both = KVCacheConfig(**SHAPE, page_size=16, kv_pool_blocks=7, kv_pool_mb=1.0, max_context_tokens=64)
+    assert plan_pool(both).num_blocks == 7 and plan_pool(both).source == "kv_pool_blocks"
+    mb = KVCacheConfig(**SHAPE, page_size=16, kv_pool_mb=1.0, max_context_tokens=64)
     assert plan_pool(mb).num_blocks == 2**20 // (16 * 256)
     need = KVCacheConfig(**SHAPE, page_size=16, max_context_tokens=100)
     assert plan_pool(need).num_blocks == 7  # ceil(100 / 16): one context, no prefix share by default
-    shared = KVCacheConfig(**SHAPE, page_size=16, max_context_tokens=100, sequences=3, prefix_share=0.25)
+    shared = KVCacheConfig(**SHAPE, page_size=16, max_context_tokens=100, sequences=3, kv_prefix_share=0.25)
     plan = plan_pool(shared)
     assert plan.num_blocks == 3 * 7 + 6 and plan.source == "auto"  # 21 blocks + ceil(21 * 0.25)
     assert "auto: 3 x 100-token context + 25% prefix-cache share" in plan.describe()
@@ -50,13 +50,15 @@ def test_sizing_priority_blocks_then_mb_then_need(monkeypatch):
 def test_need_is_capped_by_free_memory_minus_the_reserve(monkeypatch):
     # 256 B per token, 4 KiB per block of 16; a 4096-token context is 256 blocks = 1 MiB.
     _free(monkeypatch, 3 * 2**20 + 2**19)
-    cfg = KVCacheConfig(**SHAPE, page_size=16, max_context_tokens=4096, sequences=4, reserve_mb=1.0)
+    cfg = KVCacheConfig(**SHAPE, page_size=16, max_context_tokens=4096, sequences=4, kv_memory_reserve_mb=1.0)
     plan = plan_pool(cfg)
     assert plan.source == "auto, capped by free memory" and plan.num_blocks == (2 * 2**20 + 2**19) // 4096
     assert "needs 4 MB, capped to 4 of" in plan.describe() and "reserve 1 MB" in plan.describe()
     # The pool being replaced is freed first: it counts as free.
     assert plan_pool(cfg, released_bytes=2**20).num_blocks == (3 * 2**20 + 2**19) // 4096
-    strict = KVCacheConfig(**SHAPE, page_size=16, max_context_tokens=4096, reserve_mb=3.0, require_full_context=True)
+    strict = KVCacheConfig(
+        **SHAPE, page_size=16, max_context_tokens=4096, kv_memory_reserve_mb=3.0, require_full_context=True
+    )
     with pytest.raises(ValueError, match="cannot hold one max_context_tokens=4096 sequence"):
         plan_pool(strict)
 
@@ -64,10 +66,10 @@ def test_need_is_capped_by_free_memory_minus_the_reserve(monkeypatch):
 def test_explicit_size_larger_than_free_memory_is_refused_with_the_numbers(monkeypatch):
     _free(monkeypatch, 50 * 2**20, 64 * 2**20)
     with pytest.raises(ValueError, match=r"KV pool of 64 MB \(kv_pool_mb=64\) does not fit: 50 of 64 MB free"):
-        plan_pool(KVCacheConfig(**SHAPE, page_size=16, pool_mb=64.0))
+        plan_pool(KVCacheConfig(**SHAPE, page_size=16, kv_pool_mb=64.0))
     with pytest.raises(ValueError, match="kv_pool_blocks=20000"):
-        plan_pool(KVCacheConfig(**SHAPE, page_size=16, num_blocks=20_000))
-    assert plan_pool(KVCacheConfig(**SHAPE, page_size=16, pool_mb=64.0), released_bytes=16 * 2**20).num_blocks > 0
+        plan_pool(KVCacheConfig(**SHAPE, page_size=16, kv_pool_blocks=20_000))
+    assert plan_pool(KVCacheConfig(**SHAPE, page_size=16, kv_pool_mb=64.0), released_bytes=16 * 2**20).num_blocks > 0
 
 
 def test_integrated_gpu_sizes_from_system_memory_not_device_memory(monkeypatch):
@@ -88,7 +90,7 @@ def test_integrated_gpu_sizes_from_system_memory_not_device_memory(monkeypatch):
     # Qwen3-VL-2B fp16: 28 layers x 8 kv heads x 128 dims, 112 KiB per token; 8192 tokens = 896 MiB.
     cfg = KVCacheConfig(
         num_layers=28, num_kv_heads=8, head_dim=128, dtype=torch.float16, device="cuda", max_context_tokens=8192,
-        sequences=1, prefix_share=0.25, reserve_mb=1024,
+        sequences=1, kv_prefix_share=0.25, kv_memory_reserve_mb=1024,
     )  # fmt: skip
     plan = plan_pool(cfg)
     assert plan.bytes == 1120 * 2**20 and plan.source == "auto"  # one context x 1.25, well under 3 GB - 1 GB
@@ -122,7 +124,7 @@ def test_cpu_available_memory_comes_from_meminfo():
 
 def test_chosen_size_is_logged_with_its_reason_once_when_the_pool_is_made(caplog):
     """Logged by the cache that allocates the pool, once; a plan that only checks a change is not logged."""
-    cfg = KVCacheConfig(**SHAPE, page_size=16, num_blocks=4, max_context_tokens=64)
+    cfg = KVCacheConfig(**SHAPE, page_size=16, kv_pool_blocks=4, max_context_tokens=64)
     with caplog.at_level(logging.INFO, logger="orin_vlm_node.kvcache"):
         plan_pool(cfg)
         assert "KV pool" not in caplog.text
@@ -136,11 +138,11 @@ def test_chosen_size_is_logged_with_its_reason_once_when_the_pool_is_made(caplog
 
 def test_pool_below_two_blocks_is_refused_with_reason():
     with pytest.raises(ValueError, match="at least 2 blocks"):
-        PagedKVCache(KVCacheConfig(**SHAPE, page_size=16, num_blocks=1))
+        PagedKVCache(KVCacheConfig(**SHAPE, page_size=16, kv_pool_blocks=1))
     with pytest.raises(ValueError, match="at least 2 blocks"):
-        PagedKVCache(KVCacheConfig(**SHAPE, page_size=16, pool_mb=0.001))
+        PagedKVCache(KVCacheConfig(**SHAPE, page_size=16, kv_pool_mb=0.001))
     with pytest.raises(ValueError, match="cannot hold one"):
-        ContiguousKVCache(KVCacheConfig(**SHAPE, page_size=16, num_blocks=3, max_context_tokens=64))
+        ContiguousKVCache(KVCacheConfig(**SHAPE, page_size=16, kv_pool_blocks=3, max_context_tokens=64))
 
 
 @pytest.mark.parametrize(
@@ -150,11 +152,11 @@ def test_pool_below_two_blocks_is_refused_with_reason():
         ("page_size", 512, "power of two"),
         ("page_size", 0, "power of two"),
         ("num_layers", 0, "positive int"),
-        ("prefix_share", -0.5, "prefix_share"),
-        ("reserve_mb", float("inf"), "reserve_mb"),
+        ("kv_prefix_share", -0.5, "kv_prefix_share"),
+        ("kv_memory_reserve_mb", float("inf"), "kv_memory_reserve_mb"),
         ("sequences", 0, "positive int"),
-        ("pool_mb", -1.0, "non-negative"),
-        ("num_blocks", -2, "non-negative"),
+        ("kv_pool_mb", -1.0, "non-negative"),
+        ("kv_pool_blocks", -2, "non-negative"),
         ("dtype", torch.int32, "floating"),
         ("device", "gpu0", "device"),
     ],
@@ -168,7 +170,7 @@ def test_invalid_config_is_rejected_with_a_named_field(field, value, match):
 
 @pytest.mark.parametrize("page_size", [1, 2, 4, 8, 16, 32, 64, 128, 256])
 def test_every_power_of_two_page_size_builds(page_size):
-    cache = PagedKVCache(KVCacheConfig(**SHAPE, page_size=page_size, num_blocks=2, device="meta"))
+    cache = PagedKVCache(KVCacheConfig(**SHAPE, page_size=page_size, kv_pool_blocks=2, device="meta"))
     assert isinstance(cache, KVCache)
     assert tuple(cache.k_pool(1).shape) == (2, page_size, 2, 8)
 

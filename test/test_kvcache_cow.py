@@ -11,7 +11,7 @@ NKV, HD, LAYERS = 2, 4, 3
 
 
 def _cfg(**kw) -> KVCacheConfig:
-    base = dict(num_layers=LAYERS, num_kv_heads=NKV, head_dim=HD, page_size=4, num_blocks=16, max_context_tokens=64)
+    base = dict(num_layers=LAYERS, num_kv_heads=NKV, head_dim=HD, page_size=4, kv_pool_blocks=16, max_context_tokens=64)
     base.update(kw)
     return KVCacheConfig(**base)
 
@@ -30,7 +30,7 @@ def _gather(cache: PagedKVCache, seq: int) -> torch.Tensor:
 
 @pytest.mark.parametrize("cache_cls", [PagedKVCache, ContiguousKVCache])
 def test_forks_writing_into_the_same_partial_block_never_see_each_other(cache_cls):
-    cache = cache_cls(_cfg(num_blocks=32))  # contiguous: two 64-token slabs
+    cache = cache_cls(_cfg(kv_pool_blocks=32))  # contiguous: two 64-token slabs
     parent = cache.new_sequence()
     k0, v0 = torch.randn(6, NKV, HD), torch.randn(6, NKV, HD)  # 6 tokens: block 1 half full
     _write(cache, parent, k0, v0)
@@ -74,7 +74,7 @@ def test_fork_at_page_boundary_needs_no_copy():
 
 
 def test_copy_on_write_exhaustion_changes_nothing():
-    cache = PagedKVCache(_cfg(num_blocks=3))
+    cache = PagedKVCache(_cfg(kv_pool_blocks=3))
     parent = cache.new_sequence()
     _write(cache, parent, torch.randn(6, NKV, HD), torch.randn(6, NKV, HD))  # 2 blocks
     child = cache.fork(parent)

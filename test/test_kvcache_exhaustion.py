@@ -16,7 +16,7 @@ from orin_vlm_node.kvcache import (
 
 
 def _cfg(**kw) -> KVCacheConfig:
-    base = dict(num_layers=1, num_kv_heads=1, head_dim=4, page_size=4, num_blocks=5, max_context_tokens=64)
+    base = dict(num_layers=1, num_kv_heads=1, head_dim=4, page_size=4, kv_pool_blocks=5, max_context_tokens=64)
     base.update(kw)
     return KVCacheConfig(**base)
 
@@ -29,7 +29,7 @@ def _decode(cache, seq, n: int) -> None:
 
 @pytest.mark.parametrize("page_size,num_blocks", [(4, 5), (1, 7), (16, 2)])
 def test_decode_raises_at_exactly_pool_capacity_and_pool_serves_next_request(page_size, num_blocks):
-    cache = PagedKVCache(_cfg(page_size=page_size, num_blocks=num_blocks))
+    cache = PagedKVCache(_cfg(page_size=page_size, kv_pool_blocks=num_blocks))
     capacity = page_size * num_blocks
     seq = cache.new_sequence()
     cache.step(seq, 3)(0, torch.randn(3, 1, 4), torch.randn(3, 1, 4), torch.randn(3, 1, 4))
@@ -64,7 +64,7 @@ def test_prefill_too_large_changes_nothing():
 
 
 def test_static_decode_exhaustion_leaves_buffers_and_sequence_alone():
-    cache = PagedKVCache(_cfg(num_blocks=2))
+    cache = PagedKVCache(_cfg(kv_pool_blocks=2))
     seq = cache.new_sequence()
     cache.step(seq, 8)
     buffers = cache.new_static_decode_buffers()
@@ -74,7 +74,7 @@ def test_static_decode_exhaustion_leaves_buffers_and_sequence_alone():
 
 
 def test_contiguous_exhausts_on_sequences_not_tokens():
-    cache = ContiguousKVCache(_cfg(num_blocks=32, max_context_tokens=64))  # 128 tokens = 2 slabs of 64
+    cache = ContiguousKVCache(_cfg(kv_pool_blocks=32, max_context_tokens=64))  # 128 tokens = 2 slabs of 64
     a, b = cache.new_sequence(), cache.new_sequence()
     with pytest.raises(PoolExhausted, match="slab"):
         cache.new_sequence()
@@ -85,7 +85,7 @@ def test_contiguous_exhausts_on_sequences_not_tokens():
 
 @pytest.mark.parametrize("cache_cls", [PagedKVCache, ContiguousKVCache])
 def test_context_limit_is_a_value_error_before_any_change(cache_cls):
-    cache = cache_cls(_cfg(num_blocks=64, max_context_tokens=16))
+    cache = cache_cls(_cfg(kv_pool_blocks=64, max_context_tokens=16))
     seq = cache.new_sequence()
     cache.step(seq, 10)
     with pytest.raises(ContextLimitExceeded, match="max_context_tokens=16"):

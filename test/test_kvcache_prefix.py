@@ -53,7 +53,7 @@ def _cache(num_blocks: int = 32, prefix_caching: bool = True) -> PagedKVCache:
         num_kv_heads=NKV,
         head_dim=HD,
         page_size=PAGE,
-        num_blocks=num_blocks,
+        kv_pool_blocks=num_blocks,
         max_context_tokens=64,
         prefix_caching=prefix_caching,
     )

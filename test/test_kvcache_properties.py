@@ -40,7 +40,12 @@ class PagedCacheMachine(RuleBasedStateMachine):
     @rule(page_size=st.sampled_from([1, 2, 4]), num_blocks=st.integers(6, 24))
     def build(self, page_size, num_blocks):
         cfg = KVCacheConfig(
-            num_layers=1, num_kv_heads=1, head_dim=4, page_size=page_size, num_blocks=num_blocks, max_context_tokens=48
+            num_layers=1,
+            num_kv_heads=1,
+            head_dim=4,
+            page_size=page_size,
+            kv_pool_blocks=num_blocks,
+            max_context_tokens=48,
         )
         self.cache = PagedKVCache(cfg)
 

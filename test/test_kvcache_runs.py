@@ -21,7 +21,7 @@ def _cache(page_size: int, num_blocks: int, max_context: int = 1024) -> PagedKVC
         num_kv_heads=NKV,
         head_dim=HD,
         page_size=page_size,
-        num_blocks=num_blocks,
+        kv_pool_blocks=num_blocks,
         max_context_tokens=max_context,
         prefix_caching=True,
     )

@@ -67,7 +67,7 @@ def test_the_storage_is_committed_and_in_huge_pages_where_the_kernel_offers_them
 @pytest.mark.skipif(not MAPS.is_file(), reason="needs /proc/self/maps (Linux)")
 def test_the_memory_is_unmapped_when_the_cache_is_gone():
     cfg = KVCacheConfig(num_layers=2, num_kv_heads=8, head_dim=128, dtype=torch.float32, page_size=16,
-                        num_blocks=64, max_context_tokens=256)  # fmt: skip
+                        kv_pool_blocks=64, max_context_tokens=256)  # fmt: skip
     cache = PagedKVCache(cfg)
     address = cache.kv_storage.data_ptr()
     assert _mapping_fields(address) is not None
@@ -79,6 +79,6 @@ def test_the_memory_is_unmapped_when_the_cache_is_gone():
 @pytest.mark.parametrize("paged", [True, False])
 def test_both_caches_store_in_it(paged):
     cfg = KVCacheConfig(num_layers=2, num_kv_heads=8, head_dim=128, dtype=torch.float32, page_size=16,
-                        num_blocks=64, max_context_tokens=512)  # fmt: skip
+                        kv_pool_blocks=64, max_context_tokens=512)  # fmt: skip
     cache = PagedKVCache(cfg) if paged else ContiguousKVCache(cfg)
     assert cache.kv_storage.data_ptr() % HUGE_PAGE == 0 and not cache.kv_storage.any()

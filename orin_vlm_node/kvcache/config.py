@@ -33,9 +33,10 @@ def check_page_size(page_size: object) -> None:
 class KVCacheConfig:
     """Shape, placement and sizing of a KV cache (paged or contiguous).
 
-    Pool size, first match wins: ``num_blocks`` (> 0), ``pool_mb`` (> 0), else automatic: ``sequences``
-    full ``max_context_tokens`` sequences plus ``prefix_share`` of that for cached prefixes (paged with
-    prefix caching only), capped by the device's free memory (:mod:`.memory`) minus ``reserve_mb``.
+    The pool's settings keep the names of the settings schema. Pool size, first match wins: ``kv_pool_blocks``
+    (> 0), ``kv_pool_mb`` (> 0), else automatic: ``sequences`` full ``max_context_tokens`` sequences plus
+    ``kv_prefix_share`` of that for cached prefixes (paged with prefix caching only), capped by the device's
+    free memory (:mod:`.memory`) minus ``kv_memory_reserve_mb``.
     ``require_full_context``: refuse a pool that cannot hold one ``max_context_tokens`` sequence (the
     engine sets it; the cache itself can run smaller pools, e.g. to test exhaustion).
     """
@@ -46,11 +47,11 @@ class KVCacheConfig:
     dtype: torch.dtype = torch.float32
     device: str | torch.device = "cpu"
     page_size: int = 16
-    num_blocks: int | None = None
-    pool_mb: float | None = None
+    kv_pool_blocks: int | None = None
+    kv_pool_mb: float | None = None
     sequences: int = 1
-    prefix_share: float = 0.0
-    reserve_mb: float = 0.0
+    kv_prefix_share: float = 0.0
+    kv_memory_reserve_mb: float = 0.0
     max_context_tokens: int = 4096
     prefix_caching: bool = True
     require_full_context: bool = False
@@ -63,11 +64,12 @@ class KVCacheConfig:
         check_page_size(self.page_size)
         if not isinstance(self.dtype, torch.dtype) or not self.dtype.is_floating_point:
             raise ValueError(f"KVCacheConfig.dtype must be a floating torch.dtype, got {self.dtype!r}")
-        if self.num_blocks is not None and (not isinstance(self.num_blocks, int) or self.num_blocks < 0):
-            raise ValueError(f"num_blocks must be a non-negative int, got {self.num_blocks!r}")
-        if self.pool_mb is not None and not (self.pool_mb >= 0 and math.isfinite(self.pool_mb)):
-            raise ValueError(f"pool_mb must be a non-negative finite number, got {self.pool_mb!r}")
-        for name in ("prefix_share", "reserve_mb"):
+        blocks, mb = self.kv_pool_blocks, self.kv_pool_mb
+        if blocks is not None and (not isinstance(blocks, int) or blocks < 0):
+            raise ValueError(f"kv_pool_blocks must be a non-negative int, got {blocks!r}")
+        if mb is not None and not (mb >= 0 and math.isfinite(mb)):
+            raise ValueError(f"kv_pool_mb must be a non-negative finite number, got {mb!r}")
+        for name in ("kv_prefix_share", "kv_memory_reserve_mb"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < math.inf:
                 raise ValueError(f"KVCacheConfig.{name} must be a finite number >= 0, got {value!r}")
@@ -99,7 +101,7 @@ class PoolPlan:
     num_blocks: int
     page_size: int
     bytes_per_block: int
-    source: str  # "num_blocks" | "pool_mb" | "auto" | "auto, capped by free memory"
+    source: str  # "kv_pool_blocks" | "kv_pool_mb" | "auto" | "auto, capped by free memory"
     reason: str = ""
 
     @property
@@ -126,20 +128,21 @@ def _auto_blocks(config: KVCacheConfig, contiguous: bool, released_bytes: int) -
     bpb = config.bytes_per_block
     context = config.max_blocks_per_sequence
     need = context * config.sequences
-    share = math.ceil(need * config.prefix_share) if config.prefix_caching and not contiguous else 0
+    share = math.ceil(need * config.kv_prefix_share) if config.prefix_caching and not contiguous else 0
     why = f"auto: {config.sequences} x {config.max_context_tokens}-token context"
-    why += f" + {config.prefix_share:.0%} prefix-cache share" if share else ""
+    why += f" + {config.kv_prefix_share:.0%} prefix-cache share" if share else ""
     if config.torch_device.type == "meta":  # shape-only caches (tests, planning): nothing to cap by
         return need + share, "auto", why
     memory = device_memory(config.torch_device)
-    budget = memory.free_bytes + released_bytes - int(config.reserve_mb * 2**20)
+    budget = memory.free_bytes + released_bytes - int(config.kv_memory_reserve_mb * 2**20)
     if (need + share) * bpb <= budget:
         return need + share, "auto", why
     capped = max(0, budget) // bpb
     return (
         capped,
         "auto, capped by free memory",
-        f"{why} needs {_mb((need + share) * bpb)}, capped to {memory.describe()} - reserve {config.reserve_mb:g} MB",
+        f"{why} needs {_mb((need + share) * bpb)}, capped to {memory.describe()} - reserve "
+        f"{config.kv_memory_reserve_mb:g} MB",
     )
 
 
@@ -149,23 +152,23 @@ def plan_pool(config: KVCacheConfig, contiguous: bool = False, released_bytes: i
     ``released_bytes``: memory that will be freed before this pool is allocated (the pool it replaces),
     counted as free. Raises ValueError, with the numbers, when an explicit size does not fit the free
     memory; when a paged pool could not hold 2 blocks (a pool that small would thrash on every page
-    boundary and usually means a unit mistake, e.g. pool_mb given in GB); when a contiguous pool cannot
+    boundary and usually means a unit mistake, e.g. kv_pool_mb given in GB); when a contiguous pool cannot
     hold one ``max_context_tokens`` slab; or, with ``require_full_context``, when a paged pool cannot hold
     one ``max_context_tokens`` sequence.
     """
     min_blocks = 1 if contiguous else 2
     bpb = config.bytes_per_block
-    if config.num_blocks:
-        num_blocks, source, reason = config.num_blocks, "num_blocks", f"kv_pool_blocks={config.num_blocks}"
-    elif config.pool_mb:
-        num_blocks, source = int(config.pool_mb * 2**20) // bpb, "pool_mb"
-        reason = f"kv_pool_mb={config.pool_mb:g}"
+    if config.kv_pool_blocks:
+        num_blocks, source, reason = config.kv_pool_blocks, "kv_pool_blocks", f"kv_pool_blocks={config.kv_pool_blocks}"
+    elif config.kv_pool_mb:
+        num_blocks, source = int(config.kv_pool_mb * 2**20) // bpb, "kv_pool_mb"
+        reason = f"kv_pool_mb={config.kv_pool_mb:g}"
     else:
         num_blocks, source, reason = _auto_blocks(config, contiguous, released_bytes)
     plan = PoolPlan(
         num_blocks=num_blocks, page_size=config.page_size, bytes_per_block=bpb, source=source, reason=reason
     )
-    if source in ("num_blocks", "pool_mb") and config.torch_device.type != "meta":
+    if source in ("kv_pool_blocks", "kv_pool_mb") and config.torch_device.type != "meta":
         memory = device_memory(config.torch_device)
         if plan.bytes > memory.free_bytes + released_bytes:
             raise ValueError(

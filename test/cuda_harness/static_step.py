@@ -29,7 +29,7 @@ def run_static_decode(
     cfg = model.config.text
     cache = PagedKVCache(
         KVCacheConfig(
-            cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, dtype=dtype, page_size=4, num_blocks=32,
+            cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, dtype=dtype, page_size=4, kv_pool_blocks=32,
             max_context_tokens=64, prefix_caching=False,
         ),
         attention_impl=attention_impl,
