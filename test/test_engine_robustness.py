@@ -474,3 +474,23 @@ def test_reconfigurations_reuse_the_kernels_in_use_and_unload_those_they_replace
     assert _finish(engine, Request(Turn("Go."), GREEDY)).finish_reason in ("stop", "length")
     engine.close()  # the lifecycle node's cleanup: the kernels in use go too
     assert [k.closed for k in loads] == [1, 1, 1] and engine.parts.model is None and engine.parts.cache is None
+
+
+def test_a_rebuild_that_replaced_the_model_or_pool_gives_the_freed_heap_back(engine, monkeypatch):
+    """glibc keeps a replaced model's or pool's memory in its heap after a reload (a soak with runtime dtype changes
+    grew the node to about 1 GB): a rebuild that replaced either trims the heap once its new parts are built, one
+    that kept them (kernels, graphs) does not, and closing the engine trims."""
+    from orin_vlm_node import host_memory
+    from orin_vlm_node.engine import assemble as assemble_module
+
+    trims: list[int] = []
+    monkeypatch.setattr(assemble_module.host_memory, "trim", lambda: trims.append(len(trims)) or True)
+    engine.reconfigure(dtype="bf16")
+    engine.reconfigure(page_size=8)
+    assert len(trims) == 2
+    engine.reconfigure(use_cuda_graph=False)
+    assert len(trims) == 2
+    engine.close()
+    assert len(trims) == 3
+    monkeypatch.undo()
+    assert isinstance(host_memory.trim(), bool)  # glibc's malloc_trim here; False where there is none

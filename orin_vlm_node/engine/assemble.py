@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from .. import host_memory
 from ..cpu import bound_onednn_caches, cpu_gemm_for
 from ..cuda import BackendChoice, LaunchModes
 from ..cuda.fused import CudaFusedOps
@@ -93,6 +94,8 @@ class Assembler:
             parts["decode_step"] = self._decode_step(config, parts)
         new = EngineParts(**parts)
         self._retire_kernels(new.attention)
+        if rebuild & {"model", "kv_cache"}:  # the replaced model or pool and the load's working copies are free
+            host_memory.trim()
         return new
 
     def close(self, parts: EngineParts) -> None:
@@ -101,6 +104,7 @@ class Assembler:
         _release(parts, model=True, cache=True)
         parts.attention = BackendChoice(False, "engine closed")
         self._retire_kernels(parts.attention)
+        host_memory.trim()
 
     def _load_model(self, config: EngineConfig) -> dict[str, Any]:
         if not config.model_dir.is_dir():
