@@ -518,15 +518,16 @@ def launching(engine, setting: str) -> None:
     parts.decode_step = build_decode_step(parts.model, parts.cache, parts.device, True, MAX_BATCH, stream, modes)
 
 
-def _dependent_launches(setting: str):
-    """``_on_and_off``'s toggle: the engine's graphs launched ``setting`` (:func:`launching`) where its kernels can
-    launch dependently (sm_90 and later); else why not."""
+def _dependent_launches(setting: str | None):
+    """``_on_and_off``'s toggle: the engine's graphs launched ``setting`` (:func:`launching`; None: "on" for the
+    feature's on side, "off" for its off side) where its kernels can launch dependently (sm_90 and later); else
+    why not."""
 
     def toggle(engine, on: bool) -> str | None:
         status = engine.parts.attention.launcher.programmatic_status
         if status != "on":
             return f"programmatic dependent launch {status}"
-        launching(engine, setting if setting != "pair" else ("on" if on else "off"))
+        launching(engine, setting or ("on" if on else "off"))
         return None
 
     return toggle
@@ -536,7 +537,7 @@ def _dependent_launch(ctx: BenchContext, res: SectionResult, model_dir: Path) ->
     """What overlapping each kernel's start with its predecessor's end gains a token: the decode graphs'
     launches all programmatic dependent or all plain (the engine's own choice, both captured and the faster
     kept, is what the ``quant`` part measures)."""
-    _on_and_off(ctx, res, model_dir, "pdl", "dependent launches", _dependent_launches("pair"))
+    _on_and_off(ctx, res, model_dir, "pdl", "dependent launches", _dependent_launches(None))
 
 
 # compat.cuh's sm_90 L2 prefetch, and what the l2_prefetch part's copy of the sources has in its place.
