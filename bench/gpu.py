@@ -101,7 +101,7 @@ def decode_weight_bytes(model) -> int:
     """Bytes one decode step reads from weights: every text-decoder parameter except the embedding table
     (one row is read), plus the LM head (the embedding matrix itself when tied), and the quantized
     projections and LM head as stored (``weight_quant``)."""
-    from orin_vlm_node.model.quant import QuantizedLinear
+    from orin_vlm_node.weights.quant import QuantizedLinear
 
     quantized = {name: m for name, m in model.named_modules() if isinstance(m, QuantizedLinear)}
     total = sum(m.nbytes for name, m in quantized.items() if not name.startswith("visual."))
@@ -194,8 +194,8 @@ def _gemv(torch, ctx: BenchContext, res: SectionResult, bandwidth: float) -> Non
     from orin_vlm_node.cuda.fused import CudaFusedOps
     from orin_vlm_node.cuda.gemv import CudaGemv
     from orin_vlm_node.cuda.graph import device_us
-    from orin_vlm_node.model.gemv_linear import GemvLinear
-    from orin_vlm_node.model.quant import QuantizedLinear, WeightQuant
+    from orin_vlm_node.weights.gemv_linear import GemvLinear
+    from orin_vlm_node.weights.quant import QuantizedLinear, WeightQuant
 
     found = _projections_and_kernels(torch, ctx, res, "gemv")
     if found is None:

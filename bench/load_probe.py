@@ -19,8 +19,8 @@ from bench.rss_probe import vm_kib
 def main() -> int:
     import torch
 
-    from orin_vlm_node.model import load_model
-    from orin_vlm_node.model.quant import WeightQuant, weight_bytes
+    from orin_vlm_node.weights import load_model
+    from orin_vlm_node.weights.quant import WeightQuant, weight_bytes
 
     model_dir, dtype, mode, group = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
     torch.set_num_threads(1)

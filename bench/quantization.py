@@ -86,11 +86,14 @@ def _exact_match(model_dir: Path, mode: str, held_out: int) -> tuple[float, floa
 
 def _projection_bytes(model) -> tuple[int, int]:
     """(bytes of the decoder projections as stored, their weight count)."""
-    from orin_vlm_node.model.quant import QuantizedLinear
+    from orin_vlm_node.weights.quant import QuantizedLinear
+    from orin_vlm_node.weights.sites import projection_sites
 
     stored = count = 0
-    for parent, attr in model.language_model.projection_sites():
-        module = getattr(parent, attr)
+    for site in projection_sites(model).values():
+        if site.is_head:
+            continue
+        module = site.module
         # A quantized projection, or one the CPU kernels wrap (CpuQuantLinear holds it as a child).
         quantized = [m for m in module.modules() if isinstance(m, QuantizedLinear)]
         if quantized:
@@ -129,7 +132,7 @@ def _decode_tok_s(engine) -> list[float]:
 
 def _big(ctx: BenchContext, res: SectionResult) -> None:
     from orin_vlm_node.engine.events import Request, Turn
-    from orin_vlm_node.model.quant import QuantizedLinear, weight_bytes
+    from orin_vlm_node.weights.quant import QuantizedLinear, weight_bytes
 
     path = ctx.big_checkpoint()
     engine = make_engine(path, "fp32", max_context_tokens=512)

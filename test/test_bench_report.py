@@ -174,7 +174,7 @@ def test_decode_weight_bytes_counts_the_text_decoder_and_one_lm_head():
     import torch
 
     from bench.gpu import decode_weight_bytes
-    from orin_vlm_node.model.quant import LM_HEAD_QUANT, QuantizedLinear
+    from orin_vlm_node.weights.quant import LM_HEAD_QUANT, QuantizedLinear
 
     def model(tied: bool, quantized_head: bool = False) -> torch.nn.Module:
         m = torch.nn.Module()

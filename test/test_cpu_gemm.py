@@ -1,5 +1,5 @@
 """The CPU GEMM kernels (``kernels/cpu_gemm.cpp``) against torch math: few rows (a decode step) and many
-rows (a prefill), float and quantized weights (against the torch path of ``model.quant``, the reference of
+rows (a prefill), float and quantized weights (against the torch path of ``weights.quant``, the reference of
 the stored formats), their invariance to the row count, and how the library is built, cached and refused."""
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from orin_vlm_node.cpu import CpuKernelUnavailable, load_cpu_gemm
 from orin_vlm_node.cpu.build import FLAGS, build_library, find_compiler
 from orin_vlm_node.cuda.sources import find_kernel_sources
-from orin_vlm_node.model.quant import QuantizedLinear, WeightQuant
+from orin_vlm_node.weights.quant import QuantizedLinear, WeightQuant
 
 KERNELS = find_kernel_sources().directory
 

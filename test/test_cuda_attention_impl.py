@@ -158,7 +158,7 @@ def test_select_backend_cuda_without_gpu_reports_off_or_raises():
     assert not choice.kernels and choice.degraded
     assert choice.status.startswith("kernels: off (CUDA requested but torch sees no GPU")
     with pytest.raises(KernelsUnavailable, match="no GPU"):
-        select_backend("cuda", True, SHAPE, allow_fallback=False)
+        select_backend("cuda", True, SHAPE, allow_kernel_fallback=False)
 
 
 def test_decode_graph_is_eager_on_cpu():

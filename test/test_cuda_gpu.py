@@ -33,7 +33,7 @@ def kernel_cache(tmp_path_factory) -> str:
 @pytest.fixture(scope="module")
 def backend(kernel_cache):
     shape = AttentionShape(torch.float16, 128, 16, 8)
-    choice = select_backend("cuda", True, shape, kernel_cache_dir=kernel_cache, allow_fallback=False)
+    choice = select_backend("cuda", True, shape, kernel_cache_dir=kernel_cache, allow_kernel_fallback=False)
     assert choice.kernels and isinstance(choice.attention_impl, CudaPagedAttention)
     return choice
 
@@ -280,7 +280,7 @@ def test_gpu_quantized_gemv_matches_the_torch_reference(all_kernels, mode, dtype
     import torch.nn.functional as F
 
     from orin_vlm_node.cuda.gemv import CudaGemv
-    from orin_vlm_node.model.quant import QuantizedLinear, WeightQuant
+    from orin_vlm_node.weights.quant import QuantizedLinear, WeightQuant
 
     weight = torch.randn(n, k, device="cuda") * 0.02
     module = QuantizedLinear.from_weight(weight, WeightQuant(mode, 128 if k % 128 == 0 else 32))
@@ -299,7 +299,7 @@ def test_gpu_int4_weight_widened_for_a_prefill_is_the_reference_to_the_bit(all_k
     """``widen_int4`` on the GPU gives what torch's ops give for the reference's widened weight, bit for bit
     (nvcc must not contract its product and sum into one rounding), and a prefill's rows multiply it."""
     from orin_vlm_node.cuda.gemv import CudaGemv
-    from orin_vlm_node.model.quant import QuantizedLinear, WeightQuant
+    from orin_vlm_node.weights.quant import QuantizedLinear, WeightQuant
 
     module = QuantizedLinear.from_weight(torch.randn(n, k, device="cuda") * 0.02, WeightQuant("int4", group))
     gemv = CudaGemv(all_kernels)
@@ -312,8 +312,8 @@ def test_gpu_int4_weight_widened_for_a_prefill_is_the_reference_to_the_bit(all_k
 
 def _projection(gemv, mode: str, dtype: torch.dtype, n: int, k: int):
     """A random N x K projection whose products ``gemv`` computes: float weights in ``dtype``, or quantized."""
-    from orin_vlm_node.model.gemv_linear import GemvLinear
-    from orin_vlm_node.model.quant import QuantizedLinear, WeightQuant
+    from orin_vlm_node.weights.gemv_linear import GemvLinear
+    from orin_vlm_node.weights.quant import QuantizedLinear, WeightQuant
 
     weight = torch.randn(n, k, device="cuda") * 0.02
     if mode != "float":
@@ -332,7 +332,7 @@ def test_gpu_float_gemv_matches_f_linear_and_is_timed_against_it(all_kernels, ti
     import torch.nn.functional as F
 
     from orin_vlm_node.cuda.gemv import CudaGemv
-    from orin_vlm_node.model.gemv_linear import GemvLinear
+    from orin_vlm_node.weights.gemv_linear import GemvLinear
 
     linear = torch.nn.Linear(k, n, bias=False, device="cuda", dtype=dtype)
     gemv = CudaGemv(all_kernels, timer)
@@ -354,8 +354,8 @@ def test_gpu_swiglu_epilogue_matches_the_product_then_the_activation(all_kernels
     import torch.nn.functional as F
 
     from orin_vlm_node.cuda.gemv import CudaGemv
-    from orin_vlm_node.model.gemv_linear import GemvLinear
-    from orin_vlm_node.model.quant import QuantizedLinear, WeightQuant
+    from orin_vlm_node.weights.gemv_linear import GemvLinear
+    from orin_vlm_node.weights.quant import QuantizedLinear, WeightQuant
 
     weight = (torch.randn(12288, 2048, device="cuda") * 0.02).to(dtype)
     gemv = CudaGemv(all_kernels, timer)
@@ -382,7 +382,7 @@ def test_gpu_engine_float_gemv_says_what_it_measured_and_answers_as_without_kern
     give the tokens of torch's products, 200 greedy tokens; turning the kernels off at runtime puts the
     model back as loaded."""
     from orin_vlm_node.engine import Engine, EngineConfig
-    from orin_vlm_node.model.gemv_linear import GemvLinear
+    from orin_vlm_node.weights.gemv_linear import GemvLinear
 
     path = str(_tiny(tmp_path_factory, 64))
     common = dict(model_path=path, device="cuda", dtype="fp32", max_context_tokens=512, kernel_cache_dir=kernel_cache)
@@ -566,8 +566,8 @@ def test_gpu_fused_norms_rope_and_silu_match_torch_ops_on_the_gpu(all_kernels, d
 def test_gpu_an_fp8_checkpoint_widens_on_the_device_to_the_values_it_has_on_the_cpu(tmp_path, layout):
     """On CUDA the FP8 weights travel as bytes and are widened on the GPU (integer shifts, an fp16 view, the
     scales multiplied in place): the same values as the CPU load, which the CPU suite holds to transformers'."""
-    from orin_vlm_node.model import load_model
-    from orin_vlm_node.model.keys import checkpoint_views
+    from orin_vlm_node.weights import load_model
+    from orin_vlm_node.weights.keys import checkpoint_views
     from support.checkpoints import cached_tiny_checkpoint, fp8_copy
 
     source = cached_tiny_checkpoint(layers=2, tie=False, dtype=torch.bfloat16)
@@ -585,8 +585,8 @@ def test_gpu_a_float_checkpoint_is_quantized_on_the_device_to_the_cpu_loads_byte
     """On CUDA each checkpoint matrix is moved, cast to the model's dtype (bf16 on disk, fp16 here) and quantized
     on the device a piece at a time: the stored bytes, scales and offsets are the CPU load's, bit for bit (the
     same IEEE operations: min, max, one division, round half to even), the untied LM head's INT8 too."""
-    from orin_vlm_node.model import load_model
-    from orin_vlm_node.model.quant import WeightQuant
+    from orin_vlm_node.weights import load_model
+    from orin_vlm_node.weights.quant import WeightQuant
     from support.checkpoints import cached_tiny_checkpoint
 
     ckpt = cached_tiny_checkpoint(layers=2, tie=False, dtype=torch.bfloat16)
@@ -616,8 +616,8 @@ def test_gpu_an_int4_checkpoint_is_kept_on_the_device_as_on_the_cpu_and_the_kern
     and the engine's GEMV kernels answer inside the decode graphs as the torch path does on the same stored
     weights."""
     from orin_vlm_node.engine import Engine, EngineConfig
-    from orin_vlm_node.model import load_model
-    from orin_vlm_node.model.quant import WeightQuant
+    from orin_vlm_node.weights import load_model
+    from orin_vlm_node.weights.quant import WeightQuant
 
     ckpt = INT4_WRITERS[layout](_tiny(tmp_path_factory, 64), tmp_path / "w4")
     quant = WeightQuant("int4", 32)

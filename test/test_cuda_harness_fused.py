@@ -285,7 +285,7 @@ def test_static_decode_stores_kv_in_the_norm_launch_as_the_write_launch_would(
     from orin_vlm_node.cuda import CudaPagedAttention
     from orin_vlm_node.kvcache import TorchPagedAttention
     from orin_vlm_node.kvcache.paged_step import PagedStaticDecode
-    from orin_vlm_node.model import load_model
+    from orin_vlm_node.weights import load_model
     from support.checkpoints import make_tiny_checkpoint
 
     model = load_model(make_tiny_checkpoint(tmp_path / "ckpt", layers=2, seed=5), dtype)

@@ -17,10 +17,12 @@ from cuda_harness.harness import HarnessError, RecordingLauncher
 
 from orin_vlm_node.cuda import launch as L
 from orin_vlm_node.cuda.gemv import CudaGemv
-from orin_vlm_node.model import load_model
-from orin_vlm_node.model.gemv_linear import GemvLinear, attach_gemv
-from orin_vlm_node.model.quant import QuantizedLinear, WeightQuant
 from orin_vlm_node.model.text import takes_swiglu
+from orin_vlm_node.weights import load_model
+from orin_vlm_node.weights.gemv_linear import GemvLinear
+from orin_vlm_node.weights.projections import ProjectionBuilder, ProjectionKernels, rebuild_projections
+from orin_vlm_node.weights.quant import QuantizedLinear, WeightQuant
+from orin_vlm_node.weights.sites import projection_sites
 from support.checkpoints import cached_tiny_checkpoint
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -161,6 +163,11 @@ def test_the_swiglu_epilogue_matches_the_product_then_the_activation(harness, mo
         torch.testing.assert_close(got.float(), expected, rtol=RTOL[dtype], atol=RTOL[dtype] * scale)
     with pytest.raises(ValueError, match="gate and up rows alike"):
         CudaGemv(harness)(_quantized(7, 32, "int8", 32, seed=0), torch.randn(1, 32), swiglu=True)
+
+
+def gemv_builder(model, kernels: CudaGemv, use_cuda_graph: bool = True) -> ProjectionBuilder:
+    """The builder of ``model``'s projections for the GEMV kernels ``kernels``."""
+    return ProjectionBuilder(ProjectionKernels(gemv=kernels, use_cuda_graph=use_cuda_graph), model.dtype)
 
 
 def _module(mode: str, n: int, k: int, group: int, dtype: torch.dtype, kernels: CudaGemv):
@@ -306,7 +313,7 @@ def test_a_model_routed_to_the_kernels_computes_what_it_computed_and_detaching_r
     cache = Engine(EngineConfig(model_path=str(path), device="cpu", max_sessions=0)).parts.cache
     # The LM head stays float: a model with both quantized and float weights to route.
     model = load_model(path, quant=WeightQuant(mode, 32, lm_head=False) if mode != "none" else None)
-    sites = [*model.language_model.projection_sites(), (model, "lm_head")]
+    sites = [(site.parent, site.attr) for site in projection_sites(model).values()]
     loaded = [getattr(parent, attr) for parent, attr in sites]
 
     def logits(tokens: int) -> torch.Tensor:
@@ -325,7 +332,7 @@ def test_a_model_routed_to_the_kernels_computes_what_it_computed_and_detaching_r
         timed.append(tuple(fn().shape))
         return 1.0 if _gemv_launched(launcher, before) else 2.0
 
-    what = attach_gemv(model, CudaGemv(launcher, time_us))
+    what = rebuild_projections(model, gemv_builder(model, CudaGemv(launcher, time_us)))
     floats = 1 if mode == "int4" else len(sites)
     epilogue = [takes_swiglu(parent, attr) for parent, attr in sites]
     keys = {
@@ -360,11 +367,11 @@ def test_a_model_routed_to_the_kernels_computes_what_it_computed_and_detaching_r
     widened = ["widen_int4_f32"] * (4 * (layers - 1) + 1) if mode == "int4" else []
     tail = [f"gemv_{stored}_f32_r1", f"gemv_{stored}_swiglu_f32_r1", f"gemv_{stored}_f32_r1"]
     assert launcher.kernels == [*widened, *tail, "gemv_float_f32_r1"]
-    assert attach_gemv(model, None) == ""
+    assert rebuild_projections(model, ProjectionBuilder(ProjectionKernels(), model.dtype)) == ""
     assert all(getattr(parent, attr) is m for (parent, attr), m in zip(sites, loaded, strict=True))
     assert all(m.kernels is None for m in model.modules() if isinstance(m, QuantizedLinear))
     timed.clear()  # a decode without CUDA graphs: float weights stay on torch, untimed
-    what = attach_gemv(model, CudaGemv(launcher, time_us), use_cuda_graph=False)
+    what = rebuild_projections(model, gemv_builder(model, CudaGemv(launcher, time_us), use_cuda_graph=False))
     assert what.endswith(f"float ones: F.linear ({floats}; decode not in CUDA graphs)") and not timed
     assert all(getattr(parent, attr) is m for (parent, attr), m in zip(sites, loaded, strict=True))
 
@@ -385,7 +392,9 @@ def test_a_quantized_lm_head_takes_the_kernels_and_the_model_computes_what_it_co
 
     want = logits()
     launcher = RecordingLauncher(harness)
-    what = attach_gemv(model, CudaGemv(launcher, _timer(launcher, 8)))  # the SwiGLU's two ways tie: in the launch
+    what = rebuild_projections(
+        model, gemv_builder(model, CudaGemv(launcher, _timer(launcher, 8)))
+    )  # the SwiGLU's two ways tie: in the launch
     projections = 4 * model.config.text.num_hidden_layers
     assert what.startswith(f"GEMV kernels for decode rows: {projections} quantized projections + int8 LM head; ")
     assert what.endswith("SwiGLU: SwiGLU in the product's launch (then silu_mul vs in the launch: 1 row 1.0 vs 1.0 us)")

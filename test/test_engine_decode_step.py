@@ -23,7 +23,8 @@ from orin_vlm_node.engine.decode_step import (
 )
 from orin_vlm_node.kvcache import ContiguousKVCache, KVCacheConfig
 from orin_vlm_node.kvcache.paged import PagedKVCache
-from orin_vlm_node.model import load_model, mrope_positions
+from orin_vlm_node.model import mrope_positions
+from orin_vlm_node.weights import load_model
 from support.checkpoints import cached_tiny_checkpoint, image_prompt, random_pixel_values
 
 torch.set_num_threads(1)

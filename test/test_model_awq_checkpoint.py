@@ -16,11 +16,12 @@ from compressed_tensors.entrypoints.convert.converters.autoawq import AutoAWQCon
 from kept_int4 import kept_and_widened
 from safetensors.torch import load_file, save_file
 
-from orin_vlm_node.model import CheckpointError, load_model
-from orin_vlm_node.model.awq_weights import AwqWeights, awq_pairs, unpack_awq
-from orin_vlm_node.model.keys import checkpoint_views, name_to_checkpoint_key
-from orin_vlm_node.model.pieces import WORK_ELEMENTS
-from orin_vlm_node.model.quant import QuantizedLinear, WeightQuant
+from orin_vlm_node.model import CheckpointError
+from orin_vlm_node.weights import load_model
+from orin_vlm_node.weights.awq import AwqWeights, awq_pairs, unpack_awq
+from orin_vlm_node.weights.keys import checkpoint_views, name_to_checkpoint_key
+from orin_vlm_node.weights.pieces import WORK_ELEMENTS
+from orin_vlm_node.weights.quant import QuantizedLinear, WeightQuant
 from support.checkpoints import awq_copy, awq_pack, awq_quantize, cached_tiny_checkpoint, edit_config, rewrite_tensors
 
 GROUP = 32

@@ -21,7 +21,8 @@ import torch
 
 from orin_vlm_node.kvcache import ContiguousKVCache, KVCacheConfig
 from orin_vlm_node.kvcache.reference import causal_attention
-from orin_vlm_node.model import VisionFeatures, decode_positions, load_model, mrope_positions
+from orin_vlm_node.model import VisionFeatures, decode_positions, mrope_positions
+from orin_vlm_node.weights import load_model
 from support.checkpoints import cached_tiny_checkpoint, image_prompt, mm_token_type_ids, random_pixel_values
 
 CKPT = dict(dtype=torch.bfloat16, head_dim=64, num_heads=8, hidden=128, seed=2)

@@ -12,10 +12,11 @@ import torch
 from orin_vlm_node.cpu import cpu_gemm_for, load_cpu_gemm
 from orin_vlm_node.cpu.gemm import native_bf16
 from orin_vlm_node.engine import Engine, EngineConfig, Request, SamplingParams, Turn
-from orin_vlm_node.model import load_model
-from orin_vlm_node.model.cpu_linear import KERNEL_ROWS, ONE_CALL_ELEMENTS, CpuLinear, use_cpu_gemm
-from orin_vlm_node.model.quant import weight_bytes
 from orin_vlm_node.settings import BY_NAME
+from orin_vlm_node.weights import load_model
+from orin_vlm_node.weights.cpu_linear import KERNEL_ROWS, ONE_CALL_ELEMENTS, CpuLinear
+from orin_vlm_node.weights.projections import ProjectionBuilder, ProjectionKernels, rebuild_projections
+from orin_vlm_node.weights.quant import weight_bytes
 from support.checkpoints import cached_tiny_checkpoint
 
 torch.set_num_threads(1)
@@ -28,7 +29,9 @@ def test_every_decoder_projection_and_the_head_take_the_kernel_without_a_copy(ti
     before = weight_bytes(model)
     layers = model.language_model.layers
     weights = [getattr(getattr(layer, s), a).weight for layer in layers for s, a in layer.PROJECTIONS]
-    what = use_cpu_gemm(model, load_cpu_gemm(cache_dir=cpu_kernel_cache))
+    what = rebuild_projections(
+        model, ProjectionBuilder(ProjectionKernels(cpu_gemm=load_cpu_gemm(cache_dir=cpu_kernel_cache)), model.dtype)
+    )
     assert what.startswith(f"CPU GEMM kernels, few rows for 1..16, many rows above ({4 * len(layers)} projections")
     assert weight_bytes(model) == before
     routed = [getattr(getattr(layer, s), a) for layer in layers for s, a in layer.PROJECTIONS]
@@ -49,7 +52,9 @@ def test_a_model_with_the_kernel_computes_what_the_float_model_computes(rows, na
     path = cached_tiny_checkpoint()
     engine = Engine(EngineConfig(model_path=str(path), device="cpu", dtype=name))
     routed, reference = load_model(path, dtype=dtype), load_model(path, dtype=dtype)
-    use_cpu_gemm(routed, load_cpu_gemm(cache_dir=cpu_kernel_cache))
+    rebuild_projections(
+        routed, ProjectionBuilder(ProjectionKernels(cpu_gemm=load_cpu_gemm(cache_dir=cpu_kernel_cache)), routed.dtype)
+    )
     ids = (engine.parts.tokenizer.encode("Where is the charging station? Count the boxes on the shelf.") * 4)[:rows]
     positions = torch.arange(len(ids)).expand(3, -1)
     logits = []
@@ -85,7 +90,7 @@ def test_every_decode_batch_the_engine_can_form_takes_the_kernel():
 def test_rows_of_a_kernel_call_in_pieces_are_bit_identical_to_each_row_alone(name, dtype, cpu_kernel_cache):
     gemm = load_cpu_gemm(cache_dir=cpu_kernel_cache)
     generator = torch.Generator().manual_seed(3)
-    linear = CpuLinear(torch.nn.Parameter(torch.randn(300, 96, generator=generator).to(dtype)), gemm)
+    linear = CpuLinear(_linear(torch.randn(300, 96, generator=generator).to(dtype)), gemm)
     x = torch.randn(KERNEL_ROWS, 96, generator=generator).to(dtype)
     together = linear(x)
     alone = torch.cat([linear(x[i : i + 1]) for i in range(KERNEL_ROWS)])
@@ -115,7 +120,7 @@ def test_a_prefill_through_a_large_weight_is_the_many_rows_kernel_computing_the_
     n, k = 300, ONE_CALL_ELEMENTS // 300 + 8  # more than ONE_CALL_ELEMENTS: the kernel for fp32 too
     gemm = load_cpu_gemm(cache_dir=cpu_kernel_cache)
     gemm.torch_bf16_prefill = False  # a CPU without bf16 arithmetic
-    linear = CpuLinear(torch.nn.Parameter(torch.randn(n, k, generator=generator).to(dtype)), gemm)
+    linear = CpuLinear(_linear(torch.randn(n, k, generator=generator).to(dtype)), gemm)
     x = torch.randn(rows, k, generator=generator).to(dtype)
     got, calls = _kernel_calls(linear, x)
     assert calls == ["many_rows"]
@@ -140,7 +145,7 @@ def test_which_path_a_small_weight_takes(dtype, native_bf16, rows, calls, cpu_ke
     w = torch.randn(768, 128, generator=generator).to(dtype)
     gemm = load_cpu_gemm(cache_dir=cpu_kernel_cache)
     gemm.torch_bf16_prefill = native_bf16
-    linear = CpuLinear(torch.nn.Parameter(w), gemm)
+    linear = CpuLinear(_linear(w), gemm)
     x = torch.randn(rows, 128, generator=generator).to(dtype)
     got, called = _kernel_calls(linear, x)
     assert called == calls
@@ -167,5 +172,14 @@ def test_a_bf16_model_on_a_cpu_with_bf16_arithmetic_prefills_through_torch_and_s
     gemm = load_cpu_gemm(cache_dir=cpu_kernel_cache)
     gemm.torch_bf16_prefill = True
     model = load_model(cached_tiny_checkpoint(), dtype=torch.bfloat16)
-    assert "torch's GEMM above (this CPU has bf16 arithmetic)" in use_cpu_gemm(model, gemm)
+    assert "torch's GEMM above (this CPU has bf16 arithmetic)" in rebuild_projections(
+        model, ProjectionBuilder(ProjectionKernels(cpu_gemm=gemm), model.dtype)
+    )
     assert all(m.torch_prefill for m in model.modules() if isinstance(m, CpuLinear))
+
+
+def _linear(weight: torch.Tensor) -> torch.nn.Linear:
+    """A bias-free projection of ``weight`` (N, K), as the loader builds one."""
+    linear = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=False, device="meta")
+    linear.weight = torch.nn.Parameter(weight, requires_grad=False)
+    return linear

@@ -11,11 +11,12 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from orin_vlm_node.engine import Engine, EngineConfig
-from orin_vlm_node.model import CheckpointError, load_model
-from orin_vlm_node.model.fp8_weights import Fp8Weights, Fp8Widener
-from orin_vlm_node.model.keys import checkpoint_views, name_to_checkpoint_key
-from orin_vlm_node.model.pieces import WORK_ELEMENTS
-from orin_vlm_node.model.quant import QuantizedLinear, WeightQuant
+from orin_vlm_node.model import CheckpointError
+from orin_vlm_node.weights import load_model
+from orin_vlm_node.weights.fp8 import Fp8Weights, Fp8Widener
+from orin_vlm_node.weights.keys import checkpoint_views, name_to_checkpoint_key
+from orin_vlm_node.weights.pieces import WORK_ELEMENTS
+from orin_vlm_node.weights.quant import QuantizedLinear, WeightQuant
 from support.checkpoints import cached_tiny_checkpoint, edit_config, fp8_copy, fp8_covered, rewrite_tensors
 
 DEQ_KEY = "model.language_model.layers.0.mlp.down_proj.weight"

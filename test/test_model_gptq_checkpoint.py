@@ -14,9 +14,10 @@ import torch
 from kept_int4 import kept_and_widened
 from safetensors.torch import load_file
 
-from orin_vlm_node.model import CheckpointError, load_model
-from orin_vlm_node.model.gptq_weights import GptqWeights
-from orin_vlm_node.model.quant import QuantizedLinear, WeightQuant
+from orin_vlm_node.model import CheckpointError
+from orin_vlm_node.weights import load_model
+from orin_vlm_node.weights.gptq import GptqWeights
+from orin_vlm_node.weights.quant import QuantizedLinear, WeightQuant
 from support.checkpoints import (
     cached_tiny_checkpoint,
     edit_config,

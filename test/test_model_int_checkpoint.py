@@ -13,10 +13,11 @@ from compressed_tensors.compressors.pack_quantized.helpers import unpack_from_in
 from kept_int4 import kept_and_widened
 from safetensors.torch import load_file
 
-from orin_vlm_node.model import CheckpointError, load_model
-from orin_vlm_node.model import int_weights as int_module
-from orin_vlm_node.model.keys import checkpoint_views, name_to_checkpoint_key
-from orin_vlm_node.model.quant import QuantizedLinear, WeightQuant
+from orin_vlm_node.model import CheckpointError
+from orin_vlm_node.weights import integer as int_module
+from orin_vlm_node.weights import load_model
+from orin_vlm_node.weights.keys import checkpoint_views, name_to_checkpoint_key
+from orin_vlm_node.weights.quant import QuantizedLinear, WeightQuant
 from support.checkpoints import cached_tiny_checkpoint, edit_config, int_copy, rewrite_tensors
 
 LAYOUTS = {  # name: int_copy arguments

@@ -11,10 +11,11 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from orin_vlm_node.model import CheckpointError, ModelConfig, load_model, loader
+from orin_vlm_node.model import CheckpointError, ModelConfig
 from orin_vlm_node.model.config import DEFAULT_MROPE_SECTION
-from orin_vlm_node.model.keys import checkpoint_key_to_name, checkpoint_views
-from orin_vlm_node.model.quant import WeightQuant
+from orin_vlm_node.weights import load_model, loader
+from orin_vlm_node.weights.keys import checkpoint_key_to_name, checkpoint_views
+from orin_vlm_node.weights.quant import WeightQuant
 from support.checkpoints import cached_tiny_checkpoint
 
 TIED = dict(layers=2, tie=True)

@@ -16,7 +16,8 @@ import torch
 
 from orin_vlm_node.kvcache import ContiguousKVCache, KVCacheConfig
 from orin_vlm_node.kvcache.reference import causal_attention
-from orin_vlm_node.model import decode_positions, load_model, mrope_positions
+from orin_vlm_node.model import decode_positions, mrope_positions
+from orin_vlm_node.weights import load_model
 from support.checkpoints import cached_tiny_checkpoint, image_prompt, mm_token_type_ids, random_pixel_values
 
 CONFIGS = {

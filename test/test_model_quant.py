@@ -18,11 +18,13 @@ import torch.nn.functional as F
 from orin_vlm_node.cpu import load_cpu_gemm
 from orin_vlm_node.cpu.gemm import BoundWeight
 from orin_vlm_node.engine import Engine, EngineConfig, EngineError, Request, SamplingParams, Turn
-from orin_vlm_node.model import CheckpointError, load_model
-from orin_vlm_node.model.cpu_linear import KERNEL_ROWS, CpuQuantLinear, use_cpu_gemm
-from orin_vlm_node.model.pieces import WORK_ELEMENTS
-from orin_vlm_node.model.quant import LM_HEAD_QUANT, QuantizedLinear, WeightQuant, weight_bytes
+from orin_vlm_node.model import CheckpointError
 from orin_vlm_node.model.text import DecoderLayer
+from orin_vlm_node.weights import load_model
+from orin_vlm_node.weights.cpu_linear import KERNEL_ROWS, CpuQuantLinear
+from orin_vlm_node.weights.pieces import WORK_ELEMENTS
+from orin_vlm_node.weights.projections import ProjectionBuilder, ProjectionKernels, rebuild_projections
+from orin_vlm_node.weights.quant import LM_HEAD_QUANT, QuantizedLinear, WeightQuant, weight_bytes
 from support.checkpoints import cached_tiny_checkpoint, gptq_copy, int_copy
 
 torch.set_num_threads(1)
@@ -177,7 +179,9 @@ def test_the_cpu_kernels_compute_what_the_torch_path_computes(checkpoint, gemm, 
     with_kernels, torch_path = load_model(checkpoint, quant=quant), load_model(checkpoint, quant=quant)
     layers = with_kernels.language_model.layers
     projections = 4 * len(layers)
-    assert f"({projections} quantized projections + int8 LM head;" in use_cpu_gemm(with_kernels, gemm)
+    assert f"({projections} quantized projections + int8 LM head;" in rebuild_projections(
+        with_kernels, ProjectionBuilder(ProjectionKernels(cpu_gemm=gemm), with_kernels.dtype)
+    )
     routed = [getattr(getattr(layer, s), a) for layer in layers for s, a in layer.PROJECTIONS]
     assert all(isinstance(m, CpuQuantLinear) for m in [*routed, with_kernels.lm_head])
     assert weight_bytes(with_kernels) == weight_bytes(torch_path)  # the stored bytes, not a copy

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from orin_vlm_node.model import ModelConfig, Qwen3VLModel
-from orin_vlm_node.model.keys import checkpoint_key_to_name, checkpoint_views, name_to_checkpoint_key
+from orin_vlm_node.weights.keys import checkpoint_key_to_name, checkpoint_views, name_to_checkpoint_key
 
 CONFIG_DIR = Path("/work/shared/model-configs")
 # Published model sizes: total parameters (tied counted once, in billions) and state-dict key counts incl. lm_head.

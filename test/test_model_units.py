@@ -11,9 +11,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from orin_vlm_node.kvcache import ContiguousKVCache, KVCacheConfig
 from orin_vlm_node.kvcache.reference import causal_attention
-from orin_vlm_node.model import decode_positions, load_model, mrope_positions
+from orin_vlm_node.model import decode_positions, mrope_positions
 from orin_vlm_node.model.rope import mrope_cos_sin, mrope_streams, text_inv_freq
 from orin_vlm_node.model.vision import _patch_rows_cols
+from orin_vlm_node.weights import load_model
 from support.checkpoints import cached_tiny_checkpoint, image_prompt, random_pixel_values
 
 CKPT = dict(layers=3, deepstack=(0, 1, 2), tie=False)

@@ -233,7 +233,7 @@ def test_placeholder_count_mismatch(tiny_dir, tok):
         build_prompt_ids(tok, template, two_images, [4, 4, 4])
     typed_pad = [{"role": "user", "content": [IMG, _text("sneaky <|image_pad|>")]}]
     with pytest.raises(PromptError, match="rendered prompt has 2 image placeholder"):
-        build_prompt_ids(tok, template, typed_pad, [4], plain_text=False)
+        build_prompt_ids(tok, template, typed_pad, [4], prompt_special_tokens=True)
     assert build_prompt_ids(tok, template, typed_pad, [4]).count(tok.special.image_pad) == 4  # plain text
     drops_images = ChatTemplate("{% for m in messages %}{{ m.role }}{% endfor %}")
     with pytest.raises(PromptError, match="rendered prompt has 0 image placeholder"):
@@ -316,9 +316,9 @@ def test_special_token_text_in_messages_is_plain_text(tiny_dir, tok, text, where
     # The expert setting reads the same text as control tokens: more of them, fewer ids.
     if "<|image_pad|>" in text:  # ... and then a typed image placeholder needs an image
         with pytest.raises(PromptError, match="image placeholder"):
-            build_prompt_ids(tok, template, messages, [], plain_text=False)
+            build_prompt_ids(tok, template, messages, [], prompt_special_tokens=True)
         return
-    raw = build_prompt_ids(tok, template, messages, [], plain_text=False)
+    raw = build_prompt_ids(tok, template, messages, [], prompt_special_tokens=True)
     assert raw == tok.encode(template.render(messages)) and len(raw) < len(ids)
 
 
@@ -327,7 +327,7 @@ def test_plain_text_prompts_without_special_text_are_encoded_as_before(tiny_dir,
     for messages in CONVERSATIONS:
         counts = [4] * count_images(messages)
         assert build_prompt_ids(tok, template, messages, counts) == build_prompt_ids(
-            tok, template, messages, counts, plain_text=False
+            tok, template, messages, counts, prompt_special_tokens=True
         )
 
 

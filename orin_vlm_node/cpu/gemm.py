@@ -35,7 +35,7 @@ INT4_MIN_GROUP = 16  # the few-rows kernel reads 16 consecutive values of a grou
 
 
 class Int4Weight(Protocol):
-    """An (n, k) weight of 4-bit values as the kernels read it (``model.quant.QuantizedLinear`` in int4 mode is
+    """An (n, k) weight of 4-bit values as the kernels read it (``weights.quant.QuantizedLinear`` in int4 mode is
     one): ``qweight`` (n, ceil(k / 2)) uint8, two values a byte along k, even k in the low nibble; ``scales``
     and ``offsets`` (n, ceil(k / group_size)) fp16, one pair per group of ``group_size`` consecutive k (a
     power of two >= ``INT4_MIN_GROUP``); a weight is ``q * scale + offset`` of its group."""
@@ -74,7 +74,7 @@ class CpuGemm:
         self.max_rows: int = lib.few_rows_gemm_max_rows()  # the most rows ``few_rows`` takes
         self.origin = origin  # "compiled in 1.2 s" / "from the cache", for the log and diagnostics
         # The CPU multiplies bf16 natively (:func:`native_bf16`): torch's GEMM is the faster one for a prefill
-        # of bf16 weights there, and the callers route those rows to it (``model.cpu_linear``).
+        # of bf16 weights there, and the callers route those rows to it (``weights.cpu_linear``).
         self.torch_bf16_prefill = torch_bf16_prefill
 
     def bind(self, w: Weight) -> BoundWeight:

@@ -2,7 +2,7 @@
 
 Nothing here falls back silently: every outcome is one line, ``kernels: on (...)`` or ``kernels: off
 (<reason>)``, that the engine logs, the node publishes in ``/diagnostics`` and its ``ready`` status event,
-and the CLI prints with ``--json``. With ``allow_fallback=False`` a requested but unavailable kernel path
+and the CLI prints with ``--json``. With ``allow_kernel_fallback=False`` a requested but unavailable kernel path
 is an error instead (a robot that must not run slowly refuses to start).
 """
 
@@ -25,7 +25,7 @@ _log = logging.getLogger(__name__)
 
 
 class KernelsUnavailable(RuntimeError):
-    """The CUDA kernels were required (``allow_fallback=False``) but cannot be used; the message says why."""
+    """The CUDA kernels were required (``allow_kernel_fallback=False``) but cannot be used; the message says why."""
 
 
 @dataclass(frozen=True)
@@ -83,7 +83,7 @@ def select_backend(
     shape: AttentionShape,
     kernel_dir: str = "",
     kernel_cache_dir: str = "",
-    allow_fallback: bool = True,
+    allow_kernel_fallback: bool = True,
     loaded: Sequence[LoadedKernels] = (),
 ) -> BackendChoice:
     """Decide whether the kernels serve attention on ``device``; build and load them when they do.
@@ -92,7 +92,7 @@ def select_backend(
     (``kernel_dir`` or the install, see ``sources``), the kernels of the shape's dtype compiled or taken from
     ``kernel_cache_dir`` and loaded, or taken from ``loaded`` (runtimes loaded earlier, reused when they hold
     the same cubins). Any failure (shape not covered, sources, nvcc, PyCUDA, driver) gives "off" with the
-    reason, or raises :class:`KernelsUnavailable` when ``allow_fallback`` is False.
+    reason, or raises :class:`KernelsUnavailable` when ``allow_kernel_fallback`` is False.
     """
     dev = torch.device(device)
     if dev.type != "cuda":
@@ -100,12 +100,12 @@ def select_backend(
     if not use_cuda_kernels:
         return BackendChoice(False, "disabled by use_cuda_kernels")
     if not torch.cuda.is_available():
-        return _unavailable("CUDA requested but torch sees no GPU", allow_fallback)
+        return _unavailable("CUDA requested but torch sees no GPU", allow_kernel_fallback)
     if dev.index is None:
         dev = torch.device("cuda", torch.cuda.current_device())
     problem = shape.unsupported()
     if problem:
-        return _unavailable(f"this model's attention is not covered: {problem}", allow_fallback)
+        return _unavailable(f"this model's attention is not covered: {problem}", allow_kernel_fallback)
     try:
         from .attention import CudaPagedAttention
         from .runtime import load_runtime
@@ -114,7 +114,7 @@ def select_backend(
         kernels = load_runtime(dev, kernel_dir, kernel_cache_dir, dtypes=(dtype,), reuse=loaded)
     except (KernelBuildError, ImportError, OSError, RuntimeError) as exc:
         reason = f"{type(exc).__name__}: {exc}" if isinstance(exc, ImportError) else str(exc)
-        return _unavailable(reason, allow_fallback)
+        return _unavailable(reason, allow_kernel_fallback)
     runtime = kernels.runtime
     choice = BackendChoice(
         True,
@@ -130,8 +130,8 @@ def select_backend(
     return choice
 
 
-def _unavailable(reason: str, allow_fallback: bool) -> BackendChoice:
-    if not allow_fallback:
+def _unavailable(reason: str, allow_kernel_fallback: bool) -> BackendChoice:
+    if not allow_kernel_fallback:
         raise KernelsUnavailable(f"CUDA kernels required (allow_kernel_fallback is false) but unavailable: {reason}")
     choice = BackendChoice(False, f"{reason}; using torch attention", requested=True)
     _log.warning("%s", choice.status)

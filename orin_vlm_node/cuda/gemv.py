@@ -1,7 +1,7 @@
 """Projections through ``kernels/gemv.cuh``: the decode-time product of 1..8 rows, for float and quantized weights.
 
-:class:`CudaGemv` is what a :class:`~orin_vlm_node.model.quant.QuantizedLinear` and a
-:class:`~orin_vlm_node.model.gemv_linear.GemvLinear` call (their ``kernels``, see ``gemv_linear.attach_gemv``)
+:class:`CudaGemv` is what a :class:`~orin_vlm_node.weights.quant.QuantizedLinear` and a
+:class:`~orin_vlm_node.weights.gemv_linear.GemvLinear` call (their ``kernels``, see ``weights.projections``)
 when the kernels are loaded: it checks that the call fits a kernel (rows, dtype, layout), allocates the output
 and launches on the ``launcher`` (the PyCUDA runtime on torch's stream, so CUDA graphs capture it; or the CPU
 harness in the tests). A call that does not fit (a prefill of many rows) goes back to the module's torch path:

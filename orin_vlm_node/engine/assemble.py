@@ -25,15 +25,15 @@ from ..cuda.fused import CudaFusedOps
 from ..cuda.gemv import CudaGemv
 from ..cuda.graph import device_us
 from ..kvcache import build_kv_cache
-from ..model import load_model
 from ..model.config import ModelConfig
-from ..model.cpu_linear import use_cpu_gemm
 from ..model.errors import CheckpointError
-from ..model.gemv_linear import attach_gemv
-from ..model.quant import weight_bytes
 from ..model.text import attach_fused_ops
 from ..processing import ChatTemplate, ImageProcessor, Tokenizer
 from ..settings import BY_NAME
+from ..weights import load_model
+from ..weights.projections import ProjectionBuilder, ProjectionKernels, rebuild_projections
+from ..weights.quant import weight_bytes
+from ..weights.stored_format import checkpoint_format
 from .backend import decode_path, select_attention
 from .config import EngineConfig
 from .decode_step import build_decode_step
@@ -74,13 +74,13 @@ class Assembler:
             _release(old, model="model" in rebuild, cache=bool(rebuild & {"model", "kv_cache"}))
             parts = {**{f.name: getattr(old, f.name) for f in dataclasses.fields(old)}, **parts}
         if "model" in rebuild:
-            parts.update(self._load_model(config))
+            parts.update(_model_config(config))
+        if rebuild & _ROUTED:
+            parts.update(self._route_kernels(config, parts, load="model" in rebuild))
         if rebuild & {"model", "images"}:
             parts.update(_load_processing(config, parts["model_config"]))
         if rebuild & {"model", "images", "vision_cache"}:  # features of another model or resize are stale
             parts["vision_cache"] = VisionCache(config.vision_cache_images)
-        if rebuild & _ROUTED:
-            parts.update(self._route_kernels(config, parts))
         if rebuild & {"model", "kv_cache"}:
             cache = build_kv_cache(
                 kv_cache_config(config, parts["model_config"], parts["dtype"], parts["device"]),
@@ -106,37 +106,40 @@ class Assembler:
         self._retire_kernels(parts.attention)
         host_memory.trim()
 
-    def _load_model(self, config: EngineConfig) -> dict[str, Any]:
-        if not config.model_dir.is_dir():
-            raise CheckpointError(f"model directory {config.model_dir} does not exist")
-        model_config = ModelConfig.from_dir(config.model_dir)
-        device = resolve_device(config.device)
-        dtype = resolve_dtype(config.dtype, device, model_config.torch_dtype)
-        if device.type == "cpu":
-            log.debug("oneDNN shape caches: %s", bound_onednn_caches())
-        model = load_model(config.model_dir, dtype=dtype, device=device, quant=config.quant).eval()
-        # The CPU GEMM kernels (None elsewhere or when they cannot run): float and quantized projections.
-        cpu_gemm, why = cpu_gemm_for(device, dtype, config.kernel_dir, config.kernel_cache_dir)
-        float_path = use_cpu_gemm(model, cpu_gemm) if cpu_gemm else f"F.linear ({why})"
-        nbytes = weight_bytes(model)
-        log.info("model %s loaded on %s as %s (weights: %s, LM head %s, %.1f MB)", config.model_dir, device, dtype,
-                 config.weight_quant, lm_head_storage(config, dtype), nbytes / 1e6)  # fmt: skip
-        return dict(model_config=model_config, device=device, dtype=dtype, model=model, weight_bytes=nbytes,
-                    cpu_gemm=cpu_gemm, float_path=float_path)  # fmt: skip
-
-    def _route_kernels(self, config: EngineConfig, parts: dict[str, Any]) -> dict[str, Any]:
-        """The attention choice, and the decode rows' products and norms routed to the CUDA kernels with it."""
-        model, device = parts["model"], parts["device"]
-        attention = select_attention(config, parts["model_config"], parts["dtype"], device, self._kernels)
+    def _route_kernels(self, config: EngineConfig, parts: dict[str, Any], load: bool) -> dict[str, Any]:
+        """The attention choice, and the model (loaded with ``load``, else the one in ``parts``) with its
+        projections built for the kernels that choice and the CPU offer, its norms routed with them."""
+        device, dtype = parts["device"], parts["dtype"]
+        attention = select_attention(config, parts["model_config"], dtype, device, self._kernels)
         if attention.loaded is not None and not attention.loaded.reused:
             self._kernels.append(attention.loaded)
         launcher = attention.launcher if attention.kernels else None
-        # The CUDA GEMV kernels for decode rows (the CPU kernels are routed with the model's load).
-        timer = functools.partial(device_us, stream=self._capture_stream(device))
-        gemv = CudaGemv(launcher, timer) if launcher else None
-        gemv_path = attach_gemv(model, gemv, use_cuda_graph=config.use_cuda_graph)
-        attach_fused_ops(model, CudaFusedOps(launcher) if launcher else None)
-        return {"attention": attention, "gemv_path": gemv_path}
+        builder = ProjectionBuilder(self._projection_kernels(config, device, dtype, launcher), dtype)
+        if load:
+            parts = {**parts, **self._load_model(config, device, dtype, builder)}
+        else:
+            rebuild_projections(parts["model"], builder)
+        attach_fused_ops(parts["model"], CudaFusedOps(launcher) if launcher else None)
+        return {"attention": attention, "weight_path": builder.path, "model": parts["model"],
+                "weight_bytes": parts["weight_bytes"]}  # fmt: skip
+
+    def _projection_kernels(self, config: EngineConfig, device: torch.device, dtype: torch.dtype, launcher):
+        """What multiplies the projections: the CUDA GEMV kernels with the attention's launcher, else the CPU
+        GEMM kernels where they run (or why not)."""
+        if launcher is not None:
+            timer = functools.partial(device_us, stream=self._capture_stream(device))
+            return ProjectionKernels(gemv=CudaGemv(launcher, timer), use_cuda_graph=config.use_cuda_graph)
+        cpu_gemm, why = cpu_gemm_for(device, dtype, config.kernel_dir, config.kernel_cache_dir)
+        return ProjectionKernels(cpu_gemm=cpu_gemm, without_cpu_gemm=why)
+
+    def _load_model(self, config: EngineConfig, device, dtype, builder: ProjectionBuilder) -> dict[str, Any]:
+        if device.type == "cpu":
+            log.debug("oneDNN shape caches: %s", bound_onednn_caches())
+        model = load_model(config.model_dir, dtype=dtype, device=device, quant=config.quant, projections=builder)
+        nbytes = weight_bytes(model)
+        log.info("model %s loaded on %s as %s (weights: %s, LM head %s, %.1f MB)", config.model_dir, device, dtype,
+                 config.weight_quant, lm_head_storage(config, dtype), nbytes / 1e6)  # fmt: skip
+        return {"model": model.eval(), "weight_bytes": nbytes}
 
     def _decode_step(self, config: EngineConfig, parts: dict[str, Any]):
         attention, device = parts["attention"], parts["device"]
@@ -173,6 +176,21 @@ class Assembler:
         if device not in self._capture_streams:
             self._capture_streams[device] = torch.cuda.Stream(device)
         return self._capture_streams[device]
+
+
+def _model_config(config: EngineConfig) -> dict[str, Any]:
+    """The checkpoint's config, where and in which dtype it runs, and how its weights are stored."""
+    if not config.model_dir.is_dir():
+        raise CheckpointError(f"model directory {config.model_dir} does not exist")
+    model_config = ModelConfig.from_dir(config.model_dir)
+    device = resolve_device(config.device)
+    fmt = checkpoint_format(config.model_dir, model_config.raw)
+    return dict(
+        model_config=model_config,
+        device=device,
+        dtype=resolve_dtype(config.dtype, device, model_config.torch_dtype),
+        checkpoint_weights=fmt.describe() if fmt else "float",
+    )
 
 
 def _load_processing(config: EngineConfig, model_config: ModelConfig) -> dict[str, Any]:

@@ -33,7 +33,7 @@ def select_attention(
         shape,
         kernel_dir=config.kernel_dir,
         kernel_cache_dir=config.kernel_cache_dir,
-        allow_fallback=config.allow_kernel_fallback,
+        allow_kernel_fallback=config.allow_kernel_fallback,
         loaded=loaded,
     )
 

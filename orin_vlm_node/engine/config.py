@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from .. import settings
-from ..model.quant import WeightQuant
+from ..weights.quant import WeightQuant
 from .events import SamplingParams
 from .sampling import validate_sampling
 

@@ -34,26 +34,33 @@ class ConversationRenderer:
         self.template = template
 
     def first_turn(
-        self, system_prompt: str | None, turn: Turn, image_tokens: Sequence[int], plain_text: bool = True
+        self, system_prompt: str | None, turn: Turn, image_tokens: Sequence[int], prompt_special_tokens: bool = False
     ) -> tuple[list[int], list[dict]]:
         """(prompt ids, messages) of a conversation's first turn, generation prompt included; message text
-        is plain text unless ``plain_text=False`` (see ``processing.prompt``)."""
+        is plain text unless ``prompt_special_tokens`` (see ``processing.prompt``)."""
         messages: list[dict] = []
         if system_prompt:
             messages.append({"role": "system", "content": system_prompt})
         messages.append(user_message(turn))
-        ids = build_prompt_ids(self.tokenizer, self.template, messages, list(image_tokens), plain_text=plain_text)
+        ids = build_prompt_ids(
+            self.tokenizer, self.template, messages, list(image_tokens), prompt_special_tokens=prompt_special_tokens
+        )
         return ids, messages
 
     def next_turn(
-        self, history: list[dict], answer_text: str, turn: Turn, image_tokens: Sequence[int], plain_text: bool = True
+        self,
+        history: list[dict],
+        answer_text: str,
+        turn: Turn,
+        image_tokens: Sequence[int],
+        prompt_special_tokens: bool = False,
     ) -> tuple[list[int], list[dict]]:
         """(ids after the history's final ``<|im_end|>``, messages incl. the answer and the new turn)."""
         before = [*history, {"role": "assistant", "content": answer_text}]
         after = [*before, user_message(turn)]
         specials = self.tokenizer.special_texts
-        prompt_before = render_prompt(self.template, before, specials, False, plain_text)
-        prompt_after = render_prompt(self.template, after, specials, True, plain_text)
+        prompt_before = render_prompt(self.template, before, specials, False, prompt_special_tokens)
+        prompt_after = render_prompt(self.template, after, specials, True, prompt_special_tokens)
         closing = [end for start, end in prompt_before.control if prompt_before.text[start:end] == IM_END]
         if not closing:
             raise PromptError(

@@ -9,7 +9,6 @@ from typing import Any
 
 import torch
 
-from ..model.cpu_linear import KERNEL_ROWS, quant_refusal
 from .backend import decode_path
 from .config import EngineConfig
 from .parts import EngineParts
@@ -21,24 +20,6 @@ def lm_head_storage(config: EngineConfig, dtype: torch.dtype) -> str:
     return head.mode if head else str(dtype).replace("torch.", "")
 
 
-def weight_path(parts: EngineParts) -> str:
-    """How the projections multiply: on CUDA with the kernels, which take the GEMV kernels for decode rows
-    (quantized ones all, float ones where they measured faster); else float weights through the CPU GEMM
-    kernels or ``F.linear``, quantized ones through the CPU GEMM kernels on the stored bytes or torch."""
-    cfg = parts.config
-    mode, group = cfg.weight_quant, cfg.weight_quant_group_size
-    if parts.gemv_path:  # CUDA with the kernels: which products take the GEMV kernels, measured
-        return f"{'float weights' if mode == 'none' else mode}: {parts.gemv_path}"
-    if mode == "none":
-        return f"float weights: {parts.float_path}"
-    if parts.cpu_gemm is None:
-        return f"{mode}: torch (weights widened for each product)"
-    refusal = quant_refusal(mode, group, parts.cpu_gemm)
-    if refusal:
-        return f"{mode}: torch (weights widened for each product; {refusal})"
-    return f"{mode}: CPU GEMM kernels on the stored weights, few rows for 1..{KERNEL_ROWS}, many rows above"
-
-
 def describe_parts(parts: EngineParts, kv: dict[str, Any], busy: bool, served: int, last: dict) -> dict[str, Any]:
     """The description of ``parts``: ``kv`` the KV cache's stats snapshot, ``served`` the requests finished,
     ``last`` the metrics of the last one."""
@@ -48,11 +29,11 @@ def describe_parts(parts: EngineParts, kv: dict[str, Any], busy: bool, served: i
         "model_path": str(cfg.model_dir),
         "device": str(parts.device),
         "dtype": str(parts.dtype).replace("torch.", ""),
-        "checkpoint_weights": fmt.describe() if (fmt := parts.model_config.weight_format) else "float",
+        "checkpoint_weights": parts.checkpoint_weights,
         "weight_quant": cfg.weight_quant,
         "lm_head": lm_head_storage(cfg, parts.dtype),
         "weight_mb": round(parts.weight_bytes / 1e6, 3),
-        "weight_path": weight_path(parts),
+        "weight_path": parts.weight_path,
         "paged_attention": cfg.use_paged_attention,
         "page_size": stats.get("page_size"),
         "kv_blocks_total": stats.get("blocks_total"),

@@ -120,7 +120,7 @@ class Engine:
         """Tokens a conversation's first turn takes before any question text: the chat template's structure
         and ``system_prompt`` (reads only; safe from any thread)."""
         parts = self.parts
-        return parts.turns.shortest_prompt(system_prompt, plain_text=not parts.config.prompt_special_tokens)
+        return parts.turns.shortest_prompt(system_prompt, prompt_special_tokens=parts.config.prompt_special_tokens)
 
     def validate_changes(self, **fields: Any) -> None:
         """Check a reconfiguration without applying it; ValueError names the first problem."""

@@ -14,7 +14,6 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
-    from ..cpu.gemm import CpuGemm
     from ..cuda import BackendChoice
     from ..kvcache import KVCache
     from ..model import Qwen3VLModel
@@ -38,9 +37,8 @@ class EngineParts:
     dtype: torch.dtype
     model: Qwen3VLModel | None
     weight_bytes: int
-    cpu_gemm: CpuGemm | None  # the CPU GEMM kernels the projections use (None: not a CPU, or unavailable)
-    float_path: str  # how float projections multiply without the CUDA kernels
-    gemv_path: str  # which products take the CUDA GEMV kernels ("" without them)
+    checkpoint_weights: str  # how the checkpoint stores its weights ("float", or its stored format)
+    weight_path: str  # how the projections multiply: the kernels each was built with
     tokenizer: Tokenizer
     image_processor: ImageProcessor
     turns: TurnPreparer

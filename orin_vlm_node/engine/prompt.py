@@ -64,26 +64,33 @@ class TurnPreparer:
         self.image_pad = tokenizer.special.image_pad
         self.model = model
 
-    def shortest_prompt(self, system_prompt: str | None, plain_text: bool = True) -> int:
+    def shortest_prompt(self, system_prompt: str | None, prompt_special_tokens: bool = False) -> int:
         """Tokens of a first turn with no question text and no image (the floor of every prompt)."""
-        ids, _ = self.renderer.first_turn(system_prompt, Turn(text=""), [], plain_text)
+        ids, _ = self.renderer.first_turn(system_prompt, Turn(text=""), [], prompt_special_tokens)
         return len(ids)
 
     def prepare(
-        self, turn: Turn, system_prompt: str | None, session: Session | None, limit: int, plain_text: bool = True
+        self,
+        turn: Turn,
+        system_prompt: str | None,
+        session: Session | None,
+        limit: int,
+        prompt_special_tokens: bool = False,
     ) -> PreparedTurn:
         """ValueError (a ProcessingError among them) for a bad turn or one past ``limit`` tokens in all
         (:class:`ConversationFull` when the session's earlier turns take part of that).
-        Message text is plain text unless ``plain_text=False`` (``processing.prompt``)."""
+        Message text is plain text unless ``prompt_special_tokens`` (``processing.prompt``)."""
         check_turn(turn)
         batch = self.image_processor.preprocess(list(turn.images), color=turn.color) if turn.images else None
         counts = list(batch.num_tokens) if batch is not None else []
         if session is not None:
-            delta, messages = self.renderer.next_turn(session.messages, session.answer, turn, counts, plain_text)
+            delta, messages = self.renderer.next_turn(
+                session.messages, session.answer, turn, counts, prompt_special_tokens
+            )
             new_ids, history, start = session.pending_ids + delta, len(session.token_ids), session.next_position
             text_before = len(session.pending_ids)
         else:
-            new_ids, messages = self.renderer.first_turn(system_prompt, turn, counts, plain_text)
+            new_ids, messages = self.renderer.first_turn(system_prompt, turn, counts, prompt_special_tokens)
             history, start, text_before = 0, 0, 0
         if history + len(new_ids) > limit:
             if history:

@@ -250,7 +250,7 @@ class RequestRun:
             self.request.system_prompt,
             session,
             self.config.max_context_tokens,
-            plain_text=not self.config.prompt_special_tokens,
+            prompt_special_tokens=self.config.prompt_special_tokens,
         )
 
     def _begin_prefill(self) -> _Prefill:

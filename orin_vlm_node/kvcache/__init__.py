@@ -40,9 +40,11 @@ __all__ = [
 ]
 
 
-def build_kv_cache(config: KVCacheConfig, paged: bool, attention_impl: PagedAttentionImpl | None = None) -> KVCache:
+def build_kv_cache(
+    config: KVCacheConfig, use_paged_attention: bool, attention_impl: PagedAttentionImpl | None = None
+) -> KVCache:
     """The paged cache (with ``attention_impl``, None = torch) or the contiguous baseline, behind one interface."""
-    if paged:
+    if use_paged_attention:
         return PagedKVCache(config, attention_impl=attention_impl)
     cache = ContiguousKVCache(config)
     cache.set_attention_impl(attention_impl)

@@ -17,7 +17,6 @@ import torch
 
 from .dtypes import checkpoint_dtype
 from .errors import CheckpointError
-from .stored_format import StoredFormat, stored_format
 
 DEFAULT_MROPE_SECTION = (24, 20, 20)
 DEFAULT_VISION_ROPE_THETA = 10000.0
@@ -84,8 +83,6 @@ class ModelConfig:
     vision_end_token_id: int = 151653
     tie_word_embeddings: bool = False
     checkpoint_dtype: str | None = None  # "bfloat16" etc. as written in config.json, None if absent
-    # How the linear weights are stored when not as floats (FP8 or integers with scales: stored_format); None: floats
-    weight_format: StoredFormat | None = None
     raw: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
 
     @property
@@ -149,7 +146,6 @@ class ModelConfig:
             vision_end_token_id=_int(data, "vision_end_token_id", 151653),
             tie_word_embeddings=bool(tie),
             checkpoint_dtype=dtype if isinstance(dtype, str) else None,
-            weight_format=stored_format(data),
             raw=data,
         )
 

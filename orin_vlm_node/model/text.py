@@ -143,7 +143,7 @@ class FusedLinear(nn.Module):
     mostly dispatch, so fewer, larger products are what makes it faster.
 
     The checkpoint keeps the separate matrices: ``parts`` names them (``q_proj``, ``k_proj``, ...) with
-    their row counts, and the loader copies each into its rows of ``weight`` (see ``loader.checkpoint_views``).
+    their row counts, and the loader copies each into its rows of ``weight`` (``weights.keys.checkpoint_views``).
     """
 
     def __init__(self, in_features: int, parts: dict[str, int]):
@@ -164,10 +164,10 @@ class FusedLinear(nn.Module):
 
 
 def gemv_takes(proj: nn.Module, x: torch.Tensor) -> bool:
-    """Whether ``proj``'s GEMV kernels multiply rows ``x`` (:class:`.gemv_linear.GemvLinear`, or a
-    :class:`.quant.QuantizedLinear` with kernels attached; ``kernel_takes``), so the SwiGLU can run in that
-    launch. Looked up on the class: a plain module (the CPU's, torch's) has no such method, and a missing
-    attribute asked of the module itself goes through nn.Module.__getattr__'s exception, on every decode step."""
+    """Whether ``proj``'s GEMV kernels multiply rows ``x`` (``weights.gemv_linear.GemvLinear``, or a
+    ``weights.quant.QuantizedLinear`` with kernels; ``kernel_takes``), so the SwiGLU can run in that launch.
+    Looked up on the class: a plain module (the CPU's, torch's) has no such method, and a missing attribute
+    asked of the module itself goes through nn.Module.__getattr__'s exception, on every decode step."""
     kernel_takes = getattr(type(proj), "kernel_takes", None)
     return kernel_takes is not None and kernel_takes(proj, x)
 
@@ -175,8 +175,8 @@ def gemv_takes(proj: nn.Module, x: torch.Tensor) -> bool:
 def project(x: torch.Tensor, linear: nn.Module) -> torch.Tensor:
     """``x`` through a bias-free projection: a plain weight as a function of it (a decode step is mostly
     dispatch, and a module call costs several times a plain function call); one whose ``weight`` is None
-    (quantized: :class:`.quant.QuantizedLinear`; the CPU's :class:`.cpu_linear.CpuLinear`; the GPU's
-    :class:`.gemv_linear.GemvLinear`) through its module."""
+    (quantized: ``weights.quant.QuantizedLinear``; the CPU's ``weights.cpu_linear.CpuLinear``; the GPU's
+    ``weights.gemv_linear.GemvLinear``) through its module."""
     weight = linear.weight
     return F.linear(x, weight) if weight is not None else linear(x)
 
@@ -226,8 +226,8 @@ class SelfAttention(nn.Module):
 
 def swiglu(x: torch.Tensor, gate_up_proj: nn.Module, fused) -> torch.Tensor:
     """silu(gate) * up of ``x`` (L, K) through the fused gate/up projection -> (L, I). Where the projection's
-    GEMV kernels take ``x`` (a decode step's rows; :class:`.gemv_linear.GemvLinear` and a quantized
-    :class:`.quant.QuantizedLinear` with kernels attached), one kernel with the activation in its epilogue;
+    GEMV kernels take ``x`` (a decode step's rows; ``weights.gemv_linear.GemvLinear`` and a quantized
+    ``weights.quant.QuantizedLinear`` with kernels), one kernel with the activation in its epilogue;
     else the product, then the activation (the ``fused`` kernel, or torch)."""
     if gemv_takes(gate_up_proj, x):
         return gate_up_proj.kernels(gate_up_proj, x, swiglu=True)
@@ -301,11 +301,6 @@ class TextDecoder(nn.Module):
         self.register_buffer("inv_freq", torch.empty(cfg.head_dim // 2), persistent=False)
         self.register_buffer("rope_streams", torch.empty(cfg.head_dim // 2, dtype=torch.long), persistent=False)
         self.init_buffers()
-
-    def projection_sites(self) -> list[tuple[nn.Module, str]]:
-        """(parent, attribute) of every layer's projections, in layer order: where the engine swaps in the
-        module that multiplies on its device (``setattr(parent, attribute, ...)``)."""
-        return [(getattr(layer, sub), attr) for layer in self.layers for sub, attr in layer.PROJECTIONS]
 
     def init_buffers(self) -> None:
         """(Re)compute the rotary tables on the buffers' device (after a meta-device build)."""

@@ -27,11 +27,11 @@ def render_prompt(
     messages: Sequence[Mapping[str, Any]],
     special_texts: Sequence[str],
     add_generation_prompt: bool = True,
-    plain_text: bool = True,
+    prompt_special_tokens: bool = False,
     **template_kwargs: Any,
 ) -> RenderedPrompt:
     """The rendered conversation and the spans of its control tokens: the special tokens the template
-    wrote, or with ``plain_text=False`` every special-token text in it.
+    wrote, or with ``prompt_special_tokens`` every special-token text in it.
 
     When a message contains special-token text, the conversation is rendered a second time with that text
     masked by characters of the same length: the special tokens still present there are the template's,
@@ -43,7 +43,7 @@ def render_prompt(
     if not special_texts:
         return RenderedPrompt(text)
     pattern = re.compile("|".join(re.escape(t) for t in sorted(special_texts, key=len, reverse=True)))
-    masked = _masked(plain, pattern) if plain_text else None
+    masked = _masked(plain, pattern) if not prompt_special_tokens else None
     if masked is None:
         return RenderedPrompt(text, tuple(m.span() for m in pattern.finditer(text)))
     reference = template.render(masked, add_generation_prompt=add_generation_prompt, **template_kwargs)
@@ -82,14 +82,14 @@ def build_prompt_ids(
     messages: Sequence[Mapping[str, Any]],
     image_token_counts: Sequence[int],
     add_generation_prompt: bool = True,
-    plain_text: bool = True,
+    prompt_special_tokens: bool = False,
     **template_kwargs: Any,
 ) -> list[int]:
     """Token ids of the rendered conversation, the i-th ``<|image_pad|>`` repeated image_token_counts[i] times.
 
-    Message text is plain text unless ``plain_text=False``. Raises ``PromptError`` when the images given do
+    Message text is plain text unless ``prompt_special_tokens``. Raises ``PromptError`` when the images given do
     not match the image parts of the conversation or the placeholders in the rendered prompt (a template
-    that drops images; with ``plain_text=False``, ``<|image_pad|>`` typed into a message), and
+    that drops images; with ``prompt_special_tokens``, ``<|image_pad|>`` typed into a message), and
     ``ChatTemplateError`` for malformed conversations.
     """
     counts = list(image_token_counts)
@@ -101,7 +101,7 @@ def build_prompt_ids(
     if n_parts != len(counts):
         raise PromptError(f"the conversation has {n_parts} image part(s) but {len(counts)} image(s) were given")
     rendered = render_prompt(
-        template, plain, tokenizer.special_texts, add_generation_prompt, plain_text, **template_kwargs
+        template, plain, tokenizer.special_texts, add_generation_prompt, prompt_special_tokens, **template_kwargs
     )
     return expand_image_pads(tokenizer.encode_prompt(rendered), tokenizer.special.image_pad, counts)
 

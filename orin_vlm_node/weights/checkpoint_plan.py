@@ -9,8 +9,8 @@ from pathlib import Path
 
 from safetensors import safe_open
 
-from .errors import CheckpointError
-from .int_weights import PACKED_SUFFIX
+from ..model.errors import CheckpointError
+from .integer import PACKED_SUFFIX
 from .keys import checkpoint_key_to_name, name_to_checkpoint_key
 from .stored_format import StoredFormat
 

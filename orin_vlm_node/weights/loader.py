@@ -6,7 +6,7 @@ on the meta device (no storage), each parameter is allocated once, empty, in the
 target device, and every checkpoint tensor is read from its safetensors file and copied into place
 (cast on the way). Peak memory is about the model size plus the largest single tensor.
 
-More in docs/modules.md, ``orin_vlm_node/model/loader.py``.
+More in docs/modules.md, ``orin_vlm_node/weights/loader.py``.
 """
 
 from __future__ import annotations
@@ -22,15 +22,17 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
+from ..model.config import ModelConfig
+from ..model.dtypes import resolve_dtype
+from ..model.errors import CheckpointError
+from ..model.qwen3_vl import Qwen3VLModel
 from .checkpoint_plan import MAX_LISTED, plan_checkpoint
-from .config import ModelConfig
-from .dtypes import resolve_dtype
-from .errors import CheckpointError
 from .keys import checkpoint_views
-from .quant import QuantizedLinear, WeightQuant, weight_bytes
-from .qwen3_vl import Qwen3VLModel
-from .stored_format import INTEGER_FORMATS, StoredFormat
-from .text import FusedLinear
+from .projections import ProjectionBuilder, ProjectionKernels
+from .quant import WeightQuant, weight_bytes
+from .quantize_on_load import QuantizeOnLoad
+from .sites import HEAD, Site, SiteFill, projection_sites
+from .stored_format import INTEGER_FORMATS, StoredFormat, checkpoint_format
 
 logger = logging.getLogger("orin_vlm_node.model")
 
@@ -41,34 +43,41 @@ PROGRESS_INTERVAL_S = 2.0
 
 
 def load_model(
-    path: str | Path, dtype: torch.dtype | str = torch.float32, device="cpu", quant: WeightQuant | None = None
+    path: str | Path,
+    dtype: torch.dtype | str = torch.float32,
+    device="cpu",
+    quant: WeightQuant | None = None,
+    projections: ProjectionBuilder | None = None,
 ) -> Qwen3VLModel:
     """Build the model for ``path`` (config.json + safetensors) in ``dtype`` on ``device``; with ``quant``
     the text decoder's projections are stored quantized, each as soon as its checkpoint matrices are in
-    (so the float copy of the whole decoder never exists)."""
+    (so the float copy of the whole decoder never exists). ``projections`` builds each projection with the
+    kernels that multiply it once its weights are in (default: torch's); its ``path`` then says how."""
     t0 = time.perf_counter()
     root = Path(path)
     if not root.is_dir():
         raise CheckpointError(f"{root}: model directory does not exist")
     target, device = resolve_dtype(dtype), torch.device(device)
     config = ModelConfig.from_dir(root)
-    fmt = config.weight_format
+    fmt = checkpoint_format(root, config.raw)
     files = weight_files(root)
     with torch.device("meta"):
         model = Qwen3VLModel(config)
     expected = {name: tuple(view.shape) for name, view in checkpoint_views(model).items()}
     plan, companions = plan_checkpoint(files, expected, config.tie_word_embeddings, fmt)
+    sites = projection_sites(model)
     quantizer = (
-        _QuantizeOnLoad(model, quant, target, device, fmt, frozenset(companions))
+        QuantizeOnLoad(sites, quant, config.tie_word_embeddings, target, device, fmt, frozenset(companions))
         if quant and quant.mode != "none"
         else None
     )
     _materialize(model, target, device, skip=quantizer.deferred if quantizer else frozenset())
-    load = _Load(root, files, plan, companions, checkpoint_views(model), target, device, fmt, quantizer)
+    builder = projections or ProjectionBuilder(ProjectionKernels(), target)
+    build = _Build(sites, SiteFill(sites, {name for _, name in plan.values()}), quantizer, builder)
+    load = _Load(root, files, plan, companions, checkpoint_views(model), target, device, fmt, quantizer, build)
     load.announce(quant)
     load.stream()
-    if quantizer:
-        quantizer.finish()
+    build.finish(model)
     if device.type == "cuda":
         torch.cuda.empty_cache()  # the working copies of widening and quantizing: on a Jetson, the robot's RAM
     model.init_buffers()
@@ -83,13 +92,39 @@ def load_model(
     return model
 
 
+class _Build:
+    """Each projection built (``builder``) in its site's place as soon as its last checkpoint matrix is in:
+    the quantized module ``quantizer`` filled, or the float weight as loaded."""
+
+    def __init__(self, sites: dict[str, Site], fill: SiteFill, quantizer, builder: ProjectionBuilder) -> None:
+        self.sites, self.fill, self.quantizer, self.builder = sites, fill, quantizer, builder
+
+    def loaded(self, view: str) -> None:
+        name = self.fill.loaded(view)
+        if name is not None:
+            self._build(name, self.quantizer.built(name) if self.quantizer else None)
+
+    def finish(self, model: Qwen3VLModel) -> None:
+        """After the last tensor: the sites no matrix completed (a tied head, quantized from the embedding
+        table where asked), then the builder settled."""
+        head = self.quantizer.tied_head_module(model) if self.quantizer else None
+        for name in self.fill.rest():
+            self._build(name, head if name == HEAD else None)
+        self.builder.settle()
+
+    def _build(self, name: str, module: nn.Module | None) -> None:
+        site = self.sites[name]
+        setattr(site.parent, site.attr, self.builder.build(module or site.module, site.swiglu, site.is_head))
+
+
 class _Load:
     """One checkpoint read into a materialised model: every planned tensor, file by file, copied, widened or
     quantized into its view, with a progress line every ``PROGRESS_INTERVAL_S``."""
 
-    def __init__(self, root, files, plan, companions, views, dtype, device, fmt, quantizer) -> None:
+    def __init__(self, root, files, plan, companions, views, dtype, device, fmt, quantizer, build) -> None:
         self.root, self.files, self.plan, self.companions = root, files, plan, companions
         self.views, self.dtype, self.device, self.fmt, self.quantizer = views, dtype, device, fmt, quantizer
+        self.build = build
         self.element = torch.empty((), dtype=dtype).element_size()
         self.total = sum(views[name].numel() for _, name in plan.values()) * self.element
         self.kept = quantizer.kept_views() if quantizer else set()
@@ -136,15 +171,14 @@ class _Load:
         parts = {role: _get(handles, *where) for role, where in self.companions.get(name, {}).items()}
         if name in self.kept:
             quantizer.store(name, tensor, parts)
-        elif quantizer and name in quantizer.owner:
+        elif quantizer and quantizer.takes(name):
             quantizer.quantize(name, _widened(widener, tensor, parts, view.shape, self.dtype, self.device))
         elif parts:
             widener.widen_into(view, tensor, **parts)
         else:
             view.copy_(tensor)
         del tensor, parts
-        if quantizer and name in quantizer.owner:
-            quantizer.loaded(name)
+        self.build.loaded(name)
 
 
 def _widened(
@@ -192,109 +226,6 @@ def _warn_widened_integers(
         if fmt.keeps(WeightQuant(fmt.mode))
         else f"the node's {fmt.mode} cannot hold this layout as stored",
     )
-
-
-class _QuantizeOnLoad:
-    """The decoder projections (and the LM head, ``WeightQuant.head``) quantized while the checkpoint streams in.
-
-    Each checkpoint matrix is quantized into its projection's rows as it arrives, a piece of rows at a time
-    (rows are quantized independently, so the parts of a fused projection store what the fused weight would):
-    no float copy of a projection is built on the device, only the pieces' fp32 working copies. A projection
-    whose matrices are all stored as integers that its quantized format holds unchanged (the stored format's
-    ``keeps``: :mod:`.int_weights`, :mod:`.awq_weights`, :mod:`.gptq_weights`) is filled from them instead. A
-    head tied to the embedding table is quantized from the table once the checkpoint is in (:meth:`finish`);
-    the table stays.
-    """
-
-    def __init__(
-        self,
-        model: Qwen3VLModel,
-        quant: WeightQuant,
-        dtype: torch.dtype,
-        device: torch.device,
-        fmt: StoredFormat | None,
-        stored: frozenset[str],
-    ) -> None:
-        self.model, self.dtype, self.device, self.fmt = model, dtype, device, fmt
-        # module name -> (parent, attr, module, how it is stored)
-        self.modules: dict[str, tuple[nn.Module, str, nn.Module, WeightQuant]] = {}
-        self.owner: dict[str, str] = {}  # checkpoint view name -> module name
-        self.remaining: dict[str, set[str]] = {}
-        self.tied_head = quant.head if model.config.tie_word_embeddings else None
-        for i, layer in enumerate(model.language_model.layers):
-            for sub, attr in layer.PROJECTIONS:
-                parent = getattr(layer, sub)
-                module = getattr(parent, attr)
-                name = f"language_model.layers.{i}.{sub}.{attr}"
-                parts = module.parts if isinstance(module, FusedLinear) else {attr: module.weight.shape[0]}
-                views = {f"language_model.layers.{i}.{sub}.{part}.weight" for part in parts}
-                self.modules[name] = (parent, attr, module, quant)
-                self.remaining[name] = set(views)
-                self.owner.update(dict.fromkeys(views, name))
-        if quant.head and not self.tied_head:
-            self.modules["lm_head"] = (model, "lm_head", model.lm_head, quant.head)
-            self.remaining["lm_head"] = {"lm_head.weight"}
-            self.owner["lm_head.weight"] = "lm_head"
-        self.deferred = frozenset(id(m.weight) for _, _, m, _ in self.modules.values())
-        # module name -> how it keeps the checkpoint's stored values (all of its matrices are stored so)
-        self.keeping: dict[str, WeightQuant] = {}
-        for name, (_, _, _, how) in self.modules.items():
-            keep = fmt.keeps(how) if fmt and self.remaining[name] <= stored else None
-            if keep:
-                self.keeping[name] = keep
-        # The group size applies where the node picks the groups: not to projections kept in the checkpoint's.
-        quant.check(
-            tuple(
-                module.weight.shape[1]
-                for name, (_, _, module, how) in self.modules.items()
-                if how is quant and self.keeping.get(name, quant).group_size == quant.group_size
-            )
-        )
-        self.building: dict[str, QuantizedLinear] = {}  # projections being filled
-
-    def kept_views(self) -> set[str]:
-        """The checkpoint views whose stored values are kept (:meth:`store`, not :meth:`quantize`)."""
-        return {view for view, name in self.owner.items() if name in self.keeping}
-
-    def quantize(self, view: str, weight: torch.Tensor) -> None:
-        """The float checkpoint matrix ``view`` (on any device) quantized into its projection's rows from the
-        values the float model holds (cast to its dtype a piece at a time on the device: no whole-matrix copy
-        there, which for the 8B's untied LM head in fp16 from bf16 would be 2.5 GB of a Jetson's memory)."""
-        name = self.owner[view]
-        module = self._building(name, self.modules[name][3])
-        module.quantize_rows(self._rows(self.modules[name][2], view), weight, self.dtype)
-
-    def store(self, view: str, tensor: torch.Tensor, parts: dict[str, torch.Tensor]) -> None:
-        """The stored matrix ``view`` (and its scales etc., ``parts``) into its kept projection's rows."""
-        name = self.owner[view]
-        module = self._building(name, self.keeping[name])
-        self.fmt.store_into(module, self._rows(self.modules[name][2], view), tensor, **parts)
-
-    def _building(self, name: str, how: WeightQuant) -> QuantizedLinear:
-        """Projection ``name`` as it is being filled, allocated in ``how``'s format when its first matrix comes."""
-        if name not in self.building:
-            n, k = self.modules[name][2].weight.shape
-            self.building[name] = QuantizedLinear(n, k, how.mode, how.group_size, device=self.device)
-        return self.building[name]
-
-    def loaded(self, view: str) -> None:
-        name = self.owner[view]
-        self.remaining[name].discard(view)
-        if not self.remaining[name]:
-            parent, attr, _, _ = self.modules.pop(name)
-            setattr(parent, attr, self.building.pop(name))
-
-    def finish(self) -> None:
-        """After the last tensor: a tied head quantized from the embedding table (which stays as it is)."""
-        if self.tied_head:
-            self.model.lm_head = QuantizedLinear.from_weight(self.model.lm_head.weight, self.tied_head)
-
-    @staticmethod
-    def _rows(module: nn.Module, view: str) -> slice:
-        """The rows of ``module``'s weight that the checkpoint matrix ``view`` fills."""
-        if not isinstance(module, FusedLinear):
-            return slice(0, module.weight.shape[0])
-        return module.part_rows()[view.rsplit(".", 2)[-2]]
 
 
 def weight_files(root: Path) -> list[Path]:

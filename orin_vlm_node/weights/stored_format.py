@@ -1,28 +1,38 @@
 """Which stored-quantized format config.json declares for the linear weights, and the refusal by name of those
 not read.
 
-Read: FP8 (``quant_method: fp8``, compressed-tensors ``float-quantized``: :mod:`.fp8_weights`), 4/8-bit
-integers (compressed-tensors ``pack-quantized`` / ``int-quantized``: :mod:`.int_weights`), AutoAWQ's 4-bit
-GEMM layout (``quant_method: awq``: :mod:`.awq_weights`) and GPTQ's own 4-bit format (``quant_method: gptq``:
-:mod:`.gptq_weights`). Refused: the other layouts of AWQ and GPTQ (other packings), other widths, bitsandbytes,
+Read: FP8 (``quant_method: fp8``, compressed-tensors ``float-quantized``: :mod:`.fp8`), 4/8-bit
+integers (compressed-tensors ``pack-quantized`` / ``int-quantized``: :mod:`.integer`), AutoAWQ's 4-bit
+GEMM layout (``quant_method: awq``: :mod:`.awq`) and GPTQ's own 4-bit format (``quant_method: gptq``:
+:mod:`.gptq`). Refused: the other layouts of AWQ and GPTQ (other packings), other widths, bitsandbytes,
 and compressed-tensors variants such as mixed schemes, a quantized KV cache or a status other than
 ``compressed``: reading one wrongly would give a running model with wrong answers, so each is named instead.
 """
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
-from .awq_weights import AwqWeights
-from .errors import CheckpointError
-from .fp8_weights import Fp8Weights
-from .gptq_weights import GptqWeights
-from .int_weights import FORMATS as INT_FORMATS
-from .int_weights import IntWeights
+from ..model.errors import CheckpointError
+from .awq import AwqWeights
+from .fp8 import Fp8Weights
+from .gptq import GptqWeights
+from .integer import FORMATS as INT_FORMATS
+from .integer import IntWeights
 
 StoredFormat = Fp8Weights | IntWeights | AwqWeights | GptqWeights
 INTEGER_FORMATS = (IntWeights, AwqWeights, GptqWeights)  # stored as integers: the node may keep them as its INT4 / INT8
 FLOAT_FORMATS = ("float-quantized", "naive-quantized")
+
+
+def checkpoint_format(root: Path, config: dict[str, Any]) -> StoredFormat | None:
+    """:func:`stored_format` of the checkpoint in ``root`` whose config.json holds ``config``, a refusal naming
+    the file."""
+    try:
+        return stored_format(config)
+    except CheckpointError as exc:
+        raise CheckpointError(f"{root / 'config.json'}: {exc}") from exc
 
 
 def stored_format(config: dict[str, Any]) -> StoredFormat | None:

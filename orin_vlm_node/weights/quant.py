@@ -5,7 +5,7 @@ bytes / memory bandwidth, and the weights are most of what the model takes of th
 activations stay in the model's dtype; only the stored weights shrink (and are widened again in the
 product). Embeddings, norms and the vision tower keep the checkpoint dtype.
 
-More in docs/modules.md, ``orin_vlm_node/model/quant.py``.
+More in docs/modules.md, ``orin_vlm_node/weights/quant.py``.
 """
 
 from __future__ import annotations
@@ -69,8 +69,8 @@ class QuantizedLinear(nn.Module):
         super().__init__()
         self.out_features, self.in_features, self.mode, self.group_size = out_features, in_features, mode, group_size
         # The CUDA GEMV kernels that multiply the stored weight when the engine loaded them
-        # (``cuda.gemv.CudaGemv``, set by ``gemv_linear.attach_gemv``); None = torch. On the CPU the engine
-        # wraps the module instead (``cpu_linear.CpuQuantLinear``).
+        # (``cuda.gemv.CudaGemv``, set when ``projections.ProjectionBuilder`` builds it); None = torch. On the CPU the
+        # builder wraps the module instead (``cpu_linear.CpuQuantLinear``).
         self.kernels = None
         n, k = out_features, in_features
         if mode == "int8":

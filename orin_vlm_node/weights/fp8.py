@@ -6,7 +6,7 @@ and disk size -- what a robot with a small eMMC and a slow uplink wants to fetch
 no FP8 arithmetic, so each weight is widened to the model's dtype as it streams in; with ``weight_quant``
 the decoder projections are then stored as INT8/INT4 from the widened values, as from any float checkpoint.
 
-More in docs/modules.md, ``orin_vlm_node/model/fp8_weights.py``.
+More in docs/modules.md, ``orin_vlm_node/weights/fp8.py``.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from .errors import CheckpointError
+from ..model.errors import CheckpointError
 from .pieces import rows_per_piece
 
 ACTIVATION_SCALE_SUFFIXES = (".input_scale", ".activation_scale")
@@ -65,7 +65,7 @@ class Fp8Weights:
             return cls(strategy, None, "_scale")
         raise CheckpointError(f"compressed-tensors FP8 weights with strategy {strategy!r}: {', '.join(STRATEGIES)}")
 
-    # ---- what the loader reads (the interface int_weights.IntWeights shares) ---------------------------------
+    # ---- what the loader reads (the interface integer.IntWeights shares) ---------------------------------
 
     weight_suffix = ".weight"  # a converted module's weight is <module>.weight, float8_e4m3fn
     stored_dtype = WEIGHT_DTYPE

@@ -8,7 +8,7 @@ would lose the calibration and hold four times the bytes the robot downloaded.
 
 Layout of a converted linear ``<module>`` whose weight is (N, K) (N outputs, K inputs), groups of G inputs:
 
-More in docs/modules.md, ``orin_vlm_node/model/gptq_weights.py``.
+More in docs/modules.md, ``orin_vlm_node/weights/gptq.py``.
 """
 
 from __future__ import annotations
@@ -19,9 +19,9 @@ from typing import Any
 
 import torch
 
-from .errors import CheckpointError
-from .fp8_weights import positive_int
-from .int_weights import companion_problem, dequantize_groups_
+from ..model.errors import CheckpointError
+from .fp8 import positive_int
+from .integer import companion_problem, dequantize_groups_
 from .pieces import rows_per_piece
 from .quant import QuantizedLinear, WeightQuant, unpack_nibbles
 
@@ -59,7 +59,7 @@ class GptqWeights:
         return cls(None if size == -1 else size, bool(spec.get("desc_act", False)), bool(spec.get("sym", True)),
                    fmt == "gptq")  # fmt: skip
 
-    # ---- what the loader reads (the interface int_weights.IntWeights shares) ---------------------------------
+    # ---- what the loader reads (the interface integer.IntWeights shares) ---------------------------------
 
     weight_suffix = ".qweight"
     stored_dtype = "I32"

@@ -9,7 +9,7 @@ quarter of the fp16 bytes. Widening such a checkpoint and quantizing it again wo
 
 Layout of a converted linear ``<module>`` whose weight is (N, K) (N outputs, K inputs), groups of G inputs:
 
-More in docs/modules.md, ``orin_vlm_node/model/awq_weights.py``.
+More in docs/modules.md, ``orin_vlm_node/weights/awq.py``.
 """
 
 from __future__ import annotations
@@ -20,9 +20,9 @@ from typing import Any
 
 import torch
 
-from .errors import CheckpointError
-from .fp8_weights import positive_int
-from .int_weights import companion_problem, dequantize_groups_
+from ..model.errors import CheckpointError
+from .fp8 import positive_int
+from .integer import companion_problem, dequantize_groups_
 from .pieces import rows_per_piece
 from .quant import QuantizedLinear, WeightQuant, unpack_nibbles
 
@@ -59,7 +59,7 @@ class AwqWeights:
             raise CheckpointError(f"AWQ quantization_config.group_size must be a positive integer, got {size!r}")
         return cls(size)
 
-    # ---- what the loader reads (the interface int_weights.IntWeights shares) ---------------------------------
+    # ---- what the loader reads (the interface integer.IntWeights shares) ---------------------------------
 
     weight_suffix = ".qweight"
     stored_dtype = "I32"

@@ -9,22 +9,18 @@ on some x86 CPUs: on the AMD EPYC the benchmarks run on, one thread, a 2B-shape 
 compiled on the machine at startup: ``orin_vlm_node.cpu``) reads each weight block once for all rows:
 4.2 ms and 5.9 ms, 54 ms and 73 ms; it also splits the weight over torch's threads.
 
-More in docs/modules.md, ``orin_vlm_node/model/cpu_linear.py``.
+More in docs/modules.md, ``orin_vlm_node/weights/cpu_linear.py``.
 """
 
 from __future__ import annotations
 
-import logging
 from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .quant import QuantizedLinear, quantized_summary
-
-log = logging.getLogger("orin_vlm_node.model")
-
+from .quant import QuantizedLinear
 
 KERNEL_ROWS = 16
 """Rows up to this many go through the few-rows kernel: every decode step (``max_batch`` is at most 16), so a
@@ -66,9 +62,9 @@ def kernel_product(product: RowsProduct, x: torch.Tensor) -> torch.Tensor:
     return product.many_rows(x)
 
 
-def _bf16_on_torch(weight: torch.Tensor, gemm: RowsGemm) -> bool:
+def bf16_on_torch(dtype: torch.dtype, gemm: RowsGemm) -> bool:
     """A bf16 weight on a CPU with bf16 arithmetic: its prefill rows take torch's GEMM."""
-    return weight.dtype == torch.bfloat16 and gemm.torch_bf16_prefill
+    return dtype == torch.bfloat16 and gemm.torch_bf16_prefill
 
 
 class CpuLinear(nn.Module):
@@ -78,12 +74,13 @@ class CpuLinear(nn.Module):
 
     weight = None  # callers use the module (``text.project``); the float weight is ``matrix``
 
-    def __init__(self, weight: nn.Parameter, gemm: RowsGemm) -> None:
+    def __init__(self, stored: nn.Module, gemm: RowsGemm) -> None:
         super().__init__()
-        self.matrix = weight  # the same Parameter (a tied head's is the embedding table)
-        self.product = gemm.bind(weight)  # checked once here, not on every decode step's call
-        small = weight.dtype == torch.float32 and weight.numel() <= ONE_CALL_ELEMENTS
-        self.torch_prefill = small or _bf16_on_torch(weight, gemm)
+        self.stored = stored  # the module as loaded (nn.Linear or FusedLinear): its Parameter, not a copy
+        self.matrix = stored.weight  # (N, K); a tied head's is the embedding table
+        self.product = gemm.bind(self.matrix)  # checked once here, not on every decode step's call
+        small = self.matrix.dtype == torch.float32 and self.matrix.numel() <= ONE_CALL_ELEMENTS
+        self.torch_prefill = small or bf16_on_torch(self.matrix.dtype, gemm)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """(L, in) -> (L, out)."""
@@ -128,35 +125,3 @@ class CpuQuantLinear(nn.Module):
         """(L, K) -> (L, N) in the model's dtype (x's)."""
         y = kernel_product(self.product, x)  # a new tensor: scaled in place
         return y.mul_(self.scales) if self.scales is not None else y
-
-
-def use_cpu_gemm(model: nn.Module, gemm: RowsGemm) -> str:
-    """Route the decoder's projections (float, and quantized ones the kernels take) and the LM head through
-    ``gemm``; what was done, for the log and diagnostics. The caller (the engine, through
-    ``cpu.cpu_gemm_for``) checked device and dtype."""
-    dtype = model.language_model.embed_tokens.weight.dtype  # the model's float dtype: its activations'
-    kinds = [_route(parent, attr, gemm, dtype) for parent, attr in model.language_model.projection_sites()]
-    head_mode = model.lm_head.mode if isinstance(model.lm_head, QuantizedLinear) else None
-    head_quantized = _route(model, "lm_head", gemm, dtype) == "quantized"
-    counts = [f"{kinds.count('float')} projections"] if "float" in kinds else []
-    counts += quantized_summary(kinds.count("quantized"), head_mode if head_quantized else None)
-    counts += [] if head_quantized else ["LM head"]
-    above = "many rows above"
-    if _bf16_on_torch(model.language_model.embed_tokens.weight, gemm):
-        above = "torch's GEMM above (this CPU has bf16 arithmetic)"
-    what = f"CPU GEMM kernels, few rows for 1..{KERNEL_ROWS}, {above} ({' + '.join(counts)}; library {gemm.origin})"
-    log.info("CPU projections: %s", what)
-    return what
-
-
-def _route(parent: nn.Module, attr: str, gemm: RowsGemm, dtype: torch.dtype) -> str | None:
-    """Put ``gemm`` behind ``parent.attr``: "float", "quantized", or None for a quantized weight the kernels
-    do not take (``quant_refusal``; it stays on the torch path)."""
-    module = getattr(parent, attr)
-    if isinstance(module, QuantizedLinear):
-        if quant_refusal(module.mode, module.group_size, gemm):
-            return None
-        setattr(parent, attr, CpuQuantLinear(module, gemm, dtype))
-        return "quantized"
-    setattr(parent, attr, CpuLinear(module.weight, gemm))
-    return "float"

@@ -8,7 +8,7 @@ machine, often with calibration (GPTQ's error feedback, AWQ's activation-aware s
 answers than the round-to-nearest INT4 this node computes at load; and a robot with a small eMMC and a slow
 uplink fetches a quarter of the bytes. Widening them to fp16 and quantizing again would lose both.
 
-More in docs/modules.md, ``orin_vlm_node/model/int_weights.py``.
+More in docs/modules.md, ``orin_vlm_node/weights/integer.py``.
 """
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ from typing import Any
 
 import torch
 
-from .errors import CheckpointError
-from .fp8_weights import apply_blockwise_, positive_int
+from ..model.errors import CheckpointError
+from .fp8 import apply_blockwise_, positive_int
 from .pieces import rows_per_piece
 from .quant import QuantizedLinear, WeightQuant, unpack_nibbles
 

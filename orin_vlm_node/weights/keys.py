@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .text import FusedLinear
+from ..model.text import FusedLinear
 
 
 def checkpoint_key_to_name(key: str) -> str:
