@@ -4,7 +4,8 @@ The same engine the ROS node runs, without ROS: useful to check a model director
 or a settings change before launching the node. Every engine and sampling setting of the schema
 (``orin_vlm_node.settings``) is a flag of the same name and default as the node's parameter
 (``page_size`` is ``--page-size``, a boolean ``use_cuda_graph`` is ``--use-cuda-graph`` /
-``--no-use-cuda-graph``), plus ``--system-prompt``, ``--stop`` and ``--ignore-eos``.
+``--no-use-cuda-graph``), plus ``--system-prompt``, ``--stop`` and ``--ignore-eos``; ``--json-schema``,
+``--regex`` or ``--choice`` constrain the answer to a format (``--json`` then carries its parsed value).
 
 More in docs/modules.md, ``orin_vlm_node/generate.py``.
 """
@@ -19,7 +20,7 @@ import sys
 from collections.abc import Sequence
 
 from . import settings
-from .engine import Engine, EngineError, Finished, Request, SamplingParams, TextDelta, Turn
+from .engine import Engine, EngineError, Finished, OutputFormat, Request, SamplingParams, TextDelta, Turn, output_format
 from .engine.config import config_from_settings
 
 # The settings a one-shot command uses: the engine's, sampling, and the system prompt (no queue, no
@@ -36,6 +37,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--stop", action="append", default=[], metavar="TEXT", help="stop string; repeat for several")
     p.add_argument("--ignore-eos", action="store_true", help="do not stop at EOS (fixed-length answers for timing)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
+    fmt = p.add_mutually_exclusive_group()
+    fmt.add_argument("--json-schema", metavar="SCHEMA", help="answer as JSON matching this schema (inline or a file)")
+    fmt.add_argument("--regex", metavar="REGEX", help="answer matching this regular expression")
+    fmt.add_argument("--choice", action="append", metavar="TEXT", help="answer with one of these; repeat for each")
     p.add_argument("-v", "--verbose", action="store_true", help="log engine details to stderr")
     for s in CLI_SETTINGS:
         unit = f" {s.unit}" if s.unit else ""
@@ -62,6 +67,19 @@ def read_images(paths: Sequence[str]) -> list:
     return images
 
 
+def cli_output_format(args: argparse.Namespace) -> OutputFormat | None:
+    """The output format the flags ask for (a ``--json-schema`` naming a file is read from it); ValueError."""
+    if args.json_schema is not None:
+        spec = args.json_schema
+        if not spec.lstrip().startswith("{") and os.path.isfile(spec):
+            with open(spec, encoding="utf-8") as f:
+                spec = f.read()
+        return output_format("json_schema", spec)
+    if args.regex is not None:
+        return output_format("regex", args.regex)
+    return output_format("choice", args.choice) if args.choice else None
+
+
 def _engine(values: dict) -> Engine:
     """Bounds first, from the schema (a typo should not cost a model load), then the engine's own rules."""
     settings.check(values)
@@ -78,6 +96,8 @@ def _report(final: Finished, backend: dict, as_json: bool, verbose: bool) -> int
             "metrics": final.metrics,
             "backend": backend,
         }
+        if final.output is not None:
+            out["output"] = final.output
         if final.error:
             out["error"] = final.error
         print(json.dumps(out, ensure_ascii=False))
@@ -103,6 +123,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     values = {s.name: getattr(args, s.name) for s in CLI_SETTINGS}
     try:
         images = read_images(args.image)
+        fmt = cli_output_format(args)
         engine = _engine(values)
     except (ValueError, EngineError) as exc:
         print(f"error: {exc}", file=sys.stderr)
@@ -126,7 +147,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if described["kernels_degraded"]:
         print(f"warning: {described['kernels']}", file=sys.stderr)
     sampling = SamplingParams(stop=tuple(args.stop), ignore_eos=args.ignore_eos or None)
-    request = Request(Turn(args.prompt, tuple(images), color="bgr"), sampling, values["system_prompt"] or None)
+    turn = Turn(args.prompt, tuple(images), color="bgr")
+    request = Request(turn, sampling, values["system_prompt"] or None, output=fmt)
     final: Finished | None = None
     for event in engine.generate(request):
         if isinstance(event, TextDelta):

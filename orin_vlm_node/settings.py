@@ -182,6 +182,9 @@ SETTINGS: tuple[Setting, ...] = (
     _s("seed", int, -1, "sampling seed; -1 = a fresh random seed per prompt", S, NEXT, min=-1, max=2**31 - 1),
     # -- node
     _s("system_prompt", str, "", "system message of every conversation; '' = none", N, NEXT, per_channel=True),
+    _s("output_format", str, "", "what every answer must match, as JSON: {\"choice\": [\"yes\", \"no\"]}, "
+       "{\"regex\": \"...\"} or {\"json_schema\": {...}}; '' = free text (a prompt on prompt_json may carry its "
+       "own)", N, NEXT, per_channel=True),
     _s("multi_turn", bool, False, "keep the conversation (one engine session) until ~/reset; one that would "
        "pass max_context_tokens starts over with the prompt", N, NEXT),
     _s("image_max_input_pixels", int, 4096 * 3072, "largest camera frame accepted, checked from the header "

@@ -64,6 +64,7 @@ class VlmClient:
         self.image_pub = self.node.create_publisher(Image, image_topic, 10)
         self.compressed_pub = self.node.create_publisher(CompressedImage, f"{image_topic}/compressed", 10)
         self.prompt_pub = self.node.create_publisher(String, prompt_topic or f"{under}prompt", QoSProfile(depth=1000))
+        self.prompt_json_pub = self.node.create_publisher(String, f"{under}prompt_json", QoSProfile(depth=1000))
         self._subs = [
             self.node.create_subscription(String, f"{under}status", self._on_status, reliable),
             self.node.create_subscription(String, f"{under}tokens", self._on_token, reliable),
@@ -167,13 +168,17 @@ class VlmClient:
             time.sleep(0.05)
         time.sleep(0.15)
 
-    def send_prompt(self, text: str) -> None:
-        self.prompt_pub.publish(self._string(data=text))
+    def send_prompt(self, text: str | dict[str, Any]) -> None:
+        """A plain prompt on ``prompt``, or a JSON message (a dict) on ``prompt_json``."""
+        if isinstance(text, dict):
+            self.prompt_json_pub.publish(self._string(data=json.dumps(text)))
+        else:
+            self.prompt_pub.publish(self._string(data=text))
 
-    def ask(self, text: str, timeout: float = 60.0) -> dict[str, Any]:
-        """Publish a prompt and wait for its terminal event. Returns a dict with the request's
-        ``events``, the terminal ``status``, the ``tokens`` streamed meanwhile and the ``response``.
-        Use with one prompt in flight at a time (tokens carry no request id)."""
+    def ask(self, text: str | dict[str, Any], timeout: float = 60.0) -> dict[str, Any]:
+        """Publish a prompt (a dict: a ``prompt_json`` message) and wait for its terminal event. Returns a dict
+        with the request's ``events``, the terminal ``status``, the ``tokens`` streamed meanwhile and the
+        ``response``. Use with one prompt in flight at a time (tokens carry no request id)."""
         with self._cond:
             known = {e["request_id"] for e in self.status}
             n_tokens, n_responses = len(self.tokens), len(self.responses)
@@ -181,7 +186,7 @@ class VlmClient:
         first = self.wait_for(
             lambda: next((e for e in self.status if e["request_id"] and e["request_id"] not in known), None),
             timeout,
-            f"the node to take prompt {text[:40]!r}",
+            f"the node to take prompt {str(text)[:40]!r}",
         )
         rid = first["request_id"]
         final = self.wait_for(

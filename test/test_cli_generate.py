@@ -14,7 +14,7 @@ import pytest
 import torch
 from test_engine_streaming import SCRIPT, _scripted
 
-from orin_vlm_node.engine import Engine, EngineConfig, Request, SamplingParams, Turn
+from orin_vlm_node.engine import Engine, EngineConfig, Request, SamplingParams, Turn, output_format
 from orin_vlm_node.generate import main
 from support.checkpoints import cached_tiny_checkpoint
 
@@ -137,3 +137,39 @@ def test_every_engine_and_sampling_setting_is_a_flag_with_the_node_default():
             assert tuple(actions[s.name].choices) == s.choices
     args = parser.parse_args(["--prompt", "x", "--page-size", "32", "--no-use-cuda-graph", "--kv-pool-mb", "64"])
     assert (args.page_size, args.use_cuda_graph, args.kv_pool_mb) == (32, False, 64)
+
+
+def test_an_output_format_flag_constrains_the_answer_and_json_carries_its_value(tmp_path, capsys):
+    """--choice, --regex and --json-schema (inline or a file) give the engine's constrained answer; --json
+    carries the parsed value."""
+    model = str(cached_tiny_checkpoint(**CHECKPOINT))
+    schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9}},
+              "required": ["n"], "additionalProperties": False}  # fmt: skip
+    (tmp_path / "schema.json").write_text(json.dumps(schema))
+    common = ["--model-path", model, "--prompt", "How many?", "--temperature", "0", "--device", "cpu", "--json"]
+    cases = [
+        (["--choice", "yes", "--choice", "no"], output_format("choice", ["yes", "no"])),
+        (["--regex", "[0-9]{2}"], output_format("regex", "[0-9]{2}")),
+        (["--json-schema", json.dumps(schema)], output_format("json_schema", schema)),
+        (["--json-schema", str(tmp_path / "schema.json")], output_format("json_schema", schema)),
+    ]
+    engine = Engine(EngineConfig(model_path=model, device="cpu", max_sessions=0, max_batch=1))
+    for flags, fmt in cases:
+        assert main([*common, *flags]) == 0
+        out = json.loads(capsys.readouterr().out)
+        want = list(engine.generate(Request(Turn("How many?"), SamplingParams(temperature=0.0), output=fmt)))[-1]
+        assert out["text"] == want.text and out["output"] == want.output and want.output["complete"]
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--regex", "(["], "invalid regex"),
+        (["--json-schema", "{oops"], "json_schema is not valid JSON"),
+        (["--choice", ""], "choice needs a list of non-empty strings"),
+    ],
+)
+def test_an_output_format_that_cannot_work_exits_1_naming_why(flags, message, capsys):
+    args = ["--model-path", str(cached_tiny_checkpoint(**CHECKPOINT)), "--prompt", "Hi", "--device", "cpu", *flags]
+    assert main(args) == 1
+    assert message in capsys.readouterr().err

@@ -6,7 +6,10 @@ import json
 
 from orin_vlm_node.ros.status import TERMINAL_EVENTS, diagnostic_values, request_note, status_json
 
-KEYS = {"event", "request_id", "finish_reason", "error", "metrics", "image_stamp", "images", "note", "changes"}
+KEYS = {
+    "event", "request_id", "finish_reason", "error", "metrics", "image_stamp", "images", "note", "changes",
+    "output_format", "output",
+}  # fmt: skip
 
 
 def test_every_event_has_the_same_keys():
@@ -23,6 +26,8 @@ def test_finished_event_round_trips():
             metrics={"ttft_s": 0.25, "generated_tokens": 8.0},
             image_stamp=12.5,
             images=(("front", 12.5), ("wrist", 12.25)),
+            output_format="choice of 2: yes | no",
+            output={"format": "choice of 2: yes | no", "complete": True, "value": "yes"},
         )
     )
     assert doc == {
@@ -35,6 +40,8 @@ def test_finished_event_round_trips():
         "images": [{"topic": "front", "stamp": 12.5}, {"topic": "wrist", "stamp": 12.25}],
         "note": None,
         "changes": None,
+        "output_format": "choice of 2: yes | no",
+        "output": {"format": "choice of 2: yes | no", "complete": True, "value": "yes"},
     }
 
 

@@ -40,6 +40,7 @@ from .decode_step import build_decode_step
 from .description import lm_head_storage
 from .device import resolve_device, resolve_dtype
 from .images import VisionCache
+from .output_format import Grammars
 from .parts import EngineParts
 from .prompt import TurnPreparer
 from .reconfigure import kv_cache_config
@@ -203,6 +204,7 @@ def _load_processing(config: EngineConfig, model_config: ModelConfig) -> dict[st
         tokenizer=tokenizer,
         image_processor=image_processor,
         turns=TurnPreparer(tokenizer, template, image_processor, model_config),
+        grammars=Grammars(tokenizer, model_config.text.vocab_size),
         generation_defaults=load_generation_defaults(config.model_dir),
     )
 

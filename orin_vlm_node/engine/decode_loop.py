@@ -2,7 +2,8 @@
 
 It owns what only matters token by token: the sampler (with its seeded generator), the ids the
 repetition and presence penalties look at, the incremental detokenizer (never splits a UTF-8
-character) and the stop-string matcher (holds back text that may still become a stop string). It does
+character), the stop-string matcher (holds back text that may still become a stop string) and the
+output format's matcher (which tokens may come next, and when the answer is complete). It does
 not run the model, and it splits a token's life in two so the host's share can overlap the device's:
 :meth:`DecodeLoop.sample` takes the logits of the last position fed and only *launches* the choice of the
 next token (a device tensor, no wait), :meth:`DecodeLoop.take` is given that token once the host has read
@@ -20,6 +21,7 @@ import torch
 from ..processing import IncrementalDetokenizer, Tokenizer
 from ..transfer import host_to_device
 from .metrics import RequestMetrics
+from .output_format import Constraint
 from .sampling import ResolvedSampling, Sampler
 from .stop_strings import StopStringMatcher
 
@@ -34,8 +36,10 @@ class DecodeLoop:
         context_ids: Sequence[int],
         device: torch.device,
         metrics: RequestMetrics,
+        constraint: Constraint | None = None,
     ):
         self.params = params
+        self.constraint = constraint  # the output format's matcher: masks each row, takes each token
         self.generated: list[int] = []
         self.text_parts: list[str] = []
         self.reason = "error"
@@ -60,7 +64,8 @@ class DecodeLoop:
         if self._penalized:
             generated = host_to_device(self.generated, logits.device)
             context = torch.cat([self._context, generated])
-        return self._sampler.sample(logits[-1], context, generated)
+        row = logits[-1] if self.constraint is None else self.constraint.masked(logits[-1])
+        return self._sampler.sample(row, context, generated)
 
     def take(self, token: int, interrupt: Callable[[], str | None]) -> tuple[list[tuple[str, tuple[int, ...]]], bool]:
         """The token :meth:`sample` chose, read by the host: stream its text, decide whether to stop. Returns
@@ -72,13 +77,15 @@ class DecodeLoop:
         self.generated.append(token)
         if token in self._eos and not self.params.ignore_eos:
             return self._end("stop", pieces), False
+        if self.constraint is not None:
+            self.constraint.take(token)
         self._delta_ids.append(token)
         piece = self._stops.push(self._detok.push(token))
         if piece:
             self.text_parts.append(piece)
             pieces.append((piece, tuple(self._delta_ids)))
             self._delta_ids = []
-        if self._stops.stopped:
+        if self._stops.stopped or (self.constraint is not None and self.constraint.done):
             return self._end("stop", pieces), False
         stop = "length" if len(self.generated) >= self.params.max_new_tokens else interrupt()
         if stop:

@@ -26,6 +26,7 @@ from .cancellation import Cancellations
 from .config import EngineConfig, check_fields
 from .description import describe_parts
 from .events import Event, Request
+from .output_format import OutputFormat
 from .parts import EngineParts
 from .reconfigure import changed_fields, check_changes, check_kernel_dir, rebuilds
 from .request import RequestRun
@@ -126,6 +127,11 @@ class Engine:
         """Check a reconfiguration without applying it; ValueError names the first problem."""
         parts, pool = self.parts, self._stats_snapshot.get("pool_bytes", 0)
         check_changes(parts.config, fields, parts.model_config, parts.device, parts.dtype, pool)
+
+    def validate_output(self, fmt: OutputFormat) -> None:
+        """Check that ``fmt`` compiles for this model's tokenizer (ValueError says why not); safe from any
+        thread."""
+        self.parts.grammars.compile(fmt)
 
     def reconfigure(self, **fields: Any) -> None:
         """Apply new settings once the running requests have finished (new ones wait meanwhile).

@@ -11,6 +11,8 @@ from typing import Literal
 
 import numpy as np
 
+from .output_format import OutputFormat
+
 FinishReason = Literal["stop", "length", "cancelled", "kv_pool_exhausted", "error"]
 
 
@@ -53,6 +55,7 @@ class Request:
     system_prompt: str | None = None
     session_id: str | None = None
     request_id: str | None = None
+    output: OutputFormat | None = None  # the format the answer must match (None: free text)
 
 
 @dataclass(frozen=True)
@@ -74,6 +77,9 @@ class Finished:
     token_ids: tuple[int, ...]
     metrics: dict[str, float]
     error: str | None = None
+    # With an output format: {"format": ..., "complete": bool, "value": the parsed JSON or the text (None if
+    # incomplete)}; None for free text.
+    output: dict | None = None
 
 
 Event = TextDelta | Finished

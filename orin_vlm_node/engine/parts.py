@@ -23,6 +23,7 @@ if TYPE_CHECKING:
     from .decode_step import DecodeStep
     from .events import SamplingParams
     from .images import VisionCache
+    from .output_format import Grammars
     from .prompt import TurnPreparer
     from .session import SessionStore
 
@@ -42,6 +43,7 @@ class EngineParts:
     tokenizer: Tokenizer
     image_processor: ImageProcessor
     turns: TurnPreparer
+    grammars: Grammars  # compiles output formats for this tokenizer
     generation_defaults: SamplingParams
     vision_cache: VisionCache
     attention: BackendChoice

@@ -16,6 +16,7 @@ from .decode_loop import DecodeLoop
 from .events import Finished, Request, TextDelta
 from .images import encode_needed
 from .metrics import RequestMetrics, peak_memory_mb, reset_peak_memory
+from .output_format import Constraint
 from .prompt import ConversationFull, PreparedTurn
 from .sampling import ResolvedSampling, resolve_sampling
 from .session import Session, SessionSnapshot
@@ -101,6 +102,7 @@ class RequestRun:
         self.finished: Finished | None = None
         self._turn: PreparedTurn | None = None
         self._params: ResolvedSampling | None = None
+        self._constraint: Constraint | None = None  # the output format's matcher, compiled when prepared
         self._prefill: _Prefill | None = None  # the tokens still to compute into the KV, piece by piece
 
     @property
@@ -145,7 +147,9 @@ class RequestRun:
         self.metrics.mark_prefill_done()
         self.prefill_done = True
         self.session = self._commit_turn(turn)
-        self.loop = DecodeLoop(self._params, e.tokenizer, self.session.token_ids, logits.device, self.metrics)
+        self.loop = DecodeLoop(
+            self._params, e.tokenizer, self.session.token_ids, logits.device, self.metrics, self._constraint
+        )
         return logits
 
     def sample(self, logits: torch.Tensor) -> torch.Tensor:
@@ -230,6 +234,8 @@ class RequestRun:
         """Sampling, session and the turn's tokens, positions and images (once per request)."""
         e, request = self.parts, self.request
         self._params = resolve_sampling(e.generation_defaults, self.config.sampling, request.sampling)
+        if request.output is not None:  # an invalid format ends the request before any prefill
+            self._constraint = e.grammars.compile(request.output)
         self.session = e.session_store.get(request.session_id)
         try:
             self._turn = self._prepare_turn(self.session)
@@ -324,7 +330,8 @@ class RequestRun:
                 reason, error = "error", f"cleanup failed: {exc}"
         m.peak_memory_mb = peak_memory_mb(e.device)
         generated = tuple(self.generated)
-        return Finished(self.rid, reason, self.text, generated, m.as_dict(), error)  # type: ignore[arg-type]
+        output = self._constraint.result(self.text) if self._constraint is not None and error is None else None
+        return Finished(self.rid, reason, self.text, generated, m.as_dict(), error, output)  # type: ignore[arg-type]
 
     def settle(self, reason: str) -> None:
         """Decide what the KV keeps after the request (see Session for the invariants)."""

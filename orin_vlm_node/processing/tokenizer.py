@@ -97,6 +97,10 @@ class Tokenizer:
             raise TokenizerError(f"cannot load {file}: {exc}") from exc
         return cls(backend, eos_token_ids=_read_eos_ids(root / "generation_config.json"))
 
+    def backend_json(self) -> str:
+        """The tokenizer as ``tokenizer.json`` text (what other tokenizer libraries load)."""
+        return self._tok.to_str()
+
     def _require(self, text: str) -> int:
         token_id = self._tok.token_to_id(text)
         if token_id is None:

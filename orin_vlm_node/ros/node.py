@@ -29,6 +29,7 @@ from std_msgs.msg import String
 from std_srvs.srv import Trigger
 
 from ..engine import Engine
+from ..engine.output_format import format_from_json
 from .camera_intake import CameraIntake
 from .channel import Channel
 from .image import (
@@ -48,8 +49,9 @@ from .params import (
     sampling_params,
     unknown_parameters_problem,
 )
+from .prompt_message import PromptReader, json_prompt, plain_prompt
 from .request_queue import PendingPrompt, RequestQueue
-from .startup import StartupError, channel_list, prompt_problem, startup_config
+from .startup import StartupError, channel_list, context_problem, prompt_problem, startup_config
 from .status import backend_summary, engine_diagnostics
 from .status_events import READY_POLL_S, READY_SLOW_POLL_S, StatusEvents
 from .worker import Worker, on_passing_thread
@@ -155,7 +157,9 @@ class VlmServing:
         for ch in self._channels.values():
             self._serving_entities += [
                 (self.destroy_subscription, self.create_subscription(
-                    String, ch.topic("prompt"), functools.partial(self._on_prompt, ch), depth)),
+                    String, ch.topic("prompt"), functools.partial(self._on_prompt, ch, plain_prompt), depth)),
+                (self.destroy_subscription, self.create_subscription(
+                    String, ch.topic("prompt_json"), functools.partial(self._on_prompt, ch, json_prompt), depth)),
                 (self.destroy_service, self.create_service(
                     Trigger, ch.service("reset"), functools.partial(self._on_reset, ch))),
                 (self.destroy_service, self.create_service(
@@ -225,13 +229,18 @@ class VlmServing:
             if topic in channel_values(self._values, ch.name)["image_topics"]:
                 ch.status("error", None, error=error, image_stamp=stamp)
 
-    def _on_prompt(self, ch: Channel, msg: String) -> None:
+    def _on_prompt(self, ch: Channel, read: PromptReader, msg: String) -> None:
         with self._lock:
             self._request_counter += 1
             request_id = f"{ch.name}-req-{self._request_counter}" if ch.name else f"req-{self._request_counter}"
             values = channel_values(self._values, ch.name)
-        text = msg.data
-        refused = prompt_problem(text) or (self._refusing and f"{self._refusing}: prompt not accepted")
+        try:
+            text, output = read(msg.data)
+            output = output or format_from_json(values["output_format"])
+        except ValueError as exc:
+            text, output, refused = "", None, str(exc)
+        else:
+            refused = prompt_problem(text) or (self._refusing and f"{self._refusing}: prompt not accepted")
         if refused:
             ch.status("error", request_id, finish_reason="error", error=refused)
             return
@@ -247,9 +256,10 @@ class VlmServing:
             frames=frames,
             accepted_at=time.monotonic(),
             channel=ch.name,
+            output=output,
         )
         # accepted goes out before the item is visible to the worker, so it always precedes started.
-        ch.status("accepted", request_id, note=frames.note, **item.image_fields())
+        ch.status("accepted", request_id, note=frames.note, **item.status_fields())
         for dropped in self._queue.put(item):
             self._worker.drop(dropped, f"queue full (max_queue={self._queue.max_size}): oldest waiting prompt dropped")
 
@@ -299,6 +309,8 @@ class VlmServing:
             if any(name.rpartition(".")[2] in SAMPLING_FIELDS for name in changes):
                 for channel in self._channels:  # checked now, used per request
                     self._engine.validate_changes(sampling=sampling_params(channel_values(after, channel)))
+            for name in (n for n in changes if n.rpartition(".")[2] == "output_format" and changes[n]):
+                self._engine.validate_output(format_from_json(changes[name]))
         except ValueError as exc:
             return SetParametersResult(successful=False, reason=str(exc))
         resets = []
@@ -318,18 +330,7 @@ class VlmServing:
         return SetParametersResult(successful=True)
 
     def _context_problem(self, values: Mapping[str, Any]) -> str | None:
-        """Why ``max_context_tokens`` cannot hold any prompt with a channel's ``system_prompt``, or None."""
-        limit = int(values["max_context_tokens"])
-        for channel in channel_list(values):
-            system_prompt = str(channel_values(values, channel)["system_prompt"]) or None
-            floor = self._engine.shortest_prompt_tokens(system_prompt)
-            if limit < floor + 2:
-                whose = f"channel {channel}'s system prompt" if channel else "system prompt"
-                return (
-                    f"max_context_tokens={limit} leaves no room for a question: the chat template and {whose} "
-                    f"alone take {floor} tokens, and a question and its answer need at least one token each"
-                )
-        return None
+        return context_problem(values, self._engine.shortest_prompt_tokens)
 
     def _revert(self, applied: Mapping[str, Any]) -> None:
         """Put the parameters of a failed reconfiguration back to what the engine really runs."""

@@ -21,6 +21,7 @@ from typing import Any
 from .. import settings
 from ..engine.config import EngineConfig, config_from_settings, sampling_from_settings
 from ..engine.events import SamplingParams
+from ..engine.output_format import format_from_json
 from ..settings import SETTINGS, Value
 
 ENGINE_FIELDS: tuple[str, ...] = tuple(s.name for s in settings.settings_for("engine"))
@@ -49,9 +50,17 @@ def check_changes(changes: Mapping[str, Any]) -> str | None:
             return f"unknown setting {name!r}"
         if channel and value is None:
             continue
-        reason = settings.problem({base: value})
+        reason = settings.problem({base: value}) or (base == "output_format" and _output_format_problem(value))
         if reason:
             return f"{channel}.{reason}" if channel else reason
+    return None
+
+
+def _output_format_problem(text: str) -> str | None:
+    try:
+        format_from_json(text)
+    except ValueError as exc:
+        return f"output_format: {exc}"
     return None
 
 

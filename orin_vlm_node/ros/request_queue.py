@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..engine.events import SamplingParams
+from ..engine.output_format import OutputFormat
 from .image import PickedFrames
 
 
@@ -35,14 +36,18 @@ class PendingPrompt:
     frames: PickedFrames = PickedFrames()  # the cameras' frames it asks about, and why others are missing
     accepted_at: float = 0.0  # time.monotonic()
     channel: str = ""  # the asker's channel; "" = the node's only one
+    output: OutputFormat | None = None  # what the answer must match (None: free text)
 
     @property
     def note(self) -> str | None:
         return self.frames.note
 
-    def image_fields(self) -> dict[str, Any]:
-        """The status fields that say which frames the prompt uses."""
-        return {"image_stamp": self.frames.first_stamp, "images": self.frames.used}
+    def status_fields(self) -> dict[str, Any]:
+        """The status fields that say which frames the prompt uses and the format its answer must match."""
+        fields: dict[str, Any] = {"image_stamp": self.frames.first_stamp, "images": self.frames.used}
+        if self.output is not None:
+            fields["output_format"] = self.output.describe()
+        return fields
 
 
 class RequestQueue:

@@ -4,7 +4,7 @@ with a :class:`StartupError` that says what to fix; a prompt that cannot be answ
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from rclpy.exceptions import InvalidTopicNameException
@@ -62,4 +62,20 @@ def image_topics_problem(topics: Sequence[str]) -> str | None:
             validate_topic_name(f"{topic}/compressed")  # the raw topic's name is valid when this one is
         except InvalidTopicNameException as exc:
             return f"image_topics entry {topic!r} is not a valid ROS topic name: {str(exc).splitlines()[0]}"
+    return None
+
+
+def context_problem(values: Mapping[str, Any], shortest_prompt_tokens: Callable[[str | None], int]) -> str | None:
+    """Why ``max_context_tokens`` cannot hold any prompt with a channel's ``system_prompt``, or None;
+    ``shortest_prompt_tokens(system_prompt)``: the engine's count of the chat template's tokens around it."""
+    limit = int(values["max_context_tokens"])
+    for channel in channel_list(values):
+        system_prompt = str(channel_values(values, channel)["system_prompt"]) or None
+        floor = shortest_prompt_tokens(system_prompt)
+        if limit < floor + 2:
+            whose = f"channel {channel}'s system prompt" if channel else "system prompt"
+            return (
+                f"max_context_tokens={limit} leaves no room for a question: the chat template and {whose} "
+                f"alone take {floor} tokens, and a question and its answer need at least one token each"
+            )
     return None

@@ -58,6 +58,8 @@ def status_json(
     images: Sequence[tuple[str, float]] | None = None,
     note: str | None = None,
     changes: Mapping[str, Any] | None = None,
+    output_format: str | None = None,
+    output: Mapping[str, Any] | None = None,
 ) -> str:
     """One status event as a JSON string (the ``data`` of a ``status`` message)."""
     return json.dumps(
@@ -72,6 +74,8 @@ def status_json(
                 "images": [{"topic": t, "stamp": st} for t, st in images] if images is not None else None,
                 "note": note,
                 "changes": dict(changes) if changes is not None else None,
+                "output_format": output_format,
+                "output": dict(output) if output is not None else None,
             }
         ),
         ensure_ascii=False,

@@ -182,7 +182,7 @@ class Worker:
 
     def drop(self, item: PendingPrompt, why: str) -> None:
         """End a prompt that never started: its ``dropped`` event, saying ``why``."""
-        self.outputs[item.channel].status("dropped", item.request_id, note=why, **item.image_fields())
+        self.outputs[item.channel].status("dropped", item.request_id, note=why, **item.status_fields())
 
     def _broadcast(self, event: str, **fields: Any) -> None:
         """A node-wide event (not about one prompt) on every channel's status."""
@@ -226,10 +226,11 @@ class Worker:
             system_prompt=item.system_prompt,
             session_id=self._session_id(item.channel),
             request_id=item.request_id,
+            output=item.output,
         )
         with self._lock:
             self._running[item.channel] = item
-        outputs.status("started", item.request_id, **item.image_fields())
+        outputs.status("started", item.request_id, **item.status_fields())
         return _Answer(item, outputs, self.engine.generate(request), time.monotonic() - item.accepted_at)
 
     def _advance(self, answer: _Answer) -> bool:
@@ -315,13 +316,14 @@ class Worker:
         if finished.finish_reason == "error":
             outputs.status("error", item.request_id, finish_reason="error",
                            error=finished.error or "generation failed", metrics=metrics,
-                           note=request_note(metrics, item.note), **item.image_fields())  # fmt: skip
+                           note=request_note(metrics, item.note), **item.status_fields())  # fmt: skip
             return
         outputs.response(wire_text(finished.text))
         stopped = self._stopping.is_set() and finished.finish_reason == "cancelled"
         note = request_note(metrics, self._stop_reason if stopped else item.note)
+        output = {"output": finished.output} if finished.output is not None else {}
         outputs.status("finished", item.request_id, finish_reason=finished.finish_reason, error=finished.error,
-                       metrics=metrics, note=note, **item.image_fields())  # fmt: skip
+                       metrics=metrics, note=note, **item.status_fields(), **output)  # fmt: skip
 
 
 @dataclass(eq=False)

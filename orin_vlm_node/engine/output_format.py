@@ -1,0 +1,156 @@
+"""Answers constrained to a format: a JSON schema, a regular expression, or one of several choices.
+
+A robot acts on an answer only if it can read it: "yes" or "no", JSON its planner's schema accepts, a box it
+can grasp. The format is compiled (llguidance) into a matcher that, before each token is chosen, says which
+tokens may come next; the others' logits become -inf, so greedy decoding and sampling alike only produce
+text that still matches, and the answer ends as soon as the format is complete. JSON is compact (no
+whitespace between tokens the schema does not ask for): an untrained model must not loop on blanks.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+
+from ..processing import Tokenizer
+
+OutputKind = Literal["json_schema", "regex", "choice"]
+KINDS: tuple[str, ...] = ("json_schema", "regex", "choice")
+JSON_OPTIONS = {"whitespace_flexible": False}  # compact JSON: "," and ":" with nothing around them
+
+
+@dataclass(frozen=True)
+class OutputFormat:
+    """What an answer must match. ``spec``: the schema (a dict), the regex, or the choices (a tuple)."""
+
+    kind: OutputKind
+    spec: Any
+
+    def describe(self) -> str:
+        """One line for status events and logs."""
+        if self.kind == "choice":
+            return f"choice of {len(self.spec)}: " + " | ".join(self.spec)
+        if self.kind == "regex":
+            return f"regex {self.spec}"
+        title = self.spec.get("title") if isinstance(self.spec, dict) else None
+        return f"json_schema {title}" if isinstance(title, str) else "json_schema"
+
+
+def output_format(kind: str, spec: Any) -> OutputFormat:
+    """A checked :class:`OutputFormat`; ``spec`` of a schema may be its JSON text. ValueError says what is wrong."""
+    if kind not in KINDS:
+        raise ValueError(f"output format kind must be one of {', '.join(KINDS)}, got {kind!r}")
+    if kind == "json_schema":
+        if isinstance(spec, str):
+            try:
+                spec = json.loads(spec)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"json_schema is not valid JSON: {exc}") from exc
+        if not isinstance(spec, dict):
+            raise ValueError(f"json_schema must be a JSON object, got {type(spec).__name__}")
+        return OutputFormat("json_schema", spec)
+    if kind == "regex":
+        if not isinstance(spec, str) or not spec:
+            raise ValueError("regex must be a non-empty string")
+        return OutputFormat("regex", spec)
+    choices = tuple(spec) if isinstance(spec, (list, tuple)) else ()
+    if not choices or any(not isinstance(c, str) or not c for c in choices):
+        raise ValueError("choice needs a list of non-empty strings")
+    return OutputFormat("choice", choices)
+
+
+def format_from_json(value: Any) -> OutputFormat | None:
+    """The format written as JSON (or its parsed object): ``{"json_schema": {...}}``, ``{"regex": "..."}`` or
+    ``{"choice": [...]}``; '' or ``{}`` is none (free text). ValueError says what is wrong."""
+    if isinstance(value, str):
+        if not value.strip():
+            return None
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"output format is not valid JSON: {exc}") from exc
+    if not isinstance(value, dict):
+        raise ValueError(f"output format must be a JSON object, got {type(value).__name__}")
+    if not value:
+        return None
+    if len(value) != 1:
+        raise ValueError(f"output format names one of {', '.join(KINDS)}, got {', '.join(map(str, value))}")
+    [(kind, spec)] = value.items()
+    return output_format(kind, spec)
+
+
+class Grammars:
+    """Compiles output formats for one tokenizer. The tokenizer's token table is built once, on the first
+    format (a second or so for Qwen's 151k tokens, so a node that never constrains never pays it);
+    ``vocab_size``: the logits' width, which may exceed the tokenizer's (padding rows)."""
+
+    def __init__(self, tokenizer: Tokenizer, vocab_size: int) -> None:
+        self._tokenizer, self._vocab_size = tokenizer, vocab_size
+        self._table = None
+        self._lock = threading.Lock()  # the node checks a format from its parameter thread
+
+    def compile(self, fmt: OutputFormat) -> Constraint:
+        """The matcher of ``fmt`` at the start of an answer; ValueError naming what the format gets wrong."""
+        import llguidance  # imported when first asked for: a node without formats does not load it
+
+        with self._lock:
+            if self._table is None:
+                eos = list(self._tokenizer.eos_token_ids)
+                self._table = llguidance.LLTokenizer(
+                    self._tokenizer.backend_json(), n_vocab=self._vocab_size, eos_token=eos
+                )
+        if fmt.kind == "json_schema":
+            grammar = llguidance.LLMatcher.grammar_from_json_schema(fmt.spec, defaults=JSON_OPTIONS)
+        elif fmt.kind == "regex":
+            grammar = llguidance.LLMatcher.grammar_from_regex(fmt.spec)
+        else:
+            grammar = llguidance.grammar_from("choice", list(fmt.spec))
+        matcher = llguidance.LLMatcher(self._table, grammar, log_level=0)
+        if matcher.is_error():
+            raise ValueError(f"invalid {fmt.kind}: {matcher.get_error()}")
+        return Constraint(fmt, matcher, self._vocab_size)
+
+
+class Constraint:
+    """One answer's matcher: masks each row of logits, then takes the token chosen from it."""
+
+    def __init__(self, fmt: OutputFormat, matcher: Any, vocab_size: int) -> None:
+        self.format, self._matcher, self._vocab_size = fmt, matcher, vocab_size
+        self._bits = torch.arange(32, dtype=torch.int32)  # bit i of a word: token 32 * word + i
+
+    def masked(self, logits: torch.Tensor) -> torch.Tensor:
+        """``logits`` (V,) with every token the format does not allow next at -inf (a new tensor)."""
+        words = torch.frombuffer(bytearray(self._matcher.compute_bitmask()), dtype=torch.int32)  # (ceil(V/32),)
+        if logits.is_cuda:  # queued in stream order: the host does not wait for the step that made the logits
+            words = words.pin_memory().to(logits.device, non_blocking=True)
+        bits = self._bits.to(logits.device) if self._bits.device != logits.device else self._bits
+        allowed = ((words.unsqueeze(-1) >> bits) & 1).reshape(-1)[: logits.shape[-1]].bool()  # (V,)
+        return logits.masked_fill(~allowed, float("-inf"))
+
+    def take(self, token: int) -> None:
+        """The token chosen from the last masked row; RuntimeError when the format refuses it."""
+        if not self._matcher.consume_token(token):
+            raise RuntimeError(f"the output format refused token {token}: {self._matcher.get_error()}")
+
+    @property
+    def done(self) -> bool:
+        """Nothing may follow: the format is complete and allows no more text."""
+        return self._matcher.is_stopped()
+
+    @property
+    def complete(self) -> bool:
+        """The answer so far matches the whole format."""
+        return self._matcher.is_accepting()
+
+    def result(self, text: str) -> dict[str, Any]:
+        """What the answer is, for the Finished event: the format, whether it is complete, and for a complete
+        JSON answer its parsed value (else the text)."""
+        complete = self.complete
+        value: Any = text if complete else None
+        if complete and self.format.kind == "json_schema":
+            value = json.loads(text)
+        return {"format": self.format.describe(), "complete": complete, "value": value}
