@@ -13,6 +13,7 @@ More in docs/modules.md, ``orin_vlm_node/generate.py``.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import os
@@ -22,6 +23,7 @@ from collections.abc import Sequence
 from . import settings
 from .engine import Engine, EngineError, Finished, OutputFormat, Request, SamplingParams, TextDelta, Turn, output_format
 from .engine.config import config_from_settings
+from .engine.grounding import detections, grounding_request, parse_labels
 
 # The settings a one-shot command uses: the engine's, sampling, and the system prompt (no queue, no
 # conversation kept, no camera).
@@ -32,7 +34,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m orin_vlm_node.generate", description="Generate text with Qwen3-VL from a prompt and images."
     )
-    p.add_argument("--prompt", required=True, help="user text")
+    p.add_argument("--prompt", help="user text (required unless --detect)")
     p.add_argument("--image", action="append", default=[], metavar="PATH", help="image file; repeat for several")
     p.add_argument("--stop", action="append", default=[], metavar="TEXT", help="stop string; repeat for several")
     p.add_argument("--ignore-eos", action="store_true", help="do not stop at EOS (fixed-length answers for timing)")
@@ -41,6 +43,8 @@ def build_parser() -> argparse.ArgumentParser:
     fmt.add_argument("--json-schema", metavar="SCHEMA", help="answer as JSON matching this schema (inline or a file)")
     fmt.add_argument("--regex", metavar="REGEX", help="answer matching this regular expression")
     fmt.add_argument("--choice", action="append", metavar="TEXT", help="answer with one of these; repeat for each")
+    fmt.add_argument("--detect", metavar="LABELS", help="find these objects ('red cup, person') in the images: "
+                     "their boxes in pixels (--json: 'detections')")  # fmt: skip
     p.add_argument("-v", "--verbose", action="store_true", help="log engine details to stderr")
     for s in CLI_SETTINGS:
         unit = f" {s.unit}" if s.unit else ""
@@ -87,7 +91,7 @@ def _engine(values: dict) -> Engine:
     return Engine(config_from_settings(values, max_sessions=0, max_batch=1))
 
 
-def _report(final: Finished, backend: dict, as_json: bool, verbose: bool) -> int:
+def _report(final: Finished, backend: dict, as_json: bool, verbose: bool, found: list | None = None) -> int:
     if as_json:
         out = {
             "text": final.text,
@@ -98,6 +102,8 @@ def _report(final: Finished, backend: dict, as_json: bool, verbose: bool) -> int
         }
         if final.output is not None:
             out["output"] = final.output
+        if found is not None:
+            out["detections"] = [d.as_dict() for d in found]
         if final.error:
             out["error"] = final.error
         print(json.dumps(out, ensure_ascii=False))
@@ -117,38 +123,38 @@ def _report(final: Finished, backend: dict, as_json: bool, verbose: bool) -> int
     return 0
 
 
+BACKEND_KEYS = ("device", "dtype", "checkpoint_weights", "weight_quant", "lm_head", "weight_mb", "weight_path",
+                "kernels", "decode_path", "kv_pool")  # fmt: skip
+
+
+def cli_request(args: argparse.Namespace, system_prompt: str | None, images: Sequence) -> Request:
+    """The request the flags ask for: the prompt with its output format, or the grounding prompt of
+    ``--detect`` (its answer's token probabilities kept for the scores); ValueError."""
+    sampling = SamplingParams(stop=tuple(args.stop), ignore_eos=args.ignore_eos or None)
+    if args.detect is not None:
+        text, fmt = grounding_request(parse_labels(args.detect), len(images))
+        return Request(Turn(text, tuple(images), color="bgr"), sampling, system_prompt, output=fmt, token_probs=True)
+    if not args.prompt:
+        raise ValueError("--prompt is required (or --detect with --image)")
+    return Request(
+        Turn(args.prompt, tuple(images), color="bgr"), sampling, system_prompt, output=cli_output_format(args)
+    )
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, stream=sys.stderr)
     values = {s.name: getattr(args, s.name) for s in CLI_SETTINGS}
     try:
         images = read_images(args.image)
-        fmt = cli_output_format(args)
+        request = cli_request(args, values["system_prompt"] or None, images)
         engine = _engine(values)
     except (ValueError, EngineError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
     described = engine.describe()
-    backend = {
-        k: described[k]
-        for k in (
-            "device",
-            "dtype",
-            "checkpoint_weights",
-            "weight_quant",
-            "lm_head",
-            "weight_mb",
-            "weight_path",
-            "kernels",
-            "decode_path",
-            "kv_pool",
-        )
-    }
     if described["kernels_degraded"]:
         print(f"warning: {described['kernels']}", file=sys.stderr)
-    sampling = SamplingParams(stop=tuple(args.stop), ignore_eos=args.ignore_eos or None)
-    turn = Turn(args.prompt, tuple(images), color="bgr")
-    request = Request(turn, sampling, values["system_prompt"] or None, output=fmt)
     final: Finished | None = None
     for event in engine.generate(request):
         if isinstance(event, TextDelta):
@@ -158,7 +164,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         else:
             final = event
     assert final is not None  # generate always ends with Finished
-    return _report(final, backend, args.json, args.verbose)
+    found = None
+    if args.detect is not None and final.finish_reason != "error":
+        try:
+            sizes = [image.shape[:2] for image in images]
+            found = detections(final.text, final.token_ids, final.token_probs, engine.parts.tokenizer, sizes)
+        except ValueError as exc:  # never a partial answer: the objects of an answer that does not parse
+            final = dataclasses.replace(final, finish_reason="error", error=str(exc))
+    return _report(final, {k: described[k] for k in BACKEND_KEYS}, args.json, args.verbose, found)
 
 
 if __name__ == "__main__":

@@ -1,12 +1,14 @@
 """Output formats through the node: a channel's ``output_format`` parameter constrains its plain prompts, a
 ``prompt_json`` message carries its own, the status events say which format was used and what came of it,
-and a format that cannot work is refused when set or sent, the node serving on. Answers are compared with the
+and a format that cannot work is refused when set or sent, the node serving on. A detection request is
+published as detections with the camera frame's header, and drawn. Answers are compared with the
 engine run in this process on the same request (random weights: never with hard-coded strings)."""
 
 from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 import torch
 
@@ -25,7 +27,7 @@ SCHEMA = {
     "required": ["door", "people"],
     "additionalProperties": False,
 }
-PARAMS = {**FAST_PARAMS, "device": "cpu", "max_new_tokens": 32, "image_max_age_s": 0.0, "output_format": ""}
+PARAMS = {**FAST_PARAMS, "device": "cpu", "max_new_tokens": 200, "output_format": "", "detections_image": True}
 
 
 @pytest.fixture(scope="module")
@@ -45,10 +47,12 @@ def reference(values):
     torch.set_num_threads(1)
     engine = Engine(engine_config(values))
 
-    def answer(text: str, kind: str, spec) -> Finished:
-        request = Request(Turn(text), sampling_params(values), output=output_format(kind, spec))
+    def answer(text: str, kind: str, spec, images=(), token_probs=False) -> Finished:
+        fmt = spec if kind is None else output_format(kind, spec)
+        request = Request(Turn(text, images), sampling_params(values), output=fmt, token_probs=token_probs)
         return list(engine.generate(request))[-1]
 
+    answer.engine = engine
     yield answer
     torch.set_num_threads(threads)
 
@@ -81,7 +85,10 @@ def test_a_prompt_json_message_carries_its_own_format_and_plain_prompts_stay_fre
     "message, reason",
     [
         ("not json", "prompt_json message is not JSON"),
-        ({"text": "hi"}, 'must be a JSON object with a "prompt" string'),
+        ({"text": "hi"}, "unknown keys text"),
+        ({"prompt": 3}, 'must hold a "prompt" string'),
+        ({"prompt": "hi", "detect": "cup"}, 'must hold a "prompt" string'),
+        ({"detect": "cup"}, "a detection request needs an image"),
         ({"prompt": "hi", "format": {}}, "unknown keys format"),
         ({"prompt": "hi", "output": {"regex": "(["}}, "invalid regex"),
         ({"prompt": "hi", "output": {"choice": []}}, "choice needs a list of non-empty strings"),
@@ -112,3 +119,33 @@ def test_an_output_format_parameter_that_cannot_work_is_refused_with_a_reason(vl
     (result,) = vlm.set_params({"output_format": value})
     assert not result.successful and reason in result.reason
     assert vlm.get_params(["output_format"]) == {"output_format": ""}
+
+
+def test_a_detection_request_is_published_with_the_frame_s_header_and_drawn(vlm, reference):
+    """Last in this module: its camera frame stays fresh for what would follow."""
+    from builtin_interfaces.msg import Time
+    from sensor_msgs.msg import Image
+    from std_msgs.msg import String
+
+    from orin_vlm_node.engine.grounding import detections, grounding_request
+    from orin_vlm_node.ros.image import rgb_to_image_msg
+
+    received: dict[str, list] = {"json": [], "image": []}
+    vlm.node.create_subscription(String, "detections_json", lambda m: received["json"].append(m.data), 10)
+    vlm.node.create_subscription(Image, "detections_image", received["image"].append, 10)
+    rgb = np.random.default_rng(3).integers(0, 256, (72, 96, 3), dtype=np.uint8)
+    vlm.publish_image(rgb_to_image_msg(rgb, Image, stamp=Time(sec=77, nanosec=123), frame_id="front_camera"))
+    answer = vlm.ask({"detect": "red cup, person"})
+    assert answer["status"]["event"] == "finished", answer["status"]
+    vlm.wait_for(lambda: received["json"] and received["image"], 10, "the detections")
+    doc = json.loads(received["json"][0])
+    assert doc["stamp"] == {"sec": 77, "nanosec": 123} and doc["frame_id"] == "front_camera"
+    assert doc["labels"] == ["red cup", "person"]
+    text, fmt = grounding_request(("red cup", "person"), 1)
+    want = reference(text, None, fmt, images=(rgb,), token_probs=True)
+    assert answer["response"] == want.text
+    found = detections(want.text, want.token_ids, want.token_probs, reference.engine.parts.tokenizer, [rgb.shape[:2]])
+    assert [(d["label"], d["box"], d["image"]) for d in doc["detections"]] == [(d.label, list(d.box), 0) for d in found]
+    assert [d["score"] for d in doc["detections"]] == pytest.approx([d.score for d in found], rel=1e-4)
+    drawn = received["image"][0]
+    assert drawn.header.frame_id == "front_camera" and (drawn.width, drawn.height) == (96, 72)

@@ -26,7 +26,7 @@ def test_every_module_imports():
 # rosdep installs from package.xml's exec_depend, by the package's own name): a rosdep key of package.xml,
 # requirements-jetson.txt (pip), or NVIDIA's Jetson wheel (torch, which no package index has for a Jetson).
 ROSDEP_KEYS = {"cv2": "python3-opencv", "numpy": "python3-numpy"}
-JETSON_PIP = {"pycuda", "tokenizers", "safetensors", "jinja2"}
+JETSON_PIP = {"pycuda", "tokenizers", "safetensors", "jinja2", "llguidance"}
 NVIDIA_WHEEL = {"torch"}
 
 

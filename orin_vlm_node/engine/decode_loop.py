@@ -37,6 +37,7 @@ class DecodeLoop:
         device: torch.device,
         metrics: RequestMetrics,
         constraint: Constraint | None = None,
+        token_probs: bool = False,
     ):
         self.params = params
         self.constraint = constraint  # the output format's matcher: masks each row, takes each token
@@ -51,6 +52,7 @@ class DecodeLoop:
         self._stops = StopStringMatcher(params.stop)
         self._metrics = metrics
         self._delta_ids: list[int] = []  # tokens sampled since the last text piece went out
+        self._probs: list[torch.Tensor] | None = [] if token_probs else None  # (1,) each, read at the end
 
     @property
     def text(self) -> str:
@@ -65,7 +67,17 @@ class DecodeLoop:
             generated = host_to_device(self.generated, logits.device)
             context = torch.cat([self._context, generated])
         row = logits[-1] if self.constraint is None else self.constraint.masked(logits[-1])
-        return self._sampler.sample(row, context, generated)
+        token = self._sampler.sample(row, context, generated)
+        if self._probs is not None:  # on the device: read once, when the answer ends
+            self._probs.append(torch.softmax(logits[-1].float(), -1).gather(0, token.view(1)))
+        return token
+
+    def token_probs(self) -> tuple[float, ...] | None:
+        """The model's probability of each token taken (None unless asked for): one read of the device."""
+        if self._probs is None:
+            return None
+        probs = torch.cat(self._probs).tolist() if self._probs else []
+        return tuple(probs[: len(self.generated)])
 
     def take(self, token: int, interrupt: Callable[[], str | None]) -> tuple[list[tuple[str, tuple[int, ...]]], bool]:
         """The token :meth:`sample` chose, read by the host: stream its text, decide whether to stop. Returns

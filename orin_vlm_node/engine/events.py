@@ -56,6 +56,7 @@ class Request:
     session_id: str | None = None
     request_id: str | None = None
     output: OutputFormat | None = None  # the format the answer must match (None: free text)
+    token_probs: bool = False  # report the model's probability of each token it chose (Finished.token_probs)
 
 
 @dataclass(frozen=True)
@@ -80,6 +81,9 @@ class Finished:
     # With an output format: {"format": ..., "complete": bool, "value": the parsed JSON or the text (None if
     # incomplete)}; None for free text.
     output: dict | None = None
+    # With Request.token_probs: each generated token's probability under the model's own distribution (the
+    # softmax of its logits, before any format mask, penalty or temperature), in token order.
+    token_probs: tuple[float, ...] | None = None
 
 
 Event = TextDelta | Finished

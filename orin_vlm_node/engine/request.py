@@ -148,8 +148,9 @@ class RequestRun:
         self.prefill_done = True
         self.session = self._commit_turn(turn)
         self.loop = DecodeLoop(
-            self._params, e.tokenizer, self.session.token_ids, logits.device, self.metrics, self._constraint
-        )
+            self._params, e.tokenizer, self.session.token_ids, logits.device, self.metrics, self._constraint,
+            self.request.token_probs,
+        )  # fmt: skip
         return logits
 
     def sample(self, logits: torch.Tensor) -> torch.Tensor:
@@ -331,7 +332,8 @@ class RequestRun:
         m.peak_memory_mb = peak_memory_mb(e.device)
         generated = tuple(self.generated)
         output = self._constraint.result(self.text) if self._constraint is not None and error is None else None
-        return Finished(self.rid, reason, self.text, generated, m.as_dict(), error, output)  # type: ignore[arg-type]
+        probs = self.loop.token_probs() if self.loop is not None and error is None else None
+        return Finished(self.rid, reason, self.text, generated, m.as_dict(), error, output, probs)  # type: ignore[arg-type]
 
     def settle(self, reason: str) -> None:
         """Decide what the KV keeps after the request (see Session for the invariants)."""

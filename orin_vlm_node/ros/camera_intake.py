@@ -71,7 +71,7 @@ class CameraIntake:
             except ImageConversionError as exc:
                 raise ImageConversionError(f"{rejected}: {exc}") from None
 
-        self._frames.set(topic, converted, stamp)
+        self._frames.set(topic, converted, stamp, msg.header)
 
     def _from(self, topic: str) -> str:
         """`` from <topic>`` when there are several cameras to tell apart."""

@@ -18,8 +18,12 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from rclpy.qos import QoSProfile
+from sensor_msgs.msg import Image
 from std_msgs.msg import String
 
+from ..engine.grounding import Detection
+from .detections import annotated, detection_array, detections_json
+from .image import PickedFrames, rgb_to_image_msg
 from .token_stream import TokenStream
 
 _NAME = re.compile(r"[A-Za-z][A-Za-z0-9_]*")
@@ -54,6 +58,8 @@ class Channel:
         on_status: Callable[[Channel, str, str | None, dict[str, Any]], None],
         warn: Callable[[str], None],
         session_id: str,
+        detection_msgs: Any = None,
+        draw_detections: bool = False,
     ) -> None:
         self.name = name
         self.session_id = session_id
@@ -63,10 +69,20 @@ class Channel:
         self.response_pub = make_publisher(String, self.topic("response"), 10)
         self.status_pub = make_publisher(String, self.topic("status"), stream_qos)
         self.token_stream = TokenStream(lambda text: self.tokens_pub.publish(String(data=text)), token_period_s)
+        self.detections_json_pub = make_publisher(String, self.topic("detections_json"), 10)
+        self._detection_msgs = detection_msgs  # vision_msgs' classes (None: not installed)
+        self.detections_pub = (
+            make_publisher(detection_msgs.Detection2DArray, self.topic("detections"), 10) if detection_msgs else None
+        )
+        self.detections_image_pub = (
+            make_publisher(Image, self.topic("detections_image"), 2) if draw_detections else None
+        )
 
     @property
     def publishers(self) -> tuple[Any, ...]:
-        return self.tokens_pub, self.response_pub, self.status_pub
+        optional = (self.detections_pub, self.detections_image_pub)
+        return (self.tokens_pub, self.response_pub, self.status_pub, self.detections_json_pub,
+                *(p for p in optional if p is not None))  # fmt: skip
 
     def topic(self, leaf: str) -> str:
         """``leaf`` (prompt, tokens, ...) under the channel: relative, so namespaces and remaps apply."""
@@ -93,3 +109,15 @@ class Channel:
 
     def status(self, event: str, request_id: str | None, **fields: Any) -> None:
         self._on_status(self, event, request_id, fields)
+
+    def detections(
+        self, request_id: str, labels: Sequence[str], found: Sequence[Detection], frames: PickedFrames
+    ) -> None:
+        """A detection request's objects: JSON, vision_msgs where installed, the frames with boxes drawn."""
+        self.detections_json_pub.publish(String(data=detections_json(request_id, labels, found, frames)))
+        if self.detections_pub is not None:
+            self.detections_pub.publish(detection_array(found, frames.headers, self._detection_msgs))
+        if self.detections_image_pub is not None:
+            for i, (rgb, header) in enumerate(zip(frames.images, frames.headers, strict=True)):
+                msg = rgb_to_image_msg(annotated(rgb, found, i), Image, stamp=header.stamp, frame_id=header.frame_id)
+                self.detections_image_pub.publish(msg)

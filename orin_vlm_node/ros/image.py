@@ -231,6 +231,7 @@ class Pick(NamedTuple):
     stamp: float | None = None  # the header stamp of the newest frame, used or not
     note: str | None = None
     error: str | None = None
+    header: Any = None  # the frame's std_msgs/Header (stamp and frame_id, as the camera sent them)
 
 
 class LatestImage:
@@ -247,12 +248,15 @@ class LatestImage:
         self._frame: np.ndarray | Callable[[], np.ndarray] | None = None  # converted, or its conversion
         self._error: str | None = None  # why the newest frame could not be converted
         self._stamp: float | None = None
+        self._header: Any = None
         self._received = 0.0
 
-    def set(self, convert: Callable[[], np.ndarray], stamp: float) -> None:
-        """A new frame: ``convert()`` returns its RGB array or raises ImageConversionError (run at most once)."""
+    def set(self, convert: Callable[[], np.ndarray], stamp: float, header: Any = None) -> None:
+        """A new frame: ``convert()`` returns its RGB array or raises ImageConversionError (run at most once);
+        ``header`` its message's header."""
         with self._lock:
             self._frame, self._error, self._stamp, self._received = convert, None, stamp, time.monotonic()
+            self._header = header
 
     def pick(self, max_age_s: float) -> Pick:
         """The frame if it is fresh enough and converts, else a note saying why not."""
@@ -273,7 +277,7 @@ class LatestImage:
                     self._frame, self._error = None, str(exc)
             if self._error is not None:
                 return Pick(stamp=self._stamp, note=self._error, error=self._error)
-            return Pick(rgb=self._frame, stamp=self._stamp)
+            return Pick(rgb=self._frame, stamp=self._stamp, header=self._header)
 
 
 @dataclass(frozen=True)
@@ -284,6 +288,7 @@ class PickedFrames:
     used: tuple[tuple[str, float], ...] = ()  # (topic, header stamp) of each image, same order
     note: str | None = None  # the topics left out and why
     errors: tuple[tuple[str, str, float], ...] = ()  # (topic, error, header stamp): newest frames that did not convert
+    headers: tuple[Any, ...] = ()  # the std_msgs/Header of each image, same order
 
     @property
     def first_stamp(self) -> float | None:
@@ -297,9 +302,9 @@ class LatestFrames:
         self.topics = list(topics)
         self._latest = {topic: LatestImage() for topic in self.topics}
 
-    def set(self, topic: str, convert: Callable[[], np.ndarray], stamp: float) -> None:
+    def set(self, topic: str, convert: Callable[[], np.ndarray], stamp: float, header: Any = None) -> None:
         """The topic's newest frame, converted when a prompt first takes it (see :class:`LatestImage`)."""
-        self._latest[topic].set(convert, stamp)
+        self._latest[topic].set(convert, stamp, header)
 
     def pick(self, max_age_s: float, topics: Sequence[str] | None = None) -> PickedFrames:
         """The frame of each of ``topics`` (default: all, in order) if it is fresh enough; the note names
@@ -311,16 +316,17 @@ class LatestFrames:
         if max_age_s <= 0:
             return PickedFrames()
         topics = self.topics if topics is None else list(topics)
-        images, used, notes, errors = [], [], [], []
+        images, used, notes, errors, headers = [], [], [], [], []
         for topic in topics:
             pick = self._latest[topic].pick(max_age_s)
             if pick.rgb is not None:
                 images.append(pick.rgb)
                 used.append((topic, pick.stamp))
+                headers.append(pick.header)
             elif pick.note is not None:
                 notes.append(pick.note if len(topics) == 1 else f"{topic}: {pick.note}")
             elif len(topics) > 1:
                 notes.append(f"{topic}: no image received yet")
             if pick.error is not None:
                 errors.append((topic, pick.error, pick.stamp))
-        return PickedFrames(tuple(images), tuple(used), "; ".join(notes) or None, tuple(errors))
+        return PickedFrames(tuple(images), tuple(used), "; ".join(notes) or None, tuple(errors), tuple(headers))

@@ -32,6 +32,7 @@ from ..engine import Engine
 from ..engine.output_format import format_from_json
 from .camera_intake import CameraIntake
 from .channel import Channel
+from .detections import vision_msgs
 from .image import (
     ImageConverter,
     LatestFrames,
@@ -49,8 +50,8 @@ from .params import (
     sampling_params,
     unknown_parameters_problem,
 )
-from .prompt_message import PromptReader, json_prompt, plain_prompt
-from .request_queue import PendingPrompt, RequestQueue
+from .prompt_message import PromptReader, json_prompt, pending_prompt, plain_prompt
+from .request_queue import RequestQueue
 from .startup import StartupError, channel_list, context_problem, prompt_problem, startup_config
 from .status import backend_summary, engine_diagnostics
 from .status_events import READY_POLL_S, READY_SLOW_POLL_S, StatusEvents
@@ -116,9 +117,12 @@ class VlmServing:
         prompt_depth = int(self._values["prompt_queue_depth"])
         stream_qos = QoSProfile(depth=max(1000, 3 * prompt_depth), reliability=ReliabilityPolicy.RELIABLE)
         period_s = int(self._values["token_publish_period_ms"]) / 1e3
+        detection_msgs, draw = vision_msgs(), bool(self._values["detections_image"])
+        if detection_msgs is None:
+            self.get_logger().info("vision_msgs is not installed: detections are published on detections_json only")
         self._channels = {
             name: Channel(name, self._make_publisher, stream_qos, period_s, self._status_events.publish,
-                          self.get_logger().warning, self._new_session_id())
+                          self.get_logger().warning, self._new_session_id(), detection_msgs, draw)
             for name in names
         }  # fmt: skip
         self._diag_pub = self._make_publisher(DiagnosticArray, "/diagnostics", 10)
@@ -235,31 +239,20 @@ class VlmServing:
             request_id = f"{ch.name}-req-{self._request_counter}" if ch.name else f"req-{self._request_counter}"
             values = channel_values(self._values, ch.name)
         try:
-            text, output = read(msg.data)
-            output = output or format_from_json(values["output_format"])
+            message = read(msg.data)
+            refused = prompt_problem(message.text) or (self._refusing and f"{self._refusing}: prompt not accepted")
+            if not refused:
+                frames = self._frames.pick(float(values["image_max_age_s"]), values["image_topics"])
+                for topic, error, stamp in frames.errors:  # a frame whose header passed but whose data did not
+                    self._cameras.report_error(topic, error, stamp)
+                item = pending_prompt(request_id, message, values, frames, ch.name)
         except ValueError as exc:
-            text, output, refused = "", None, str(exc)
-        else:
-            refused = prompt_problem(text) or (self._refusing and f"{self._refusing}: prompt not accepted")
+            refused = str(exc)
         if refused:
             ch.status("error", request_id, finish_reason="error", error=refused)
             return
-        frames = self._frames.pick(float(values["image_max_age_s"]), values["image_topics"])
-        for topic, error, stamp in frames.errors:  # a frame whose header passed but whose data did not
-            self._cameras.report_error(topic, error, stamp)
-        system_prompt = str(values["system_prompt"]) or None
-        item = PendingPrompt(
-            request_id=request_id,
-            text=text,
-            sampling=sampling_params(values),
-            system_prompt=system_prompt,
-            frames=frames,
-            accepted_at=time.monotonic(),
-            channel=ch.name,
-            output=output,
-        )
         # accepted goes out before the item is visible to the worker, so it always precedes started.
-        ch.status("accepted", request_id, note=frames.note, **item.status_fields())
+        ch.status("accepted", request_id, note=item.note, **item.status_fields())
         for dropped in self._queue.put(item):
             self._worker.drop(dropped, f"queue full (max_queue={self._queue.max_size}): oldest waiting prompt dropped")
 

@@ -37,6 +37,7 @@ class PendingPrompt:
     accepted_at: float = 0.0  # time.monotonic()
     channel: str = ""  # the asker's channel; "" = the node's only one
     output: OutputFormat | None = None  # what the answer must match (None: free text)
+    detect: tuple[str, ...] = ()  # a detection request: the labels (its answer is published as detections)
 
     @property
     def note(self) -> str | None:

@@ -24,6 +24,8 @@ from typing import Any, Protocol, TypeVar
 
 from ..engine import Engine
 from ..engine.events import Event, Finished, Request, TextDelta, Turn
+from ..engine.grounding import Detection, detections
+from .image import PickedFrames
 from .request_queue import PendingPrompt, RequestQueue
 from .status import backend_summary, request_note
 
@@ -75,6 +77,12 @@ class Outputs(Protocol):
     def response(self, text: str) -> None: ...
 
     def status(self, event: str, request_id: str | None, **fields: Any) -> None: ...
+
+    def detections(
+        self, request_id: str, labels: Sequence[str], found: Sequence[Detection], frames: PickedFrames
+    ) -> None:
+        """A detection request's objects, in the pixels of their frames."""
+        ...
 
 
 @dataclass
@@ -227,6 +235,7 @@ class Worker:
             session_id=self._session_id(item.channel),
             request_id=item.request_id,
             output=item.output,
+            token_probs=bool(item.detect),  # a detection's scores
         )
         with self._lock:
             self._running[item.channel] = item
@@ -318,12 +327,31 @@ class Worker:
                            error=finished.error or "generation failed", metrics=metrics,
                            note=request_note(metrics, item.note), **item.status_fields())  # fmt: skip
             return
+        if item.detect and not self._publish_detections(answer):
+            return
         outputs.response(wire_text(finished.text))
         stopped = self._stopping.is_set() and finished.finish_reason == "cancelled"
         note = request_note(metrics, self._stop_reason if stopped else item.note)
         output = {"output": finished.output} if finished.output is not None else {}
         outputs.status("finished", item.request_id, finish_reason=finished.finish_reason, error=finished.error,
                        metrics=metrics, note=note, **item.status_fields(), **output)  # fmt: skip
+
+    def _publish_detections(self, answer: _Answer) -> bool:
+        """A detection request's objects published; False (an error event, nothing published) when its answer
+        is not the grounding JSON (cut by max_new_tokens, cancelled)."""
+        item, finished = answer.item, answer.finished
+        sizes = [image.shape[:2] for image in item.frames.images]
+        try:
+            found = detections(
+                finished.text, finished.token_ids, finished.token_probs, self.engine.parts.tokenizer, sizes
+            )
+        except ValueError as exc:
+            answer.outputs.status("error", item.request_id, finish_reason="error", metrics=finished.metrics,
+                                  error=f"detection answer unusable ({finished.finish_reason}): {exc}",
+                                  **item.status_fields())  # fmt: skip
+            return False
+        answer.outputs.detections(item.request_id, item.detect, found, item.frames)
+        return True
 
 
 @dataclass(eq=False)
