@@ -134,15 +134,16 @@ def cli_request(args: argparse.Namespace, system_prompt: str | None, images: Seq
     if args.detect is not None:
         text, fmt = grounding_request(parse_labels(args.detect), len(images))
         return Request(Turn(text, tuple(images), color="bgr"), sampling, system_prompt, output=fmt, token_probs=True)
-    if not args.prompt:
-        raise ValueError("--prompt is required (or --detect with --image)")
     return Request(
         Turn(args.prompt, tuple(images), color="bgr"), sampling, system_prompt, output=cli_output_format(args)
     )
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.prompt is None and args.detect is None:
+        parser.error("the following arguments are required: --prompt (or --detect)")
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, stream=sys.stderr)
     values = {s.name: getattr(args, s.name) for s in CLI_SETTINGS}
     try:

@@ -52,8 +52,8 @@ def test_a_point_is_a_box_of_no_size(tokenizer):
 @pytest.mark.parametrize(
     "text, message",
     [
-        ('[{"bbox_2d": [1, 2', "is not JSON"),
-        ('{"bbox_2d": [1, 2, 3, 4]}', "not a list of objects"),
+        ('[{"bbox_2d": [1, 2', "is not valid JSON"),
+        ('{"bbox_2d": [1, 2, 3, 4]}', "must be a JSON array, got dict"),
         ('[{"image": 3, "bbox_2d": [1, 2, 3, 4], "label": "x"}]', "names image 3 of 2"),
     ],
 )

@@ -84,7 +84,7 @@ def test_a_prompt_json_message_carries_its_own_format_and_plain_prompts_stay_fre
 @pytest.mark.parametrize(
     "message, reason",
     [
-        ("not json", "prompt_json message is not JSON"),
+        ("not json", "prompt_json message is not valid JSON"),
         ({"text": "hi"}, "unknown keys text"),
         ({"prompt": 3}, 'must hold a "prompt" string'),
         ({"prompt": "hi", "detect": "cup"}, 'must hold a "prompt" string'),

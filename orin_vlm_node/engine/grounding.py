@@ -11,13 +11,12 @@ geometric mean of the model's own probabilities of the tokens it wrote for that 
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 from ..processing import Tokenizer
-from .output_format import OutputFormat
+from .output_format import OutputFormat, parsed_json
 
 GRID = 1000  # Qwen3-VL's coordinates: 0..GRID over the image's width and height
 MAX_OBJECTS = 50
@@ -80,12 +79,7 @@ def detections(
 ) -> list[Detection]:
     """The objects of a grounding answer, each in the pixels of its image (``sizes``: (height, width) of each
     original frame); ValueError when the answer is not the grounding JSON."""
-    try:
-        objects = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"the grounding answer is not JSON ({exc}): {text[:200]!r}") from exc
-    if not isinstance(objects, list):
-        raise ValueError(f"the grounding answer is not a list of objects: {text[:200]!r}")
+    objects = parsed_json(text, f"the grounding answer {text[:200]!r}", list)
     spans = _object_spans(text)
     ends = _token_ends(tokenizer, token_ids)
     found = []

@@ -40,19 +40,26 @@ class OutputFormat:
         return f"json_schema {title}" if isinstance(title, str) else "json_schema"
 
 
+def parsed_json(value: Any, what: str, kind: type = dict) -> Any:
+    """``value`` (JSON text, or already parsed) as a JSON object (``kind`` dict) or array (list); ValueError
+    "<what> is not valid JSON" or "<what> must be a JSON object/array"."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{what} is not valid JSON: {exc}") from exc
+    if not isinstance(value, kind):
+        name = "object" if kind is dict else "array"
+        raise ValueError(f"{what} must be a JSON {name}, got {type(value).__name__}")
+    return value
+
+
 def output_format(kind: str, spec: Any) -> OutputFormat:
     """A checked :class:`OutputFormat`; ``spec`` of a schema may be its JSON text. ValueError says what is wrong."""
     if kind not in KINDS:
         raise ValueError(f"output format kind must be one of {', '.join(KINDS)}, got {kind!r}")
     if kind == "json_schema":
-        if isinstance(spec, str):
-            try:
-                spec = json.loads(spec)
-            except json.JSONDecodeError as exc:
-                raise ValueError(f"json_schema is not valid JSON: {exc}") from exc
-        if not isinstance(spec, dict):
-            raise ValueError(f"json_schema must be a JSON object, got {type(spec).__name__}")
-        return OutputFormat("json_schema", spec)
+        return OutputFormat("json_schema", parsed_json(spec, "json_schema"))
     if kind == "regex":
         if not isinstance(spec, str) or not spec:
             raise ValueError("regex must be a non-empty string")
@@ -66,15 +73,9 @@ def output_format(kind: str, spec: Any) -> OutputFormat:
 def format_from_json(value: Any) -> OutputFormat | None:
     """The format written as JSON (or its parsed object): ``{"json_schema": {...}}``, ``{"regex": "..."}`` or
     ``{"choice": [...]}``; '' or ``{}`` is none (free text). ValueError says what is wrong."""
-    if isinstance(value, str):
-        if not value.strip():
-            return None
-        try:
-            value = json.loads(value)
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"output format is not valid JSON: {exc}") from exc
-    if not isinstance(value, dict):
-        raise ValueError(f"output format must be a JSON object, got {type(value).__name__}")
+    if isinstance(value, str) and not value.strip():
+        return None
+    value = parsed_json(value, "output format")
     if not value:
         return None
     if len(value) != 1:

@@ -9,14 +9,13 @@ whose prompt and format the node writes. No text is ever read two ways.
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from ..engine.grounding import grounding_request, parse_labels
-from ..engine.output_format import OutputFormat, format_from_json
+from ..engine.output_format import OutputFormat, format_from_json, parsed_json
 from .image import PickedFrames
 from .params import sampling_params
 from .request_queue import PendingPrompt
@@ -45,12 +44,7 @@ def plain_prompt(data: str) -> PromptMessage:
 
 def json_prompt(data: str) -> PromptMessage:
     """A ``prompt_json`` message; ValueError says what is wrong with it."""
-    try:
-        message: Any = json.loads(data)
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"prompt_json message is not JSON: {exc}") from exc
-    if not isinstance(message, dict):
-        raise ValueError("prompt_json message must be a JSON object")
+    message = parsed_json(data, "prompt_json message")
     unknown = sorted(set(message) - set(KEYS))
     if unknown:
         raise ValueError(f"prompt_json message has unknown keys {', '.join(unknown)} (known: {', '.join(KEYS)})")
