@@ -185,6 +185,8 @@ SETTINGS: tuple[Setting, ...] = (
     _s("output_format", str, "", "what every answer must match, as JSON: {\"choice\": [\"yes\", \"no\"]}, "
        "{\"regex\": \"...\"} or {\"json_schema\": {...}}; '' = free text (a prompt on prompt_json may carry its "
        "own)", N, NEXT, per_channel=True),
+    _s("detect_max_labels", int, 20, "most labels one detection request may name (its prompt and format grow "
+       "with each)", N, NEXT, unit="labels", min=1, max=200),
     _s("detections_image", bool, False, "publish each frame of a detection request with its boxes drawn on "
        "detections_image (sensor_msgs/Image, for rviz or rqt_image_view)", N, RO),
     _s("multi_turn", bool, False, "keep the conversation (one engine session) until ~/reset; one that would "

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import threading
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -87,23 +88,38 @@ def format_from_json(value: Any) -> OutputFormat | None:
 class Grammars:
     """Compiles output formats for one tokenizer. The tokenizer's token table is built once, on the first
     format (a second or so for Qwen's 151k tokens, so a node that never constrains never pays it);
-    ``vocab_size``: the logits' width, which may exceed the tokenizer's (padding rows)."""
+    ``vocab_size``: the logits' width, which may exceed the tokenizer's (padding rows). Compiled formats are
+    kept by content (the last ``CACHED`` of them): a channel's format, or the same detection labels, compile
+    once and each answer starts from a copy."""
+
+    CACHED = 64
 
     def __init__(self, tokenizer: Tokenizer, vocab_size: int) -> None:
         self._tokenizer, self._vocab_size = tokenizer, vocab_size
         self._table = None
+        self._compiled: OrderedDict[str, Any] = OrderedDict()  # content -> the matcher at an answer's start
         self._lock = threading.Lock()  # the node checks a format from its parameter thread
 
     def compile(self, fmt: OutputFormat) -> Constraint:
         """The matcher of ``fmt`` at the start of an answer; ValueError naming what the format gets wrong."""
+        key = json.dumps([fmt.kind, fmt.spec], sort_keys=True)
+        with self._lock:
+            start = self._compiled.get(key)
+            if start is None:
+                start = self._compiled[key] = self._matcher(fmt)
+                while len(self._compiled) > self.CACHED:
+                    self._compiled.popitem(last=False)
+            self._compiled.move_to_end(key)
+            return Constraint(fmt, start.deep_copy())
+
+    def _matcher(self, fmt: OutputFormat) -> Any:
         import llguidance  # imported when first asked for: a node without formats does not load it
 
-        with self._lock:
-            if self._table is None:
-                eos = list(self._tokenizer.eos_token_ids)
-                self._table = llguidance.LLTokenizer(
-                    self._tokenizer.backend_json(), n_vocab=self._vocab_size, eos_token=eos
-                )
+        if self._table is None:
+            eos = list(self._tokenizer.eos_token_ids)
+            self._table = llguidance.LLTokenizer(
+                self._tokenizer.backend_json(), n_vocab=self._vocab_size, eos_token=eos
+            )
         if fmt.kind == "json_schema":
             grammar = llguidance.LLMatcher.grammar_from_json_schema(fmt.spec, defaults=JSON_OPTIONS)
         elif fmt.kind == "regex":
@@ -113,29 +129,39 @@ class Grammars:
         matcher = llguidance.LLMatcher(self._table, grammar, log_level=0)
         if matcher.is_error():
             raise ValueError(f"invalid {fmt.kind}: {matcher.get_error()}")
-        return Constraint(fmt, matcher, self._vocab_size)
+        return matcher
 
 
 class Constraint:
-    """One answer's matcher: masks each row of logits, then takes the token chosen from it."""
+    """One answer's matcher: masks each row of logits, then takes the token chosen from it. The mask of the
+    next token is computed as soon as a token is taken: on a GPU that is while the device computes the step
+    the token went into (the engine reads a token after launching the next step)."""
 
-    def __init__(self, fmt: OutputFormat, matcher: Any, vocab_size: int) -> None:
-        self.format, self._matcher, self._vocab_size = fmt, matcher, vocab_size
+    def __init__(self, fmt: OutputFormat, matcher: Any) -> None:
+        self.format, self._matcher = fmt, matcher
         self._bits = torch.arange(32, dtype=torch.int32)  # bit i of a word: token 32 * word + i
+        self._next = self._words()
+
+    def _words(self) -> torch.Tensor:
+        """The tokens allowed next, one bit each: (ceil(V / 32),) int32 on the host."""
+        return torch.frombuffer(bytearray(self._matcher.compute_bitmask()), dtype=torch.int32)
 
     def masked(self, logits: torch.Tensor) -> torch.Tensor:
         """``logits`` (V,) with every token the format does not allow next at -inf (a new tensor)."""
-        words = torch.frombuffer(bytearray(self._matcher.compute_bitmask()), dtype=torch.int32)  # (ceil(V/32),)
+        words = self._next
         if logits.is_cuda:  # queued in stream order: the host does not wait for the step that made the logits
             words = words.pin_memory().to(logits.device, non_blocking=True)
-        bits = self._bits.to(logits.device) if self._bits.device != logits.device else self._bits
-        allowed = ((words.unsqueeze(-1) >> bits) & 1).reshape(-1)[: logits.shape[-1]].bool()  # (V,)
+        if self._bits.device != logits.device:
+            self._bits = self._bits.to(logits.device)
+        allowed = ((words.unsqueeze(-1) >> self._bits) & 1).reshape(-1)[: logits.shape[-1]].bool()  # (V,)
         return logits.masked_fill(~allowed, float("-inf"))
 
     def take(self, token: int) -> None:
         """The token chosen from the last masked row; RuntimeError when the format refuses it."""
         if not self._matcher.consume_token(token):
             raise RuntimeError(f"the output format refused token {token}: {self._matcher.get_error()}")
+        if not self._matcher.is_stopped():
+            self._next = self._words()
 
     @property
     def done(self) -> bool:

@@ -57,6 +57,18 @@ def json_prompt(data: str) -> PromptMessage:
     return PromptMessage(prompt, format_from_json(message.get("output", {})))
 
 
+def _detection(message: PromptMessage, values: Mapping[str, Any], frames: PickedFrames) -> tuple[str, OutputFormat]:
+    """A detection request's prompt and format; ValueError for too many labels or no camera frame."""
+    limit = int(values["detect_max_labels"])
+    if len(message.detect) > limit:
+        raise ValueError(f"a detection request names {len(message.detect)} labels; at most {limit} (detect_max_labels)")
+    if not frames.images:
+        topics = ", ".join(values["image_topics"])
+        why = frames.note or f"no frame within image_max_age_s={float(values['image_max_age_s']):g} s"
+        raise ValueError(f"a detection request needs a camera frame: none from {topics} ({why})")
+    return grounding_request(message.detect, len(frames.images), message.points)
+
+
 def pending_prompt(
     request_id: str, message: PromptMessage, values: Mapping[str, Any], frames: PickedFrames, channel: str
 ) -> PendingPrompt:
@@ -65,7 +77,7 @@ def pending_prompt(
     detection request without a frame)."""
     text, output = message.text, message.output or format_from_json(values["output_format"])
     if message.detect:
-        text, output = grounding_request(message.detect, len(frames.images), message.points)
+        text, output = _detection(message, values, frames)
     return PendingPrompt(
         request_id=request_id,
         text=text,
