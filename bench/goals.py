@@ -157,6 +157,22 @@ GOALS: list[Goal] = [
         _prefix_cut,
     ),
     Goal(
+        "structured_decode",
+        "A JSON-schema format keeps >= 95% of free text's decode tok/s (default model and 2B shape, worst)",
+        "ratio",
+        0.95,
+        True,
+        _worst_over("structured", "decode.json_vs_free", True),
+    ),
+    Goal(
+        "structured_compile",
+        "Compiling the grounding format or a 20-property schema takes <= 50 ms (worst)",
+        "ms",
+        50.0,
+        False,
+        _worst_over("structured", ".first_ms", False, prefix="compile."),
+    ),
+    Goal(
         "batching_4_cpu",
         "CPU: 4 requests decoding together >= 2x the aggregate decode tok/s of one, 2B-shape checkpoint",
         "x",

@@ -20,6 +20,7 @@ TITLES = {
     "vs_transformers": "Engine vs transformers (same checkpoint, alternating repeats)",
     "paged_vs_contiguous": "Paged vs contiguous KV cache",
     "prefix_cache": "Prefix cache and multi-turn sessions",
+    "structured": "Structured output (formats, grounding)",
     "batching": "Continuous batching (requests decoding together)",
     "quantization": "Weight-only quantization (accuracy, weight bytes, CPU decode speed)",
     "memory": "Memory",

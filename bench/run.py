@@ -49,6 +49,7 @@ MODULES = {
     "vs_transformers": "vs_transformers",
     "paged_vs_contiguous": "paged",
     "prefix_cache": "prefix_cache",
+    "structured": "structured",
     "batching": "batching",
     "quantization": "quantization",
     "memory": "memory",

@@ -15,6 +15,7 @@ SECTIONS = (
     "vs_transformers",
     "paged_vs_contiguous",
     "prefix_cache",
+    "structured",
     "batching",
     "quantization",
     "memory",
