@@ -152,10 +152,20 @@ def test_an_answer_cut_by_max_new_tokens_says_it_is_incomplete(engine):
     assert len(final.token_ids) == 4
 
 
-def test_a_format_that_does_not_compile_is_that_request_s_error_and_the_engine_goes_on(engine):
-    bad = Request(Turn("Hi."), SamplingParams(max_new_tokens=4), output=output_format("regex", "(["))
+@pytest.mark.parametrize(
+    "kind, spec, message",
+    [
+        ("regex", "([", "invalid regex: "),  # does not compile: the library's reason
+        ("regex", r"a\bb", "lookarounds not supported"),  # a feature the library cannot compile, named
+        ("regex", r"[^\s\S]", "regex can never match"),
+        ("regex", "x{5000000}", "the output format failed at token"),  # past the library's lexer limits
+        ("json_schema", {"type": "object", "properties": {"a": {"$ref": "#/nowhere"}}}, "invalid json_schema: "),
+    ],
+)
+def test_a_format_that_cannot_work_is_that_request_s_error_and_the_engine_goes_on(engine, kind, spec, message):
+    bad = Request(Turn("Hi."), SamplingParams(max_new_tokens=4), output=output_format(kind, spec))
     final = list(engine.generate(bad))[-1]
-    assert final.finish_reason == "error" and final.error.startswith("invalid regex")
+    assert final.finish_reason == "error" and message in final.error and "\n" not in final.error
     assert final.output is None
     assert matches("choice", ask(engine, "choice").text)
 

@@ -128,7 +128,11 @@ class Grammars:
             grammar = llguidance.grammar_from("choice", list(fmt.spec))
         matcher = llguidance.LLMatcher(self._table, grammar, log_level=0)
         if matcher.is_error():
-            raise ValueError(f"invalid {fmt.kind}: {matcher.get_error()}")
+            raise ValueError(f"invalid {fmt.kind}: {_first_line(matcher.get_error())}")
+        allowed = _allowed(_words(matcher), self._vocab_size)
+        allowed[list(self._tokenizer.eos_token_ids)] = False
+        if not matcher.is_accepting() and not allowed.any():
+            raise ValueError(f"{fmt.kind} can never match: no text is allowed from its start")
         return matcher
 
 
@@ -139,29 +143,21 @@ class Constraint:
 
     def __init__(self, fmt: OutputFormat, matcher: Any) -> None:
         self.format, self._matcher = fmt, matcher
-        self._bits = torch.arange(32, dtype=torch.int32)  # bit i of a word: token 32 * word + i
-        self._next = self._words()
-
-    def _words(self) -> torch.Tensor:
-        """The tokens allowed next, one bit each: (ceil(V / 32),) int32 on the host."""
-        return torch.frombuffer(bytearray(self._matcher.compute_bitmask()), dtype=torch.int32)
+        self._next = _words(matcher)
 
     def masked(self, logits: torch.Tensor) -> torch.Tensor:
         """``logits`` (V,) with every token the format does not allow next at -inf (a new tensor)."""
         words = self._next
         if logits.is_cuda:  # queued in stream order: the host does not wait for the step that made the logits
             words = words.pin_memory().to(logits.device, non_blocking=True)
-        if self._bits.device != logits.device:
-            self._bits = self._bits.to(logits.device)
-        allowed = ((words.unsqueeze(-1) >> self._bits) & 1).reshape(-1)[: logits.shape[-1]].bool()  # (V,)
-        return logits.masked_fill(~allowed, float("-inf"))
+        return logits.masked_fill(~_allowed(words, logits.shape[-1]), float("-inf"))
 
     def take(self, token: int) -> None:
         """The token chosen from the last masked row; RuntimeError when the format refuses it."""
         if not self._matcher.consume_token(token):
-            raise RuntimeError(f"the output format refused token {token}: {self._matcher.get_error()}")
+            raise ValueError(f"the output format failed at token {token}: {_first_line(self._matcher.get_error())}")
         if not self._matcher.is_stopped():
-            self._next = self._words()
+            self._next = _words(self._matcher)
 
     @property
     def done(self) -> bool:
@@ -181,3 +177,19 @@ class Constraint:
         if complete and self.format.kind == "json_schema":
             value = json.loads(text)
         return {"format": self.format.describe(), "complete": complete, "value": value}
+
+
+def _words(matcher: Any) -> torch.Tensor:
+    """The tokens ``matcher`` allows next, one bit each (bit i of word w: token 32 w + i): (ceil(V / 32),) int32."""
+    return torch.frombuffer(bytearray(matcher.compute_bitmask()), dtype=torch.int32)
+
+
+def _allowed(words: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """The bits of ``words`` as (vocab_size,) bools, on ``words``' device."""
+    bits = torch.arange(32, dtype=torch.int32, device=words.device)
+    return ((words.unsqueeze(-1) >> bits) & 1).reshape(-1)[:vocab_size].bool()
+
+
+def _first_line(error: str) -> str:
+    """The reason of a matcher error (the library appends its whole parser state)."""
+    return error.strip().splitlines()[0] if error.strip() else "unknown error"
