@@ -15,6 +15,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Literal
 
+import numpy as np
 import torch
 
 from ..processing import Tokenizer
@@ -110,7 +111,7 @@ class Grammars:
                 while len(self._compiled) > self.CACHED:
                     self._compiled.popitem(last=False)
             self._compiled.move_to_end(key)
-            return Constraint(fmt, start.deep_copy())
+            return Constraint(fmt, start.deep_copy(), self._vocab_size)
 
     def _matcher(self, fmt: OutputFormat) -> Any:
         import llguidance  # imported when first asked for: a node without formats does not load it
@@ -129,7 +130,7 @@ class Grammars:
         matcher = llguidance.LLMatcher(self._table, grammar, log_level=0)
         if matcher.is_error():
             raise ValueError(f"invalid {fmt.kind}: {_first_line(matcher.get_error())}")
-        allowed = _allowed(_words(matcher), self._vocab_size)
+        allowed = ~_disallowed(matcher, self._vocab_size)
         allowed[list(self._tokenizer.eos_token_ids)] = False
         if not matcher.is_accepting() and not allowed.any():
             raise ValueError(f"{fmt.kind} can never match: no text is allowed from its start")
@@ -141,23 +142,23 @@ class Constraint:
     next token is computed as soon as a token is taken: on a GPU that is while the device computes the step
     the token went into (the engine reads a token after launching the next step)."""
 
-    def __init__(self, fmt: OutputFormat, matcher: Any) -> None:
-        self.format, self._matcher = fmt, matcher
-        self._next = _words(matcher)
+    def __init__(self, fmt: OutputFormat, matcher: Any, vocab_size: int) -> None:
+        self.format, self._matcher, self._vocab_size = fmt, matcher, vocab_size
+        self._next = _disallowed(matcher, vocab_size)  # (V,) bool on the host
 
     def masked(self, logits: torch.Tensor) -> torch.Tensor:
         """``logits`` (V,) with every token the format does not allow next at -inf (a new tensor)."""
-        words = self._next
+        disallowed = self._next
         if logits.is_cuda:  # queued in stream order: the host does not wait for the step that made the logits
-            words = words.pin_memory().to(logits.device, non_blocking=True)
-        return logits.masked_fill(~_allowed(words, logits.shape[-1]), float("-inf"))
+            disallowed = disallowed.pin_memory().to(logits.device, non_blocking=True)
+        return logits.masked_fill(disallowed[: logits.shape[-1]], float("-inf"))
 
     def take(self, token: int) -> None:
-        """The token chosen from the last masked row; RuntimeError when the format refuses it."""
+        """The token chosen from the last masked row; ValueError when the format refuses it."""
         if not self._matcher.consume_token(token):
             raise ValueError(f"the output format failed at token {token}: {_first_line(self._matcher.get_error())}")
-        if not self._matcher.is_stopped():
-            self._next = _words(self._matcher)
+        if not self.done:
+            self._next = _disallowed(self._matcher, self._vocab_size)
 
     @property
     def done(self) -> bool:
@@ -179,15 +180,11 @@ class Constraint:
         return {"format": self.format.describe(), "complete": complete, "value": value}
 
 
-def _words(matcher: Any) -> torch.Tensor:
-    """The tokens ``matcher`` allows next, one bit each (bit i of word w: token 32 w + i): (ceil(V / 32),) int32."""
-    return torch.frombuffer(bytearray(matcher.compute_bitmask()), dtype=torch.int32)
-
-
-def _allowed(words: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """The bits of ``words`` as (vocab_size,) bools, on ``words``' device."""
-    bits = torch.arange(32, dtype=torch.int32, device=words.device)
-    return ((words.unsqueeze(-1) >> bits) & 1).reshape(-1)[:vocab_size].bool()
+def _disallowed(matcher: Any, vocab_size: int) -> torch.Tensor:
+    """The tokens ``matcher`` does not allow next: (vocab_size,) bool on the host. The library gives one bit a
+    token, little-endian within each 32-bit word: token 32 w + i is bit i of word w."""
+    bits = np.unpackbits(np.frombuffer(matcher.compute_bitmask(), dtype=np.uint8), bitorder="little")
+    return torch.from_numpy(bits[:vocab_size] == 0)
 
 
 def _first_line(error: str) -> str:
