@@ -336,7 +336,7 @@ def test_config_spellings_and_overrides(tmp_path):
 
     # Explicit overrides (the node's image_min_pixels / image_max_pixels) win over the file.
     lo, hi = 32 * 32 * 8, 32 * 32 * 20
-    proc = ImageProcessor.from_pretrained(old_dir, min_pixels=lo, max_pixels=hi)
+    proc = ImageProcessor.from_pretrained(old_dir, image_min_pixels=lo, image_max_pixels=hi)
     assert (proc.config.min_pixels, proc.config.max_pixels) == (lo, hi)
     for h, w in ((10, 10), (2000, 2000), (300, 40), (64, 96)):
         want = ref.get_number_of_image_patches(h, w, {"min_pixels": lo, "max_pixels": hi}) // 4
@@ -354,7 +354,7 @@ def test_config_errors(tmp_path):
     with pytest.raises(ImageError, match="only bicubic"):
         ImageProcessor.from_pretrained(_write(tmp_path / "b", {**QWEN3VL_CONFIG, "resample": 2}))
     with pytest.raises(ImageError, match="min_pixels"):
-        ImageProcessor.from_pretrained(_write(tmp_path / "c", QWEN3VL_CONFIG), min_pixels=10**9)
+        ImageProcessor.from_pretrained(_write(tmp_path / "c", QWEN3VL_CONFIG), image_min_pixels=10**9)
     with pytest.raises(ImageError, match="invalid value"):
         ImageProcessor.from_pretrained(_write(tmp_path / "d", {**QWEN3VL_CONFIG, "merge_size": "two"}))
     (tmp_path / "e").mkdir()

@@ -197,7 +197,7 @@ def _model_config(config: EngineConfig) -> dict[str, Any]:
 def _load_processing(config: EngineConfig, model_config: ModelConfig) -> dict[str, Any]:
     tokenizer = Tokenizer.from_pretrained(config.model_dir)
     image_processor = ImageProcessor.from_pretrained(
-        config.model_dir, min_pixels=config.image_min_pixels or None, max_pixels=config.image_max_pixels or None
+        config.model_dir, image_min_pixels=config.image_min_pixels, image_max_pixels=config.image_max_pixels
     )
     template = ChatTemplate.from_pretrained(config.model_dir)
     return dict(

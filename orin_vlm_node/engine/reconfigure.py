@@ -85,7 +85,7 @@ def check_changes(
     if "images" in parts:
         try:
             ImageProcessor.from_pretrained(
-                new.model_dir, min_pixels=new.image_min_pixels or None, max_pixels=new.image_max_pixels or None
+                new.model_dir, image_min_pixels=new.image_min_pixels, image_max_pixels=new.image_max_pixels
             )
         except ValueError as exc:
             limits = f"image_min_pixels={new.image_min_pixels}, image_max_pixels={new.image_max_pixels}"

@@ -217,14 +217,14 @@ class ImageProcessor:
         self._lut = np.ascontiguousarray(lut.T[None], dtype=np.float32)  # (1, 256, 3) for cv2.LUT
 
     @classmethod
-    def from_pretrained(
-        cls, path: str | Path, min_pixels: int | None = None, max_pixels: int | None = None
-    ) -> ImageProcessor:
-        """Load ``preprocessor_config.json`` from a checkpoint dir; ``min/max_pixels`` (areas) override it."""
+    def from_pretrained(cls, path: str | Path, image_min_pixels: int = 0, image_max_pixels: int = 0) -> ImageProcessor:
+        """Load ``preprocessor_config.json`` from a checkpoint dir; ``image_min/max_pixels`` (areas; 0 = the
+        checkpoint's, as the settings of those names) override it."""
         cfg = read_json_object(Path(path) / "preprocessor_config.json", ImageError)
         if cfg is None:
             raise ImageError(f"no preprocessor_config.json in {path}")
-        return cls(ImageProcessorConfig.from_dict(cfg, min_pixels=min_pixels, max_pixels=max_pixels))
+        return cls(ImageProcessorConfig.from_dict(cfg, min_pixels=image_min_pixels or None,
+                                                  max_pixels=image_max_pixels or None))  # fmt: skip
 
     def target_size(self, height: int, width: int) -> tuple[int, int]:
         """Resized (height, width) of an image of this size."""
