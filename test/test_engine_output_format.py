@@ -196,3 +196,16 @@ def test_a_session_s_constrained_turns_reuse_its_kv_and_the_prefix_cache(engine)
     again = [ask(engine, "regex") for _ in range(2)]
     assert again[0].token_ids == again[1].token_ids
     assert again[1].metrics["prefix_hit_tokens"] > 0  # the same prompt: its blocks came from the prefix cache
+
+
+def test_a_format_that_takes_too_long_to_compile_is_refused_and_the_next_one_compiles(engine):
+    """A bound of a microsecond: a 200-property schema takes milliseconds, so it is refused, not waited for."""
+    from orin_vlm_node.engine.output_format import Grammars
+
+    parts = engine.parts
+    schema = {"type": "object", "properties": {f"f{i}": {"type": "string"} for i in range(200)}}
+    hurried = Grammars(parts.tokenizer, parts.model_config.text.vocab_size, compile_timeout_s=1e-6)
+    with pytest.raises(ValueError, match=r"json_schema took more than 1e-06 s to compile: refused"):
+        hurried.compile(output_format("json_schema", schema))
+    patient = Grammars(parts.tokenizer, parts.model_config.text.vocab_size)
+    assert patient.compile(output_format("json_schema", schema)).format.kind == "json_schema"

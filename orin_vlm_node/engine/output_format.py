@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import threading
 from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor, TimeoutError
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -95,11 +96,15 @@ class Grammars:
 
     CACHED = 64
 
-    def __init__(self, tokenizer: Tokenizer, vocab_size: int) -> None:
+    def __init__(self, tokenizer: Tokenizer, vocab_size: int, compile_timeout_s: float = 2.0) -> None:
         self._tokenizer, self._vocab_size = tokenizer, vocab_size
         self._table = None
         self._compiled: OrderedDict[str, Any] = OrderedDict()  # content -> the matcher at an answer's start
         self._lock = threading.Lock()  # the node checks a format from its parameter thread
+        # Compiles run on a thread of their own (the library releases the GIL), so one that takes longer than
+        # compile_timeout_s is refused while the node goes on; it cannot be stopped, and finishes unused.
+        self._compile_timeout_s = compile_timeout_s
+        self._compiler: ThreadPoolExecutor | None = None
 
     def compile(self, fmt: OutputFormat) -> Constraint:
         """The matcher of ``fmt`` at the start of an answer; ValueError naming what the format gets wrong."""
@@ -127,7 +132,13 @@ class Grammars:
             grammar = llguidance.LLMatcher.grammar_from_regex(fmt.spec)
         else:
             grammar = llguidance.grammar_from("choice", list(fmt.spec))
-        matcher = llguidance.LLMatcher(self._table, grammar, log_level=0)
+        if self._compiler is None:
+            self._compiler = ThreadPoolExecutor(max_workers=1, thread_name_prefix="output_format_compile")
+        compiling = self._compiler.submit(llguidance.LLMatcher, self._table, grammar, log_level=0)
+        try:
+            matcher = compiling.result(timeout=self._compile_timeout_s)
+        except TimeoutError:
+            raise ValueError(f"{fmt.kind} took more than {self._compile_timeout_s:g} s to compile: refused") from None
         if matcher.is_error():
             raise ValueError(f"invalid {fmt.kind}: {_first_line(matcher.get_error())}")
         allowed = ~_disallowed(matcher, self._vocab_size)
