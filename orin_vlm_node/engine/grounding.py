@@ -15,7 +15,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from ..processing import Tokenizer
+from ..processing import IncrementalDetokenizer, Tokenizer
 from .output_format import OutputFormat, parsed_json
 
 GRID = 1000  # Qwen3-VL's coordinates: 0..GRID over the image's width and height
@@ -81,7 +81,7 @@ def detections(
     original frame); ValueError when the answer is not the grounding JSON."""
     objects = parsed_json(text, f"the grounding answer {text[:200]!r}", list)
     spans = _object_spans(text)
-    ends = _token_ends(tokenizer, token_ids)
+    token_spans = _token_spans(tokenizer, token_ids)
     found = []
     for obj, (start, end) in zip(objects, spans, strict=True):
         image = int(obj.get("image", 1)) - 1
@@ -91,7 +91,7 @@ def detections(
         point = "point_2d" in obj
         coords = obj["point_2d"] * 2 if point else obj["bbox_2d"]
         x1, y1, x2, y2 = (_pixel(c, width if i % 2 == 0 else height) for i, c in enumerate(coords))
-        probs = [p for p, (a, b) in zip(token_probs, ends, strict=False) if a < end and b > start]
+        probs = [p for p, (a, b) in zip(token_probs, token_spans, strict=False) if a < end and b > start]
         score = math.exp(sum(math.log(max(p, 1e-30)) for p in probs) / len(probs)) if probs else 0.0
         found.append(Detection(str(obj["label"]), (x1, y1, x2, y2), image, score, point))
     return found
@@ -127,11 +127,11 @@ def _object_spans(text: str) -> list[tuple[int, int]]:
     return spans
 
 
-def _token_ends(tokenizer: Tokenizer, token_ids: Sequence[int]) -> list[tuple[int, int]]:
-    """(start, end) characters of each token in the decoded text (a token inside a character: empty)."""
-    ends, previous = [], 0
-    for i in range(len(token_ids)):
-        length = len(tokenizer.decode(list(token_ids[: i + 1]), skip_special_tokens=True).rstrip("\ufffd"))
-        ends.append((previous, max(previous, length)))
-        previous = max(previous, length)
-    return ends
+def _token_spans(tokenizer: Tokenizer, token_ids: Sequence[int]) -> list[tuple[int, int]]:
+    """(start, end) characters of each token in the answer's text, as the engine streamed it (a token inside
+    a character: empty, the character counted with the token that completes it)."""
+    detokenizer, spans, end = IncrementalDetokenizer(tokenizer, skip_special_tokens=True), [], 0
+    for token in token_ids:
+        start, end = end, end + len(detokenizer.push(token))
+        spans.append((start, end))
+    return spans

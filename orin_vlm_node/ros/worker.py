@@ -332,9 +332,8 @@ class Worker:
         outputs.response(wire_text(finished.text))
         stopped = self._stopping.is_set() and finished.finish_reason == "cancelled"
         note = request_note(metrics, self._stop_reason if stopped else item.note)
-        output = {"output": finished.output} if finished.output is not None else {}
         outputs.status("finished", item.request_id, finish_reason=finished.finish_reason, error=finished.error,
-                       metrics=metrics, note=note, **item.status_fields(), **output)  # fmt: skip
+                       metrics=metrics, note=note, output=finished.output, **item.status_fields())  # fmt: skip
 
     def _publish_detections(self, answer: _Answer) -> bool:
         """A detection request's objects published; False (an error event, nothing published) when its answer
