@@ -7,6 +7,7 @@
   private domain and log directory), stopped the way ``ros2 launch`` stops it.
 * :mod:`support.node_client`: an rclpy client that publishes images and prompts and records what the node
   says (status events, tokens, responses, diagnostics), with predicate waits instead of sleeps.
-* :mod:`support.synthetic_scenes`: the pictures of coloured shapes the default model is trained on, with
-  their questions and answers (the demo, the training, the tests and the benchmarks draw from it).
+* :mod:`support.scene_drawing`: pictures of coloured shapes with their label maps, and their layouts.
+* :mod:`support.synthetic_scenes`: the questions and answers about those pictures the default model is
+  trained on (the demo, the training, the tests and the benchmarks draw from it).
 """
