@@ -9,15 +9,15 @@
   alone (what the mode sets) and the whole model (the LM head in int8, a tied one as a copy beside the
   embedding table; embeddings, norms and the vision tower in fp16).
 
-* Default model stored as FP8 (written by ``support.checkpoints.fp8_copy``; Qwen's ``-FP8`` layout, e4m3
+* Default model stored as FP8 (written by ``support.quantized_copies.fp8_copy``; Qwen's ``-FP8`` layout, e4m3
   weights with a scale per 128x128 block, and llm-compressor's FP8_DYNAMIC one, a scale per output
   channel): held-out exact match of the widened model, and with ``int4`` on top (goal: within 1 point of
   the float checkpoint without int4, like int8: FP8 keeps 3 mantissa bits per weight).
-* Default model stored as integers (``support.checkpoints.int_copy``: compressed-tensors' W4A16 and
+* Default model stored as integers (``support.quantized_copies.int_copy``: compressed-tensors' W4A16 and
   W4A16_ASYM, group 128, and W8A16 per channel, round to nearest; the vision tower in float), read with the
   ``weight_quant`` that keeps the stored values (goals: the 4-bit copies within 3 points of the float
   checkpoint, the 8-bit one within 1, as the node's own int4 and int8); and as AutoAWQ's GEMM layout and
-  GPTQ's own format save 4-bit weights (``support.checkpoints.awq_copy``, ``gptq_copy``: group 128, AWQ with
+  GPTQ's own format save 4-bit weights (``support.quantized_copies.awq_copy``, ``gptq_copy``: group 128, AWQ with
   zero points, GPTQ symmetric, round to nearest), read with ``int4`` (goal: within 3 points).
 
 * Loading the 2B shape as int4 (fresh processes, alternating, one thread): from the bf16 checkpoint,
@@ -179,7 +179,7 @@ def _big(ctx: BenchContext, res: SectionResult) -> None:
 def _load(ctx: BenchContext, res: SectionResult) -> None:
     """Loading the 2B shape as int4 from its bf16 checkpoint (quantized while it streams in) and from W4A16, AutoAWQ
     and GPTQ copies of it (kept as stored): seconds and peak RSS, each load a fresh process, alternating."""
-    from support.checkpoints import awq_copy, gptq_copy, int_copy
+    from support.quantized_copies import awq_copy, gptq_copy, int_copy
 
     copies = {
         "w4a16": lambda dst: int_copy(ctx.big_checkpoint(), dst, bits=4, group_size=LOAD_GROUP, vision=False),
@@ -227,7 +227,7 @@ def _copy_accuracy(ctx: BenchContext, res: SectionResult, copy: Path, name: str,
 
 def _fp8(ctx: BenchContext, res: SectionResult, model_dir: Path, float_score: float) -> None:
     """Held-out exact match of the default model read from an FP8 copy of it, without and with ``int4``."""
-    from support.checkpoints import fp8_copy
+    from support.quantized_copies import fp8_copy
 
     with tempfile.TemporaryDirectory(prefix="fp8_default_") as tmp:
         for name, layout in FP8_COPIES.items():
@@ -240,7 +240,7 @@ def _fp8(ctx: BenchContext, res: SectionResult, model_dir: Path, float_score: fl
 def _int(ctx: BenchContext, res: SectionResult, model_dir: Path, float_score: float) -> None:
     """Held-out exact match of the default model read from integer copies of it, kept as stored: compressed-tensors'
     layouts, AutoAWQ's and GPTQ's."""
-    from support.checkpoints import awq_copy, gptq_copy, int_copy
+    from support.quantized_copies import awq_copy, gptq_copy, int_copy
 
     with tempfile.TemporaryDirectory(prefix="int_default_") as tmp:
         copies = {name: (int_copy(model_dir, Path(tmp) / name, vision=False, **layout), mode)

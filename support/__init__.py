@@ -2,6 +2,8 @@
 
 * :mod:`support.checkpoints`: random-weight Qwen3-VL checkpoints written by transformers (tiny ones for
   parity tests, the 2B's attention shape, every dimension of a real config) and the inputs that go with them.
+* :mod:`support.quantized_copies`: those checkpoints stored as published quantized checkpoints store them
+  (FP8, compressed-tensors integers, AutoAWQ, GPTQ).
 * :mod:`support.tokenizer`: the tiny byte-level tokenizer those checkpoints use.
 * :mod:`support.node_process`: the node as a child process (own process group, localhost-only DDS, a
   private domain and log directory), stopped the way ``ros2 launch`` stops it.

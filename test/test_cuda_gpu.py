@@ -15,7 +15,7 @@ from orin_vlm_node.cuda import AttentionShape, CudaPagedAttention, DecodeGraph, 
 from orin_vlm_node.kvcache.attention import TorchPagedAttention
 from orin_vlm_node.kvcache.config import KVCacheConfig
 from orin_vlm_node.kvcache.paged import PagedKVCache
-from support.checkpoints import awq_copy, gptq_copy, int_copy
+from support.quantized_copies import awq_copy, gptq_copy, int_copy
 
 pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (torch.cuda.is_available() is False)"),
@@ -568,7 +568,8 @@ def test_gpu_an_fp8_checkpoint_widens_on_the_device_to_the_values_it_has_on_the_
     scales multiplied in place): the same values as the CPU load, which the CPU suite holds to transformers'."""
     from orin_vlm_node.weights import load_model
     from orin_vlm_node.weights.keys import checkpoint_views
-    from support.checkpoints import cached_tiny_checkpoint, fp8_copy
+    from support.checkpoints import cached_tiny_checkpoint
+    from support.quantized_copies import fp8_copy
 
     source = cached_tiny_checkpoint(layers=2, tie=False, dtype=torch.bfloat16)
     block = None if layout else (24, 40)  # Qwen's layout with partial blocks; llm-compressor's per channel

@@ -22,7 +22,8 @@ from orin_vlm_node.weights.awq import AwqWeights, awq_pairs, unpack_awq
 from orin_vlm_node.weights.keys import checkpoint_views, name_to_checkpoint_key
 from orin_vlm_node.weights.pieces import WORK_ELEMENTS
 from orin_vlm_node.weights.quant import QuantizedLinear, WeightQuant
-from support.checkpoints import awq_copy, awq_pack, awq_quantize, cached_tiny_checkpoint, edit_config, rewrite_tensors
+from support.checkpoints import cached_tiny_checkpoint
+from support.quantized_copies import awq_copy, awq_pack, awq_quantize, edit_config, rewrite_tensors
 
 GROUP = 32
 DOWN = "model.language_model.layers.0.mlp.down_proj"

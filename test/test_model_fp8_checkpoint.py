@@ -17,7 +17,8 @@ from orin_vlm_node.weights.fp8 import Fp8Weights, Fp8Widener
 from orin_vlm_node.weights.keys import checkpoint_views, name_to_checkpoint_key
 from orin_vlm_node.weights.pieces import WORK_ELEMENTS
 from orin_vlm_node.weights.quant import QuantizedLinear, WeightQuant
-from support.checkpoints import cached_tiny_checkpoint, edit_config, fp8_copy, fp8_covered, rewrite_tensors
+from support.checkpoints import cached_tiny_checkpoint
+from support.quantized_copies import edit_config, fp8_copy, fp8_covered, rewrite_tensors
 
 DEQ_KEY = "model.language_model.layers.0.mlp.down_proj.weight"
 

@@ -18,14 +18,8 @@ from orin_vlm_node.model import CheckpointError
 from orin_vlm_node.weights import load_model
 from orin_vlm_node.weights.gptq import GptqWeights
 from orin_vlm_node.weights.quant import QuantizedLinear, WeightQuant
-from support.checkpoints import (
-    cached_tiny_checkpoint,
-    edit_config,
-    gptq_copy,
-    gptq_groups,
-    gptq_quantize,
-    rewrite_tensors,
-)
+from support.checkpoints import cached_tiny_checkpoint
+from support.quantized_copies import edit_config, gptq_copy, gptq_groups, gptq_quantize, rewrite_tensors
 
 LAYOUTS = {  # name: gptq_copy arguments
     "sym": dict(group_size=32, sym=True),

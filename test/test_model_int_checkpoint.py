@@ -18,7 +18,8 @@ from orin_vlm_node.weights import integer as int_module
 from orin_vlm_node.weights import load_model
 from orin_vlm_node.weights.keys import checkpoint_views, name_to_checkpoint_key
 from orin_vlm_node.weights.quant import QuantizedLinear, WeightQuant
-from support.checkpoints import cached_tiny_checkpoint, edit_config, int_copy, rewrite_tensors
+from support.checkpoints import cached_tiny_checkpoint
+from support.quantized_copies import edit_config, int_copy, rewrite_tensors
 
 LAYOUTS = {  # name: int_copy arguments
     "w4a16": dict(bits=4, strategy="group", group_size=32, symmetric=True),

@@ -25,7 +25,8 @@ from orin_vlm_node.weights.cpu_linear import KERNEL_ROWS, CpuQuantLinear
 from orin_vlm_node.weights.pieces import WORK_ELEMENTS
 from orin_vlm_node.weights.projections import ProjectionBuilder, ProjectionKernels, rebuild_projections
 from orin_vlm_node.weights.quant import LM_HEAD_QUANT, QuantizedLinear, WeightQuant, weight_bytes
-from support.checkpoints import cached_tiny_checkpoint, gptq_copy, int_copy
+from support.checkpoints import cached_tiny_checkpoint
+from support.quantized_copies import gptq_copy, int_copy
 
 torch.set_num_threads(1)
 
