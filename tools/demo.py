@@ -59,6 +59,34 @@ def _show_runtime_parameters(client, sample, image_cls, to_msg) -> int:
     return 0 if (result.successful and not refused.successful and same) else 1
 
 
+def _ask_samples(client, count: int, image_cls, to_msg) -> int:
+    """Ask ``count`` sample questions, each about its own picture (the answer streams as it comes), and print
+    the expected answer and the metrics; how many did not finish."""
+    failures = 0
+    for i, (rgb, question, expected) in enumerate(samples(count), 1):
+        msg = to_msg(rgb, image_cls)
+        msg.header.stamp.sec = i
+        client.publish_image(msg)
+        print(f"[{i}] image {rgb.shape[1]}x{rgb.shape[0]}  prompt: {question}\n    answer: ", end="", flush=True)
+        result = client.ask(question, timeout=300.0)
+        status = result["status"]
+        print()
+        if status["event"] != "finished":
+            failures += 1
+            print(f"    {status['event']}: {status['error'] or status['note']}")
+            continue
+        if expected is not None:
+            print(f"    expected: {expected}")
+        m = status["metrics"]
+        print(
+            f"    {int(m['generated_tokens'])} tokens, finish={status['finish_reason']}, "
+            f"TTFT {m['ttft_s'] * 1000:.0f} ms, prefill {m['prefill_tokens_per_s']:.0f} tok/s, "
+            f"decode {m['decode_tokens_per_s']:.1f} tok/s, prompt {int(m['prompt_tokens'])} tokens\n",
+            flush=True,
+        )
+    return failures
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model-path", default="", help="model directory ('' = the embedded default model)")
@@ -97,27 +125,7 @@ def main() -> int:
         client = VlmClient(domain, on_token=lambda text: streaming["echo"] and print(text, end="", flush=True))
         client.wait_until_connected(node, timeout=args.startup_timeout)
         print(f"node ready after {time.monotonic() - t0:.1f} s\n", flush=True)
-        for i, (rgb, question, expected) in enumerate(samples(args.questions), 1):
-            msg = rgb_to_image_msg(rgb, Image)
-            msg.header.stamp.sec = i
-            client.publish_image(msg)
-            print(f"[{i}] image {rgb.shape[1]}x{rgb.shape[0]}  prompt: {question}\n    answer: ", end="", flush=True)
-            result = client.ask(question, timeout=300.0)
-            status = result["status"]
-            print()
-            if status["event"] != "finished":
-                failures += 1
-                print(f"    {status['event']}: {status['error'] or status['note']}")
-                continue
-            if expected is not None:
-                print(f"    expected: {expected}")
-            m = status["metrics"]
-            print(
-                f"    {int(m['generated_tokens'])} tokens, finish={status['finish_reason']}, "
-                f"TTFT {m['ttft_s'] * 1000:.0f} ms, prefill {m['prefill_tokens_per_s']:.0f} tok/s, "
-                f"decode {m['decode_tokens_per_s']:.1f} tok/s, prompt {int(m['prompt_tokens'])} tokens\n",
-                flush=True,
-            )
+        failures += _ask_samples(client, args.questions, Image, rgb_to_image_msg)
         streaming["echo"] = False
         failures += _show_runtime_parameters(client, samples(1)[0], Image, rgb_to_image_msg)
     except AssertionError as exc:  # the client's timeouts
