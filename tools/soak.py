@@ -255,7 +255,8 @@ class Soak:
         }
 
 
-def main() -> int:
+def _parser() -> argparse.ArgumentParser:
+    """The soak's options: how long, which node and parameters, what memory growth fails it."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--duration", type=float, default=600.0, help="seconds of traffic")
     parser.add_argument("--seed", type=int, default=0, help="draws the mix of actions")
@@ -279,6 +280,11 @@ def main() -> int:
         "--max-growth-mb", type=float, default=64.0, help="the node's memory growth allowed after the warm-up"
     )
     parser.add_argument("--out", type=Path, help="write the summary here as JSON")
+    return parser
+
+
+def main() -> int:
+    parser = _parser()
     args = parser.parse_args()
     startup = {}
     for item in args.param:
