@@ -99,7 +99,8 @@ class Grammars:
     def __init__(self, tokenizer: Tokenizer, vocab_size: int, compile_timeout_s: float = 2.0) -> None:
         self._tokenizer, self._vocab_size = tokenizer, vocab_size
         self._table = None
-        self._compiled: OrderedDict[str, Any] = OrderedDict()  # content -> the matcher at an answer's start
+        # content -> the matcher at an answer's start and the tokens it disallows first ((V,) bool, shared: read only)
+        self._compiled: OrderedDict[str, tuple[Any, torch.Tensor]] = OrderedDict()
         self._lock = threading.Lock()  # the node checks a format from its parameter thread
         # Compiles run on a thread of their own (the library releases the GIL), so one that takes longer than
         # compile_timeout_s is refused while the node goes on; it cannot be stopped, and finishes unused.
@@ -110,15 +111,16 @@ class Grammars:
         """The matcher of ``fmt`` at the start of an answer; ValueError naming what the format gets wrong."""
         key = json.dumps([fmt.kind, fmt.spec], sort_keys=True)
         with self._lock:
-            start = self._compiled.get(key)
-            if start is None:
-                start = self._compiled[key] = self._matcher(fmt)
+            compiled = self._compiled.get(key)
+            if compiled is None:
+                compiled = self._compiled[key] = self._matcher(fmt)
                 while len(self._compiled) > self.CACHED:
                     self._compiled.popitem(last=False)
             self._compiled.move_to_end(key)
-            return Constraint(fmt, start.deep_copy(), self._vocab_size)
+            start, first = compiled
+            return Constraint(fmt, start.deep_copy(), self._vocab_size, first)
 
-    def _matcher(self, fmt: OutputFormat) -> Any:
+    def _matcher(self, fmt: OutputFormat) -> tuple[Any, torch.Tensor]:
         import llguidance  # imported when first asked for: a node without formats does not load it
 
         if self._table is None:
@@ -141,11 +143,12 @@ class Grammars:
             raise ValueError(f"{fmt.kind} took more than {self._compile_timeout_s:g} s to compile: refused") from None
         if matcher.is_error():
             raise ValueError(f"invalid {fmt.kind}: {_first_line(matcher.get_error())}")
-        allowed = ~_disallowed(matcher, self._vocab_size)
+        first = _disallowed(matcher, self._vocab_size)
+        allowed = ~first
         allowed[list(self._tokenizer.eos_token_ids)] = False
         if not matcher.is_accepting() and not allowed.any():
             raise ValueError(f"{fmt.kind} can never match: no text is allowed from its start")
-        return matcher
+        return matcher, first
 
 
 class Constraint:
@@ -153,9 +156,10 @@ class Constraint:
     next token is computed as soon as a token is taken: on a GPU that is while the device computes the step
     the token went into (the engine reads a token after launching the next step)."""
 
-    def __init__(self, fmt: OutputFormat, matcher: Any, vocab_size: int) -> None:
+    def __init__(self, fmt: OutputFormat, matcher: Any, vocab_size: int, first: torch.Tensor) -> None:
+        """``first``: the tokens the matcher disallows at its start, (V,) bool on the host (never written)."""
         self.format, self._matcher, self._vocab_size = fmt, matcher, vocab_size
-        self._next = _disallowed(matcher, vocab_size)  # (V,) bool on the host
+        self._next = first  # (V,) bool on the host
 
     def masked(self, logits: torch.Tensor) -> torch.Tensor:
         """``logits`` (V,) with every token the format does not allow next at -inf (a new tensor)."""
