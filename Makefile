@@ -32,7 +32,7 @@ GPU_WHEELS_DEFAULT := pytools==2026.1.1 platformdirs==4.14.7 mako==1.4.3 siphash
 GPU_WHEELS_3.10 := pytools==2026.1.1 platformdirs==4.12.4 mako==1.4.3 siphash24==1.9 transformers==5.20.2
 GPU_WHEELS ?= $(or $(GPU_WHEELS_$(GPU_PY_VERSION)),$(GPU_WHEELS_DEFAULT))
 
-.PHONY: venv install test lint demo bench bench-quick gpu-wheels gpu-check clean
+.PHONY: venv install test lint demo bench bench-quick vllm-env vllm-server gpu-wheels gpu-check clean
 
 $(VENV)/bin/python:
 	$(PYTHON) -m venv $(VENV)
@@ -70,6 +70,15 @@ bench: install
 
 bench-quick: install
 	$(PY) -m bench.run --quick
+
+# A real vLLM on this machine's CPU serving the default model (the remote backend's peer, see
+# support/vllm_server.py): vllm-env builds its environment once (~6 GB, outside the clone; the tests of the
+# remote backend against vLLM run where it exists), vllm-server serves on 127.0.0.1:8000 until Ctrl-C.
+vllm-env: install
+	$(PY) -m support.vllm_server --env-only
+
+vllm-server: install
+	$(PY) -m support.vllm_server
 
 gpu-wheels: venv
 	@test -f $(GPU_BIG_CONFIG) || { echo "gpu-wheels: $(GPU_BIG_CONFIG) not found (set GPU_BIG_CONFIG to a Qwen3-VL-2B config.json)" >&2; exit 1; }

@@ -59,6 +59,10 @@ class BenchConfig:
     ros_rounds: int = 16
     ros_repeats: int = 2  # alternating pairs per round
     ros_startup_timeout_s: float = 120.0
+    # remote backend: a real vLLM on this CPU (skipped without its environment)
+    remote: bool = True
+    remote_chars: int = 800  # the answer's length (letters held by a regular expression; one token each or less)
+    remote_repeats: int = 16  # alternating pairs (a 2-core host running vLLM, the node and the client is noisy)
     ros_idle_camera_s: float = 10.0  # per round: the node's CPU with a 30 Hz 720p camera and no prompt
     # continuous batching
     batch_sizes: tuple[int, ...] = (1, 2, 4, 8)
@@ -126,6 +130,7 @@ QUICK = replace(
     ros_repeats=1,
     ros_startup_timeout_s=60.0,
     ros_idle_camera_s=1.0,
+    remote=False,  # starting vLLM alone takes a minute or more here
 )
 
 PRESETS = {"full": FULL, "medium": MEDIUM, "quick": QUICK}

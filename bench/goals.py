@@ -90,9 +90,9 @@ def _prefix_cut(result: dict[str, Any]) -> tuple[float | None, str]:
     return None, "image_system.ttft_cut missing"
 
 
-def _ros(key: str):
+def _ros(key: str, section: str = "ros"):
     def ev(result: dict[str, Any]) -> tuple[float | None, str]:
-        sec, why = _section(result, "ros")
+        sec, why = _section(result, section)
         if sec is None:
             return None, why
         value = _median(sec, key)
@@ -279,6 +279,22 @@ GOALS: list[Goal] = [
         0.020,
         False,
         _ros("first_token_delay_s"),
+    ),
+    Goal(
+        "remote_decode",
+        "backend openai: a ROS subscriber sees >= 95% of the tokens/s a direct streaming client of the same vLLM sees",
+        "x",
+        0.95,
+        True,
+        _ros("decode_ratio", "remote"),
+    ),
+    Goal(
+        "remote_ttft_added",
+        "backend openai: the node adds <= 10 ms to the server's TTFT, besides encoding the frame (reported)",
+        "ms",
+        10.0,
+        False,
+        _ros("ttft_added_beyond_encoding_ms", "remote"),
     ),
     Goal(
         "gpu_graphs_bound",

@@ -25,6 +25,7 @@ TITLES = {
     "quantization": "Weight-only quantization (accuracy, weight bytes, CPU decode speed)",
     "memory": "Memory",
     "ros": "Through ROS 2 (localhost DDS)",
+    "remote": "From a vLLM server (backend openai) vs a direct client",
     "gpu": "GPU",
 }
 

@@ -54,6 +54,7 @@ MODULES = {
     "quantization": "quantization",
     "memory": "memory",
     "ros": "ros_overhead",
+    "remote": "remote_overhead",
     "gpu": "gpu",
 }
 

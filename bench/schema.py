@@ -20,6 +20,7 @@ SECTIONS = (
     "quantization",
     "memory",
     "ros",
+    "remote",
     "gpu",
 )
 MACHINE_KEYS = ("cpu_model", "cores", "ram_gib", "python", "torch", "transformers", "git_commit", "cuda_device")

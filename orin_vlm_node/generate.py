@@ -24,6 +24,7 @@ from . import settings
 from .engine import Engine, EngineError, Finished, OutputFormat, Request, SamplingParams, TextDelta, Turn, output_format
 from .engine.config import config_from_settings
 from .engine.grounding import detections, grounding_request, parse_labels
+from .remote.engine import RemoteEngine, remote_config
 
 # The settings a one-shot command uses: the engine's, sampling, and the system prompt (no queue, no
 # conversation kept, no camera).
@@ -84,9 +85,12 @@ def cli_output_format(args: argparse.Namespace) -> OutputFormat | None:
     return output_format("choice", args.choice) if args.choice else None
 
 
-def _engine(values: dict) -> Engine:
-    """Bounds first, from the schema (a typo should not cost a model load), then the engine's own rules."""
+def _engine(values: dict) -> Engine | RemoteEngine:
+    """Bounds first, from the schema (a typo should not cost a model load), then the engine's own rules; with
+    backend openai the server's engine (no model loaded here)."""
     settings.check(values)
+    if values["backend"] == "openai":
+        return RemoteEngine(remote_config(values, max_batch=1))
     # One request: no conversation to keep, nothing to batch with.
     return Engine(config_from_settings(values, max_sessions=0, max_batch=1))
 
@@ -117,12 +121,14 @@ def _report(final: Finished, backend: dict, as_json: bool, verbose: bool, found:
         print(
             f"[{final.finish_reason}] {int(m['prompt_tokens'])} prompt tokens, {int(m['generated_tokens'])} generated, "
             f"ttft {m['ttft_s'] * 1000:.0f} ms, decode {m['decode_tokens_per_s']:.1f} tok/s; "
-            f"{backend['kernels']}; decode: {backend['decode_path']}; KV pool: {backend['kv_pool']}",
+            f"{backend.get('kernels', backend.get('remote_url'))}; decode: {backend.get('decode_path', 'remote')}; "
+            f"KV pool: {backend.get('kv_pool', 'on the server')}",
             file=sys.stderr,
         )
     return 0
 
 
+REMOTE_KEYS = ("backend", "remote_url", "remote_model", "server_reachable", "model_listed")
 BACKEND_KEYS = ("device", "dtype", "checkpoint_weights", "weight_quant", "lm_head", "weight_mb", "weight_path",
                 "kernels", "decode_path", "kv_pool")  # fmt: skip
 
@@ -154,7 +160,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 1
     described = engine.describe()
-    if described["kernels_degraded"]:
+    if described.get("kernels_degraded"):
         print(f"warning: {described['kernels']}", file=sys.stderr)
     final: Finished | None = None
     for event in engine.generate(request):
@@ -169,10 +175,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.detect is not None and final.finish_reason != "error":
         try:
             sizes = [image.shape[:2] for image in images]
-            found = detections(final.text, final.token_ids, final.token_probs, engine.parts.tokenizer, sizes)
+            found = detections(final.text, final.token_probs or (), final.token_spans or (), sizes)
         except ValueError as exc:  # never a partial answer: the objects of an answer that does not parse
             final = dataclasses.replace(final, finish_reason="error", error=str(exc))
-    return _report(final, {k: described[k] for k in BACKEND_KEYS}, args.json, args.verbose, found)
+    described = engine.describe()  # after the answer: a server's check has had time to run
+    engine.close()
+    return _report(
+        final,
+        {k: described[k] for k in (*BACKEND_KEYS, *REMOTE_KEYS) if k in described},
+        args.json,
+        args.verbose,
+        found,
+    )
 
 
 if __name__ == "__main__":

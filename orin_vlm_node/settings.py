@@ -19,7 +19,7 @@ from typing import Any, Literal
 
 Value = bool | int | float | str | list[str]
 Applies = Literal["read_only", "between_requests", "next_prompt"]
-Consumer = Literal["engine", "sampling", "node"]
+Consumer = Literal["engine", "sampling", "node", "remote"]
 # What a change rebuilds in the engine ("": nothing, it is read by the next request or switched in place).
 Rebuilds = Literal["", "model", "kv_cache", "backend", "images", "vision_cache"]
 
@@ -102,7 +102,7 @@ def _s(name, type_, default, description, consumer, applies, **bounds) -> Settin
     return Setting(name, type_, default, description, consumer, applies, **bounds)
 
 
-E, S, N = "engine", "sampling", "node"
+E, S, N, R = "engine", "sampling", "node", "remote"
 RO, BETWEEN, NEXT = "read_only", "between_requests", "next_prompt"
 MODEL, KV, BACKEND, IMAGES, VISION = "model", "kv_cache", "backend", "images", "vision_cache"
 MEGA = 1_000_000
@@ -169,6 +169,20 @@ SETTINGS: tuple[Setting, ...] = (
     _s("prompt_special_tokens", bool, False, "read special-token text written in prompts and the system "
        "prompt (im_start, im_end, endoftext, ...) as control tokens (experts only); false = as plain text, so a "
        "prompt cannot forge the chat structure", E, BETWEEN),
+    # -- a remote server (backend openai)
+    _s("backend", str, "local", "where answers are computed: local = the model on this machine; openai = the "
+       "OpenAI-compatible server at remote_url (vLLM, SGLang, llama.cpp's server, Ollama), no model loaded here",
+       R, RO, choices=("local", "openai")),
+    _s("remote_url", str, "", "backend openai: the server's API root, e.g. http://gpu-box:8000/v1", R, RO),
+    _s("remote_model", str, "", "backend openai: the model as the server's GET /v1/models lists it", R, RO),
+    _s("remote_api_key_env", str, "", "backend openai: the environment variable that holds the API key ('' = "
+       "no key); the key itself is never a parameter and never logged", R, RO),
+    _s("remote_timeout_s", float, 30.0, "backend openai: connection timeout, and the longest wait for the next "
+       "part of an answer", R, RO, unit="s", min=0.1, max=3600.0),
+    _s("remote_ca_bundle", str, "", "backend openai: CA bundle (PEM) that https certificates are checked "
+       "against; '' = the system's", R, RO),
+    _s("remote_image_format", str, "jpeg", "backend openai: how camera frames travel (jpeg: quality 90, ~6x "
+       "smaller; png: lossless, the pixels the model would see locally)", R, RO, choices=("jpeg", "png")),
     # -- sampling
     _s("max_new_tokens", int, 128, "longest answer", S, NEXT, unit="tokens", min=1, max=32_768, per_channel=True),
     _s("temperature", float, 0.0, "sampling temperature; 0 = greedy (deterministic)", S, NEXT, min=0.0, max=5.0),

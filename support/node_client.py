@@ -109,6 +109,22 @@ class VlmClient:
             )
         )
 
+    def node_diagnostics(
+        self, timeout: float = 10.0, where: Callable[[dict[str, str]], bool] = lambda values: True
+    ) -> tuple[Any, dict[str, str]]:
+        """The node's latest ``/diagnostics`` status whose key/values satisfy ``where``, with those values
+        (after :meth:`subscribe_diagnostics`); AssertionError when none comes within ``timeout``."""
+
+        def latest() -> tuple[Any, dict[str, str]] | None:
+            for array in reversed(self.diagnostics):
+                for status in (s for s in array.status if s.name.startswith(NODE_NAME)):
+                    values = {kv.key: kv.value for kv in status.values}
+                    if where(values):
+                        return status, values
+            return None
+
+        return self.wait_for(latest, timeout, "the node's /diagnostics")
+
     def wait_for(self, predicate: Callable[[], Any], timeout: float, what: str) -> Any:
         """Wait until ``predicate()`` (evaluated under the lock) is truthy; AssertionError on timeout."""
         deadline = time.monotonic() + timeout

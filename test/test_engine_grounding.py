@@ -13,7 +13,7 @@ import torch
 
 from orin_vlm_node.engine import Engine, EngineConfig, Request, SamplingParams, Turn
 from orin_vlm_node.engine.grounding import GRID, detections, grounding_request, parse_labels
-from orin_vlm_node.processing import Tokenizer
+from orin_vlm_node.processing import Tokenizer, token_spans
 from support.checkpoints import cached_tiny_checkpoint
 
 torch.set_num_threads(1)
@@ -35,7 +35,7 @@ def test_boxes_land_in_the_pixels_of_their_frame_clamped(tokenizer):
         {"image": 2, "bbox_2d": [0, 0, 1000, 999], "label": "person"},
     ])  # fmt: skip
     ids = tokenizer.encode(text)
-    found = detections(text, ids, [0.5] * len(ids), tokenizer, SIZES)
+    found = detections(text, [0.5] * len(ids), token_spans(tokenizer, ids), SIZES)
     assert [d.label for d in found] == ["red cup", "person"] and [d.image for d in found] == [0, 1]
     assert found[0].box == (100 / GRID * 640, 250 / GRID * 480, 500 / GRID * 640, 480.0)
     assert found[1].box == (0.0, 0.0, 1280.0, 999 / GRID * 720)
@@ -45,7 +45,7 @@ def test_boxes_land_in_the_pixels_of_their_frame_clamped(tokenizer):
 def test_a_point_is_a_box_of_no_size(tokenizer):
     text = answer_of([{"point_2d": [500, 500], "label": "door"}])
     ids = tokenizer.encode(text)
-    (found,) = detections(text, ids, [1.0] * len(ids), tokenizer, SIZES[:1])
+    (found,) = detections(text, [1.0] * len(ids), token_spans(tokenizer, ids), SIZES[:1])
     assert found.point and found.box == (320.0, 240.0, 320.0, 240.0) and found.score == 1.0
 
 
@@ -59,7 +59,7 @@ def test_a_point_is_a_box_of_no_size(tokenizer):
 )
 def test_an_answer_that_is_not_the_grounding_json_is_refused(tokenizer, text, message):
     with pytest.raises(ValueError, match=message):
-        detections(text, tokenizer.encode(text), [1.0], tokenizer, SIZES)
+        detections(text, [1.0], token_spans(tokenizer, tokenizer.encode(text)), SIZES)
 
 
 def test_labels_are_read_from_a_list_and_a_request_needs_an_image():
@@ -85,7 +85,9 @@ def test_the_engine_s_grounding_answer_is_detections_with_the_model_s_own_token_
     sampling = SamplingParams(temperature=0.0, max_new_tokens=200)
     final = list(engine.generate(Request(Turn(text, frames), sampling, output=fmt, token_probs=True)))[-1]
     assert final.finish_reason == "stop" and final.output["complete"], final
-    found = detections(final.text, final.token_ids, final.token_probs, engine.parts.tokenizer, sizes)
+    assert final.token_spans == token_spans(engine.parts.tokenizer, final.token_ids)
+    assert final.token_spans[-1][1] == len(final.text)  # the spans cover the answer (its EOS writes nothing)
+    found = detections(final.text, final.token_probs, final.token_spans, sizes)
     assert 1 <= len(found) <= 2 and all(d.label in labels for d in found)
     for d in found:
         height, width = sizes[d.image]

@@ -145,7 +145,7 @@ def test_a_detection_request_is_published_with_the_frame_s_header_and_drawn(vlm,
     text, fmt = grounding_request(("red cup", "person"), 1)
     want = reference(text, None, fmt, images=(rgb,), token_probs=True)
     assert answer["response"] == want.text
-    found = detections(want.text, want.token_ids, want.token_probs, reference.engine.parts.tokenizer, [rgb.shape[:2]])
+    found = detections(want.text, want.token_probs, want.token_spans, [rgb.shape[:2]])
     assert [(d["label"], d["box"], d["image"]) for d in doc["detections"]] == [(d.label, list(d.box), 0) for d in found]
     assert [d["score"] for d in doc["detections"]] == pytest.approx([d.score for d in found], rel=1e-4)
     drawn = received["image"][0]

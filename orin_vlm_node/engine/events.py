@@ -84,6 +84,9 @@ class Finished:
     # With Request.token_probs: each generated token's probability under the model's own distribution (the
     # softmax of its logits, before any format mask, penalty or temperature), in token order.
     token_probs: tuple[float, ...] | None = None
+    # With token_probs: the (start, end) characters of ``text`` each of those tokens wrote (a detection's
+    # score is read from the tokens of its object).
+    token_spans: tuple[tuple[int, int], ...] | None = None
 
 
 Event = TextDelta | Finished

@@ -15,7 +15,6 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from ..processing import IncrementalDetokenizer, Tokenizer
 from .output_format import OutputFormat, parsed_json
 
 GRID = 1000  # Qwen3-VL's coordinates: 0..GRID over the image's width and height
@@ -72,16 +71,15 @@ def grounding_request(labels: Sequence[str], images: int, points: bool = False) 
 
 def detections(
     text: str,
-    token_ids: Sequence[int],
     token_probs: Sequence[float],
-    tokenizer: Tokenizer,
+    token_spans: Sequence[tuple[int, int]],
     sizes: Sequence[tuple[int, int]],
 ) -> list[Detection]:
     """The objects of a grounding answer, each in the pixels of its image (``sizes``: (height, width) of each
-    original frame); ValueError when the answer is not the grounding JSON."""
+    original frame); ``token_probs`` and ``token_spans`` (``Finished``'s) score each object by the tokens
+    that wrote it. ValueError when the answer is not the grounding JSON."""
     objects = parsed_json(text, f"the grounding answer {text[:200]!r}", list)
     spans = _object_spans(text)
-    token_spans = _token_spans(tokenizer, token_ids)
     found = []
     for obj, (start, end) in zip(objects, spans, strict=True):
         image = int(obj.get("image", 1)) - 1
@@ -124,14 +122,4 @@ def _object_spans(text: str) -> list[tuple[int, int]]:
             if depth == 2 and ch == "}":
                 spans.append((start, i + 1))
             depth -= 1
-    return spans
-
-
-def _token_spans(tokenizer: Tokenizer, token_ids: Sequence[int]) -> list[tuple[int, int]]:
-    """(start, end) characters of each token in the answer's text, as the engine streamed it (a token inside
-    a character: empty, the character counted with the token that completes it)."""
-    detokenizer, spans, end = IncrementalDetokenizer(tokenizer, skip_special_tokens=True), [], 0
-    for token in token_ids:
-        start, end = end, end + len(detokenizer.push(token))
-        spans.append((start, end))
     return spans

@@ -188,11 +188,16 @@ class Constraint:
     def result(self, text: str) -> dict[str, Any]:
         """What the answer is, for the Finished event: the format, whether it is complete, and for a complete
         JSON answer its parsed value (else the text)."""
-        complete = self.complete
-        value: Any = text if complete else None
-        if complete and self.format.kind == "json_schema":
-            value = json.loads(text)
-        return {"format": self.format.describe(), "complete": complete, "value": value}
+        return answer_output(self.format, text, self.complete)
+
+
+def answer_output(fmt: OutputFormat, text: str, complete: bool) -> dict[str, Any]:
+    """The ``output`` of a Finished event: the format, whether the answer matches all of it, and for a complete
+    JSON answer its parsed value (else the text; None when incomplete)."""
+    value: Any = text if complete else None
+    if complete and fmt.kind == "json_schema":
+        value = json.loads(text)
+    return {"format": fmt.describe(), "complete": complete, "value": value}
 
 
 def _disallowed(matcher: Any, vocab_size: int) -> torch.Tensor:

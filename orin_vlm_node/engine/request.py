@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ..kvcache import PoolExhausted
+from ..processing import token_spans
 from .decode_loop import DecodeLoop
 from .events import Finished, Request, TextDelta
 from .images import encode_needed
@@ -333,7 +334,8 @@ class RequestRun:
         generated = tuple(self.generated)
         output = self._constraint.result(self.text) if self._constraint is not None and error is None else None
         probs = self.loop.token_probs() if self.loop is not None and error is None else None
-        return Finished(self.rid, reason, self.text, generated, m.as_dict(), error, output, probs)  # type: ignore[arg-type]
+        spans = token_spans(e.tokenizer, generated[: len(probs)]) if probs is not None else None
+        return Finished(self.rid, reason, self.text, generated, m.as_dict(), error, output, probs, spans)  # type: ignore[arg-type]
 
     def settle(self, reason: str) -> None:
         """Decide what the KV keeps after the request (see Session for the invariants)."""

@@ -6,7 +6,7 @@ More in docs/modules.md, ``orin_vlm_node/processing/__init__.py``.
 """
 
 from .chat_template import ChatTemplate, count_images, normalize_messages, render_chatml
-from .detokenizer import IncrementalDetokenizer
+from .detokenizer import IncrementalDetokenizer, token_spans
 from .errors import ChatTemplateError, ImageError, ProcessingError, PromptError, TokenizerError
 from .image import ImageBatch, ImageProcessor, ImageProcessorConfig, smart_resize, to_rgb
 from .prompt import build_prompt_ids, expand_image_pads, render_prompt
@@ -34,4 +34,5 @@ __all__ = [
     "render_chatml",
     "smart_resize",
     "to_rgb",
+    "token_spans",
 ]

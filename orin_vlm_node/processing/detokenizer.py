@@ -12,9 +12,21 @@ More in docs/modules.md, ``orin_vlm_node/processing/detokenizer.py``.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from .tokenizer import Tokenizer
 
 _REPLACEMENT = "\ufffd"
+
+
+def token_spans(tokenizer: Tokenizer, token_ids: Sequence[int]) -> tuple[tuple[int, int], ...]:
+    """(start, end) characters of each token in the text an answer streamed (special tokens skipped); a token
+    inside a character is empty, the character counted with the token that completes it."""
+    detokenizer, spans, end = IncrementalDetokenizer(tokenizer, skip_special_tokens=True), [], 0
+    for token in token_ids:
+        start, end = end, end + len(detokenizer.push(token))
+        spans.append((start, end))
+    return tuple(spans)
 
 
 class IncrementalDetokenizer:

@@ -30,6 +30,7 @@ from std_srvs.srv import Trigger
 
 from ..engine import Engine
 from ..engine.output_format import format_from_json
+from ..remote.engine import RemoteEngine
 from .camera_intake import CameraIntake
 from .channel import Channel
 from .detections import vision_msgs
@@ -52,8 +53,8 @@ from .params import (
 )
 from .prompt_message import PromptReader, json_prompt, pending_prompt, plain_prompt
 from .request_queue import RequestQueue
-from .startup import StartupError, channel_list, context_problem, prompt_problem, startup_config
-from .status import backend_summary, engine_diagnostics
+from .startup import StartupError, channel_list, context_problem, prompt_problem, remote_startup, startup_config
+from .status import backend_summary, engine_diagnostics, serving_summary
 from .status_events import READY_POLL_S, READY_SLOW_POLL_S, StatusEvents
 from .worker import Worker, on_passing_thread
 
@@ -81,7 +82,7 @@ class VlmServing:
         unknown = unknown_parameters_problem(given, self.get_parameters_by_prefix(""))  # all declared names
         if unknown:
             self.get_logger().warning(unknown)
-        self._engine: Engine | None = None  # None until loaded (a managed node before configure)
+        self._engine: Engine | RemoteEngine | None = None  # None until loaded (a managed node before configure)
         self._worker: Worker | None = None
         self._refusing: str | None = "node not serving"  # why prompts are refused; None while serving
         self._session_counter = 0
@@ -101,9 +102,12 @@ class VlmServing:
         Depths: ``status``/``tokens`` keep three events per prompt of a ``prompt_queue_depth`` burst, so no
         event is overwritten before a subscriber took it.
         """
-        config = startup_config(self._values)
         t0 = time.monotonic()
-        self._engine = on_passing_thread(lambda: Engine(config))  # see worker.py: no OpenMP pool left behind
+        if self._values["backend"] == "openai":
+            self._engine = remote_startup(self._values)
+        else:
+            config = startup_config(self._values)
+            self._engine = on_passing_thread(lambda: Engine(config))  # see worker.py: no OpenMP pool left behind
         reason = self._context_problem(self._values)
         if reason:
             self._engine = None
@@ -174,10 +178,7 @@ class VlmServing:
         described = self._describe()
         backend = backend_summary(described)
         log = self.get_logger().warning if described.get("kernels_degraded") else self.get_logger().info
-        log(
-            f"ready in {load_s:.1f} s: model {self._engine.config.model_dir}, device {described.get('device', '?')}, "
-            f"dtype {described.get('dtype', '?')}, images via {self._converter.backend}; {backend}"
-        )
+        log(f"ready in {load_s:.1f} s: {serving_summary(described)}, images via {self._converter.backend}; {backend}")
         self._status_events.start(backend, time.monotonic())
         self._ready_timer = self.create_timer(READY_POLL_S, self._announce_ready)
 
@@ -206,11 +207,10 @@ class VlmServing:
         for publisher in (*(p for ch in self._channels.values() for p in ch.publishers), self._diag_pub):
             self._destroy_publisher(publisher)
         self._channels = {}
-        device = self._engine.parts.device
         self._engine.close()
         self._engine = self._worker = None
         gc.collect()
-        if device.type == "cuda":
+        if torch.cuda.is_initialized():
             torch.cuda.empty_cache()
 
     def _destroy_publisher(self, publisher: Any) -> None:

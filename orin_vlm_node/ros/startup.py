@@ -11,8 +11,9 @@ from rclpy.exceptions import InvalidTopicNameException
 from rclpy.validate_topic_name import validate_topic_name
 
 from ..engine import EngineConfig
+from ..remote.engine import RemoteEngine, remote_config
 from .channel import channel_names_problem
-from .params import channel_values, check_changes, engine_config
+from .params import channel_values, check_changes, engine_config, max_batch, max_sessions
 
 
 def prompt_problem(text: str) -> str | None:
@@ -29,9 +30,8 @@ class StartupError(RuntimeError):
     """The node cannot start (bad parameters, missing model); the message says what to fix."""
 
 
-def startup_config(values: Mapping[str, Any]) -> EngineConfig:
-    """The engine config of the declared parameter values; StartupError before anything loads when the
-    values are out of bounds or the model directory is not one."""
+def check_startup_values(values: Mapping[str, Any]) -> None:
+    """StartupError when the declared values are out of bounds or name channels or cameras that cannot be."""
     reason = (
         check_changes(values)
         or channel_names_problem(values["channels"])
@@ -39,6 +39,22 @@ def startup_config(values: Mapping[str, Any]) -> EngineConfig:
     )
     if reason:
         raise StartupError(f"invalid parameter value: {reason}")
+
+
+def remote_startup(values: Mapping[str, Any]) -> RemoteEngine:
+    """The server's engine for ``backend`` openai (nothing loaded here; the server need not be up yet: it is
+    reported in the diagnostics and each prompt waits a moment for it); StartupError for unusable settings."""
+    check_startup_values(values)
+    try:
+        return RemoteEngine(remote_config(values, max_batch(values), max_sessions(values)))
+    except ValueError as exc:
+        raise StartupError(str(exc)) from exc
+
+
+def startup_config(values: Mapping[str, Any]) -> EngineConfig:
+    """The engine config of the declared parameter values; StartupError before anything loads when the
+    values are out of bounds or the model directory is not one."""
+    check_startup_values(values)
     config = engine_config(values)
     if not (config.model_dir / "config.json").is_file():
         if not values["model_path"]:

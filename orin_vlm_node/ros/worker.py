@@ -341,9 +341,7 @@ class Worker:
         item, finished = answer.item, answer.finished
         sizes = [image.shape[:2] for image in item.frames.images]
         try:
-            found = detections(
-                finished.text, finished.token_ids, finished.token_probs, self.engine.parts.tokenizer, sizes
-            )
+            found = detections(finished.text, finished.token_probs or (), finished.token_spans or (), sizes)
         except ValueError as exc:
             answer.outputs.status("error", item.request_id, finish_reason="error", metrics=finished.metrics,
                                   error=f"detection answer unusable ({finished.finish_reason}): {exc}",
