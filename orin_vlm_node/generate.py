@@ -23,6 +23,7 @@ from collections.abc import Sequence
 from . import settings
 from .engine import Engine, EngineError, Finished, OutputFormat, Request, SamplingParams, TextDelta, Turn, output_format
 from .engine.config import config_from_settings
+from .engine.description import backend_summary
 from .engine.grounding import detections, grounding_request, parse_labels
 from .remote.engine import RemoteEngine, remote_config
 
@@ -121,14 +122,13 @@ def _report(final: Finished, backend: dict, as_json: bool, verbose: bool, found:
         print(
             f"[{final.finish_reason}] {int(m['prompt_tokens'])} prompt tokens, {int(m['generated_tokens'])} generated, "
             f"ttft {m['ttft_s'] * 1000:.0f} ms, decode {m['decode_tokens_per_s']:.1f} tok/s; "
-            f"{backend.get('kernels', backend.get('remote_url'))}; decode: {backend.get('decode_path', 'remote')}; "
-            f"KV pool: {backend.get('kv_pool', 'on the server')}",
+            f"{backend_summary(backend)}",
             file=sys.stderr,
         )
     return 0
 
 
-REMOTE_KEYS = ("backend", "remote_url", "remote_model", "server_reachable", "model_listed")
+REMOTE_KEYS = ("backend", "remote_url", "remote_model", "server_reachable", "model_listed", "server_problem")
 BACKEND_KEYS = ("device", "dtype", "checkpoint_weights", "weight_quant", "lm_head", "weight_mb", "weight_path",
                 "kernels", "decode_path", "kv_pool")  # fmt: skip
 

@@ -5,6 +5,7 @@ takes while no request runs, so the cache is never read while it changes.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -55,3 +56,24 @@ def describe_parts(parts: EngineParts, kv: dict[str, Any], busy: bool, served: i
         "last_metrics": dict(last),
         "kv_cache": stats,
     }
+
+
+def serving_summary(described: Mapping[str, Any]) -> str:
+    """What answers the prompts, for the ready log: the model and device, or the server and model."""
+    if described.get("backend") == "openai":
+        return f"server {described['remote_url']}, model {described['remote_model']}"
+    model, device, dtype = (described.get(k, "?") for k in ("model_path", "device", "dtype"))
+    return f"model {model}, device {device}, dtype {dtype}"
+
+
+def backend_summary(described: Mapping[str, Any]) -> str:
+    """``kernels: on|off (...); decode: ...; KV pool: ...`` -- what the ready/reconfigured events say; with a
+    server, its state."""
+    if described.get("backend") == "openai":
+        problem = described.get("server_problem") or described.get("last_error")
+        where = f"remote: {described['remote_model']} at {described['remote_url']}"
+        return f"{where} ({problem})" if problem else where
+    return (
+        f"{described.get('kernels', 'kernels: unknown')}; decode: {described.get('decode_path', '?')}; "
+        f"KV pool: {described.get('kv_pool', '?')}"
+    )

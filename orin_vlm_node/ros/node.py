@@ -29,6 +29,7 @@ from std_msgs.msg import String
 from std_srvs.srv import Trigger
 
 from ..engine import Engine
+from ..engine.description import backend_summary, serving_summary
 from ..engine.output_format import format_from_json
 from ..remote.engine import RemoteEngine
 from .camera_intake import CameraIntake
@@ -54,7 +55,7 @@ from .params import (
 from .prompt_message import PromptReader, json_prompt, pending_prompt, plain_prompt
 from .request_queue import RequestQueue
 from .startup import StartupError, channel_list, context_problem, prompt_problem, remote_startup, startup_config
-from .status import backend_summary, engine_diagnostics, serving_summary
+from .status import engine_diagnostics
 from .status_events import READY_POLL_S, READY_SLOW_POLL_S, StatusEvents
 from .worker import Worker, on_passing_thread
 

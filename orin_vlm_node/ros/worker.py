@@ -23,11 +23,12 @@ from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
 
 from ..engine import Engine
+from ..engine.description import backend_summary
 from ..engine.events import Event, Finished, Request, TextDelta, Turn
 from ..engine.grounding import Detection, detections
 from .image import PickedFrames
 from .request_queue import PendingPrompt, RequestQueue
-from .status import backend_summary, request_note
+from .status import request_note
 
 log = logging.getLogger("orin_vlm_node.ros")
 
