@@ -1,11 +1,12 @@
-"""Command-line generation: ``python -m orin_vlm_node.generate --prompt "..." [--image PATH]...``.
+"""Command-line generation: ``python -m orin_vlm_node.generate --prompt "..." [--image PATH]... [--video PATH...]``.
 
 The same engine the ROS node runs, without ROS: useful to check a model directory, a board's speed
 or a settings change before launching the node. Every engine and sampling setting of the schema
 (``orin_vlm_node.settings``) is a flag of the same name and default as the node's parameter
 (``page_size`` is ``--page-size``, a boolean ``use_cuda_graph`` is ``--use-cuda-graph`` /
 ``--no-use-cuda-graph``), plus ``--system-prompt``, ``--stop`` and ``--ignore-eos``; ``--json-schema``,
-``--regex`` or ``--choice`` constrain the answer to a format (``--json`` then carries its parsed value).
+``--regex`` or ``--choice`` constrain the answer to a format (``--json`` then carries its parsed value);
+``--video`` sends a video file or frame files as Qwen3-VL's video input.
 
 More in docs/modules.md, ``orin_vlm_node/generate.py``.
 """
@@ -21,10 +22,22 @@ import sys
 from collections.abc import Sequence
 
 from . import settings
-from .engine import Engine, EngineError, Finished, OutputFormat, Request, SamplingParams, TextDelta, Turn, output_format
+from .engine import (
+    Engine,
+    EngineError,
+    Finished,
+    OutputFormat,
+    Request,
+    SamplingParams,
+    TextDelta,
+    Turn,
+    Video,
+    output_format,
+)
 from .engine.config import config_from_settings
 from .engine.description import backend_summary
 from .engine.grounding import detections, grounding_request, parse_labels
+from .media_files import read_images, read_video
 from .remote.engine import RemoteEngine, remote_config
 
 # The settings a one-shot command uses: the engine's, sampling, and the system prompt (no queue, no
@@ -38,6 +51,22 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--prompt", help="user text (required unless --detect)")
     p.add_argument("--image", action="append", default=[], metavar="PATH", help="image file; repeat for several")
+    p.add_argument(
+        "--video",
+        action="append",
+        nargs="+",
+        default=[],
+        metavar="PATH",
+        help="a video file, or image files that are its frames in order; repeat for several videos",
+    )
+    p.add_argument(
+        "--video-fps",
+        type=float,
+        default=2.0,
+        metavar="RATE",
+        help="frames a second: sampled from a video file, or the spacing of frame files (default 2)",
+    )
+    p.add_argument("--video-times", metavar="SECONDS", help="frame files' times, comma-separated (one --video)")
     p.add_argument("--stop", action="append", default=[], metavar="TEXT", help="stop string; repeat for several")
     p.add_argument("--ignore-eos", action="store_true", help="do not stop at EOS (fixed-length answers for timing)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
@@ -56,21 +85,6 @@ def build_parser() -> argparse.ArgumentParser:
         else:
             p.add_argument(s.flag, type=s.type, default=s.default, choices=s.choices or None, help=help_text)
     return p
-
-
-def read_images(paths: Sequence[str]) -> list:
-    """BGR uint8 arrays read with OpenCV; ValueError naming the file that cannot be read."""
-    import cv2
-
-    images = []
-    for path in paths:
-        if not os.path.isfile(path):
-            raise ValueError(f"image file {path!r} does not exist")
-        image = cv2.imread(path, cv2.IMREAD_COLOR)
-        if image is None:
-            raise ValueError(f"cannot read image file {path!r} (missing, unreadable or not an image)")
-        images.append(image)
-    return images
 
 
 def cli_output_format(args: argparse.Namespace) -> OutputFormat | None:
@@ -133,16 +147,30 @@ BACKEND_KEYS = ("device", "dtype", "checkpoint_weights", "weight_quant", "lm_hea
                 "kernels", "decode_path", "kv_pool")  # fmt: skip
 
 
+def cli_videos(args: argparse.Namespace) -> tuple[Video, ...]:
+    """The videos of the ``--video`` flags, timed by ``--video-fps`` or ``--video-times``; ValueError."""
+    times = None
+    if args.video_times is not None:
+        if len(args.video) != 1:
+            raise ValueError("--video-times needs exactly one --video")
+        try:
+            times = [float(t) for t in args.video_times.split(",")]
+        except ValueError:
+            raise ValueError(f"--video-times must be comma-separated seconds, got {args.video_times!r}") from None
+    return tuple(read_video(paths, args.video_fps, times) for paths in args.video)
+
+
 def cli_request(args: argparse.Namespace, system_prompt: str | None, images: Sequence) -> Request:
     """The request the flags ask for: the prompt with its output format, or the grounding prompt of
     ``--detect`` (its answer's token probabilities kept for the scores); ValueError."""
     sampling = SamplingParams(stop=tuple(args.stop), ignore_eos=args.ignore_eos or None)
     if args.detect is not None:
+        if args.video:
+            raise ValueError("--detect finds objects in images; it takes no --video")
         text, fmt = grounding_request(parse_labels(args.detect), len(images))
         return Request(Turn(text, tuple(images), color="bgr"), sampling, system_prompt, output=fmt, token_probs=True)
-    return Request(
-        Turn(args.prompt, tuple(images), color="bgr"), sampling, system_prompt, output=cli_output_format(args)
-    )
+    turn = Turn(args.prompt, tuple(images), color="bgr", videos=cli_videos(args))
+    return Request(turn, sampling, system_prompt, output=cli_output_format(args))
 
 
 def main(argv: Sequence[str] | None = None) -> int:

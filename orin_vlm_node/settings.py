@@ -162,6 +162,9 @@ SETTINGS: tuple[Setting, ...] = (
        unit="pixels", min=0, max=64 * MEGA, rebuilds=IMAGES),
     _s("image_max_pixels", int, 0, "largest image area after resizing; 0 = the checkpoint's value", E, BETWEEN,
        unit="pixels", min=0, max=64 * MEGA, rebuilds=IMAGES),
+    _s("video_max_tokens", int, 2048, "most visual tokens one video may take: its frames are made smaller, then "
+       "dropped evenly, to fit (a long history cannot overflow max_context_tokens)", E, BETWEEN, unit="tokens",
+       min=16, max=MEGA, rebuilds=IMAGES),
     _s("vision_cache_images", int, 4, "vision-tower outputs kept for the last distinct images (by content), so "
        "another question about the same frame skips the vision tower; 0 = off", E, BETWEEN, unit="images", min=0,
        max=256, rebuilds=VISION),

@@ -182,7 +182,7 @@ def test_template_errors_are_clear():
         ([{"role": "robot", "content": "x"}], "role 'robot'"),
         ([{"role": "user"}], "no 'content'"),
         ([{"role": "user", "content": 5}], "str or a list"),
-        ([{"role": "user", "content": [{"type": "video"}]}], "unsupported type 'video'"),
+        ([{"role": "user", "content": [{"type": "audio"}]}], "unsupported type 'audio'"),
         ([{"role": "user", "content": [{"type": "text", "text": 3}]}], "needs a str 'text'"),
         ([{"role": "user", "content": ["plain str part"]}], "must be a dict"),
     ],

@@ -5,6 +5,7 @@ events then one ``Finished``; ``Request(..., output=output_format(kind, spec))``
 ``cancel``, ``reset``, ``reconfigure``, ``validate_changes``, ``describe``.
 """
 
+from ..processing.video import Video
 from .config import EngineConfig
 from .engine import Engine, EngineError
 from .events import Event, Finished, FinishReason, Request, SamplingParams, TextDelta, Turn
@@ -22,5 +23,6 @@ __all__ = [
     "SamplingParams",
     "TextDelta",
     "Turn",
+    "Video",
     "output_format",
 ]

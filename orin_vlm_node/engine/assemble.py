@@ -29,6 +29,7 @@ from ..model.config import ModelConfig
 from ..model.errors import CheckpointError
 from ..model.text import attach_fused_ops
 from ..processing import ChatTemplate, ImageProcessor, Tokenizer
+from ..processing.video import VideoProcessor
 from ..settings import BY_NAME
 from ..weights import load_model
 from ..weights.projections import ProjectionBuilder, ProjectionKernels, rebuild_projections
@@ -200,10 +201,13 @@ def _load_processing(config: EngineConfig, model_config: ModelConfig) -> dict[st
         config.model_dir, image_min_pixels=config.image_min_pixels, image_max_pixels=config.image_max_pixels
     )
     template = ChatTemplate.from_pretrained(config.model_dir)
+    video_processor = VideoProcessor.from_pretrained(config.model_dir)
     return dict(
         tokenizer=tokenizer,
         image_processor=image_processor,
-        turns=TurnPreparer(tokenizer, template, image_processor, model_config),
+        turns=TurnPreparer(
+            tokenizer, template, image_processor, video_processor, model_config, config.video_max_tokens
+        ),  # fmt: skip
         grammars=Grammars(tokenizer, model_config.text.vocab_size),
         generation_defaults=load_generation_defaults(config.model_dir),
     )

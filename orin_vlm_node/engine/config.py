@@ -57,6 +57,7 @@ class EngineConfig:
     kernel_cache_dir: str = _default("kernel_cache_dir")
     image_min_pixels: int = _default("image_min_pixels")
     image_max_pixels: int = _default("image_max_pixels")
+    video_max_tokens: int = _default("video_max_tokens")
     vision_cache_images: int = _default("vision_cache_images")
     prompt_special_tokens: bool = _default("prompt_special_tokens")
     max_sessions: int = 1  # conversations kept between requests (least recently used dropped beyond); sizes the pool

@@ -14,13 +14,15 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from ..processing import ChatTemplate, PromptError, Tokenizer, build_prompt_ids, expand_image_pads, render_prompt
+from ..processing.prompt import expand_video_pads, video_ids
 from ..processing.tokenizer import IM_END
+from ..processing.video import VideoLayout
 from .events import Turn
 
 
 def user_message(turn: Turn) -> dict:
-    """The chat-template message of a turn: its images first (in order), then its text."""
-    parts: list[dict] = [{"type": "image"} for _ in turn.images]
+    """The chat-template message of a turn: its images first (in order), then its videos, then its text."""
+    parts: list[dict] = [{"type": "image"} for _ in turn.images] + [{"type": "video"} for _ in turn.videos]
     if turn.text:
         parts.append({"type": "text", "text": turn.text})
     return {"role": "user", "content": parts}
@@ -34,7 +36,12 @@ class ConversationRenderer:
         self.template = template
 
     def first_turn(
-        self, system_prompt: str | None, turn: Turn, image_tokens: Sequence[int], prompt_special_tokens: bool = False
+        self,
+        system_prompt: str | None,
+        turn: Turn,
+        image_tokens: Sequence[int],
+        prompt_special_tokens: bool = False,
+        videos: Sequence[VideoLayout] = (),
     ) -> tuple[list[int], list[dict]]:
         """(prompt ids, messages) of a conversation's first turn, generation prompt included; message text
         is plain text unless ``prompt_special_tokens`` (see ``processing.prompt``)."""
@@ -43,7 +50,12 @@ class ConversationRenderer:
             messages.append({"role": "system", "content": system_prompt})
         messages.append(user_message(turn))
         ids = build_prompt_ids(
-            self.tokenizer, self.template, messages, list(image_tokens), prompt_special_tokens=prompt_special_tokens
+            self.tokenizer,
+            self.template,
+            messages,
+            list(image_tokens),
+            prompt_special_tokens=prompt_special_tokens,
+            videos=videos,
         )
         return ids, messages
 
@@ -54,6 +66,7 @@ class ConversationRenderer:
         turn: Turn,
         image_tokens: Sequence[int],
         prompt_special_tokens: bool = False,
+        videos: Sequence[VideoLayout] = (),
     ) -> tuple[list[int], list[dict]]:
         """(ids after the history's final ``<|im_end|>``, messages incl. the answer and the new turn)."""
         before = [*history, {"role": "assistant", "content": answer_text}]
@@ -73,4 +86,5 @@ class ConversationRenderer:
                 "session cannot be continued; reset the session"
             )
         ids = self.tokenizer.encode_prompt(prompt_after.tail(anchor))
+        ids = expand_video_pads(ids, self.tokenizer.special, video_ids(self.tokenizer, videos))
         return expand_image_pads(ids, self.tokenizer.special.image_pad, image_tokens), after

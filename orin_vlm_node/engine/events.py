@@ -11,6 +11,7 @@ from typing import Literal
 
 import numpy as np
 
+from ..processing.video import Video
 from .output_format import OutputFormat
 
 FinishReason = Literal["stop", "length", "cancelled", "kv_pool_exhausted", "error"]
@@ -34,15 +35,17 @@ class SamplingParams:
 
 @dataclass(frozen=True)
 class Turn:
-    """One user turn: text plus the images it shows (numpy HWC uint8 RGB), in placeholder order.
+    """One user turn: text plus the images it shows (numpy HWC uint8 RGB), in placeholder order, and the
+    videos (frames with their times), placed after the images.
 
-    ``color`` (extension) names the channel order of ``images`` ("rgb" or "bgr"), so BGR frames from
-    OpenCV or cv_bridge need no conversion copy before preprocessing.
+    ``color`` (extension) names the channel order of ``images`` and video frames ("rgb" or "bgr"), so BGR
+    frames from OpenCV or cv_bridge need no conversion copy before preprocessing.
     """
 
     text: str
     images: tuple[np.ndarray, ...] = ()
     color: str = "rgb"
+    videos: tuple[Video, ...] = ()
 
 
 @dataclass

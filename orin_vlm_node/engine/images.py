@@ -27,9 +27,10 @@ def image_keys(batch: ImageBatch | None) -> list[str]:
 
 
 def token_extra_keys(
-    ids: Sequence[int], image_pad: int, keys: Sequence[str], counts: Sequence[int], text_before: int = 0
+    ids: Sequence[int], pads: Sequence[int], keys: Sequence[str], counts: Sequence[int], text_before: int = 0
 ) -> list[Hashable | None]:
-    """Per-token extra keys: the owning image's hash for each image-pad token, None for other tokens.
+    """Per-token extra keys: the owning image's (or frame group's) hash for each pad token (an id of ``pads``:
+    image and video pads), None for other tokens.
 
     The pads of ``ids`` from ``text_before`` on belong to the images in order, ``counts[i]`` pads each
     (earlier ones are generated text: ``model.positions.mrope_positions``).
@@ -38,7 +39,7 @@ def token_extra_keys(
     out: list[Hashable | None] = []
     pad_index = 0
     for i, t in enumerate(ids):
-        if t == image_pad and i >= text_before and pad_index < len(owner):
+        if t in pads and i >= text_before and pad_index < len(owner):
             out.append(owner[pad_index])
             pad_index += 1
         else:

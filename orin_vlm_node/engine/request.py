@@ -67,15 +67,15 @@ class _Prefill:
         e = run.parts
         size = run.config.prefill_chunk_tokens or len(self.ids)
         start, stop = self.next, min(self.next + size, len(self.ids))
-        pad = e.tokenizer.special.image_pad
+        visual = e.turns.visual_pads
         # A generated image-pad id is text: it never shares a piece with image rows (the model takes every
         # pad of a piece given vision rows for one); a piece only ends early where that can happen.
         first, end = self.images.start, self.images.stop
-        if start < first < stop and pad in self.ids[start:first]:
+        if start < first < stop and any(t in visual for t in self.ids[start:first]):
             stop = first
         if start < end < stop:
             stop = end
-        pads = sum(1 for t in self.ids[max(start, first) : min(stop, end)] if t == pad)
+        pads = sum(1 for t in self.ids[max(start, first) : min(stop, end)] if t in visual)
         rows = self.vision.rows(self._vision_row, self._vision_row + pads) if self.vision is not None and pads else None
         attn = run.with_eviction(lambda: e.cache.step(run.seq, stop - start))
         chunk = torch.tensor(self.ids[start:stop], dtype=torch.long, device=e.device)
@@ -288,8 +288,7 @@ class RequestRun:
             self.metrics.mark_prefill_start()
         vision = None
         if turn.images is not None:
-            pad = e.tokenizer.special.image_pad
-            skip = sum(1 for t in ids[turn.text_before : min(hit, len(turn.new_ids))] if t == pad)
+            skip = sum(1 for t in ids[turn.text_before : min(hit, len(turn.new_ids))] if t in e.turns.visual_pads)
             vision = encode_needed(e.model, turn.images, skip, e.vision_cache)
         if hit >= len(ids):
             raise RuntimeError("prefill of an empty turn")

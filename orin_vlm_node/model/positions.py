@@ -6,7 +6,8 @@ three streams by 1 per token; an image of merged grid H'xW' takes positions (cur
 and then advances ``cur`` by only ``max(H', W')``, so after an image the RoPE position runs behind the
 slot. Decoding therefore uses ``position = slot + rope_delta`` with ``rope_delta = next_position - kv_len``
 (usually negative); using the KV length as the position after an image is the classic bug
-(docs/architecture.md, pitfall 2).
+(docs/architecture.md, pitfall 2). A video's frame groups are each positioned like an image of one
+temporal slice (its time is in the timestamp text before each group, not in the positions).
 """
 
 from __future__ import annotations
@@ -19,18 +20,19 @@ import torch
 def mrope_positions(
     token_ids: torch.Tensor | Sequence[int],
     image_grid_thw: torch.Tensor | Sequence[Sequence[int]] | None,
-    image_token_id: int,
+    image_token_id: int | Sequence[int],
     spatial_merge_size: int,
     start: int = 0,
     text_before: int = 0,
 ) -> tuple[torch.Tensor, int]:
     """RoPE positions (3, L) long (CPU) for ``token_ids`` and the position the next token gets.
 
-    Every maximal run of ``image_token_id`` consumes the next rows of ``image_grid_thw`` (t, h, w in
-    16-px patches) in order; a run must hold exactly ``t*h*w / merge^2`` tokens per image it covers
-    (adjacent images with no separator are allowed). ``start`` continues an earlier sequence: pass the
-    previous call's ``next_position`` (multi-turn). ``next_position`` is ``max(position) + 1`` (the
-    position HF decodes the next token at), or ``start`` for an empty sequence. The first ``text_before``
+    Every maximal run of ``image_token_id`` (or of any of several pad ids: image and video pads) consumes
+    the next rows of ``image_grid_thw`` (t, h, w in 16-px patches) in order; a run must hold exactly
+    ``t*h*w / merge^2`` tokens per image it covers (adjacent images with no separator are allowed).
+    ``start`` continues an earlier sequence: pass the previous call's ``next_position`` (multi-turn).
+    ``next_position`` is ``max(position) + 1`` (the position HF decodes the next token at), or ``start``
+    for an empty sequence. The first ``text_before``
     ids are text whatever their value: a continuing turn first feeds the tokens the previous answer ended
     with, and a model may have generated the image-pad id there.
 
@@ -41,7 +43,7 @@ def mrope_positions(
     grids = _grid_list(image_grid_thw, spatial_merge_size)
     length = ids.numel()
     positions = torch.empty((3, length), dtype=torch.long)
-    is_image = ids == image_token_id
+    is_image = torch.isin(ids, torch.as_tensor(image_token_id, dtype=torch.long).reshape(-1))
     is_image[:text_before] = False
     # Boundaries of runs of equal "is image" value: [0, b1, b2, ..., L].
     change = torch.nonzero(is_image[1:] != is_image[:-1]).reshape(-1) + 1

@@ -61,8 +61,8 @@ class Qwen3VLModel(nn.Module):
         """Logits (K, vocab) of one step of one sequence.
 
         ``input_ids`` (L,) long, ``rope_positions`` (3, L) long. ``vision``: features whose rows fill
-        this chunk's ``<|image_pad|>`` positions in order (their count must match; for a prefill split
-        into chunks pass ``features.rows(a, b)``, the rows of the pads inside the chunk). With
+        this chunk's ``<|image_pad|>`` and ``<|video_pad|>`` positions in order (their count must match;
+        for a prefill split into chunks pass ``features.rows(a, b)``, the rows of the pads inside the chunk). With
         ``vision=None`` image-pad ids are embedded like any token. ``logits_index``: (K,) rows to
         project; default the last row. With ``vision=None`` there is no host sync and no
         data-dependent shape, so a decode step can be captured in a CUDA graph.
@@ -76,10 +76,11 @@ class Qwen3VLModel(nn.Module):
         x = decoder.embed_tokens(input_ids)  # (L, H)
         visual_rows = None
         if vision is not None:
-            visual_rows = torch.nonzero(input_ids == self.config.image_token_id).reshape(-1)  # host sync
+            pads = (input_ids == self.config.image_token_id) | (input_ids == self.config.video_token_id)
+            visual_rows = torch.nonzero(pads).reshape(-1)  # host sync
             if visual_rows.numel() != vision.embeds.shape[0]:
                 raise ValueError(
-                    f"this chunk has {visual_rows.numel()} <|image_pad|> tokens but {vision.embeds.shape[0]} image "
+                    f"this chunk has {visual_rows.numel()} image and video pad tokens but {vision.embeds.shape[0]} "
                     "feature rows were given"
                 )
             x = x.index_copy(0, visual_rows, vision.embeds.to(x.device, x.dtype))

@@ -11,6 +11,7 @@ from .errors import ChatTemplateError, ImageError, ProcessingError, PromptError,
 from .image import ImageBatch, ImageProcessor, ImageProcessorConfig, smart_resize, to_rgb
 from .prompt import build_prompt_ids, expand_image_pads, render_prompt
 from .tokenizer import RenderedPrompt, SpecialTokens, Tokenizer
+from .video import Video, VideoBatch, VideoLayout, VideoProcessor
 
 __all__ = [
     "ChatTemplate",
@@ -25,6 +26,10 @@ __all__ = [
     "SpecialTokens",
     "Tokenizer",
     "TokenizerError",
+    "Video",
+    "VideoBatch",
+    "VideoLayout",
+    "VideoProcessor",
     "build_prompt_ids",
     "render_prompt",
     "RenderedPrompt",

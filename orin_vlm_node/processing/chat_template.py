@@ -30,7 +30,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from .errors import ChatTemplateError
 from .files import read_json_object
-from .tokenizer import IM_END, IM_START, IMAGE_PAD, VISION_END, VISION_START
+from .tokenizer import IM_END, IM_START, IMAGE_PAD, VIDEO_PAD, VISION_END, VISION_START
 
 ROLES = ("system", "user", "assistant")
 # Bounds of one render: a Qwen template renders a long conversation in milliseconds and a prompt longer
@@ -45,7 +45,7 @@ _SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "pad_token", "unk_token")
 
 
 def normalize_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
-    """Check a conversation and return a plain copy: roles, str content or text/image parts only."""
+    """Check a conversation and return a plain copy: roles, str content or text/image/video parts only."""
     if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence):
         raise ChatTemplateError(f"messages must be a list of dicts, got {type(messages).__name__}")
     if len(messages) == 0:
@@ -82,17 +82,19 @@ def _normalize_content(content: Any, index: int) -> str | list[dict[str, str]]:
                     f"message {index} part {j} (text) needs a str 'text', got {type(text).__name__}"
                 )
             parts.append({"type": "text", "text": str(text)})
-        elif kind == "image":
-            parts.append({"type": "image"})
+        elif kind in ("image", "video"):
+            parts.append({"type": kind})
         else:
-            raise ChatTemplateError(f"message {index} part {j} has unsupported type {kind!r} (use 'text' or 'image')")
+            raise ChatTemplateError(
+                f"message {index} part {j} has unsupported type {kind!r} (use 'text', 'image' or 'video')"
+            )
     return parts
 
 
-def count_images(messages: Sequence[Mapping[str, Any]]) -> int:
-    """Number of image parts in a (normalised) conversation."""
+def count_images(messages: Sequence[Mapping[str, Any]], kind: str = "image") -> int:
+    """Number of image (or ``kind``) parts in a (normalised) conversation."""
     return sum(
-        1 for m in messages if not isinstance(m["content"], str) for part in m["content"] if part.get("type") == "image"
+        1 for m in messages if not isinstance(m["content"], str) for part in m["content"] if part.get("type") == kind
     )
 
 
@@ -248,9 +250,10 @@ def render_chatml(
     messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True, add_vision_id: bool = False
 ) -> str:
     """ChatML as Qwen3-VL Instruct renders it: no default system prompt; each image part
-    becomes ``<|vision_start|><|image_pad|><|vision_end|>`` (``Picture N: `` first if add_vision_id)."""
+    becomes ``<|vision_start|><|image_pad|><|vision_end|>`` (``Picture N: `` first if add_vision_id), each
+    video part ``<|vision_start|><|video_pad|><|vision_end|>`` (``Video N: ``)."""
     pieces: list[str] = []
-    image_no = 0
+    numbers = {"image": 0, "video": 0}
     for message in normalize_messages(messages):
         pieces.append(f"{IM_START}{message['role']}\n")
         content = message["content"]
@@ -261,10 +264,11 @@ def render_chatml(
                 if part["type"] == "text":
                     pieces.append(part["text"])
                 else:
-                    image_no += 1
+                    kind = part["type"]
+                    numbers[kind] += 1
                     if add_vision_id:
-                        pieces.append(f"Picture {image_no}: ")
-                    pieces.append(f"{VISION_START}{IMAGE_PAD}{VISION_END}")
+                        pieces.append(f"{'Picture' if kind == 'image' else 'Video'} {numbers[kind]}: ")
+                    pieces.append(f"{VISION_START}{IMAGE_PAD if kind == 'image' else VIDEO_PAD}{VISION_END}")
         pieces.append(f"{IM_END}\n")
     if add_generation_prompt:
         pieces.append(f"{IM_START}assistant\n")

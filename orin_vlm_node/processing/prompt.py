@@ -15,7 +15,8 @@ from typing import Any
 
 from .chat_template import ChatTemplate, count_images, normalize_messages
 from .errors import PromptError
-from .tokenizer import RenderedPrompt, Tokenizer
+from .tokenizer import RenderedPrompt, SpecialTokens, Tokenizer
+from .video import VideoLayout, timestamp_text
 
 # Stands in for each character of special-token text inside a message while the template's own special
 # tokens are located (a private-use character: no template writes it, no special token contains it).
@@ -83,9 +84,11 @@ def build_prompt_ids(
     image_token_counts: Sequence[int],
     add_generation_prompt: bool = True,
     prompt_special_tokens: bool = False,
+    videos: Sequence[VideoLayout] = (),
     **template_kwargs: Any,
 ) -> list[int]:
-    """Token ids of the rendered conversation, the i-th ``<|image_pad|>`` repeated image_token_counts[i] times.
+    """Token ids of the rendered conversation, the i-th ``<|image_pad|>`` repeated image_token_counts[i] times,
+    the i-th video's placeholder replaced by its timestamped frame groups (:func:`expand_video_pads`).
 
     Message text is plain text unless ``prompt_special_tokens``. Raises ``PromptError`` when the images given do
     not match the image parts of the conversation or the placeholders in the rendered prompt (a template
@@ -100,10 +103,51 @@ def build_prompt_ids(
     n_parts = count_images(plain)
     if n_parts != len(counts):
         raise PromptError(f"the conversation has {n_parts} image part(s) but {len(counts)} image(s) were given")
+    n_videos = count_images(plain, "video")
+    if n_videos != len(videos):
+        raise PromptError(f"the conversation has {n_videos} video part(s) but {len(videos)} video(s) were given")
     rendered = render_prompt(
         template, plain, tokenizer.special_texts, add_generation_prompt, prompt_special_tokens, **template_kwargs
     )
-    return expand_image_pads(tokenizer.encode_prompt(rendered), tokenizer.special.image_pad, counts)
+    ids = expand_video_pads(tokenizer.encode_prompt(rendered), tokenizer.special, video_ids(tokenizer, videos))
+    return expand_image_pads(ids, tokenizer.special.image_pad, counts)
+
+
+def video_ids(tokenizer: Tokenizer, videos: Sequence[VideoLayout]) -> list[list[int]]:
+    """Per video, the ids that stand for it: each frame group's timestamp text, then ``<|vision_start|>``,
+    its ``<|video_pad|>`` tokens and ``<|vision_end|>`` (the layout Qwen3-VL was trained with)."""
+    s = tokenizer.special
+    out = []
+    for layout in videos:
+        ids: list[int] = []
+        for seconds in layout.timestamps:
+            ids += tokenizer.encode_plain(timestamp_text(seconds))
+            ids += [s.vision_start, *[s.video_pad] * layout.group_tokens, s.vision_end]
+        out.append(ids)
+    return out
+
+
+def expand_video_pads(ids: Sequence[int], special: SpecialTokens, videos: Sequence[Sequence[int]]) -> list[int]:
+    """Replace the i-th ``<|vision_start|><|video_pad|><|vision_end|>`` of ``ids`` with ``videos[i]``.
+
+    Qwen's processor (and vLLM) replace the template's whole triple, so no outer vision pair encloses the
+    frame groups (transformers 5 keeps one; the model was not trained so). PromptError when the
+    placeholders and the videos do not match."""
+    found = [i for i, t in enumerate(ids) if t == special.video_pad]
+    if len(found) != len(videos):
+        raise PromptError(
+            f"the rendered prompt has {len(found)} video placeholder(s) but {len(videos)} video(s) were given "
+            "(text must not contain <|video_pad|>; the chat template must render every video part)"
+        )
+    out: list[int] = []
+    at = 0
+    for i, expansion in zip(found, videos, strict=True):
+        if i == 0 or i + 1 >= len(ids) or ids[i - 1] != special.vision_start or ids[i + 1] != special.vision_end:
+            raise PromptError("the chat template does not enclose a video in <|vision_start|> and <|vision_end|>")
+        out += ids[at : i - 1]
+        out += expansion
+        at = i + 2
+    return out + list(ids[at:])
 
 
 def expand_image_pads(ids: Sequence[int], pad: int, image_token_counts: Sequence[int]) -> list[int]:
