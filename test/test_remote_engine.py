@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from scripted_server import scripted_server, sse
 
-from orin_vlm_node.engine import Request, SamplingParams, Turn
+from orin_vlm_node.engine import Request, SamplingParams, Turn, Video
 from orin_vlm_node.engine.grounding import detections, grounding_request
 from orin_vlm_node.remote.client import Endpoint
 from orin_vlm_node.remote.engine import RemoteConfig, RemoteEngine
@@ -157,3 +157,11 @@ def test_a_listed_model_and_a_missing_one_are_reported(peer):
         assert "'other' is not listed" in described["server_problem"]
     finally:
         listed.close()
+
+
+def test_a_video_is_refused_with_the_reason_and_nothing_is_posted(peer):
+    script, engine = peer
+    clip = Video((np.zeros((32, 32, 3), np.uint8),) * 2, (0.0, 0.5))
+    (done,) = list(engine.generate(Request(Turn("What moved?", videos=(clip,)), SamplingParams(temperature=0.0))))
+    assert done.finish_reason == "error" and "does not send videos" in done.error
+    assert script.posts() == []

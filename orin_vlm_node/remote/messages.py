@@ -33,7 +33,10 @@ def data_url(image: np.ndarray, color: str, image_format: str) -> str:
 
 
 def user_message(turn: Turn, image_format: str) -> dict[str, Any]:
-    """One user turn: its frames first (in order), then its text, as the local template places them."""
+    """One user turn: its frames first (in order), then its text, as the local template places them.
+    ValueError for a turn with videos: they are not sent to a server (never dropped silently)."""
+    if turn.videos:
+        raise ValueError("backend openai does not send videos; ask with images, or use backend local for video")
     content: list[dict[str, Any]] = [
         {"type": "image_url", "image_url": {"url": data_url(image, turn.color, image_format)}} for image in turn.images
     ]
