@@ -219,6 +219,19 @@ SETTINGS: tuple[Setting, ...] = (
        per_channel=True),
     _s("image_max_age_s", float, 2.0, "a prompt uses the latest image of each topic not older than this; 0 = no "
        "images", N, NEXT, unit="s", min=0.0, max=3600.0),
+    _s("video_seconds", float, 0.0, "a prompt sends the last this many seconds of each camera as a video (its "
+       "frames and their stamps) instead of the latest frame; 0 = the latest frame (a prompt on prompt_json may "
+       "ask its own)", N, NEXT, unit="s", min=0.0, max=600.0, per_channel=True),
+    _s("video_fps", float, 2.0, "frames a second a video prompt sends (at most video_history_fps are kept)", N,
+       NEXT, unit="frames/s", min=0.05, max=30.0, per_channel=True),
+    _s("video_history_s", float, 10.0, "seconds of frames kept per camera for video prompts; 0 = none kept",
+       N, NEXT, unit="s", min=0.0, max=600.0),
+    _s("video_history_fps", float, 2.0, "frames a second kept per camera, by their header stamps", N, NEXT,
+       unit="frames/s", min=0.05, max=30.0),
+    _s("video_frame_pixels", int, 640 * 400, "a kept frame is scaled down to at most this area", N, NEXT,
+       unit="pixels", min=32 * 32, max=64 * MEGA),
+    _s("video_history_mb", int, 64, "memory of the kept frames of all cameras together; the oldest go first",
+       N, NEXT, unit="MB", min=1, max=65536),
     _s("prompt_queue_depth", int, 1000, "messages the prompt subscription holds for the node (a burst beyond "
        "it is lost by DDS before the node sees it)", N, RO, min=1, max=100_000),
     _s("max_queue", int, 4, "prompts waiting behind the running one; overflow drops the oldest", N, NEXT, min=1,

@@ -7,7 +7,7 @@ import json
 from orin_vlm_node.ros.status import TERMINAL_EVENTS, diagnostic_values, request_note, status_json
 
 KEYS = {
-    "event", "request_id", "finish_reason", "error", "metrics", "image_stamp", "images", "note", "changes",
+    "event", "request_id", "finish_reason", "error", "metrics", "image_stamp", "images", "videos", "note", "changes",
     "output_format", "output",
 }  # fmt: skip
 
@@ -38,6 +38,7 @@ def test_finished_event_round_trips():
         "metrics": {"ttft_s": 0.25, "generated_tokens": 8.0},
         "image_stamp": 12.5,
         "images": [{"topic": "front", "stamp": 12.5}, {"topic": "wrist", "stamp": 12.25}],
+        "videos": None,
         "note": None,
         "changes": None,
         "output_format": "choice of 2: yes | no",

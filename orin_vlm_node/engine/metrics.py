@@ -25,6 +25,8 @@ class RequestMetrics:
     preemptions: int = 0  # times the KV pool ran out and this request's KV was freed to make room
     preempted_tokens: int = 0  # KV tokens those preemptions freed (recomputed, less prefix-cache hits)
     forgotten_tokens: int = 0  # tokens of earlier turns dropped: the conversation was full and started over
+    video_frames: int = 0  # frames the turn's videos sent (fewer than given when video_max_tokens dropped some)
+    video_tokens: int = 0  # visual tokens of those videos
     peak_memory_mb: float = 0.0
     ttft_s: float = 0.0
     prefill_s: float = 0.0
@@ -67,7 +69,8 @@ class RequestMetrics:
             "preempted_tokens": float(self.preempted_tokens),
             "forgotten_tokens": float(self.forgotten_tokens),
             "peak_memory_mb": self.peak_memory_mb,
-        }
+        } | ({"video_frames": float(self.video_frames), "video_tokens": float(self.video_tokens)}
+             if self.video_frames else {})  # fmt: skip
 
 
 def reset_peak_memory(device: torch.device) -> None:

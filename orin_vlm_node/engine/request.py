@@ -251,6 +251,8 @@ class RequestRun:
             self.session = None
             self.metrics.forgotten_tokens = full.history
         self.metrics.prompt_tokens = self._turn.total_tokens
+        self.metrics.video_frames = sum(v.frames_used for v in self._turn.videos)
+        self.metrics.video_tokens = sum(v.tokens for v in self._turn.videos)
 
     def _prepare_turn(self, session: Session | None) -> PreparedTurn:
         return self.parts.turns.prepare(

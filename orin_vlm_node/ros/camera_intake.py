@@ -1,7 +1,8 @@
 """The cameras' frames as the node receives them: each checked at once (sizes, encoding, a compressed frame's
 header: microseconds, so a bad camera is reported on its first frame), kept as the topic's newest and
-converted only when a prompt takes it. A bad frame is logged and told to the channels that watch its camera,
-each distinct error at most once a second (a broken camera at 30 Hz would otherwise flood both)."""
+converted only when a prompt takes it, or at once when the video history keeps it (a few a second). A bad
+frame is logged and told to the channels that watch its camera, each distinct error at most once a second (a
+broken camera at 30 Hz would otherwise flood both)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from typing import Any
 import numpy as np
 from sensor_msgs.msg import CompressedImage, Image
 
+from .frame_history import FrameHistory, HistorySettings
 from .image import (
     ImageConversionError,
     ImageConverter,
@@ -26,17 +28,19 @@ IMAGE_ERROR_INTERVAL_S = 1.0
 
 
 class CameraIntake:
-    """Frames into ``frames``; ``values`` the node's parameter values (read per frame), ``tell(topic, error,
-    stamp)`` what reports an error (throttled here)."""
+    """Frames into ``frames`` and, sampled, into ``history``; ``values`` the node's parameter values (read per
+    frame), ``tell(topic, error, stamp)`` what reports an error (throttled here)."""
 
     def __init__(
         self,
         frames: LatestFrames,
+        history: FrameHistory,
         converter: ImageConverter,
         values: Mapping[str, Any],
         tell: Callable[[str, str, float], None],
     ) -> None:
-        self._frames, self._converter, self._values, self._tell = frames, converter, values, tell
+        self._frames, self._history, self._converter = frames, history, converter
+        self._values, self._tell = values, tell
         self._errors: dict[str, float] = {}  # error text -> when it was last reported
 
     def on_image(self, topic: str, msg: Image) -> None:
@@ -65,13 +69,23 @@ class CameraIntake:
             self.report_error(topic, f"{rejected}: {exc}", stamp)
             return
 
+        done: list[np.ndarray] = []  # the conversion, shared by the newest frame and the history
+
         def converted() -> np.ndarray:
-            try:
-                return convert(msg, max_pixels)
-            except ImageConversionError as exc:
-                raise ImageConversionError(f"{rejected}: {exc}") from None
+            if not done:
+                try:
+                    done.append(convert(msg, max_pixels))
+                except ImageConversionError as exc:
+                    raise ImageConversionError(f"{rejected}: {exc}") from None
+            return done[0]
 
         self._frames.set(topic, converted, stamp, msg.header)
+        settings = history_settings(self._values)
+        if self._history.wants(topic, stamp, settings):
+            try:
+                self._history.add(topic, stamp, converted(), settings)
+            except ImageConversionError as exc:
+                self.report_error(topic, str(exc), stamp)
 
     def _from(self, topic: str) -> str:
         """`` from <topic>`` when there are several cameras to tell apart."""
@@ -86,3 +100,13 @@ class CameraIntake:
             self._errors = {k: t for k, t in self._errors.items() if now - t < IMAGE_ERROR_INTERVAL_S}
         self._errors[error] = now
         self._tell(topic, error, stamp)
+
+
+def history_settings(values: Mapping[str, Any]) -> HistorySettings:
+    """The video history's parameters, as the node has them now."""
+    return HistorySettings(
+        seconds=float(values["video_history_s"]),
+        fps=float(values["video_history_fps"]),
+        frame_pixels=int(values["video_frame_pixels"]),
+        max_bytes=int(values["video_history_mb"]) * 1024 * 1024,
+    )

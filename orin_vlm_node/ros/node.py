@@ -35,6 +35,7 @@ from ..remote.engine import RemoteEngine
 from .camera_intake import CameraIntake
 from .channel import Channel
 from .detections import vision_msgs
+from .frame_history import FrameHistory
 from .image import (
     ImageConverter,
     LatestFrames,
@@ -55,7 +56,7 @@ from .params import (
 from .prompt_message import PromptReader, json_prompt, pending_prompt, plain_prompt
 from .request_queue import RequestQueue
 from .startup import StartupError, channel_list, context_problem, prompt_problem, remote_startup, startup_config
-from .status import engine_diagnostics
+from .status import engine_diagnostics, history_diagnostics
 from .status_events import READY_POLL_S, READY_SLOW_POLL_S, StatusEvents
 from .worker import Worker, on_passing_thread
 
@@ -117,7 +118,8 @@ class VlmServing:
         names = channel_list(self._values)
         topics = [t for ch in names for t in channel_values(self._values, ch)["image_topics"]]
         self._frames = LatestFrames(list(dict.fromkeys(topics)))  # each camera once, in first-use order
-        self._cameras = CameraIntake(self._frames, self._converter, self._values, self._tell_image_error)
+        self._history = FrameHistory(self._frames.topics)
+        self._cameras = CameraIntake(self._frames, self._history, self._converter, self._values, self._tell_image_error)
         self._queue = RequestQueue(int(self._values["max_queue"]))
         prompt_depth = int(self._values["prompt_queue_depth"])
         stream_qos = QoSProfile(depth=max(1000, 3 * prompt_depth), reliability=ReliabilityPolicy.RELIABLE)
@@ -246,7 +248,7 @@ class VlmServing:
                 frames = self._frames.pick(float(values["image_max_age_s"]), values["image_topics"])
                 for topic, error, stamp in frames.errors:  # a frame whose header passed but whose data did not
                     self._cameras.report_error(topic, error, stamp)
-                item = pending_prompt(request_id, message, values, frames, ch.name)
+                item = pending_prompt(request_id, message, values, frames, ch.name, self._history)
         except ValueError as exc:
             refused = str(exc)
         if refused:
@@ -354,6 +356,7 @@ class VlmServing:
             described, state, len(self._queue), sum(worker.completed.values()), worker.last_metrics
         )
         values.append(("running_requests", str(len(worker.running))))  # decoding together in one batch
+        values += history_diagnostics(self._history.stats(), int(self._values["video_history_mb"]))
         if len(self._channels) > 1 or "" not in self._channels:
             for ch in self._channels.values():
                 prefix = f"channel.{ch.name}."

@@ -18,6 +18,7 @@ from typing import Any
 
 from ..engine.events import SamplingParams
 from ..engine.output_format import OutputFormat
+from .frame_history import PickedVideos
 from .image import PickedFrames
 
 
@@ -38,14 +39,17 @@ class PendingPrompt:
     channel: str = ""  # the asker's channel; "" = the node's only one
     output: OutputFormat | None = None  # what the answer must match (None: free text)
     detect: tuple[str, ...] = ()  # a detection request: the labels (its answer is published as detections)
+    videos: PickedVideos = PickedVideos()  # the cameras' recent past, when the prompt asks about time
 
     @property
     def note(self) -> str | None:
-        return self.frames.note
+        return "; ".join(n for n in (self.frames.note, self.videos.note) if n) or None
 
     def status_fields(self) -> dict[str, Any]:
         """The status fields that say which frames the prompt uses and the format its answer must match."""
         fields: dict[str, Any] = {"image_stamp": self.frames.first_stamp, "images": self.frames.used}
+        if self.videos.videos:
+            fields["videos"] = self.videos.used
         if self.output is not None:
             fields["output_format"] = self.output.describe()
         return fields

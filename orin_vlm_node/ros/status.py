@@ -56,6 +56,7 @@ def status_json(
     metrics: Mapping[str, float] | None = None,
     image_stamp: float | None = None,
     images: Sequence[tuple[str, float]] | None = None,
+    videos: Sequence[tuple[str, int, float, float]] | None = None,
     note: str | None = None,
     changes: Mapping[str, Any] | None = None,
     output_format: str | None = None,
@@ -72,6 +73,9 @@ def status_json(
                 "metrics": dict(metrics) if metrics is not None else None,
                 "image_stamp": image_stamp,
                 "images": [{"topic": t, "stamp": st} for t, st in images] if images is not None else None,
+                "videos": [{"topic": t, "frames": n, "first_stamp": a, "last_stamp": b} for t, n, a, b in videos]
+                if videos is not None
+                else None,
                 "note": note,
                 "changes": dict(changes) if changes is not None else None,
                 "output_format": output_format,
@@ -124,3 +128,17 @@ def engine_diagnostics(
         ("last_decode_tokens_per_s", f"{metrics.get('decode_tokens_per_s', 0.0):.4g}"),
     ] + diagnostic_values(described, prefix="engine.")
     return level, message, values
+
+
+def history_diagnostics(stats: Sequence[tuple[str, int, int, float]], limit_mb: int) -> list[tuple[str, str]]:
+    """The video history's key/values: all cameras' memory against ``video_history_mb``, then per camera
+    the frames kept, their memory and the seconds they span."""
+    total = sum(b for _, _, b, _ in stats)
+    values = [("video_history.mb", f"{total / 2**20:.1f}"), ("video_history.limit_mb", str(limit_mb))]
+    for topic, frames, size, span in stats:
+        values += [
+            (f"video_history.{topic}.frames", str(frames)),
+            (f"video_history.{topic}.mb", f"{size / 2**20:.1f}"),
+            (f"video_history.{topic}.seconds", f"{span:.1f}"),
+        ]
+    return values

@@ -230,7 +230,7 @@ class Worker:
             return None
         outputs = self.outputs[item.channel]
         request = Request(
-            turn=Turn(text=item.text, images=item.frames.images),
+            turn=Turn(text=item.text, images=item.frames.images, videos=item.videos.videos),
             sampling=item.sampling,
             system_prompt=item.system_prompt,
             session_id=self._session_id(item.channel),
