@@ -64,6 +64,9 @@ class BenchConfig:
     remote_chars: int = 800  # the answer's length (letters held by a regular expression; one token each or less)
     remote_repeats: int = 16  # alternating pairs (a 2-core host running vLLM, the node and the client is noisy)
     ros_idle_camera_s: float = 10.0  # per round: the node's CPU with a 30 Hz 720p camera and no prompt
+    # video prompts: the same frames as one video, as separate images, and the last one alone
+    video_frames: int = 8
+    video_frame_size: tuple[int, int] = (448, 448)
     # continuous batching
     batch_sizes: tuple[int, ...] = (1, 2, 4, 8)
     batch_tokens: int = 64  # default model, per member (fixed length)
@@ -123,6 +126,8 @@ QUICK = replace(
     paged_layers=1,
     prefix_image_size=(64, 64),
     prefix_max_new_tokens=2,
+    video_frames=4,
+    video_frame_size=(64, 64),
     batch_tokens=12,  # more steps than the largest batch has members: all of them decode together
     quant_held_out=40,
     ros_max_new_tokens=32,  # several tokens messages at the default 20 ms period

@@ -21,6 +21,7 @@ TITLES = {
     "paged_vs_contiguous": "Paged vs contiguous KV cache",
     "prefix_cache": "Prefix cache and multi-turn sessions",
     "structured": "Structured output (formats, grounding)",
+    "video": "Video prompts (a camera's recent past)",
     "batching": "Continuous batching (requests decoding together)",
     "quantization": "Weight-only quantization (accuracy, weight bytes, CPU decode speed)",
     "memory": "Memory",

@@ -50,6 +50,7 @@ MODULES = {
     "paged_vs_contiguous": "paged",
     "prefix_cache": "prefix_cache",
     "structured": "structured",
+    "video": "video",
     "batching": "batching",
     "quantization": "quantization",
     "memory": "memory",

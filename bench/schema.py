@@ -16,6 +16,7 @@ SECTIONS = (
     "paged_vs_contiguous",
     "prefix_cache",
     "structured",
+    "video",
     "batching",
     "quantization",
     "memory",

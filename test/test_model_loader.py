@@ -275,7 +275,7 @@ def test_image_feature_count_mismatch_in_forward():
     pixel_values, grid = random_pixel_values([[1, 4, 4]])  # ... but one image encoded
     vision = model.encode_images(pixel_values, grid)
     positions = torch.zeros(3, len(ids), dtype=torch.long)
-    with pytest.raises(ValueError, match="8 <|image_pad|> tokens but 4 image feature rows"):
+    with pytest.raises(ValueError, match="8 image and video pad tokens but 4 feature rows"):
         model.forward(torch.tensor(ids), positions, lambda i, q, k, v: causal_attention(q, k, v, 0), vision)
     with pytest.raises(ValueError, match="more image-pad tokens than images"):
         mrope_positions(ids, grid, model.config.image_token_id, 2)

@@ -1,0 +1,82 @@
+"""Video prompts: what a camera's recent past costs in time to first token, and how much of it is the
+vision tower.
+
+The same eight 448x448 frames asked about three ways, alternated: as one video (four frame pairs, each a
+temporal patch: half the visual tokens of the frames as images), as eight separate images, and the last
+frame alone as one image. Prefix caching and the vision cache are off, so every request encodes and
+prefills all of it. ``vision_share``: the vision tower's time over the request's TTFT, the tower timed alone
+on the same preprocessed patches right after each request.
+On the default model (its preprocessor scales the frames down: a small tower and few tokens), and in
+full/medium mode on the 2B-shape random checkpoint (bf16), whose preprocessor keeps 448x448 as Qwen3-VL's does.
+"""
+
+from __future__ import annotations
+
+import time
+
+from bench.context import BenchContext
+from bench.section import SectionResult
+from bench.stats import alternate, paired_ratio
+from bench.timing import GenTiming, run_engine
+from bench.vs_transformers import greedy, make_engine
+
+QUESTION = "What changed between the first and the last frame?"
+
+
+def _vision_s(engine, turn) -> float:
+    """Seconds the vision tower takes on ``turn``'s images and frame groups (preprocessed once, not timed)."""
+    from orin_vlm_node.engine.images import VisionCache, encode_needed
+
+    batch = engine.parts.turns.prepare(turn, None, None, engine.parts.config.max_context_tokens).images
+    t0 = time.perf_counter()
+    encode_needed(engine.parts.model, batch, 0, VisionCache(0))
+    return time.perf_counter() - t0
+
+
+def _measure(res: SectionResult, prefix: str, engine, frames, repeats: int, warmup: int) -> None:
+    from orin_vlm_node.engine import Request, Turn, Video
+
+    turns = {
+        "video": Turn(QUESTION, videos=(Video(tuple(frames), tuple(i * 0.5 for i in range(len(frames)))),)),
+        "images": Turn(QUESTION, images=tuple(frames)),
+        "one_image": Turn(QUESTION, images=(frames[-1],)),
+    }
+    vision: dict[str, list[float]] = {name: [] for name in turns}
+
+    def ask(name: str) -> GenTiming:
+        timing = run_engine(engine, Request(turns[name], greedy(1)))
+        vision[name].append(_vision_s(engine, turns[name]))
+        return timing
+
+    runs = alternate({name: (lambda name=name: ask(name)) for name in turns}, repeats=repeats, warmup=warmup)
+    for name, timings in runs.items():
+        ttft = [t.ttft_s for t in timings]
+        res.add(f"{prefix}{name}.ttft_s", "s", ttft, f"TTFT, the frames as {name.replace('_', ' ')}", prompt=name)
+        share = [v / t for v, t in zip(vision[name][-len(ttft) :], ttft, strict=True)]
+        res.add(f"{prefix}{name}.vision_share", "fraction", share, "vision tower time / TTFT", prompt=name)
+        res.setup[f"{prefix}{name}_prompt_tokens"] = timings[-1].prompt_tokens
+    video, images = [t.ttft_s for t in runs["video"]], [t.ttft_s for t in runs["images"]]
+    res.add(f"{prefix}video_vs_images", "ratio", paired_ratio(video, images), "TTFT as a video / as 8 images")
+    one = [t.ttft_s for t in runs["one_image"]]
+    res.add(f"{prefix}video_vs_one_image", "ratio", paired_ratio(video, one), "TTFT as a video / the last frame")
+
+
+def run(ctx: BenchContext) -> SectionResult:
+    cfg = ctx.config
+    res = SectionResult("video")
+    frames = [ctx.image(*cfg.video_frame_size, seed=10 + i) for i in range(cfg.video_frames)]
+    res.setup.update(frames=cfg.video_frames, frame_size=list(cfg.video_frame_size))
+    off = dict(prefix_caching=False, vision_cache_images=0, max_context_tokens=16384)
+    model_dir, what = ctx.default_model()
+    ctx.log("video: default model")
+    _measure(res, "", make_engine(model_dir, "fp32", **off), frames, cfg.repeats, cfg.warmup)
+    res.setup["model"] = what
+    missing = ctx.big_checkpoint_missing()
+    if missing:
+        res.skip_part("2b_bf16", missing)
+        return res
+    ctx.log("video: 2B-shape checkpoint (bf16)")
+    big = make_engine(ctx.big_checkpoint(), "bf16", **off)
+    _measure(res, "2b_bf16.", big, frames, cfg.big_repeats, cfg.warmup)
+    res.setup["2b_checkpoint"] = ctx.big_checkpoint_origin
+    return res
