@@ -7,12 +7,15 @@ frame alone as one image. Prefix caching and the vision cache are off, so every 
 prefills all of it. ``vision_share``: the vision tower's time over the request's TTFT, the tower timed alone
 on the same preprocessed patches right after each request.
 On the default model (its preprocessor scales the frames down: a small tower and few tokens), and in
-full/medium mode on the 2B-shape random checkpoint (bf16), whose preprocessor keeps 448x448 as Qwen3-VL's does.
+full/medium mode on the 2B-shape random checkpoint (bf16) with Qwen3-VL-2B's published preprocessor sizes
+(images 65,536 to 16,777,216 pixels, a video's frames together 4,096 to 25,165,824), which keep 448x448.
 """
 
 from __future__ import annotations
 
+import json
 import time
+from pathlib import Path
 
 from bench.context import BenchContext
 from bench.section import SectionResult
@@ -21,6 +24,21 @@ from bench.timing import GenTiming, run_engine
 from bench.vs_transformers import greedy, make_engine
 
 QUESTION = "What changed between the first and the last frame?"
+QWEN_IMAGE_PIXELS = (65_536, 16_777_216)  # Qwen3-VL-2B-Instruct's preprocessor_config.json
+QWEN_VIDEO_PIXELS = (4_096, 25_165_824)  # its video_preprocessor_config.json
+
+
+def with_qwen_video_sizes(src: Path, dst: Path) -> Path:
+    """``src`` seen through links in ``dst``, with Qwen3-VL's video preprocessor sizes (the random checkpoints'
+    are a tenth of them, so the cached 4 GB checkpoint is neither copied nor changed)."""
+    dst.mkdir(parents=True, exist_ok=True)
+    for f in src.iterdir():
+        if f.name != "video_preprocessor_config.json" and not (dst / f.name).exists():
+            (dst / f.name).symlink_to(f.resolve())
+    video = json.loads((src / "preprocessor_config.json").read_text())
+    video["size"] = {"shortest_edge": QWEN_VIDEO_PIXELS[0], "longest_edge": QWEN_VIDEO_PIXELS[1]}
+    (dst / "video_preprocessor_config.json").write_text(json.dumps(video, indent=2))
+    return dst
 
 
 def _vision_s(engine, turn) -> float:
@@ -76,7 +94,9 @@ def run(ctx: BenchContext) -> SectionResult:
         res.skip_part("2b_bf16", missing)
         return res
     ctx.log("video: 2B-shape checkpoint (bf16)")
-    big = make_engine(ctx.big_checkpoint(), "bf16", **off)
+    model = with_qwen_video_sizes(ctx.big_checkpoint(), ctx.scratch / "big_qwen_video_sizes")
+    sizes = dict(image_min_pixels=QWEN_IMAGE_PIXELS[0], image_max_pixels=QWEN_IMAGE_PIXELS[1])
+    big = make_engine(model, "bf16", **off, **sizes)
     _measure(res, "2b_bf16.", big, frames, cfg.big_repeats, cfg.warmup)
     res.setup["2b_checkpoint"] = ctx.big_checkpoint_origin
     return res
