@@ -1,5 +1,6 @@
-"""Training batches built exactly as the runtime builds its inputs: pixels from the runtime's own image processor,
-prompt ids from the ChatML text with the image pad expanded."""
+"""Training batches built exactly as the runtime builds its inputs: pixels from the runtime's own image and video
+processors, prompt ids from the ChatML text with the image pad expanded or the video placeholder replaced by its
+timestamped frame groups."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from support import scene_videos as videos
 from support import synthetic_scenes as scenes
 
 
@@ -70,6 +72,17 @@ class Encoder:
         i = ids.index(pad)
         return ids[:i] + [pad] * n_image_tokens + ids[i + 1 :]
 
+    def video_prompt(self, question: str, timestamps: tuple[float, ...], group_tokens: int) -> list[int]:
+        """A question about a clip, the clip's frame groups where the template puts the video (Qwen's layout)."""
+        from orin_vlm_node.processing.video import timestamp_text
+
+        head, tail = self._enc("<|im_start|>user\n"), self._enc(f"{question}<|im_end|>\n<|im_start|>assistant\n")
+        groups = []
+        for seconds in timestamps:
+            groups += self._enc(timestamp_text(seconds)) + [self.ids["<|vision_start|>"]]
+            groups += [self.ids["<|video_pad|>"]] * group_tokens + [self.ids["<|vision_end|>"]]
+        return head + groups + tail
+
     def answer(self, answer: str) -> list[int]:
         return self._enc(answer) + [self.ids["<|im_end|>"]]
 
@@ -77,17 +90,43 @@ class Encoder:
 def make_batch(samples: list[scenes.Sample], enc: Encoder, pixels: Pixels) -> dict[str, torch.Tensor]:
     images = [s.image for s in samples if s.image is not None]
     pv, grid, ntok = pixels(images) if images else (None, None, [])
-    seqs, labels = [], []
+    prompts = []
     k = 0
     for s in samples:
         n = None
         if s.image is not None:
             n = ntok[k]
             k += 1
-        p = enc.prompt(s.question, n)
-        a = enc.answer(s.answer)
-        seqs.append(p + a)
-        labels.append([-100] * len(p) + a)
+        prompts.append(enc.prompt(s.question, n))
+    batch = _padded(prompts, [enc.answer(s.answer) for s in samples], enc)
+    if pv is not None:
+        batch["pixel_values"] = pv
+        batch["image_grid_thw"] = grid
+    return batch
+
+
+def make_video_batch(clips: list[videos.Clip], enc: Encoder, processor) -> tuple[dict[str, torch.Tensor], list]:
+    """A batch of questions about clips, each clip one video (``processor``: the runtime's VideoProcessor; the
+    model takes each video's frame groups as one (groups, h, w) grid, as transformers' video processor gives),
+    and how each clip was sent (its ``VideoLayout``)."""
+    from orin_vlm_node.processing import Video
+
+    out = processor.preprocess([Video(c.frames, c.times) for c in clips])
+    layouts = zip(clips, out.layouts, strict=True)
+    prompts = [enc.video_prompt(c.question, v.timestamps, v.group_tokens) for c, v in layouts]
+    batch = _padded(prompts, [enc.answer(c.answer) for c in clips], enc)
+    patch = processor.config.patch_size
+    batch["pixel_values_videos"] = out.groups.pixel_values
+    batch["video_grid_thw"] = torch.tensor(
+        [[len(v.timestamps), v.size[0] // patch, v.size[1] // patch] for v in out.layouts]
+    )
+    return batch, out.layouts
+
+
+def _padded(prompts: list[list[int]], answers: list[list[int]], enc: Encoder) -> dict[str, torch.Tensor]:
+    """Prompt + answer rows, right-padded; labels only on the answers; the pads' modality types."""
+    seqs = [p + a for p, a in zip(prompts, answers, strict=True)]
+    labels = [[-100] * len(p) + a for p, a in zip(prompts, answers, strict=True)]
     length = max(len(x) for x in seqs)
     pad = enc.ids["<|endoftext|>"]
     input_ids = torch.full((len(seqs), length), pad, dtype=torch.long)
@@ -97,13 +136,5 @@ def make_batch(samples: list[scenes.Sample], enc: Encoder, pixels: Pixels) -> di
         input_ids[i, : len(x)] = torch.tensor(x)
         label_t[i, : len(y)] = torch.tensor(y)
         mask[i, : len(x)] = 1
-    batch = {
-        "input_ids": input_ids,
-        "attention_mask": mask,
-        "labels": label_t,
-        "mm_token_type_ids": (input_ids == enc.ids["<|image_pad|>"]).long(),
-    }
-    if pv is not None:
-        batch["pixel_values"] = pv
-        batch["image_grid_thw"] = grid
-    return batch
+    types = (input_ids == enc.ids["<|image_pad|>"]).long() + 2 * (input_ids == enc.ids["<|video_pad|>"]).long()
+    return {"input_ids": input_ids, "attention_mask": mask, "labels": label_t, "mm_token_type_ids": types}

@@ -12,6 +12,8 @@ from .recipe import TrainConfig
 
 MIN_PIXELS = 32 * 32 * 4  # 4 image tokens
 MAX_PIXELS = 32 * 32 * 16  # 16 image tokens
+VIDEO_MAX_PIXELS = 32 * 32 * 64  # all frames of a clip together: 32 tokens (4 frames: 16 each, in 2 groups)
+SIDE_FILES = ("preprocessor_config.json", "video_preprocessor_config.json", "generation_config.json")
 
 
 def build_config(cfg: TrainConfig, ids: dict[str, int], vocab: int):
@@ -63,23 +65,35 @@ def build_config(cfg: TrainConfig, ids: dict[str, int], vocab: int):
     )
 
 
+# The pixel settings both processors share (Qwen3-VL's: patch 16, temporal patch 2, merge 2, mean/std 0.5).
+PIXELS = {
+    "do_convert_rgb": True,
+    "do_resize": True,
+    "do_rescale": True,
+    "rescale_factor": 1 / 255,
+    "do_normalize": True,
+    "image_mean": [0.5, 0.5, 0.5],
+    "image_std": [0.5, 0.5, 0.5],
+    "resample": 3,
+    "patch_size": 16,
+    "temporal_patch_size": 2,
+    "merge_size": 2,
+}
+
+
+def write_video_config(out: Path) -> None:
+    """``video_preprocessor_config.json``: the image settings, with a pixel budget shared by all of a clip's
+    frames (Qwen3-VL's video rule), fps 2 as its processor samples."""
+    video = {"video_processor_type": "Qwen3VLVideoProcessor", **PIXELS, "fps": 2.0,
+             "size": {"shortest_edge": MIN_PIXELS, "longest_edge": VIDEO_MAX_PIXELS}}  # fmt: skip
+    (out / "video_preprocessor_config.json").write_text(json.dumps(video, indent=2) + "\n")
+
+
 def write_side_configs(out: Path, ids: dict[str, int]) -> None:
-    preprocessor = {
-        "image_processor_type": "Qwen2VLImageProcessor",
-        "do_convert_rgb": True,
-        "do_resize": True,
-        "do_rescale": True,
-        "rescale_factor": 1 / 255,
-        "do_normalize": True,
-        "image_mean": [0.5, 0.5, 0.5],
-        "image_std": [0.5, 0.5, 0.5],
-        "resample": 3,
-        "patch_size": 16,
-        "temporal_patch_size": 2,
-        "merge_size": 2,
-        "size": {"shortest_edge": MIN_PIXELS, "longest_edge": MAX_PIXELS},
-    }
+    preprocessor = {"image_processor_type": "Qwen2VLImageProcessor", **PIXELS,
+                    "size": {"shortest_edge": MIN_PIXELS, "longest_edge": MAX_PIXELS}}  # fmt: skip
     (out / "preprocessor_config.json").write_text(json.dumps(preprocessor, indent=2) + "\n")
+    write_video_config(out)
     generation = {
         "bos_token_id": ids["<|endoftext|>"],
         "pad_token_id": ids["<|endoftext|>"],

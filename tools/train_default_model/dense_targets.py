@@ -9,11 +9,13 @@ import numpy as np
 import torch
 
 from support import synthetic_scenes as scenes
+from support.scene_videos import DIRECTIONS
 
 SHAPE_BACKGROUND = len(scenes.SHAPES)  # dense label of a token that shows no shape (kind classes 0..4)
 COLOR_BACKGROUND = len(scenes.COLORS)  # (colour classes 0..5)
 MIN_COVER = 0.25  # a token is labelled with a shape when the shape covers at least this fraction of it
 SIDES = ("left", "right", "top", "bottom")
+MOTION_CLASSES = 2 + len(DIRECTIONS)  # background, still, moving in each direction
 IGNORE = -100  # cross_entropy's ignore_index: tokens without a side label
 
 
@@ -103,6 +105,13 @@ class DenseHeads(torch.nn.Module):
         self.color = torch.nn.Linear(dim, COLOR_BACKGROUND + 1)
         self.where = torch.nn.Linear(dim, 2)
         self.side = torch.nn.Linear(dim, len(SIDES))
+        self.motion = torch.nn.Linear(dim, MOTION_CLASSES)  # a clip's tokens (motion_targets)
+
+    def motion_loss(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """tokens (n_tokens, dim) of frame groups, targets (n_tokens,) (``motion_targets``)."""
+        weight = torch.ones(MOTION_CLASSES, device=tokens.device)
+        weight[0] = self.BACKGROUND_WEIGHT
+        return torch.nn.functional.cross_entropy(self.motion(tokens), targets, weight=weight)
 
     def loss(self, tokens: torch.Tensor, t: DenseTargets, side_weight: float) -> torch.Tensor:
         """tokens (n_tokens, dim)."""

@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from support import scene_videos as videos
 from support import synthetic_scenes as scenes
 
 
@@ -14,6 +15,7 @@ class TrainConfig:
     """Everything that determines the trained weights (recorded in the model card)."""
 
     seed: int = 0
+    init_from: str = ""  # a checkpoint to fine-tune (its tokenizer and weights; stage 1 skipped); "" = from scratch
     vision_steps: int = 1400  # stage 1: dense vision pre-training (per-token shape kind, colour, position)
     vision_lr: float = 2e-3
     aux_weight: float = 0.5  # stage 2: weight of the dense vision loss next to the language-model loss
@@ -31,6 +33,8 @@ class TrainConfig:
     beta2: float = 0.98
     vision_lr_scale: float = 1.0  # learning rate of the vision tower relative to --lr
     easy_steps: int = 200  # curriculum: single-shape colour/shape/describe questions first
+    video_every: int = 0  # stage 2: every this-many-th step is a batch of clips asked which way a shape moved
+    video_pointer_weight: float = 1.0  # the pointer loss on clip steps (to the moving shape's tokens)
     grad_clip: float = 1.0
     vocab_size: int = 768
     text_hidden: int = 128
@@ -58,9 +62,10 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
     return cosine_lr(step, cfg.lr, cfg.warmup_steps, cfg.schedule_steps or cfg.steps, cfg.min_lr_ratio)
 
 
-# Disjoint index ranges of train_rng(seed, index) for the three streams a run draws from.
+# Disjoint index ranges of train_rng(seed, index) for the four streams a run draws from.
 EASY_OFFSET = 10**9  # stage 2 curriculum (rejection sampling: 1,000 indices per sample)
 VISION_OFFSET = 10**12  # stage 1 pictures
+VIDEO_OFFSET = 10**13  # stage 2 clips
 
 
 def is_easy(sample: scenes.Sample, scene: scenes.Scene) -> bool:
@@ -89,3 +94,13 @@ def draw_picture(cfg: TrainConfig, step: int, i: int) -> tuple[scenes.Sample, sc
         if drawn[0].image is not None:
             return drawn
     raise RuntimeError("no picture drawn")  # p(chat) is 0.1: unreachable
+
+
+def is_video_step(cfg: TrainConfig, step: int) -> bool:
+    """Whether stage-2 ``step`` trains on clips (after the curriculum)."""
+    return cfg.video_every > 0 and step >= cfg.easy_steps and step % cfg.video_every == cfg.video_every - 1
+
+
+def draw_clip(cfg: TrainConfig, step: int, i: int) -> videos.Clip:
+    """Clip ``i`` of a clip step ``step``."""
+    return videos.motion_clip(scenes.train_rng(cfg.seed, VIDEO_OFFSET + step * cfg.batch_size + i))

@@ -1,4 +1,6 @@
-"""The two training stages: dense vision pre-training, then question answering with the dense and pointer losses."""
+"""The two training stages: dense vision pre-training, then question answering with the dense and pointer losses
+(and, every ``video_every`` steps, a batch of clips asked which way a shape moved). A fine-tune (``init_from``)
+starts from a checkpoint's tokenizer and weights and runs stage 2 only."""
 
 from __future__ import annotations
 
@@ -11,14 +13,16 @@ from pathlib import Path
 
 import torch
 
+from orin_vlm_node.processing import VideoProcessor
 from support import synthetic_scenes as scenes
 
-from .batches import Encoder, Pixels, make_batch
-from .checkpoint_files import build_config, save, write_side_configs
+from .batches import Encoder, Pixels, make_batch, make_video_batch
+from .checkpoint_files import SIDE_FILES, build_config, save, write_side_configs, write_video_config
 from .dense_targets import DenseHeads, dense_targets
 from .evaluation import evaluate
+from .motion_targets import motion_targets
 from .pointer import AttentionPointer, pointer_queries
-from .recipe import TrainConfig, cosine_lr, draw, draw_picture, lr_at
+from .recipe import TrainConfig, cosine_lr, draw, draw_clip, draw_picture, is_video_step, lr_at
 from .vocabulary import build_tokenizer, write_tokenizer_files
 
 
@@ -112,6 +116,7 @@ class QuestionAnswering:
     heads: DenseHeads
     enc: Encoder
     pixels: Pixels
+    videos: VideoProcessor
     captured: list[torch.Tensor] = field(default_factory=list)
 
     def __post_init__(self) -> None:
@@ -123,21 +128,33 @@ class QuestionAnswering:
         """One optimizer step; returns (loss, geometric mean of the attention mass on the subjects)."""
         cfg = self.cfg
         self.model.train()
-        drawn = [draw(cfg, step, i) for i in range(cfg.batch_size)]
-        batch = make_batch([s for s, _ in drawn], self.enc, self.pixels)
+        clips, drawn = [], []
+        if is_video_step(cfg, step):  # the motion loss on the clips' tokens, the pointer to the moving shape
+            clips = [draw_clip(cfg, step, i) for i in range(cfg.batch_size)]
+            batch, layouts = make_video_batch(clips, self.enc, self.videos)
+        else:
+            drawn = [draw(cfg, step, i) for i in range(cfg.batch_size)]
+            batch = make_batch([s for s, _ in drawn], self.enc, self.pixels)
         for g in self.opt.param_groups:
             g["lr"] = lr_at(step, cfg) * g["lr_scale"]
         self.captured.clear()
         loss = self.model(**batch).loss
+        queries, pointer_weight = (pointer_queries(drawn, batch, self.enc), cfg.pointer_weight) if drawn else ([], 0.0)
+        if clips:
+            (tokens,) = self.captured
+            c = self.videos.config
+            sizes = [v.size for v in layouts]
+            targets, queries = motion_targets(clips, sizes, c.temporal_patch_size, c.factor, batch, self.enc)
+            pointer_weight = cfg.video_pointer_weight
+            loss = loss + cfg.aux_weight * self.heads.motion_loss(tokens, targets)
         if "image_grid_thw" in batch and cfg.aux_weight:
             (tokens,) = self.captured
             targets = dense_targets([sc for _, sc in drawn], batch["image_grid_thw"])
             loss = loss + cfg.aux_weight * self.heads.loss(tokens, targets, cfg.side_weight)
-        queries = pointer_queries(drawn, batch, self.enc) if cfg.pointer_weight else []
         mass = float("nan")
-        if queries:
+        if queries and pointer_weight:
             pointer_loss = self.pointer.loss(queries)
-            loss = loss + cfg.pointer_weight * pointer_loss
+            loss = loss + pointer_weight * pointer_loss
             mass = math.exp(-pointer_loss.item())
         self.opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -146,11 +163,35 @@ class QuestionAnswering:
         return loss.item(), mass
 
 
+def copy_checkpoint_skeleton(base: Path, out: Path):
+    """A fine-tune keeps its base's tokenizer, template and configs (the video processor's written where the
+    base has none): copied into ``out``; (tokenizer, special ids)."""
+    from tokenizers import Tokenizer
+
+    from .vocabulary import SPECIAL_TOKENS
+
+    out.mkdir(parents=True, exist_ok=True)
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "config.json", *SIDE_FILES):
+        if (base / name).is_file():
+            (out / name).write_bytes((base / name).read_bytes())
+    if not (out / "video_preprocessor_config.json").is_file():
+        write_video_config(out)
+    tok = Tokenizer.from_file(str(out / "tokenizer.json"))
+    return tok, {t: tok.token_to_id(t) for t in SPECIAL_TOKENS}
+
+
+def keep_base_config(cfg: TrainConfig, out: Path) -> None:
+    """A fine-tune's ``config.json`` is its base's: the architecture is the same, and saving from a float32
+    copy would mark the sub-configs float32 where the base says bfloat16."""
+    if cfg.init_from:
+        (out / "config.json").write_bytes((Path(cfg.init_from) / "config.json").read_bytes())
+
+
 def save_snapshot(model, out: Path, steps_done: int, ids: dict[str, int]) -> Path:
     """``<out>_step<N>``: a complete checkpoint of the weights after ``steps_done`` stage-2 steps."""
     snap = out.parent / f"{out.name}_step{steps_done}"
     snap.mkdir(exist_ok=True)
-    for f in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "preprocessor_config.json"):
+    for f in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", *SIDE_FILES):
         (snap / f).write_bytes((out / f).read_bytes())
     save(model, snap, ids)
     return snap
@@ -163,17 +204,22 @@ def train(cfg: TrainConfig, out: Path, allow_fallback: bool, eval_every: int, ev
     torch.set_num_threads(cfg.threads)
     torch.manual_seed(cfg.seed)
     t0 = time.time()
-    tok, ids, config = write_checkpoint_skeleton(cfg, out)
+    if cfg.init_from:
+        tok, ids = copy_checkpoint_skeleton(Path(cfg.init_from), out)
+        model = Qwen3VLForConditionalGeneration.from_pretrained(cfg.init_from, dtype=torch.float32)
+    else:
+        tok, ids, config = write_checkpoint_skeleton(cfg, out)
+        model = Qwen3VLForConditionalGeneration(config)
     pixels = Pixels(out, allow_fallback)
     enc = Encoder(tok, ids)
-    model = Qwen3VLForConditionalGeneration(config)
     model.config._attn_implementation = "sdpa"
     n_params = sum(p.numel() for p in model.parameters())
     print(f"params {n_params / 1e6:.2f} M, vocab {tok.get_vocab_size()}, pixels via {pixels.kind}", flush=True)
-    init_vision(model.model.visual)
     heads = DenseHeads(cfg.text_hidden)
-    pretrain_vision(cfg, model, heads, pixels, t0)
-    qa = QuestionAnswering(cfg, model, heads, enc, pixels)
+    if not cfg.init_from:
+        init_vision(model.model.visual)
+        pretrain_vision(cfg, model, heads, pixels, t0)
+    qa = QuestionAnswering(cfg, model, heads, enc, pixels, VideoProcessor.from_pretrained(out))
     eval_set = scenes.held_out_samples(eval_n)
     ema = None
     for step in range(cfg.steps):
@@ -188,9 +234,12 @@ def train(cfg: TrainConfig, out: Path, allow_fallback: bool, eval_every: int, ev
         if eval_every and step and step % eval_every == 0:
             print(f"eval@{step} {json.dumps(evaluate(model, enc, pixels, eval_set))}", flush=True)
         if save_every and (step + 1) % save_every == 0:
-            print(f"saved {save_snapshot(model, out, step + 1, ids)} t {time.time() - t0:.0f}s", flush=True)
+            snap = save_snapshot(model, out, step + 1, ids)
+            keep_base_config(cfg, snap)
+            print(f"saved {snap} t {time.time() - t0:.0f}s", flush=True)
     train_s = time.time() - t0
     save(model, out, ids)
+    keep_base_config(cfg, out)
     meta = {
         "train_config": asdict(cfg),
         "train_seconds": round(train_s, 1),
