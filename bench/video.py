@@ -5,7 +5,9 @@ The same eight 448x448 frames asked about three ways, alternated: as one video (
 temporal patch: half the visual tokens of the frames as images), as eight separate images, and the last
 frame alone as one image. Prefix caching and the vision cache are off, so every request encodes and
 prefills all of it. ``vision_share``: the vision tower's time over the request's TTFT, the tower timed alone
-on the same preprocessed patches right after each request.
+on the same preprocessed patches right after each request. ``sliding``: the question asked again over a
+history that moved on by one frame pair, with the vision cache against without it (the pairs seen before
+skip the tower; the prefix cache cannot help, the first pair differs).
 On the default model (its preprocessor scales the frames down: a small tower and few tokens), and in
 full/medium mode on the 2B-shape random checkpoint (bf16) with Qwen3-VL-2B's published preprocessor sizes
 (images 65,536 to 16,777,216 pixels, a video's frames together 4,096 to 25,165,824), which keep 448x448.
@@ -79,15 +81,45 @@ def _measure(res: SectionResult, prefix: str, engine, frames, repeats: int, warm
     res.add(f"{prefix}video_vs_one_image", "ratio", paired_ratio(video, one), "TTFT as a video / the last frame")
 
 
+def _sliding(res: SectionResult, prefix: str, cached, uncached, history, count: int, repeats: int) -> None:
+    """A history that moved on by one frame pair between questions: TTFT with the vision cache (the pairs
+    seen before skip the tower) against without, alternated; each engine saw the first window before."""
+    from orin_vlm_node.engine import Request, Turn, Video
+
+    def window(start: int) -> Request:
+        frames = history[start : start + count]
+        return Request(Turn(QUESTION, videos=(Video(tuple(frames), tuple(i * 0.5 for i in range(count))),)), greedy(1))
+
+    starts = {"cached": iter(range(0, len(history), 2)), "uncached": iter(range(0, len(history), 2))}
+    engines = {"cached": cached, "uncached": uncached}
+    for name in engines:
+        run_engine(engines[name], window(next(starts[name])))
+    runs = alternate(
+        {name: (lambda name=name: run_engine(engines[name], window(next(starts[name])))) for name in engines},
+        repeats=repeats,
+        warmup=0,
+    )
+    on, off = [t.ttft_s for t in runs["cached"]], [t.ttft_s for t in runs["uncached"]]
+    res.add(f"{prefix}sliding.cached.ttft_s", "s", on, "TTFT, the history one pair on, vision cache on", cache="on")
+    res.add(f"{prefix}sliding.uncached.ttft_s", "s", off, "the same, vision cache off", cache="off")
+    res.add(f"{prefix}sliding.ttft_cut", "fraction", [1 - r for r in paired_ratio(on, off)],
+            "1 - TTFT(cache on) / TTFT(cache off) per pair")  # fmt: skip
+    res.setup[f"{prefix}sliding_vision_cache"] = cached.parts.vision_cache.stats()
+
+
 def run(ctx: BenchContext) -> SectionResult:
     cfg = ctx.config
     res = SectionResult("video")
     frames = [ctx.image(*cfg.video_frame_size, seed=10 + i) for i in range(cfg.video_frames)]
     res.setup.update(frames=cfg.video_frames, frame_size=list(cfg.video_frame_size))
     off = dict(prefix_caching=False, vision_cache_images=0, max_context_tokens=16384)
+    history = [ctx.image(*cfg.video_frame_size, seed=10 + i) for i in range(cfg.video_frames + 2 * cfg.repeats + 2)]
     model_dir, what = ctx.default_model()
     ctx.log("video: default model")
-    _measure(res, "", make_engine(model_dir, "fp32", **off), frames, cfg.repeats, cfg.warmup)
+    uncached = make_engine(model_dir, "fp32", **off)
+    _measure(res, "", uncached, frames, cfg.repeats, cfg.warmup)
+    cached = make_engine(model_dir, "fp32", **(off | {"vision_cache_images": 64}))
+    _sliding(res, "", cached, uncached, history, cfg.video_frames, cfg.repeats)
     res.setup["model"] = what
     missing = ctx.big_checkpoint_missing()
     if missing:
@@ -98,5 +130,7 @@ def run(ctx: BenchContext) -> SectionResult:
     sizes = dict(image_min_pixels=QWEN_IMAGE_PIXELS[0], image_max_pixels=QWEN_IMAGE_PIXELS[1])
     big = make_engine(model, "bf16", **off, **sizes)
     _measure(res, "2b_bf16.", big, frames, cfg.big_repeats, cfg.warmup)
+    big_cached = make_engine(model, "bf16", **(off | sizes | {"vision_cache_images": 64}))
+    _sliding(res, "2b_bf16.", big_cached, big, history, cfg.video_frames, cfg.big_repeats)
     res.setup["2b_checkpoint"] = ctx.big_checkpoint_origin
     return res

@@ -78,8 +78,8 @@ def test_memory_is_bounded_across_cameras_and_the_largest_gives_first():
     _feed(history, "rear", [i / 2 for i in range(3)], settings)
     stats = {topic: (frames, size) for topic, frames, size, _ in history.stats()}
     assert sum(size for _, size in stats.values()) <= 10 * frame
-    assert stats["rear"][0] == 3 and stats["front"][0] == 7
-    assert history.clip("front", 3.0, 2.0, 5.0).video.times == (0.0, 0.5, 1.0, 1.5, 2.0, 2.5, 3.0)  # the newest
+    assert stats["rear"][0] == 3 and stats["front"][0] == 7  # the newest seven of 40
+    assert history.clip("front", 3.0, 2.0, 5.0).first_stamp + 2.5 == 19.5  # from the 34th: pairs at even places
 
 
 def test_kept_frames_are_scaled_down_to_the_pixel_bound_keeping_the_aspect():
@@ -136,9 +136,24 @@ def test_a_channel_with_video_seconds_sends_video_instead_of_frames_but_detectio
     values = {**defaults(), "video_seconds": 1.0, "video_fps": 2.0}
     latest = PickedFrames(images=(_frame(3),), used=(("image", 1.5),))
     item = pending_prompt("r1", plain_prompt("What changed?"), values, latest, "", history)
-    assert item.frames.images == () and item.videos.used == (("image", 3, 0.5, 1.5),)
+    assert item.frames.images == () and item.videos.used == (("image", 2, 1.0, 1.5),)  # pairs at even places
     assert item.status_fields()["videos"] == item.videos.used
     detect = pending_prompt("r2", json_prompt('{"detect": "cup"}'), values, latest, "", history)
     assert detect.videos.videos == () and detect.frames is latest
     off = pending_prompt("r3", plain_prompt("What is this?"), {**values, "video_seconds": 0.0}, latest, "", history)
     assert off.videos.videos == () and off.frames is latest
+
+
+def _pairs(video) -> set[tuple[int, int]]:
+    """The frame pairs (temporal patches) a video becomes, by the frames' identity; an odd last frame alone."""
+    return {(id(a), id(b)) for a, b in zip(video.frames[::2], video.frames[1::2], strict=False)}
+
+
+def test_later_prompts_over_an_overlapping_span_get_the_same_frame_pairs():
+    history = FrameHistory(["front"])
+    _feed(history, "front", [i / 2 for i in range(13)])
+    first = _pairs(history.clip("front", 3.5, 2.0, max_age_s=5.0).video)
+    for n in (13, 14, 15):  # one, two, three frames later
+        history.add("front", n / 2, _frame(n), SETTINGS)
+        later = _pairs(history.clip("front", 3.5, 2.0, max_age_s=5.0).video)
+        assert len(later & first) >= 2, n  # without the alignment an odd shift shares no pair

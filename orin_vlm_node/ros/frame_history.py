@@ -40,6 +40,7 @@ class _Ring:
     reordered: int = 0  # frames stamped before the newest kept one, since the last video taken
     repeated: int = 0  # frames whose stamp was already kept, since the last video taken
     received: float = 0.0  # time.monotonic() of the newest frame kept
+    dropped: int = 0  # frames trimmed from the front: a frame's place in the camera's sequence is dropped + index
 
     @property
     def bytes(self) -> int:
@@ -101,7 +102,7 @@ class FrameHistory:
             if ring.stamps and stamp < ring.stamps[-1] - settings.seconds:
                 ring.stamps.clear()
                 ring.frames.clear()
-                ring.reordered += 1
+                ring.reordered, ring.dropped = ring.reordered + 1, 0
             ring.received = time.monotonic()
             at = bisect.bisect_left(ring.stamps, stamp)
             if at < len(ring.stamps) and ring.stamps[at] == stamp:
@@ -117,13 +118,18 @@ class FrameHistory:
         for ring in self._rings.values():
             while ring.stamps and ring.stamps[-1] - ring.stamps[0] > settings.seconds:
                 del ring.stamps[0], ring.frames[0]
+                ring.dropped += 1
         while sum(r.bytes for r in self._rings.values()) > settings.max_bytes:
             ring = max(self._rings.values(), key=lambda r: r.bytes)  # the largest camera gives its oldest frame
             del ring.stamps[0], ring.frames[0]
+            ring.dropped += 1
 
     def clip(self, topic: str, seconds: float, fps: float, max_age_s: float) -> Clip:
         """The last ``seconds`` of ``topic`` (ending at its newest frame) at most ``fps`` frames a second; none
-        when its newest frame arrived more than ``max_age_s`` ago (a camera that stopped)."""
+        when its newest frame arrived more than ``max_age_s`` ago (a camera that stopped). Taking every frame
+        kept, the first is at an even place of the camera's sequence (the oldest is left out otherwise), so
+        the frame pairs of a later prompt over an overlapping span are this one's and the vision cache serves
+        them instead of the tower."""
         with self._lock:
             ring = self._rings[topic]
             if not ring.stamps:
@@ -139,6 +145,8 @@ class FrameHistory:
                 if not picked or ring.stamps[picked[-1]] - ring.stamps[i] >= 1.0 / fps - 1e-6:
                     picked.append(i)
             picked.reverse()
+            if len(picked) > 2 and picked[1] == picked[0] + 1 and (ring.dropped + picked[0]) % 2:
+                picked = picked[1:]  # pairs start at even places: the next prompt's pairs are this one's
             stamps = [ring.stamps[i] for i in picked]
             frames = tuple(ring.frames[i] for i in picked)
             notes = []
