@@ -172,3 +172,35 @@ def test_video_max_tokens_bounds_a_long_history():
     engine.reconfigure(video_max_tokens=4096)
     (whole,) = engine.parts.turns.prepare(Turn("What happened?", videos=(history,)), None, None, 4096).videos
     assert whole.frames_used == 40 and whole.tokens > 16
+
+
+def test_a_session_continues_after_a_video_turn_as_transformers_reads_the_whole_conversation():
+    """Turn 1 asks about one video, turn 2 about another: turn 2's positions continue after turn 1's frame
+    groups (dual position tracking), and its tokens are transformers' on the whole conversation's ids."""
+    from transformers import Qwen3VLForConditionalGeneration
+
+    path = str(cached_tiny_checkpoint(**CHECKPOINTS["gqa2_hd32_untied"]))
+    engine = Engine(EngineConfig(model_path=path, max_context_tokens=1024, page_size=4, prefill_chunk_tokens=9))
+    first, second = _video(8, 2.0, 64, 96, 11), _video(3, 1.0, 96, 64, 12)
+    t1, t2 = Turn("What moved?", videos=(first,)), Turn("And in this clip?", videos=(second,))
+    greedy = SamplingParams(temperature=0.0, max_new_tokens=STEPS, ignore_eos=True)
+    r1 = list(engine.generate(Request(t1, greedy, session_id="s")))[-1]
+    history = engine.session_token_ids("s")
+    r2 = list(engine.generate(Request(t2, greedy, session_id="s")))[-1]
+    videos = engine.parts.turns.video_processor.preprocess([first, second])
+    from orin_vlm_node.engine.conversation import user_message
+
+    delta, _ = engine.parts.turns.renderer.next_turn([user_message(t1)], r1.text, t2, [], videos=videos.layouts[1:])
+    full = history + delta
+    assert r2.metrics["prompt_tokens"] == len(full)
+    patch = engine.parts.turns.video_processor.config.patch_size
+    grid = torch.tensor([[len(v.timestamps), v.size[0] // patch, v.size[1] // patch] for v in videos.layouts])
+    video_token = engine.parts.model_config.video_token_id
+    hf = Qwen3VLForConditionalGeneration.from_pretrained(path, attn_implementation="eager", dtype=torch.float32).eval()
+    hf.generation_config.eos_token_id = None
+    with torch.no_grad():
+        out = hf.generate(input_ids=torch.tensor([full]), attention_mask=torch.ones(1, len(full), dtype=torch.long),
+                          mm_token_type_ids=torch.tensor([[2 if t == video_token else 0 for t in full]]),
+                          pixel_values_videos=videos.groups.pixel_values, video_grid_thw=grid, max_new_tokens=STEPS,
+                          do_sample=False, top_k=None, top_p=None, temperature=None)  # fmt: skip
+    assert list(r2.token_ids) == out[0, len(full) :].tolist()
