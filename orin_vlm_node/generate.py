@@ -61,6 +61,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--video-fps",
+        dest="video_rate",  # the node's video_fps is its own parameter; this flag is the command's
         type=float,
         default=2.0,
         metavar="RATE",
@@ -157,7 +158,7 @@ def cli_videos(args: argparse.Namespace) -> tuple[Video, ...]:
             times = [float(t) for t in args.video_times.split(",")]
         except ValueError:
             raise ValueError(f"--video-times must be comma-separated seconds, got {args.video_times!r}") from None
-    return tuple(read_video(paths, args.video_fps, times) for paths in args.video)
+    return tuple(read_video(paths, args.video_rate, times) for paths in args.video)
 
 
 def cli_request(args: argparse.Namespace, system_prompt: str | None, images: Sequence) -> Request:
