@@ -7,13 +7,15 @@ this machine, its own ROS_DOMAIN_ID and a temporary ROS_LOG_DIR; publishes a sam
 on ``tokens``, then the metrics from ``status``; finally stops the node with SIGINT (SIGKILL if it
 does not exit in time) and exits non-zero if anything went wrong.
 
-Sample images come from ``support.synthetic_scenes`` (the scenes the default model was trained on).
+Sample images come from ``support.synthetic_scenes`` (the scenes the default model was trained on); one
+question is about time: a clip of ``support.scene_videos`` published frame by frame, then asked about as video.
 Run from the repository root: ``python -m tools.demo``.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
 import sys
@@ -23,7 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
-from support import synthetic_scenes
+from support import scene_videos, synthetic_scenes
 
 
 def samples(count: int) -> list[tuple[np.ndarray, str, str]]:
@@ -87,6 +89,31 @@ def _ask_samples(client, count: int, image_cls, to_msg) -> int:
     return failures
 
 
+def _ask_about_motion(client, image_cls, to_msg) -> int:
+    """A question about time: a held-out clip's frames published as a camera would (stamped 0.5 s apart), then
+    a ``prompt_json`` message asking about the last seconds as video; 1 when it did not finish."""
+    clip = next(c for c in scene_videos.held_out_clips(20) if c.lang == "en" and len(c.frames) >= 5)
+    for i, frame in enumerate(clip.frames):
+        msg = to_msg(frame, image_cls)
+        msg.header.stamp.sec, msg.header.stamp.nanosec = 100 + i // 2, (i % 2) * 500_000_000
+        client.publish_image(msg, repeat=1)
+    time.sleep(0.3)
+    message = {"prompt": clip.question, "video": clip.times[-1]}
+    h, w = clip.frames[0].shape[:2]
+    print(f"[video] {len(clip.frames)} frames {w}x{h}, 0.5 s apart  prompt_json: {json.dumps(message)}\n    answer: ",
+          end="", flush=True)  # fmt: skip
+    status = client.ask(message, timeout=300.0)["status"]
+    print()
+    if status["event"] != "finished":
+        print(f"    {status['event']}: {status['error'] or status['note']}")
+        return 1
+    (video,) = status["videos"]
+    sent = f"{video['frames']} frames sent (stamps {video['first_stamp']:g} to {video['last_stamp']:g} s)"
+    tokens = int(status["metrics"]["video_tokens"])
+    print(f"    expected: {clip.answer}\n    {sent}, {tokens} video tokens\n", flush=True)
+    return 0
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model-path", default="", help="model directory ('' = the embedded default model)")
@@ -126,6 +153,7 @@ def main() -> int:
         client.wait_until_connected(node, timeout=args.startup_timeout)
         print(f"node ready after {time.monotonic() - t0:.1f} s\n", flush=True)
         failures += _ask_samples(client, args.questions, Image, rgb_to_image_msg)
+        failures += _ask_about_motion(client, Image, rgb_to_image_msg)
         streaming["echo"] = False
         failures += _show_runtime_parameters(client, samples(1)[0], Image, rgb_to_image_msg)
     except AssertionError as exc:  # the client's timeouts
