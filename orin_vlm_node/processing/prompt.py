@@ -10,7 +10,7 @@ More in docs/modules.md, ``orin_vlm_node/processing/prompt.py``.
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from .chat_template import ChatTemplate, count_images, normalize_messages
@@ -114,17 +114,22 @@ def build_prompt_ids(
 
 
 def video_ids(tokenizer: Tokenizer, videos: Sequence[VideoLayout]) -> list[list[int]]:
-    """Per video, the ids that stand for it: each frame group's timestamp text, then ``<|vision_start|>``,
-    its ``<|video_pad|>`` tokens and ``<|vision_end|>`` (the layout Qwen3-VL was trained with)."""
+    """Per video, the ids that stand for it (:func:`frame_group_ids`)."""
     s = tokenizer.special
-    out = []
-    for layout in videos:
-        ids: list[int] = []
-        for seconds in layout.timestamps:
-            ids += tokenizer.encode_plain(timestamp_text(seconds))
-            ids += [s.vision_start, *[s.video_pad] * layout.group_tokens, s.vision_end]
-        out.append(ids)
-    return out
+    return [frame_group_ids(v, tokenizer.encode_plain, s.vision_start, s.video_pad, s.vision_end) for v in videos]
+
+
+def frame_group_ids(
+    video: VideoLayout, encode: Callable[[str], list[int]], vision_start: int, video_pad: int, vision_end: int
+) -> list[int]:
+    """The ids that stand for one video: each frame group's timestamp text (``encode``d as plain text), then
+    ``<|vision_start|>``, its ``<|video_pad|>`` tokens and ``<|vision_end|>`` (the layout Qwen3-VL was trained
+    with; the training tool builds its clips' prompts with it too)."""
+    ids: list[int] = []
+    for seconds in video.timestamps:
+        ids += encode(timestamp_text(seconds))
+        ids += [vision_start, *[video_pad] * video.group_tokens, vision_end]
+    return ids
 
 
 def expand_video_pads(ids: Sequence[int], special: SpecialTokens, videos: Sequence[Sequence[int]]) -> list[int]:

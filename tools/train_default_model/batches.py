@@ -72,15 +72,14 @@ class Encoder:
         i = ids.index(pad)
         return ids[:i] + [pad] * n_image_tokens + ids[i + 1 :]
 
-    def video_prompt(self, question: str, timestamps: tuple[float, ...], group_tokens: int) -> list[int]:
-        """A question about a clip, the clip's frame groups where the template puts the video (Qwen's layout)."""
-        from orin_vlm_node.processing.video import timestamp_text
+    def video_prompt(self, question: str, video) -> list[int]:
+        """A question about a clip (``video``: its ``VideoLayout``), the clip's frame groups where the template
+        puts the video, laid out by the runtime's own rule."""
+        from orin_vlm_node.processing.prompt import frame_group_ids
 
         head, tail = self._enc("<|im_start|>user\n"), self._enc(f"{question}<|im_end|>\n<|im_start|>assistant\n")
-        groups = []
-        for seconds in timestamps:
-            groups += self._enc(timestamp_text(seconds)) + [self.ids["<|vision_start|>"]]
-            groups += [self.ids["<|video_pad|>"]] * group_tokens + [self.ids["<|vision_end|>"]]
+        ids = self.ids
+        groups = frame_group_ids(video, self._enc, ids["<|vision_start|>"], ids["<|video_pad|>"], ids["<|vision_end|>"])
         return head + groups + tail
 
     def answer(self, answer: str) -> list[int]:
@@ -113,7 +112,7 @@ def make_video_batch(clips: list[videos.Clip], enc: Encoder, processor) -> tuple
 
     out = processor.preprocess([Video(c.frames, c.times) for c in clips])
     layouts = zip(clips, out.layouts, strict=True)
-    prompts = [enc.video_prompt(c.question, v.timestamps, v.group_tokens) for c, v in layouts]
+    prompts = [enc.video_prompt(c.question, v) for c, v in layouts]
     batch = _padded(prompts, [enc.answer(c.answer) for c in clips], enc)
     patch = processor.config.patch_size
     batch["pixel_values_videos"] = out.groups.pixel_values
