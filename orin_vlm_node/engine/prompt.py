@@ -71,7 +71,7 @@ class TurnPreparer:
         self.image_processor = image_processor
         self.video_processor = video_processor
         self.video_max_tokens = video_max_tokens  # each video's visual tokens at most (0: unbounded)
-        self.visual_pads = (model.image_token_id, model.video_token_id)  # the ids vision features fill
+        self.visual_pads = model.visual_token_ids
         self.model = model
 
     def shortest_prompt(self, system_prompt: str | None, prompt_special_tokens: bool = False) -> int:

@@ -86,6 +86,11 @@ class ModelConfig:
     raw: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
 
     @property
+    def visual_token_ids(self) -> tuple[int, int]:
+        """The pad ids whose embeddings vision features replace (images', videos')."""
+        return (self.image_token_id, self.video_token_id)
+
+    @property
     def torch_dtype(self) -> torch.dtype | None:
         """The dtype the checkpoint was saved for (what ``dtype="auto"`` means on CUDA)."""
         return checkpoint_dtype(self.checkpoint_dtype)

@@ -76,8 +76,8 @@ class Qwen3VLModel(nn.Module):
         x = decoder.embed_tokens(input_ids)  # (L, H)
         visual_rows = None
         if vision is not None:
-            pads = (input_ids == self.config.image_token_id) | (input_ids == self.config.video_token_id)
-            visual_rows = torch.nonzero(pads).reshape(-1)  # host sync
+            image, video = self.config.visual_token_ids
+            visual_rows = torch.nonzero((input_ids == image) | (input_ids == video)).reshape(-1)  # host sync
             if visual_rows.numel() != vision.embeds.shape[0]:
                 raise ValueError(
                     f"this chunk has {visual_rows.numel()} image and video pad tokens but {vision.embeds.shape[0]} "
