@@ -57,197 +57,19 @@ import sys
 import tempfile
 import time
 import traceback
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from pathlib import Path
 
-from bench import batching
+from bench import batching, gpu_kernels, gpu_profile
 from bench.config import REPO, part_names
 from bench.context import BenchContext
+from bench.gpu_engines import PATHS, PROMPT, decode_weight_bytes, launching, make_engine
 from bench.section import SectionResult, skipped
 from bench.stats import alternate, paired_ratio
 from bench.timing import HFRunner, run_engine
 
-PROMPT = "Describe what a robot arm does when it picks up the red cube and places it on the table."
-PATHS = {  # engine settings of each decode path
-    "graphs": dict(use_cuda_kernels=True, use_cuda_graph=True),
-    "kernels_eager": dict(use_cuda_kernels=True, use_cuda_graph=False),
-    "torch": dict(use_cuda_kernels=False, use_cuda_graph=True),
-}
 QUANT = ("none", "int8", "int4")  # weight_quant of the quantized-decode comparison
 MB = 2**20
-
-
-def copy_bandwidth_gbs(torch, size_bytes: int = 2**30, iters: int = 20) -> float:
-    """Bytes read + written per second by a device-to-device copy (GB/s)."""
-    src = torch.empty(size_bytes, dtype=torch.uint8, device="cuda")
-    dst = torch.empty_like(src)
-    ms = _cuda_ms(torch, lambda: dst.copy_(src), iters=iters, warmup=3)
-    return 2 * size_bytes / (ms * 1e-3) / 1e9
-
-
-def _cuda_ms(torch, fn, iters: int = 200, warmup: int = 20) -> float:
-    for _ in range(warmup):
-        fn()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(iters):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / iters
-
-
-def decode_weight_bytes(model) -> int:
-    """Bytes one decode step reads from weights: every text-decoder parameter except the embedding table
-    (one row is read), plus the LM head (the embedding matrix itself when tied), and the quantized
-    projections and LM head as stored (``weight_quant``)."""
-    from orin_vlm_node.weights.quant import QuantizedLinear
-
-    quantized = {name: m for name, m in model.named_modules() if isinstance(m, QuantizedLinear)}
-    total = sum(m.nbytes for name, m in quantized.items() if not name.startswith("visual."))
-    embed, head = None, quantized.get("lm_head")
-    for name, p in model.named_parameters():
-        if name.startswith("visual."):
-            continue
-        if "embed_tokens" in name:
-            embed = p
-            continue
-        if name.startswith("lm_head"):
-            head = p
-        total += p.numel() * p.element_size()
-    if head is None and embed is not None:
-        total += embed.numel() * embed.element_size()
-    return total
-
-
-def _kernels(torch, ctx: BenchContext, res: SectionResult) -> None:
-    """Paged decode kernel (shuffled table) vs contiguous SDPA, 2B attention shape, fp16, device time of each
-    in CUDA graphs as the engine's decode runs them (timed launch by launch, the host's Python launch cost of
-    about 65 us a call hid both kernels' time below 16k of context)."""
-    import torch.nn.functional as F
-
-    from orin_vlm_node.cuda import AttentionShape, select_backend
-    from orin_vlm_node.cuda.attention import CudaPagedAttention
-    from orin_vlm_node.cuda.graph import device_us
-
-    cfg = ctx.config
-    nq, nkv, hd, dtype = 16, 8, 128, torch.float16
-    cache_dir = tempfile.mkdtemp(prefix="bench_kernels_", dir=ctx.scratch)
-    choice = select_backend("cuda", True, AttentionShape(dtype, hd, nq, nkv), kernel_cache_dir=cache_dir)
-    if not choice.kernels:
-        res.skip_part("kernels", choice.status)
-        return
-    impl = choice.attention_impl
-    stream = torch.cuda.Stream()  # every timing graph's capture stream (cuda.graph: one per process's captures)
-    res.setup["kernels"] = {"status": choice.status, "shape": dict(heads=nq, kv_heads=nkv, head_dim=hd, dtype="fp16")}
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    for context in cfg.gpu_kernel_contexts:
-        q = torch.randn(1, nq, hd, device="cuda", generator=gen).to(dtype)
-        kc = torch.randn(1, nkv, context, hd, device="cuda", generator=gen).to(dtype)  # contiguous K/V
-        vc = torch.randn_like(kc)
-        qs = q.transpose(0, 1).unsqueeze(0)  # (1, nq, 1, hd)
-        kv_bytes = 2 * context * nkv * hd * 2
-        sdpa = [
-            device_us(lambda k=kc, v=vc, q=qs: F.scaled_dot_product_attention(q, k, v, enable_gqa=True), stream=stream)
-            for _ in range(cfg.gpu_repeats)
-        ]
-        res.add(f"kernels.ctx{context}.sdpa_us", "us", sdpa, "torch SDPA over contiguous K/V (GQA)", context=context)
-        kv_len = torch.tensor([context], dtype=torch.int32, device="cuda")
-        for page in cfg.gpu_kernel_pages:
-            blocks = context // page
-            k_pool = kc[0].transpose(0, 1).reshape(blocks, page, nkv, hd).contiguous()
-            v_pool = vc[0].transpose(0, 1).reshape(blocks, page, nkv, hd).contiguous()
-            order = torch.randperm(blocks, device="cuda", generator=gen)
-            table = torch.empty(1, blocks, dtype=torch.int32, device="cuda")  # one sequence's row
-            table[0, order] = torch.arange(blocks, dtype=torch.int32, device="cuda")
-            k_pool, v_pool = k_pool[order].contiguous(), v_pool[order].contiguous()  # scattered, same content
-            decode = functools.partial(impl.attend_decode, q, k_pool, v_pool, table, kv_len, blocks)
-            paged = [device_us(decode, stream=stream) for _ in range(cfg.gpu_repeats)]
-            key = f"kernels.ctx{context}.page{page}"
-            res.add(f"{key}.paged_us", "us", paged, "paged decode kernel, shuffled block table", context=context)
-            res.add(f"{key}.overhead", "fraction", [p / s - 1 for p, s in zip(paged, sdpa, strict=True)],
-                    "paged kernel time / contiguous SDPA time - 1", context=context, page=page)  # fmt: skip
-            res.add(f"{key}.gbs", "GB/s", [kv_bytes / (p * 1e-6) / 1e9 for p in paged], "paged kernel K/V read rate")
-            if page != cfg.gpu_kernel_pages[0]:
-                continue
-            planned = impl.decode_plan(context, nq, nkv)[1]
-            res.setup["kernels"][f"ctx{context}_split_tokens"] = planned
-            for tokens in (t for t in cfg.gpu_kernel_split_tokens if planned < t < context):
-                longer = CudaPagedAttention(impl.launcher, impl.sm_count, min_tokens_per_split=tokens)
-                decode = functools.partial(longer.attend_decode, q, k_pool, v_pool, table, kv_len, blocks)
-                us = [device_us(decode, stream=stream) for _ in range(cfg.gpu_repeats)]
-                what = f"the same with splits of {tokens} tokens (the plan's: {planned})"
-                res.add(f"{key}.split{tokens}_us", "us", us, what, context=context)
-
-
-def _gemv(torch, ctx: BenchContext, res: SectionResult, bandwidth: float) -> None:
-    """One row through each projection shape of the 2B decoder (fused q/k/v, o, fused gate/up, down, and the down
-    product's bytes laid out as twice the columns over half of K): torch's
-    fp16 product (cuBLAS) and the GEMV kernels on fp16, INT8 and INT4 weights, device time in CUDA graphs,
-    and the rate at which each reads its weight bytes as a fraction of the copy bandwidth: how close each
-    product comes to the bound, and which of cuBLAS and the kernel the engine should pick (it times the
-    same pair at startup, ``CudaGemv.faster_rows``)."""
-    import itertools
-
-    import torch.nn.functional as F
-
-    from orin_vlm_node.cuda.fused import CudaFusedOps
-    from orin_vlm_node.cuda.gemv import CudaGemv
-    from orin_vlm_node.cuda.graph import device_us
-    from orin_vlm_node.weights.gemv_linear import GemvLinear
-    from orin_vlm_node.weights.quant import QuantizedLinear, WeightQuant
-
-    found = _projections_and_kernels(torch, ctx, res, "gemv")
-    if found is None:
-        return
-    shapes, _, launcher = found
-    # The down product's bytes as twice the columns over half of K: twice the warps, each with half the steps
-    # along its rows. Faster than "down" means the down product waits on its warps' serial steps (too few warps
-    # an SM: 2048 columns are 128 blocks of INT4 warps), the case for splitting K among a block's warps.
-    n_down, k_down = shapes["down"]
-    shapes = {**shapes, "down_wide": (2 * n_down, k_down // 2)}
-    gemv, silu_mul = CudaGemv(launcher), CudaFusedOps(launcher).silu_mul
-    stream = torch.cuda.Stream()  # every timing graph's capture stream
-    copies = 8  # distinct weights called in turn: no call finds its weight in L2 after the one before
-    for name, (n, k) in shapes.items():
-        x = torch.randn(1, k, device="cuda").to(torch.float16)
-        weights = [(torch.randn(n, k, device="cuda") * 0.02).to(torch.float16) for _ in range(copies)]
-        sides = {"fp16": (lambda w, x=x: F.linear(x, w), weights, n * k * 2)}
-        linears = [torch.nn.Linear(k, n, bias=False, device="meta") for _ in weights]
-        for linear, w in zip(linears, weights, strict=True):
-            linear.weight = torch.nn.Parameter(w, requires_grad=False)
-        wrapped = [GemvLinear(linear, gemv, rows=gemv.max_rows) for linear in linears]
-        sides["fp16_kernel"] = (lambda m, x=x: m(x), wrapped, n * k * 2)
-        if name == "gate_up":
-            sides["fp16_then_silu_mul"] = (lambda w, x=x: silu_mul(F.linear(x, w)), weights, n * k * 2)
-            sides["fp16_kernel_swiglu"] = (lambda m, x=x: gemv(m, x, swiglu=True), wrapped, n * k * 2)
-        for mode in ("int8", "int4"):
-            modules = [QuantizedLinear.from_weight(w, WeightQuant(mode)) for w in weights]
-            sides[mode] = (lambda m, x=x: gemv(m, x), modules, modules[0].nbytes)
-            if name == "gate_up":  # the product the decode step runs: its SwiGLU in the launch
-                sides[f"{mode}_swiglu"] = (lambda m, x=x: gemv(m, x, swiglu=True), modules, modules[0].nbytes)
-        for mode, (fn, items, nbytes) in sides.items():
-            turn = itertools.cycle(items)
-            us = [
-                device_us(lambda f=fn, t=turn: f(next(t)), stream=stream, calls=copies)
-                for _ in range(ctx.config.gpu_repeats)
-            ]
-            res.add(f"gemv.{name}.{mode}.us", "us", us, f"{n}x{k} weight, one fp16 row, device time", mode=mode)
-            res.add(f"gemv.{name}.{mode}.bandwidth_fraction", "fraction",
-                    [nbytes / (u * 1e-6) / 1e9 / bandwidth for u in us],
-                    "weight bytes read per second / copy bandwidth", mode=mode)  # fmt: skip
-        del weights, sides
-        torch.cuda.empty_cache()
-
-
-def _engine(model_dir: Path, dtype: str, cache_dir: str, **overrides):
-    from orin_vlm_node.engine import Engine, EngineConfig
-
-    config = dict(
-        model_path=str(model_dir), device="cuda", dtype=dtype, prefix_caching=False, max_sessions=0, max_batch=1,
-        kernel_cache_dir=cache_dir, max_context_tokens=4096,
-    )  # fmt: skip
-    return Engine(EngineConfig(**(config | overrides)))
 
 
 def _decode(torch, ctx: BenchContext, res: SectionResult, model_dir: Path, dtype: str, bandwidth: float) -> None:
@@ -256,7 +78,7 @@ def _decode(torch, ctx: BenchContext, res: SectionResult, model_dir: Path, dtype
     cfg = ctx.config
     n = cfg.gpu_max_new_tokens
     cache_dir = str(ctx.scratch / "kernel_cache")
-    engines = {name: _engine(model_dir, dtype, cache_dir, **kw) for name, kw in PATHS.items()}
+    engines = {name: make_engine(model_dir, dtype, cache_dir, **kw) for name, kw in PATHS.items()}
     res.setup.setdefault("decode_paths", {})[dtype] = {k: e.describe()["decode_path"] for k, e in engines.items()}
     # which projections took the GEMV kernel, with the startup timings that decided it
     res.setup.setdefault("float_weight_paths", {})[dtype] = {k: e.describe()["weight_path"] for k, e in engines.items()}
@@ -306,94 +128,6 @@ def _decode(torch, ctx: BenchContext, res: SectionResult, model_dir: Path, dtype
         res.add(f"ttft_448.{dtype}.s", "s", ttft, "448x448 image + question: vision tower, prefill, first token")
 
 
-# Kernel name -> the category a decode step's device time is reported in (first match wins).
-KERNEL_CATEGORIES = (
-    ("attention", ("paged_decode", "paged_prefill", "paged_kv_write", "flash", "fmha", "attention")),
-    ("fused_elementwise", ("rms_norm", "silu_mul")),
-    ("gemm", ("gemm", "gemv", "nvjet", "cutlass", "splitkreduce", "sm90_xmma", "ampere_")),
-)
-
-
-def kernel_category(name: str) -> str:
-    """``attention``, ``fused_elementwise``, ``gemm`` or ``other_elementwise`` for a CUDA kernel's name."""
-    lowered = name.lower()
-    return next((cat for cat, keys in KERNEL_CATEGORIES if any(k in lowered for k in keys)), "other_elementwise")
-
-
-def busy_us(intervals: Sequence[tuple[float, float]]) -> float:
-    """The length of the union of (start, end) intervals: how long a device was running kernels when they
-    overlap. Under programmatic dependent launch a kernel's blocks start, and wait, before the kernel ahead
-    of them ends, so its profiled duration includes that wait and the durations add up to more than the
-    time they took."""
-    total, reach = 0.0, float("-inf")
-    for start, end in sorted(intervals):
-        if end > reach:
-            total += end - max(start, reach)
-            reach = end
-    return total
-
-
-def _step_profile(torch, ctx: BenchContext, res: SectionResult, model_dir: Path, weights: str = "none") -> None:
-    """Where a decode token's time goes (fp16 activations, kernels + graphs; weights as ``weights`` says, the
-    figures under ``step.fp16`` for fp16 weights and ``step.<weights>`` for quantized ones): the wall time
-    of a token, overlapped and step by step (what overlapping the host with the device gains), and
-    torch.profiler's kernels over 16 tokens by category, with their count per token (what the kernels do
-    not cover of a token is gaps between kernels and host time). Launches are plain (:func:`launching` "off"):
-    a dependent launch's profiled duration includes its wait for the kernel before it, so the kernels' times
-    would not add up to the token."""
-    from torch.profiler import ProfilerActivity, profile
-
-    from orin_vlm_node.engine import Request, SamplingParams, Turn
-
-    engine = _engine(model_dir, "fp16", str(ctx.scratch / "kernel_cache"), weight_quant=weights, **PATHS["graphs"])
-    if engine.parts.attention.kernels:
-        launching(engine, "off")
-    key = "fp16" if weights == "none" else weights
-    ids = iter(range(10**6))
-
-    def answer(n: int):
-        sampling = SamplingParams(temperature=0.0, max_new_tokens=n, ignore_eos=True)
-        return run_engine(engine, Request(Turn(PROMPT), sampling, request_id=f"gpu-prof-{next(ids)}"))
-
-    answer(32)  # captures the step's graph
-
-    def token_ms(overlap: bool) -> float:
-        engine.parts.decode_step.overlap = overlap
-        return 1e3 / answer(ctx.config.gpu_max_new_tokens).decode_tok_s
-
-    pairs = [(token_ms(True), token_ms(False)) for _ in range(ctx.config.gpu_repeats)]
-    engine.parts.decode_step.overlap = True
-    res.add(f"step.{key}.token_ms", "ms", [a for a, _ in pairs], "wall time a decode token (no profiler)")
-    res.add(f"step.{key}.token_ms_step_by_step", "ms", [b for _, b in pairs],
-            "the same with overlap off: the host reads each token before it stages the next step")  # fmt: skip
-    res.add(f"step.{key}.overlap_gain", "x", paired_ratio([b for _, b in pairs], [a for a, _ in pairs]),
-            "token time step by step / overlapped (per pair)")  # fmt: skip
-    tokens = 16
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        answer(tokens)
-    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-    by_cat: dict[str, list[float]] = {}
-    for e in kernels:
-        by_cat.setdefault(kernel_category(e.name), []).append(e.device_time)
-    res.add(
-        f"step.{key}.kernels_per_token", "count", [len(kernels) / tokens], "CUDA kernels a token (prefill included)"
-    )
-    res.add(f"step.{key}.kernel_ms", "ms", [sum(e.device_time for e in kernels) / tokens / 1e3],
-            "kernel durations a token, summed (plain launches: none includes a wait for another)")  # fmt: skip
-    busy = busy_us([(e.time_range.start, e.time_range.end) for e in kernels])
-    res.add(f"step.{key}.busy_ms", "ms", [busy / tokens / 1e3],
-            "device time a token with a kernel running (the rest of token_ms: gaps between kernels, host)")  # fmt: skip
-    for cat, times in sorted(by_cat.items()):
-        res.add(f"step.{key}.{cat}_ms", "ms", [sum(times) / tokens / 1e3], f"device time a token in {cat} kernels")
-        res.add(f"step.{key}.{cat}_kernels", "count", [len(times) / tokens], f"{cat} kernels a token")
-    top = sorted(prof.key_averages(), key=lambda a: a.self_device_time_total, reverse=True)[:15]
-    res.setup["step_profile_top" + ("" if weights == "none" else f"_{weights}")] = [
-        {"kernel": a.key[:120], "calls_per_token": a.count / tokens, "us": a.self_device_time_total / a.count}
-        for a in top
-        if a.count
-    ]
-
-
 def _quantized_decode(torch, ctx: BenchContext, res: SectionResult, model_dir: Path, bandwidth: float) -> None:
     """Batch-1 decode (kernels + graphs, fp16 activations) with weights none / int8 / int4, alternating;
     each against its own bound (the bytes it reads per token) and against fp16 weights."""
@@ -402,7 +136,7 @@ def _quantized_decode(torch, ctx: BenchContext, res: SectionResult, model_dir: P
     cfg = ctx.config
     n = cfg.gpu_max_new_tokens
     cache_dir = str(ctx.scratch / "kernel_cache")
-    engines = {mode: _engine(model_dir, "fp16", cache_dir, weight_quant=mode, **PATHS["graphs"]) for mode in QUANT}
+    engines = {mode: make_engine(model_dir, "fp16", cache_dir, weight_quant=mode, **PATHS["graphs"]) for mode in QUANT}
     res.setup["weight_paths"] = {mode: e.describe()["weight_path"] for mode, e in engines.items()}
     ids = iter(range(10**6))
     sampling = SamplingParams(temperature=0.0, max_new_tokens=n, ignore_eos=True)
@@ -430,32 +164,6 @@ def _quantized_decode(torch, ctx: BenchContext, res: SectionResult, model_dir: P
                     mode=mode)  # fmt: skip
 
 
-def _projections_and_kernels(torch, ctx: BenchContext, res: SectionResult, part: str):
-    """The 2B decoder's projection shapes (name: (N, K): fused q/k/v, o, fused gate/up, down), its attention
-    heads (q heads, kv heads, head_dim) and a launcher of freshly built kernels; None (the part skipped, with
-    why) without the 2B config or the kernels."""
-    from orin_vlm_node.cuda import AttentionShape, select_backend
-
-    if not Path(ctx.config.big_config_path).is_file():
-        res.skip_part(part, f"{ctx.config.big_config_path} not found")
-        return None
-    text = json.loads(Path(ctx.config.big_config_path).read_text())["text_config"]
-    hidden, inter, heads = text["hidden_size"], text["intermediate_size"], text["num_attention_heads"]
-    head_dim, kv_heads = text["head_dim"], text["num_key_value_heads"]
-    shapes = {
-        "qkv": ((heads + 2 * kv_heads) * head_dim, hidden),
-        "o": (hidden, heads * head_dim),
-        "gate_up": (2 * inter, hidden),
-        "down": (hidden, inter),
-    }
-    cache_dir = tempfile.mkdtemp(prefix=f"bench_{part}_", dir=ctx.scratch)
-    choice = select_backend("cuda", True, AttentionShape(torch.float16, 128, 16, 8), kernel_cache_dir=cache_dir)
-    if not choice.kernels:
-        res.skip_part(part, choice.status)
-        return None
-    return shapes, (heads, kv_heads, head_dim), choice.launcher
-
-
 def _on_and_off(
     ctx: BenchContext,
     res: SectionResult,
@@ -479,7 +187,7 @@ def _on_and_off(
     for mode in ("none", "int4"):
         for state in ("on", "off"):
             state_settings = (states or {}).get(state, {})
-            engine = _engine(model_dir, "fp16", cache_dir, weight_quant=mode, **PATHS["graphs"], **settings,
+            engine = make_engine(model_dir, "fp16", cache_dir, weight_quant=mode, **PATHS["graphs"], **settings,
                              **state_settings)  # fmt: skip
             refused = toggle(engine, state == "on")
             if refused:
@@ -500,22 +208,6 @@ def _on_and_off(
         res.add(f"{part}.{mode}.off.tok_s", "tok/s", off, f"batch-1 decode, weights {mode}, {what} off", mode=mode)
         res.add(f"{part}.{mode}.gain", "x", paired_ratio(on, off), f"tok/s with {what} / without (per pair)",
                 mode=mode)  # fmt: skip
-
-
-def launching(engine, setting: str) -> None:
-    """A benchmark's choice of how ``engine``'s decode graphs launch their kernels: its decode step built again
-    with ``setting`` "on" (every launch programmatic dependent) or "off" (every launch plain), before its first
-    request. The engine itself captures each graph both ways and keeps the faster replay."""
-    import torch
-
-    from orin_vlm_node.cuda import LaunchModes
-    from orin_vlm_node.engine.assemble import MAX_BATCH
-    from orin_vlm_node.engine.decode_step import build_decode_step
-
-    parts = engine.parts
-    modes = LaunchModes(parts.attention.launcher, setting)
-    stream = torch.cuda.Stream(parts.device)
-    parts.decode_step = build_decode_step(parts.model, parts.cache, parts.device, True, MAX_BATCH, stream, modes)
 
 
 def _dependent_launches(setting: str | None):
@@ -570,7 +262,7 @@ def _batching(ctx: BenchContext, res: SectionResult, model_dir: Path) -> None:
     """Continuous batching on the GPU path (kernels + graphs, fp16): the ``batching`` section's figures."""
     cfg = ctx.config
     sizes = tuple(cfg.batch_sizes)
-    engine = _engine(model_dir, "fp16", str(ctx.scratch / "kernel_cache"), max_batch=max(sizes), **PATHS["graphs"])
+    engine = make_engine(model_dir, "fp16", str(ctx.scratch / "kernel_cache"), max_batch=max(sizes), **PATHS["graphs"])
     ctx.log(f"gpu batching: batches of {sizes}, {cfg.gpu_max_new_tokens} tokens each")
     batching.measure(res, "batching.fp16.", engine, sizes, cfg.gpu_max_new_tokens, cfg.gpu_repeats, 1)
     res.setup["batching_decode"] = engine.describe()["decode"]
@@ -650,7 +342,7 @@ def run(ctx: BenchContext) -> SectionResult:
     res = SectionResult("gpu")
     props = torch.cuda.get_device_properties(0)
     res.setup.update(device=props.name, sm_count=props.multi_processor_count, memory_gib=props.total_memory / 2**30)
-    bandwidth = copy_bandwidth_gbs(torch)
+    bandwidth = gpu_kernels.copy_bandwidth_gbs(torch)
     res.add("bandwidth.copy_gbs", "GB/s", [bandwidth], "device-to-device copy, bytes read + written per second")
     default_dir, _ = ctx.default_model()
     if Path(cfg.big_config_path).is_file():
@@ -661,11 +353,11 @@ def run(ctx: BenchContext) -> SectionResult:
     res.setup["model"] = what
     first = cfg.gpu_dtypes[0]
     steps = {
-        "step_profile": functools.partial(_step_profile, torch, ctx, res, model_dir),
-        "step_profile_int4": functools.partial(_step_profile, torch, ctx, res, model_dir, "int4"),
+        "step_profile": functools.partial(gpu_profile.step_profile, torch, ctx, res, model_dir),
+        "step_profile_int4": functools.partial(gpu_profile.step_profile, torch, ctx, res, model_dir, "int4"),
         "startup_memory": functools.partial(_startup_and_memory, torch, ctx, res, model_dir, default_dir),
-        "kernels": functools.partial(_kernels, torch, ctx, res),
-        "gemv": functools.partial(_gemv, torch, ctx, res, bandwidth),
+        "kernels": functools.partial(gpu_kernels.paged_attention, torch, ctx, res),
+        "gemv": functools.partial(gpu_kernels.gemv, torch, ctx, res, bandwidth),
         "quant": functools.partial(_quantized_decode, torch, ctx, res, model_dir, bandwidth),
         "pdl": functools.partial(_dependent_launch, ctx, res, model_dir),
         "l2_prefetch": functools.partial(_l2_prefetch, ctx, res, model_dir),

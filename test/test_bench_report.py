@@ -173,7 +173,7 @@ def test_report_marks_goals_and_lists_figures():
 def test_decode_weight_bytes_counts_the_text_decoder_and_one_lm_head():
     import torch
 
-    from bench.gpu import decode_weight_bytes
+    from bench.gpu_engines import decode_weight_bytes
     from orin_vlm_node.weights.quant import LM_HEAD_QUANT, QuantizedLinear
 
     def model(tied: bool, quantized_head: bool = False) -> torch.nn.Module:
@@ -269,7 +269,7 @@ def test_bench_refuses_an_unknown_gpu_part():
 
 
 def test_gpu_step_profile_sorts_kernels_into_categories():
-    from bench.gpu import kernel_category
+    from bench.gpu_profile import kernel_category
 
     assert kernel_category("nvjet_sm90_hsh_128x8_64x12_4x1_v_bz_TNT") == "gemm"
     assert kernel_category("void cublasLt::splitKreduce_kernel<32, 16, int, float>") == "gemm"
@@ -284,7 +284,7 @@ def test_gpu_step_profile_sorts_kernels_into_categories():
 
 
 def test_gpu_step_profile_counts_overlapping_kernels_once():
-    from bench.gpu import busy_us
+    from bench.gpu_profile import busy_us
 
     assert busy_us([]) == 0.0
     assert busy_us([(0.0, 2.0), (5.0, 6.0)]) == 3.0  # apart: a gap between them

@@ -73,12 +73,12 @@ def test_gpu_launches_are_programmatic_dependent_from_hopper_on(backend):
 
 def test_gpu_decode_graphs_keep_the_faster_of_dependent_and_plain_launches(tmp_path_factory, kernel_cache):
     """The engine's decode graphs: each captured both ways at its first use and the faster replay kept, both
-    times in ``describe``; a benchmark's forced on and off (``bench.gpu.launching``) capture one way (off wherever
-    dependent launch does not work). The tokens are the same all three ways (the same kernels, launched
+    times in ``describe``; a benchmark's forced on and off (``bench.gpu_engines.launching``) capture one way
+    (off wherever dependent launch does not work). The tokens are the same all three ways (the same kernels, launched
     differently), and the runtime's switch is back as it was after the captures."""
     import re
 
-    from bench.gpu import launching
+    from bench.gpu_engines import launching
     from orin_vlm_node.engine import Engine, EngineConfig, Request, SamplingParams, Turn
 
     path = str(_tiny(tmp_path_factory, 64))
