@@ -12,7 +12,6 @@ Pillow's own passes, one axis a call, in Pillow 13's order (:func:`pillow_resize
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import cv2
@@ -28,45 +27,19 @@ from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_res
 
 from orin_vlm_node.processing import ImageError, ImageProcessor, smart_resize
 from orin_vlm_node.processing.resize import resize_bicubic, vertical_first
+from support.preprocessor_configs import QWEN3VL_CONFIG, SMALL_CONFIG, config_dir
 
-# Qwen3-VL hub preprocessor_config.json.
-QWEN3VL_CONFIG = {
-    "size": {"shortest_edge": 65536, "longest_edge": 16777216},
-    "patch_size": 16,
-    "temporal_patch_size": 2,
-    "merge_size": 2,
-    "image_mean": [0.5, 0.5, 0.5],
-    "image_std": [0.5, 0.5, 0.5],
-    "image_processor_type": "Qwen2VLImageProcessorFast",
-}
-# Small limits (4..96 tokens) so pixel comparisons that exercise both up- and downscaling stay fast;
-# CLIP mean/std so per-channel normalisation is checked too.
-SMALL_CONFIG = {
-    "size": {"shortest_edge": 32 * 32 * 4, "longest_edge": 32 * 32 * 96},
-    "patch_size": 16,
-    "temporal_patch_size": 2,
-    "merge_size": 2,
-    "image_mean": [0.48145466, 0.4578275, 0.40821073],
-    "image_std": [0.26862954, 0.26130258, 0.27577711],
-    "image_processor_type": "Qwen2VLImageProcessorFast",
-}
 SETTINGS = settings(max_examples=60, deadline=None, derandomize=True)
-
-
-def _write(tmp: Path, cfg: dict) -> Path:
-    tmp.mkdir(parents=True, exist_ok=True)
-    (tmp / "preprocessor_config.json").write_text(json.dumps(cfg))
-    return tmp
 
 
 @pytest.fixture(scope="module")
 def qwen_dir(tmp_path_factory) -> Path:
-    return _write(tmp_path_factory.mktemp("qwen3vl"), QWEN3VL_CONFIG)
+    return config_dir(tmp_path_factory.mktemp("qwen3vl"), QWEN3VL_CONFIG)
 
 
 @pytest.fixture(scope="module")
 def small_dir(tmp_path_factory) -> Path:
-    return _write(tmp_path_factory.mktemp("small"), SMALL_CONFIG)
+    return config_dir(tmp_path_factory.mktemp("small"), SMALL_CONFIG)
 
 
 PILLOW_13 = int(PIL.__version__.split(".")[0]) >= 13
@@ -327,7 +300,7 @@ def test_digest_follows_pixel_values(small_dir):
 def test_config_spellings_and_overrides(tmp_path):
     old = {k: v for k, v in SMALL_CONFIG.items() if k != "size"}
     old.update(min_pixels=32 * 32 * 4, max_pixels=32 * 32 * 96)
-    old_dir = _write(tmp_path / "old", old)
+    old_dir = config_dir(tmp_path / "old", old)
     cfg = ImageProcessor.from_pretrained(old_dir).config
     assert (cfg.min_pixels, cfg.max_pixels) == (4096, 98304)
     assert (cfg.patch_size, cfg.merge_size, cfg.temporal_patch_size) == (16, 2, 2)
@@ -344,59 +317,4 @@ def test_config_spellings_and_overrides(tmp_path):
         assert 8 <= proc.num_image_tokens(h, w) <= 20
 
 
-def test_config_errors(tmp_path):
-    with pytest.raises(ImageError, match="no preprocessor_config.json"):
-        ImageProcessor.from_pretrained(tmp_path / "nowhere")
-    bad = dict(QWEN3VL_CONFIG)
-    del bad["patch_size"]
-    with pytest.raises(ImageError, match="lacks patch_size"):
-        ImageProcessor.from_pretrained(_write(tmp_path / "a", bad))
-    with pytest.raises(ImageError, match="only bicubic"):
-        ImageProcessor.from_pretrained(_write(tmp_path / "b", {**QWEN3VL_CONFIG, "resample": 2}))
-    with pytest.raises(ImageError, match="min_pixels"):
-        ImageProcessor.from_pretrained(_write(tmp_path / "c", QWEN3VL_CONFIG), image_min_pixels=10**9)
-    with pytest.raises(ImageError, match="invalid value"):
-        ImageProcessor.from_pretrained(_write(tmp_path / "d", {**QWEN3VL_CONFIG, "merge_size": "two"}))
-    (tmp_path / "e").mkdir()
-    (tmp_path / "e" / "preprocessor_config.json").write_text("{not json")
-    with pytest.raises(ImageError, match="cannot read"):
-        ImageProcessor.from_pretrained(tmp_path / "e")
-
-
 # --------------------------------------------------------------------------------------------- bad input
-
-
-@pytest.mark.parametrize(
-    "image,match",
-    [
-        (np.zeros((0, 10, 3), np.uint8), "empty"),
-        (np.zeros((10, 0, 3), np.uint8), "empty"),
-        (np.zeros((0, 0), np.uint8), "empty"),
-        (np.zeros((1, 400, 3), np.uint8), "aspect ratio"),
-        (np.zeros((401, 2), np.uint8), "aspect ratio"),
-        (np.zeros((32, 32, 3), np.float32), "dtype uint8"),
-        (np.zeros((32, 32, 3), np.uint16), "dtype uint8"),
-        (np.zeros((32, 32, 2), np.uint8), "shape"),
-        (np.zeros((2, 32, 32, 3), np.uint8), "shape"),
-        (np.zeros(32, np.uint8), "shape"),
-        ([[1, 2], [3, 4]], "numpy array"),
-    ],
-)
-def test_bad_images_raise(qwen_dir, image, match):
-    proc = ImageProcessor.from_pretrained(qwen_dir)
-    with pytest.raises(ImageError, match=match):
-        proc.preprocess([np.zeros((32, 32, 3), np.uint8), image])
-
-
-def test_bad_call_arguments(qwen_dir):
-    proc = ImageProcessor.from_pretrained(qwen_dir)
-    with pytest.raises(ImageError, match="list of images"):
-        proc.preprocess(np.zeros((32, 32, 3), np.uint8))
-    with pytest.raises(ImageError, match="list of images"):
-        proc.preprocess(None)  # type: ignore[arg-type]
-    with pytest.raises(ImageError, match="color"):
-        proc.preprocess([np.zeros((32, 32, 3), np.uint8)], color="hsv")
-    with pytest.raises(ImageError, match="aspect ratio"):
-        proc.num_image_tokens(1, 400)
-    empty = proc.preprocess([])
-    assert empty.pixel_values.shape == (0, 1536) and empty.grid_thw.shape == (0, 3) and empty.num_tokens == []
