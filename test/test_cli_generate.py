@@ -37,6 +37,12 @@ def _cli(*args: str) -> subprocess.CompletedProcess:
 
 
 @pytest.fixture(scope="module")
+def tiny_model() -> Path:
+    """Built before a test captures its output: a first build in the process prints transformers' progress."""
+    return cached_tiny_checkpoint(**CHECKPOINT)
+
+
+@pytest.fixture(scope="module")
 def image_file(tmp_path_factory) -> Path:
     path = tmp_path_factory.mktemp("cli") / "frame.png"
     rgb = np.random.default_rng(7).integers(0, 256, (120, 160, 3), dtype=np.uint8)
@@ -45,8 +51,8 @@ def image_file(tmp_path_factory) -> Path:
     return path
 
 
-def test_image_prompt_json_matches_engine(image_file):
-    model = cached_tiny_checkpoint(**CHECKPOINT)
+def test_image_prompt_json_matches_engine(image_file, tiny_model):
+    model = tiny_model
     args = ["--model-path", str(model), "--image", str(image_file), "--prompt", "Describe this image."]
     args += ["--temperature", "0", "--max-new-tokens", "16", "--page-size", "4", "--device", "cpu", "--json"]
     proc = _cli(*args)
@@ -97,8 +103,8 @@ def test_streams_text_to_stdout(tmp_path_factory, capsys):
         (["--image", "TINY"], "image 0"),
     ],
 )
-def test_bad_input_exits_nonzero_with_message(tmp_path, capsys, extra, fragment):
-    model = cached_tiny_checkpoint(**CHECKPOINT)
+def test_bad_input_exits_nonzero_with_message(tmp_path, capsys, tiny_model, extra, fragment):
+    model = tiny_model
     garbage = tmp_path / "garbage.png"
     garbage.write_bytes(b"not a png at all")
     tiny = tmp_path / "tiny.png"
@@ -139,10 +145,10 @@ def test_every_engine_and_sampling_setting_is_a_flag_with_the_node_default():
     assert (args.page_size, args.use_cuda_graph, args.kv_pool_mb) == (32, False, 64)
 
 
-def test_an_output_format_flag_constrains_the_answer_and_json_carries_its_value(tmp_path, capsys):
+def test_an_output_format_flag_constrains_the_answer_and_json_carries_its_value(tmp_path, capsys, tiny_model):
     """--choice, --regex and --json-schema (inline or a file) give the engine's constrained answer; --json
     carries the parsed value."""
-    model = str(cached_tiny_checkpoint(**CHECKPOINT))
+    model = str(tiny_model)
     schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9}},
               "required": ["n"], "additionalProperties": False}  # fmt: skip
     (tmp_path / "schema.json").write_text(json.dumps(schema))
@@ -169,7 +175,7 @@ def test_an_output_format_flag_constrains_the_answer_and_json_carries_its_value(
         (["--choice", ""], "choice needs a list of non-empty strings"),
     ],
 )
-def test_an_output_format_that_cannot_work_exits_1_naming_why(flags, message, capsys):
-    args = ["--model-path", str(cached_tiny_checkpoint(**CHECKPOINT)), "--prompt", "Hi", "--device", "cpu", *flags]
+def test_an_output_format_that_cannot_work_exits_1_naming_why(flags, message, capsys, tiny_model):
+    args = ["--model-path", str(tiny_model), "--prompt", "Hi", "--device", "cpu", *flags]
     assert main(args) == 1
     assert message in capsys.readouterr().err

@@ -69,6 +69,22 @@ def scripted_engine(tmp_path_factory, **overrides) -> tuple[Engine, list[int]]:
     return Engine(EngineConfig(**cfg)), answer
 
 
+def finish_one(engine: Engine, request: Request) -> Finished:
+    """The one Finished event of ``request``, checked to be the last and only one."""
+    events = list(engine.generate(request))
+    assert sum(isinstance(e, Finished) for e in events) == 1 and isinstance(events[-1], Finished)
+    return events[-1]
+
+
+def assert_healthy(engine: Engine) -> None:
+    """Only sessions hold KV blocks after a request, and a normal request still works."""
+    held = sum(len(engine.parts.cache.block_table(engine.parts.session_store.get(s).seq)) for s in engine.sessions())
+    assert engine.parts.cache.stats()["blocks_used"] == held
+    final = finish_one(engine, Request(Turn("Go."), SamplingParams(temperature=0.0, max_new_tokens=5)))
+    assert final.finish_reason == "length", final.error
+    assert final.text == "Hello, 世界！"
+
+
 def _run(engine: Engine, request: Request) -> tuple[list[TextDelta], Finished]:
     events = list(engine.generate(request))
     assert all(isinstance(e, TextDelta) for e in events[:-1]) and isinstance(events[-1], Finished)
