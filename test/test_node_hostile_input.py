@@ -1,7 +1,8 @@
 """The node under hostile input and rough handling, end to end over real DDS (a separate node process, as in
 test_node_integration): a decompression bomb, a burst of prompts far beyond the queue, large raw frames from a
-reliable publisher, values refused when set rather than after, and stops by signal while generating or
-while starting. Every prompt that reaches the node gets exactly one terminal event."""
+reliable publisher, values refused when set rather than after, frames and prompts the node cannot use (each
+an error event, the node answering on), and stops by signal while generating or while starting. Every prompt
+that reaches the node gets exactly one terminal event."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ import pytest
 
 pytest.importorskip("rclpy", reason="rclpy (ROS 2 wheels) is installed by `make test`")
 
+import cv2  # noqa: E402
 from builtin_interfaces.msg import Time  # noqa: E402
 from ros_harness import FAST_PARAMS, domain_id_for, running_node  # noqa: E402
 from sensor_msgs.msg import CompressedImage, Image  # noqa: E402
@@ -30,6 +32,9 @@ from support.node_process import NodeProcess, compiler_of, processes  # noqa: E4
 PARAMS = {**FAST_PARAMS, "device": "cpu", "max_queue": 4, "max_new_tokens": 4}
 TERMINAL = ("finished", "dropped", "error")
 LONG_PROMPT = "Describe this image."  # runs to max_new_tokens with the tiny checkpoint (test_node_integration)
+QUESTION = "Describe this image."
+RGB = np.random.default_rng(7).integers(0, 256, size=(64, 96, 3), dtype=np.uint8)
+STAMP = Time(sec=1234, nanosec=500_000_000)
 
 
 @pytest.fixture(scope="module")
@@ -41,6 +46,10 @@ def values():
 def vlm(values, tmp_path_factory):
     with running_node(values, tmp_path_factory.mktemp("node"), __name__) as (node, client):
         yield node, client
+
+
+def image_msg() -> Image:
+    return rgb_to_image_msg(RGB, Image, stamp=STAMP)
 
 
 def peak_rss_mb(pid: int) -> float:
@@ -237,3 +246,108 @@ def test_prompts_with_nul_are_refused_not_truncated(text, problem):
 
     reason = prompt_problem(text)
     assert (reason is None) if problem is None else (problem in reason)
+
+
+def _corrupt_compressed() -> CompressedImage:
+    msg = CompressedImage(format="jpeg")
+    msg.data = b"\xff\xd8\xff\xe0 this is not a jpeg" * 4
+    return msg
+
+
+def _wrong_encoding() -> Image:
+    msg = image_msg()
+    msg.encoding = "yuv422"
+    return msg
+
+
+def _step_mismatch() -> Image:
+    msg = image_msg()
+    msg.step = msg.step + 8  # rows claim padding the data does not have
+    return msg
+
+
+def _empty_image() -> Image:
+    return Image(height=0, width=0, encoding="rgb8", step=0)
+
+
+@pytest.mark.parametrize(
+    ("make", "expected"),
+    [
+        (_corrupt_compressed, "compressed image rejected: cannot decode"),
+        (_wrong_encoding, "unsupported image encoding 'yuv422'"),
+        (_step_mismatch, "but step*height"),
+        (_empty_image, "empty image: 0x0"),
+    ],
+    ids=["corrupt_compressed", "wrong_encoding", "step_mismatch", "zero_size"],
+)
+def test_bad_images_give_error_events_and_the_node_keeps_answering(vlm, make, expected):
+    """A frame whose sizes or header are wrong is reported on arrival; one that only decoding finds corrupt
+    when a prompt takes it (frames are decoded only then), and that prompt is answered without it."""
+    node, client = vlm
+    msg = make()
+    before = len(client.status)
+    if isinstance(msg, CompressedImage):
+        client.publish_compressed(msg)
+    else:
+        client.publish_image(msg, repeat=2)
+
+    def error_event() -> dict | None:
+        return next((e for e in client.status[before:] if e["event"] == "error" and expected in e["error"]), None)
+
+    deadline = time.monotonic() + 20
+    while (error := error_event()) is None:  # ask until the frame has arrived and been taken
+        assert time.monotonic() < deadline, f"no error event with {expected!r}"
+        result = client.ask(QUESTION)
+        assert result["status"]["event"] == "finished"
+        if error_event() is None:
+            time.sleep(0.5)
+    assert error["request_id"] is None  # image errors belong to no prompt
+    assert node.alive()
+    assert client.ask(QUESTION)["status"]["event"] == "finished"
+
+
+def test_a_frame_only_decoding_finds_corrupt_is_reported_when_a_prompt_takes_it(vlm):
+    """A PNG whose header is sound and whose pixel data is not: kept on arrival (frames are decoded only
+    when a prompt takes them), then rejected with an error event, the prompt answered without it and its
+    note saying why; the next good frame is used again."""
+    node, client = vlm
+    ok, png = cv2.imencode(".png", RGB[:, :, ::-1])
+    assert ok
+    data = bytearray(png.tobytes())
+    idat = data.find(b"IDAT")
+    data[idat + 8 : idat + 40] = bytes(b ^ 0xFF for b in data[idat + 8 : idat + 40])
+    msg = CompressedImage(format="png")
+    msg.header.stamp = Time(sec=77, nanosec=0)
+    msg.data = bytes(data)
+    before = len(client.status)
+    client.publish_compressed(msg)
+    expected = "compressed image rejected: cannot decode compressed image (png"
+    deadline = time.monotonic() + 20
+    while True:  # ask until the frame has arrived and a prompt has taken it
+        result = client.ask(QUESTION)
+        if expected in (result["status"].get("note") or ""):
+            break
+        assert time.monotonic() < deadline, "no prompt took the corrupt frame"
+        time.sleep(0.5)
+    assert result["status"]["event"] == "finished" and result["status"]["image_stamp"] is None
+    errors = [e for e in client.status[before:] if e["event"] == "error" and expected in e["error"]]
+    assert errors and errors[0]["request_id"] is None and errors[0]["image_stamp"] == pytest.approx(77.0)
+    assert expected in node.output()  # logged too
+    client.publish_image(image_msg())
+    assert client.wait_for(
+        lambda: (r := client.ask(QUESTION))["status"]["image_stamp"] == pytest.approx(1234.5) and r, 20, "a good frame"
+    )
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"), [("", "empty prompt"), ("   \n", "empty prompt"), ("x" * 1_000_000, "too long")]
+)
+def test_bad_prompts_give_error_events_and_the_node_keeps_answering(vlm, text, expected):
+    node, client = vlm
+    result = client.ask(text, timeout=120)
+    assert result["status"]["event"] == "error" and result["status"]["finish_reason"] == "error"
+    assert expected in result["status"]["error"]
+    line = f"{result['status']['request_id']}: {result['status']['error']}"  # the log says it too
+    client.wait_for(lambda: line in node.output(), 10, f"the log line {line!r}")
+    assert node.alive()
+    assert client.ask(QUESTION)["status"]["event"] == "finished"
