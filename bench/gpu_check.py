@@ -55,7 +55,12 @@ NEEDS = {  # step -> steps that must have passed first
 # The wheels must match what `make gpu-wheels` downloads (the Makefile's GPU_WHEELS list).
 DEP_WHEELS = ("pytools", "platformdirs", "mako", "siphash24", "transformers")
 CONFIG_2B = "Qwen3-VL-2B-Instruct.config.json"
-GPU_TESTS = ("test/test_cuda_gpu.py", "test/test_cuda_nvcc_archs.py", "test/test_kvcache_attention.py")
+GPU_TESTS = (
+    "test/test_cuda_gpu.py",
+    "test/test_cuda_gpu_engine.py",
+    "test/test_cuda_nvcc_archs.py",
+    "test/test_kvcache_attention.py",
+)
 PARITY_PROMPT = "Describe the image."
 PARITY_TOKENS = 32
 BENCH_PART_S = 90.0  # about the longest part of the GPU benchmark section (the decode of one dtype)

@@ -77,3 +77,10 @@ def cpu_kernel_cache(tmp_path_factory) -> str:
     path = _shared_dir(tmp_path_factory) / "cpu_kernel_cache"
     path.mkdir(exist_ok=True)
     return str(path)
+
+
+@pytest.fixture(scope="session")
+def gpu_cache(tmp_path_factory) -> str:
+    """One kernel cache for the GPU tests: the first engine builds the kernels (the cold path), the others load
+    the cubins it cached, as a robot's restarts do (the diagnostics step of the GPU check times both)."""
+    return str(tmp_path_factory.mktemp("gpu_cache"))
