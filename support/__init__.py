@@ -12,4 +12,6 @@
 * :mod:`support.scene_drawing`: pictures of coloured shapes with their label maps, and their layouts.
 * :mod:`support.synthetic_scenes`: the questions and answers about those pictures the default model is
   trained on (the demo, the training, the tests and the benchmarks draw from it).
+* :mod:`support.scene_formats`: the same pictures asked for in a format (Qwen3-VL grounding, a JSON list of
+  the shapes), and how such answers are scored.
 """
