@@ -123,6 +123,7 @@ def test_label_map_marks_the_drawn_shapes():
 
 
 def test_token_labels_name_the_shape_under_each_token():
+    from support.scene_formats import pixel_box
     from tools.train_default_model.dense_targets import COLOR_BACKGROUND, IGNORE, SHAPE_BACKGROUND, SIDES, token_labels
 
     star = scenes.Shape("star", "purple", 40.0, 60.0, 30.0)
@@ -130,8 +131,10 @@ def test_token_labels_name_the_shape_under_each_token():
     rng = np.random.default_rng(0)
     _, labels = scenes.render_with_labels(rng, 128, 128, [star, square])
     scene = scenes.Scene([star, square], labels, ("left", "right"))
-    kinds, colors, sides = token_labels(scene, [1, 8, 8])  # 4 x 4 tokens of 32 px
+    kinds, colors, sides, boxes = token_labels(scene, [1, 8, 8])  # 4 x 4 tokens of 32 px
     kinds, colors, sides = kinds.view(4, 4), colors.view(4, 4), sides.view(4, 4)
+    star_box = np.array(pixel_box(labels, 0)) / 128 * 2 - 1  # the star's pixel box, in [-1, 1]
+    assert np.allclose(boxes.view(4, 4, 4)[1, 1].numpy(), star_box) and boxes.view(4, 4, 4)[3, 3].isnan().all()
     assert sides[1, 1] == SIDES.index("left") and sides[1, 3] == SIDES.index("right") and sides[3, 3] == IGNORE
     unsided = token_labels(scenes.Scene([star, square], labels), [1, 8, 8])[2]  # not a pair layout
     assert (unsided == IGNORE).all()
@@ -140,6 +143,31 @@ def test_token_labels_name_the_shape_under_each_token():
     assert kinds[3, 3] == SHAPE_BACKGROUND and colors[3, 3] == COLOR_BACKGROUND  # empty corner
     assert kinds[0, 0] == SHAPE_BACKGROUND  # the star's tip grazes it: under a quarter covered
     assert ((kinds == SHAPE_BACKGROUND) == (colors == COLOR_BACKGROUND)).all()
+
+
+def test_each_shape_pools_the_tokens_it_covers_in_its_own_picture():
+    """The shape-level kind target: row i of ``shape_pool`` spreads over the tokens shape i covers (counted from
+    its label-map pixels per 32-pixel token), only in its own picture of the batch, and sums to 1."""
+    import torch
+
+    from tools.train_default_model.dense_targets import dense_targets
+
+    star = scenes.Shape("star", "purple", 40.0, 60.0, 30.0)
+    square = scenes.Shape("square", "green", 100.0, 60.0, 14.0)
+    circle = scenes.Shape("circle", "red", 30.0, 30.0, 12.0)
+    rng = np.random.default_rng(0)
+    _, two = scenes.render_with_labels(rng, 128, 128, [star, square])
+    _, one = scenes.render_with_labels(rng, 64, 64, [circle])
+    grid = torch.tensor([[1, 8, 8], [1, 4, 4]])  # 16 tokens, then 4
+    t = dense_targets([scenes.Scene([star, square], two), scenes.Scene([circle], one)], grid)
+    assert t.shape_pool.shape == (3, 20) and t.shape_kinds.tolist() == [scenes.SHAPES.index(k) for k in
+                                                                        ("star", "square", "circle")]  # fmt: skip
+    assert torch.allclose(t.shape_pool.sum(1), torch.ones(3))
+    for row, (labels, index, first, side) in enumerate(((two, 1, 0, 4), (two, 2, 0, 4), (one, 1, 16, 2))):
+        pixels = (labels == index).reshape(side, 32, side, 32).sum((1, 3)).reshape(-1).astype(np.float64)
+        expected = np.zeros(20)
+        expected[first : first + side * side] = pixels / pixels.sum()
+        assert np.allclose(t.shape_pool[row].numpy(), expected, atol=1e-6), row
 
 
 def test_subjects_say_which_shape_each_part_of_the_answer_is_about():
@@ -190,7 +218,7 @@ def _training_batch(n: int):
 
     tok = Tokenizer.from_file(str(MODEL_DIR / "tokenizer.json"))
     enc = Encoder(tok, {t: tok.token_to_id(t) for t in SPECIAL_TOKENS})
-    cfg = TrainConfig(batch_size=n)
+    cfg = TrainConfig(batch_size=n, grounding_rate=0.4, shape_list_rate=0.1)
     drawn = [draw(cfg, cfg.easy_steps + 1, i) for i in range(n)]
     return drawn, make_batch([s for s, _ in drawn], enc, Pixels(MODEL_DIR, False)), enc
 
@@ -200,7 +228,7 @@ def test_pointer_queries_look_at_the_shape_the_text_is_about():
     from tools.train_default_model.dense_targets import MIN_COVER, shape_cover
     from tools.train_default_model.pointer import pointer_queries
 
-    drawn, batch, enc = _training_batch(40)
+    drawn, batch, enc = _training_batch(64)
     grids = batch["image_grid_thw"].tolist()
     image_rows = [row for row, (s, _) in enumerate(drawn) if s.image is not None]
 
@@ -214,14 +242,21 @@ def test_pointer_queries_look_at_the_shape_the_text_is_about():
     by_row: dict[int, list] = {}
     for q in pointer_queries(drawn, batch, enc):
         by_row.setdefault(q.row, []).append(q)
-    about = [row for row, (s, _) in enumerate(drawn) if s.qtype in ("shape", "color", "position", "describe")]
+    about = [row for row, (s, sc) in enumerate(drawn) if s.qtype not in ("count", "chat") and sc.subjects]
     assert sorted(by_row) == about
-    pairs = 0
+    pairs = formats = 0
     for row, qs in by_row.items():
         sample, scene = drawn[row]
         answer_at = (batch["labels"][row] != -100).nonzero().squeeze(1).tolist()
         assert [q.pos + 1 for q in qs] == answer_at
-        if sample.qtype in ("color", "position"):  # the named shape throughout
+        assert all(q.targets.tolist() == shape_tokens(row, q.shape) for q in qs)  # the shape they show, named
+        if sample.qtype in ("ground", "json"):  # each object's tokens look at its shape, in answer order
+            formats += 1
+            starts = enc.answer_starts(sample.answer)
+            for q, char in zip(qs, starts, strict=True):
+                shape = [i for start, i in scene.subjects if start <= char][-1]
+                assert q.targets.tolist() == shape_tokens(row, shape)
+        elif sample.qtype in ("color", "position"):  # the named shape throughout
             (named,) = [i for _, i in scene.subjects]
             assert all(q.targets.tolist() == shape_tokens(row, named) for q in qs)
         elif len(scene.shapes) == 2:  # a description: the left shape first, the right one from " and "/"和" on
@@ -233,7 +268,7 @@ def test_pointer_queries_look_at_the_shape_the_text_is_about():
             assert scenes.shape_name(scene.shapes[1].kind, sample.lang) not in said
         else:
             assert all(q.targets.tolist() == shape_tokens(row, 0) for q in qs)
-    assert pairs >= 1
+    assert pairs >= 1 and formats >= 1
 
 
 @needs_checkpoint

@@ -63,9 +63,14 @@ class Encoder:
         """The first character of each token of ``answer(answer)``, and ``len(answer)`` for its <|im_end|>."""
         return self._encoded(answer)[1] + [len(answer)]
 
+    def prompt_text(self, question: str, image: bool) -> tuple[str, list[int]]:
+        """The user turn's template text (one image pad) and the first character of each of its tokens."""
+        vision = "<|vision_start|><|image_pad|><|vision_end|>" if image else ""
+        text = f"<|im_start|>user\n{vision}{question}<|im_end|>\n<|im_start|>assistant\n"
+        return text, self._encoded(text)[1]
+
     def prompt(self, question: str, n_image_tokens: int | None) -> list[int]:
-        vision = "<|vision_start|><|image_pad|><|vision_end|>" if n_image_tokens is not None else ""
-        ids = self._enc(f"<|im_start|>user\n{vision}{question}<|im_end|>\n<|im_start|>assistant\n")
+        ids = self._enc(self.prompt_text(question, n_image_tokens is not None)[0])
         if n_image_tokens is None:
             return list(ids)
         pad = self.ids["<|image_pad|>"]

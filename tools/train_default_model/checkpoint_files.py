@@ -10,8 +10,8 @@ import torch
 
 from .recipe import TrainConfig
 
-MIN_PIXELS = 32 * 32 * 4  # 4 image tokens
-MAX_PIXELS = 32 * 32 * 16  # 16 image tokens
+TOKEN_PIXELS = 32 * 32  # one image token: a 2x2 group of 16-pixel patches
+MIN_PIXELS = TOKEN_PIXELS * 4  # a clip's frames together: at least 4 tokens
 VIDEO_MAX_PIXELS = 32 * 32 * 64  # all frames of a clip together: 32 tokens (4 frames: 16 each, in 2 groups)
 SIDE_FILES = ("preprocessor_config.json", "video_preprocessor_config.json", "generation_config.json")
 
@@ -89,9 +89,11 @@ def write_video_config(out: Path) -> None:
     (out / "video_preprocessor_config.json").write_text(json.dumps(video, indent=2) + "\n")
 
 
-def write_side_configs(out: Path, ids: dict[str, int]) -> None:
-    preprocessor = {"image_processor_type": "Qwen2VLImageProcessor", **PIXELS,
-                    "size": {"shortest_edge": MIN_PIXELS, "longest_edge": MAX_PIXELS}}  # fmt: skip
+def write_side_configs(out: Path, ids: dict[str, int], cfg: TrainConfig) -> None:
+    """Preprocessor (a picture read as ``image_tokens_min``..``image_tokens_max`` tokens), video and generation
+    configs."""
+    size = {"shortest_edge": TOKEN_PIXELS * cfg.image_tokens_min, "longest_edge": TOKEN_PIXELS * cfg.image_tokens_max}
+    preprocessor = {"image_processor_type": "Qwen2VLImageProcessor", **PIXELS, "size": size}
     (out / "preprocessor_config.json").write_text(json.dumps(preprocessor, indent=2) + "\n")
     write_video_config(out)
     generation = {
@@ -104,11 +106,11 @@ def write_side_configs(out: Path, ids: dict[str, int]) -> None:
     (out / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
 
 
-def save(model, out: Path, ids: dict[str, int]) -> None:
+def save(model, out: Path, ids: dict[str, int], cfg: TrainConfig) -> None:
     """bf16 copy of the weights in HF format (the training copy stays float32)."""
     import copy
 
     half = copy.deepcopy(model).to(torch.bfloat16)
     half.generation_config.do_sample = False
     half.save_pretrained(str(out))
-    write_side_configs(out, ids)  # save_pretrained rewrites generation_config.json; keep ours
+    write_side_configs(out, ids, cfg)  # save_pretrained rewrites generation_config.json; keep ours

@@ -9,6 +9,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from support import scene_formats as formats
 from support import synthetic_scenes as scenes
 
 from .batches import Encoder, Pixels
@@ -54,6 +55,40 @@ def evaluate(model, enc: Encoder, pixels: Pixels, samples: list[scenes.Sample]) 
     return {k: float(np.mean(v)) for k, v in sorted(hits.items())}
 
 
+def evaluate_formats(
+    model, enc: Encoder, pixels: Pixels, tasks: list[formats.GroundingTask], lists: list[scenes.Sample]
+) -> dict[str, float]:
+    """Grounding (objects found, scenes without an invented object, answers that parse) and shape lists
+    (exact match of the parsed JSON), answered without a grammar: what the model writes on its own."""
+    model.eval()
+    found = expected = clean = parsed = 0
+    for task in tasks:
+        text = hf_answer(model, enc, pixels, task.sample.question, task.sample.image, 320)
+        h, w = task.sample.image.shape[:2]
+        try:
+            score = formats.score_grounding(task, formats.answer_boxes(text, h, w))
+        except ValueError:
+            expected += len(task.truth)
+            continue
+        parsed += 1
+        found += score.found
+        expected += score.expected
+        clean += score.invented == 0
+    listed = 0
+    for s in lists:
+        try:
+            listed += json.loads(hf_answer(model, enc, pixels, s.question, s.image, 128)) == json.loads(s.answer)
+        except ValueError:
+            pass
+    n = max(1, len(tasks))
+    return {
+        "objects_found": found / max(1, expected),
+        "scenes_clean": clean / n,
+        "grounding_parsed": parsed / n,
+        "shape_lists": listed / max(1, len(lists)),
+    }
+
+
 def eval_checkpoint(out: Path, n: int, allow_fallback: bool) -> dict[str, float]:
     """Load the saved (bf16) checkpoint in float32, as the engine does on the CPU, and score it."""
     from tokenizers import Tokenizer
@@ -62,6 +97,8 @@ def eval_checkpoint(out: Path, n: int, allow_fallback: bool) -> dict[str, float]
     tok = Tokenizer.from_file(str(out / "tokenizer.json"))
     ids = {t: tok.token_to_id(t) for t in SPECIAL_TOKENS}
     model = Qwen3VLForConditionalGeneration.from_pretrained(str(out), dtype=torch.float32)
-    acc = evaluate(model, Encoder(tok, ids), Pixels(out, allow_fallback), scenes.held_out_samples(n))
+    enc, pixels = Encoder(tok, ids), Pixels(out, allow_fallback)
+    acc = evaluate(model, enc, pixels, scenes.held_out_samples(n))
+    acc.update(evaluate_formats(model, enc, pixels, formats.held_out_grounding(), formats.held_out_shape_lists()))
     print(f"checkpoint eval (n={n}) {json.dumps(acc)}", flush=True)
     return acc

@@ -20,6 +20,7 @@ class PointerQuery:
     row: int
     pos: int
     targets: torch.Tensor  # (k,) long: sequence indices of the subject's image tokens
+    shape: int = -1  # which of the scene's shapes the targets show (-1: not one shape of a picture)
 
 
 def pointer_queries(
@@ -46,7 +47,7 @@ def pointer_queries(
         first = int((batch["labels"][row] != IGNORE).nonzero()[0])  # the answer's first token
         for t, char in enumerate(enc.answer_starts(sample.answer)):
             shape = [i for start, i in scene.subjects if start <= char][-1]
-            queries.append(PointerQuery(row, first + t - 1, shape_tokens[shape]))
+            queries.append(PointerQuery(row, first + t - 1, shape_tokens[shape], shape))
     return queries
 
 
@@ -76,9 +77,13 @@ class AttentionPointer:
         q = a.q_norm(a.q_proj(h).view(b, length, -1, a.head_dim))[:, :, :1].transpose(1, 2)  # (B, 1, L, hd)
         k = a.k_norm(a.k_proj(h).view(b, length, -1, a.head_dim))[:, :, :1].transpose(1, 2)  # kv head of head 0
         q, k = apply_rotary_pos_emb(q, k, cos, sin)
-        losses = []
-        for qr in queries:
-            scores = (k[qr.row, 0, : qr.pos + 1] @ q[qr.row, 0, qr.pos]) * a.scaling  # (pos + 1,) causal keys
-            logp = torch.log_softmax(scores, dim=0)
-            losses.append(-torch.logsumexp(logp[qr.targets], dim=0))
-        return torch.stack(losses).mean()
+        rows = torch.tensor([qr.row for qr in queries])
+        pos = torch.tensor([qr.pos for qr in queries])
+        scores = (q[:, 0] @ k[:, 0].transpose(1, 2))[rows, pos] * a.scaling  # (B, L, L) -> (n, L)
+        keys = torch.arange(length)
+        scores = scores.masked_fill(keys[None, :] > pos[:, None], float("-inf"))  # causal: keys up to the query
+        targets = torch.zeros_like(scores, dtype=torch.bool)
+        for i, qr in enumerate(queries):
+            targets[i, qr.targets] = True
+        logp = torch.log_softmax(scores, dim=1)
+        return -torch.logsumexp(logp.masked_fill(~targets, float("-inf")), dim=1).mean()
