@@ -47,6 +47,7 @@ class BenchConfig:
     prefix_max_new_tokens: int = 8
     # weight quantization: held-out samples of the default model's task per weight_quant mode (the accuracy goals)
     quant_held_out: int = 200
+    detect_scenes: int = 100  # held-out grounding scenes the default model is scored on
     # ROS
     ros: bool = True
     ros_max_new_tokens: int = 400  # long answers: the per-token cost of publishing is what is measured
@@ -130,6 +131,7 @@ QUICK = replace(
     video_frame_size=(64, 64),
     batch_tokens=12,  # more steps than the largest batch has members: all of them decode together
     quant_held_out=40,
+    detect_scenes=10,
     ros_max_new_tokens=32,  # several tokens messages at the default 20 ms period
     ros_rounds=2,  # the round loop runs in CI too
     ros_repeats=1,

@@ -173,6 +173,22 @@ GOALS: list[Goal] = [
         _worst_over("structured", ".first_ms", False, prefix="compile."),
     ),
     Goal(
+        "detection_found",
+        "Default model: >= 90% of held-out objects found with IoU >= 0.5 in camera pixels",
+        "fraction",
+        0.90,
+        True,
+        _worst_over("structured", "detect.objects_found", True),
+    ),
+    Goal(
+        "detection_clean",
+        "Default model: no invented object on >= 90% of held-out grounding scenes",
+        "fraction",
+        0.90,
+        True,
+        _worst_over("structured", "detect.scenes_clean", True),
+    ),
+    Goal(
         "batching_4_cpu",
         "CPU: 4 requests decoding together >= 2x the aggregate decode tok/s of one, 2B-shape checkpoint",
         "x",

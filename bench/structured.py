@@ -10,6 +10,11 @@
 2. ``compile``: the first compile of the grounding format (two labels, one image) and of a 20-property
    schema for the default model's tokenizer (its token table built before, as the engine keeps it), and a
    repeat of the same format (served by content from the engine's cache).
+3. ``detect``: the default model on its held-out grounding scenes (100 in full/medium mode), each asked as
+   the node asks (the grounding prompt and format, greedy): objects found (right label, IoU >= 0.5 in the
+   picture's pixels; a point inside the true box), scenes without an invented object, answers that did not
+   parse; and half as many held-out "List the shapes as JSON." questions held to their schema (parsed value
+   equal to the truth).
 """
 
 from __future__ import annotations
@@ -89,6 +94,19 @@ def _compile(res: SectionResult, engine, repeats: int) -> None:
         res.add(f"compile.{name}.cached_ms", "ms", again, f"the {name} format again (cached by content)")
 
 
+def _detect(res: SectionResult, engine, scenes: int) -> None:
+    """Accuracy of the default model's answers in a format (one pass: greedy answers do not vary)."""
+    from support import scene_formats
+
+    tasks, lists = scene_formats.held_out_grounding(scenes), scene_formats.held_out_shape_lists(scenes // 2)
+    acc = scene_formats.engine_accuracy(engine, tasks, lists)
+    res.add("detect.objects_found", "fraction", [acc.objects_found], "objects found (IoU >= 0.5 in pixels)")
+    res.add("detect.scenes_clean", "fraction", [acc.scenes_clean], "scenes without an invented object")
+    res.add("detect.unparsed", "count", [acc.unparsed], "grounding answers that did not parse")
+    res.add("shape_list.exact", "fraction", [acc.shape_lists], "shape lists equal to the truth")
+    res.setup["detect_scenes"], res.setup["shape_lists"] = len(tasks), len(lists)
+
+
 def run(ctx: BenchContext) -> SectionResult:
     cfg = ctx.config
     res = SectionResult("structured")
@@ -97,6 +115,7 @@ def run(ctx: BenchContext) -> SectionResult:
     res.setup["default_model"] = what
     _decode(res, "", engine, 60, cfg.repeats, cfg.warmup)
     _compile(res, engine, cfg.repeats)
+    _detect(res, engine, cfg.detect_scenes)
     missing = ctx.big_checkpoint_missing()
     if missing:
         res.skip_part("2b_bf16.decode", missing)

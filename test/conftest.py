@@ -84,3 +84,16 @@ def gpu_cache(tmp_path_factory) -> str:
     """One kernel cache for the GPU tests: the first engine builds the kernels (the cold path), the others load
     the cubins it cached, as a robot's restarts do (the diagnostics step of the GPU check times both)."""
     return str(tmp_path_factory.mktemp("gpu_cache"))
+
+
+@pytest.fixture(scope="module")
+def default_model_engine():
+    """Our engine on the embedded default model, CPU, one thread (the acceptance tests' numerics), one per
+    test module so that no module's prefix cache serves another's prompts."""
+    import torch
+
+    from orin_vlm_node.engine import Engine, EngineConfig
+
+    torch.set_num_threads(1)
+    model = Path(__file__).resolve().parent.parent / "orin_vlm_node" / "default_model"
+    return Engine(EngineConfig(model_path=str(model), device="cpu", kv_pool_blocks=64, max_context_tokens=1024))

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 import torch
 
-from orin_vlm_node.engine import Engine, EngineConfig, Finished, Request, SamplingParams, TextDelta, Turn
+from orin_vlm_node.engine import Engine, Finished, Request, SamplingParams, TextDelta, Turn
 from support import synthetic_scenes as scenes
 
 REPO = Path(__file__).resolve().parent.parent
@@ -53,9 +53,8 @@ def _run(engine: Engine, question: str, image: np.ndarray | None) -> tuple[list[
 
 
 @pytest.fixture(scope="module")
-def engine() -> Engine:
-    torch.set_num_threads(1)
-    return Engine(EngineConfig(model_path=str(MODEL_DIR), device="cpu", kv_pool_blocks=64, max_context_tokens=1024))
+def engine(default_model_engine) -> Engine:
+    return default_model_engine
 
 
 @pytest.fixture(scope="module")

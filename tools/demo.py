@@ -4,11 +4,14 @@ What it does, in the order a ROS user would: starts ``vlm_node`` (the installed 
 ``python -m orin_vlm_node.ros.main``) as a child in its own process group, with DDS discovery kept on
 this machine, its own ROS_DOMAIN_ID and a temporary ROS_LOG_DIR; publishes a sample image
 (``sensor_msgs/Image``, rgb8) and a prompt (``std_msgs/String``); prints the tokens as they stream
-on ``tokens``, then the metrics from ``status``; finally stops the node with SIGINT (SIGKILL if it
-does not exit in time) and exits non-zero if anything went wrong.
+on ``tokens``, then the metrics from ``status``; asks one question held to a JSON schema and one detection
+request, prints the detections in camera pixels and saves the node's annotated picture to a PNG file;
+finally stops the node with SIGINT (SIGKILL if it does not exit in time) and exits non-zero if anything
+went wrong.
 
-Sample images come from ``support.synthetic_scenes`` (the scenes the default model was trained on); one
-question is about time: a clip of ``support.scene_videos`` published frame by frame, then asked about as video.
+Sample images come from ``support.synthetic_scenes`` and ``support.scene_formats`` (the scenes the default
+model was trained on, from their held-out sets); one question is about time: a clip of
+``support.scene_videos`` published frame by frame, then asked about as video.
 Run from the repository root: ``python -m tools.demo``.
 """
 
@@ -23,9 +26,10 @@ import tempfile
 import time
 from pathlib import Path
 
+import cv2
 import numpy as np
 
-from support import scene_videos, synthetic_scenes
+from support import scene_formats, scene_videos, synthetic_scenes
 
 
 def samples(count: int) -> list[tuple[np.ndarray, str, str]]:
@@ -114,14 +118,58 @@ def _ask_about_motion(client, image_cls, to_msg) -> int:
     return 0
 
 
-def main() -> int:
+def _show_formats(client, image_cls, to_msg, picture: Path) -> int:
+    """A question held to a JSON schema (on ``prompt_json``), then a detection request whose boxes come back in
+    the camera's pixels on ``detections_json`` and drawn on ``detections_image`` (saved to ``picture``)."""
+    from std_msgs.msg import String
+
+    shapes = scene_formats.held_out_shape_lists(1)[0]
+    client.publish_image(to_msg(shapes.image, image_cls))
+    asked = {"prompt": shapes.question, "output": {"json_schema": scene_formats.SHAPE_LIST_SCHEMA}}
+    print(f"prompt_json: {json.dumps(asked)[:120]}...\n    answer: ", end="", flush=True)
+    listed = client.ask(asked, timeout=300.0)
+    print(f"\n    expected: {shapes.answer}\n")
+    task = next(t for t in scene_formats.held_out_grounding(20) if not t.points and len(t.truth) >= 2)
+    received: dict[str, list] = {"json": [], "image": []}
+    client.node.create_subscription(String, "detections_json", lambda m: received["json"].append(m.data), 10)
+    client.node.create_subscription(image_cls, "detections_image", received["image"].append, 10)
+    client.publish_image(to_msg(task.sample.image, image_cls, frame_id="front_camera"))
+    labels = ", ".join(task.labels)
+    height, width = task.sample.image.shape[:2]
+    print(f"prompt_json: {json.dumps({'detect': labels})}  (image {width}x{height})\n    answer: ", end="", flush=True)
+    result = client.ask({"detect": labels}, timeout=300.0)
+    print()
+    if result["status"]["event"] != "finished":
+        print(f"    {result['status']['event']}: {result['status']['error']}")
+        return 1
+    client.wait_for(lambda: received["json"] and received["image"], 30, "the detections")
+    for d in json.loads(received["json"][0])["detections"]:
+        print(f"    {d['label']:>16}: box {[round(v) for v in d['box']]} px, score {d['score']:.2f}")
+    print("    truth:  " + ", ".join(f"{label} {list(box)}" for label, box in task.truth))
+    drawn = received["image"][0]
+    rgb = np.frombuffer(bytes(drawn.data), np.uint8).reshape(drawn.height, drawn.step)[:, : drawn.width * 3]
+    cv2.imwrite(str(picture), cv2.cvtColor(rgb.reshape(drawn.height, drawn.width, 3), cv2.COLOR_RGB2BGR))
+    print(f"    annotated picture ({drawn.encoding}) saved to {picture}\n")
+    return 0 if listed["status"]["event"] == "finished" else 1
+
+
+def _arguments() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model-path", default="", help="model directory ('' = the embedded default model)")
     parser.add_argument("--questions", type=int, default=3, help="how many sample questions to ask")
-    parser.add_argument("--max-new-tokens", type=int, default=48)
+    parser.add_argument("--max-new-tokens", type=int, default=160, help="a detection answer takes ~30 per object")
     parser.add_argument("--startup-timeout", type=float, default=300.0)
-    args = parser.parse_args()
+    parser.add_argument(
+        "--detections-picture",
+        type=Path,
+        default=Path(tempfile.gettempdir()) / "orin_vlm_demo_detections.png",
+        help="where the annotated picture of the detection request is saved",
+    )
+    return parser.parse_args()
 
+
+def main() -> int:
+    args = _arguments()
     # This process joins the node's private domain on localhost only; set before rclpy is imported.
     from support.node_process import domain_id_for
 
@@ -137,7 +185,8 @@ def main() -> int:
     from support.node_process import NodeProcess, installed_executable
 
     installed = installed_executable()
-    params = {"model_path": args.model_path, "max_new_tokens": args.max_new_tokens, "temperature": 0.0}
+    params = dict(model_path=args.model_path, max_new_tokens=args.max_new_tokens, temperature=0.0)
+    params["detections_image"] = True  # the annotated picture the demo saves
     print(
         f"starting the node ({installed or 'python -m orin_vlm_node.ros.main'}), "
         f"ROS_DOMAIN_ID={domain}, localhost discovery, logs in {workdir}",
@@ -154,6 +203,7 @@ def main() -> int:
         print(f"node ready after {time.monotonic() - t0:.1f} s\n", flush=True)
         failures += _ask_samples(client, args.questions, Image, rgb_to_image_msg)
         failures += _ask_about_motion(client, Image, rgb_to_image_msg)
+        failures += _show_formats(client, Image, rgb_to_image_msg, args.detections_picture)
         streaming["echo"] = False
         failures += _show_runtime_parameters(client, samples(1)[0], Image, rgb_to_image_msg)
     except AssertionError as exc:  # the client's timeouts
