@@ -239,18 +239,10 @@ def test_gpu_swiglu_epilogue_matches_the_product_then_the_activation(all_kernels
         assert rows in (0, 1, 2, 4, 8) and "kernel vs F.linear: 1 row " in why, why
 
 
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
-def test_gpu_fused_norms_rope_and_silu_match_torch_ops_on_the_gpu(all_kernels, dtype):
-    """The fused elementwise kernels against the decoder's torch ops on the GPU itself (same roundings: in half
-    precision all but rare last-place differences identical). The RoPE tables to the bit: the kernel calls the
-    cosf / sinf that torch's cos and sin kernels call."""
-    import torch.nn.functional as F
+def _assert_rope_tables_are_torchs(ops, dtype: torch.dtype) -> None:
+    """The kernel's M-RoPE tables equal torch's to the bit, at long-context and scattered positions."""
+    from orin_vlm_node.model.rope import TextRopeTables, mrope_cos_sin, mrope_streams, text_inv_freq
 
-    from orin_vlm_node.cuda.fused import CudaFusedOps
-    from orin_vlm_node.model.rope import TextRopeTables, apply_text_rope, mrope_cos_sin, mrope_streams, text_inv_freq
-    from orin_vlm_node.model.text import RMSNorm
-
-    ops = CudaFusedOps(all_kernels)
     inv_freq, streams = text_inv_freq(128, 5_000_000.0, "cuda"), mrope_streams(128, (24, 20, 20), "cuda")
     for positions in (
         torch.arange(8190, 8194, device="cuda").expand(3, -1),
@@ -259,6 +251,21 @@ def test_gpu_fused_norms_rope_and_silu_match_torch_ops_on_the_gpu(all_kernels, d
         tables = ops.rope_tables(positions, inv_freq, streams, dtype)
         want = TextRopeTables.build(*mrope_cos_sin(positions, inv_freq, streams, dtype))
         assert torch.equal(tables.cos, want.cos) and torch.equal(tables.sin_signed, want.sin_signed)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_gpu_fused_norms_rope_and_silu_match_torch_ops_on_the_gpu(all_kernels, dtype):
+    """The fused elementwise kernels against the decoder's torch ops on the GPU itself (same roundings: in half
+    precision all but rare last-place differences identical). The RoPE tables to the bit: the kernel calls the
+    cosf / sinf that torch's cos and sin kernels call."""
+    import torch.nn.functional as F
+
+    from orin_vlm_node.cuda.fused import CudaFusedOps
+    from orin_vlm_node.model.rope import TextRopeTables, apply_text_rope
+    from orin_vlm_node.model.text import RMSNorm
+
+    ops = CudaFusedOps(all_kernels)
+    _assert_rope_tables_are_torchs(ops, dtype)
     tol = {torch.float32: 1e-5, torch.float16: 1e-3, torch.bfloat16: 8e-3}[dtype]
     tokens, nq, nkv, hd, hidden = 4, 16, 8, 128, 2048
     norm = RMSNorm(hidden, 1e-6).to("cuda", dtype)

@@ -157,6 +157,18 @@ def test_a_timed_graph_walks_through_the_weights_of_the_shape_as_a_decode_step_d
     assert read == [w.data_ptr() for w in weights] * 5 + [weights[0].data_ptr()]
 
 
+def _assert_timed_and_described(mode: str, timed: list, keys: set, what: str, floats: int, n_sites: int) -> None:
+    """Each (shape, epilogue) key timed once per row bucket, and the startup line says what was routed."""
+    swiglus = 2 if mode == "int4" else 0  # the quantized gate/up shape: its two ways tie at one row, so it stops
+    assert len(timed) == 2 * len(L.GEMV_ROW_BUCKETS) * len(keys) + swiglus  # every bucket won: each key timed once
+    assert ("+ SwiGLU: kernel for 1..8 rows" in what) == (mode == "none")
+    tie = "+ SwiGLU: SwiGLU in the product's launch (then silu_mul vs in the launch: 1 row 1.0 vs 1.0 us)"
+    assert (tie in what) == (mode == "int4")
+    assert what.startswith("GEMV kernels for decode rows: ")
+    assert f"{floats} of {floats} float ones" in what
+    assert (f"{n_sites - 1} quantized projections" in what) == (mode == "int4")
+
+
 @pytest.mark.parametrize("mode", ["none", "int4"])
 def test_a_model_routed_to_the_kernels_computes_what_it_computed_and_detaching_restores_it(harness, mode):
     """A tiny model in fp32: each float shape timed once; a forward of one token (a decode step's rows) runs
@@ -198,14 +210,7 @@ def test_a_model_routed_to_the_kernels_computes_what_it_computed_and_detaching_r
         for m, e in zip(loaded, epilogue, strict=True)
         if isinstance(getattr(m, "weight", None), torch.Tensor)
     }
-    swiglus = 2 if mode == "int4" else 0  # the quantized gate/up shape: its two ways tie at one row, so it stops
-    assert len(timed) == 2 * len(L.GEMV_ROW_BUCKETS) * len(keys) + swiglus  # every bucket won: each key timed once
-    assert ("+ SwiGLU: kernel for 1..8 rows" in what) == (mode == "none")
-    tie = "+ SwiGLU: SwiGLU in the product's launch (then silu_mul vs in the launch: 1 row 1.0 vs 1.0 us)"
-    assert (tie in what) == (mode == "int4")
-    assert what.startswith("GEMV kernels for decode rows: ")
-    assert f"{floats} of {floats} float ones" in what
-    assert (f"{len(sites) - 1} quantized projections" in what) == (mode == "int4")
+    _assert_timed_and_described(mode, timed, keys, what, floats, len(sites))
     routed = [getattr(parent, attr) for parent, attr in sites]
     kinds = [QuantizedLinear] * (len(sites) - 1) if mode == "int4" else [GemvLinear] * (len(sites) - 1)
     assert [type(m) for m in routed] == [*kinds, GemvLinear]
