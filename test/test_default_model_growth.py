@@ -1,8 +1,10 @@
 """Training parts of the default model's grounding recipe (``tools/train_default_model``): ``presence.py`` marks
 the last prompt token of every asked label (checked against the plain text of the tokens there) with whether the
-answer lists it; a fine-tune keeps its base's tokenizer, template and model config and reads pictures
-at its own recipe's resolution (checked through the runtime's image processor); a run resumed from its snapshot
-continues its learning-rate schedule once it has warmed up again."""
+answer lists it; ``decisions.py`` finds the answer tokens that decide a grounding answer (whether an object
+follows, which label names it: checked against the answer's JSON) and scores them by torch's cross-entropy; a
+fine-tune keeps its base's tokenizer, template and model config and reads pictures at its own recipe's
+resolution (checked through the runtime's image processor); a run resumed from its snapshot continues its
+learning-rate schedule once it has warmed up again."""
 
 from __future__ import annotations
 
@@ -10,10 +12,12 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 from tokenizers import Tokenizer
 
 from orin_vlm_node.processing import ImageProcessor
 from tools.train_default_model.batches import Encoder, Pixels, make_batch
+from tools.train_default_model.decisions import decision_loss, decision_positions
 from tools.train_default_model.presence import presence_targets
 from tools.train_default_model.recipe import TrainConfig, draw, lr_at
 from tools.train_default_model.training import copy_checkpoint_skeleton
@@ -51,6 +55,26 @@ def test_presence_targets_mark_each_asked_label_with_whether_the_answer_lists_it
             assert r == row and shown == float(label in listed)
             assert tok.decode(ids[: pos + 1].tolist()).endswith(label)
             assert not tok.decode(ids[:pos].tolist()).endswith(label)
+
+
+def test_decision_tokens_are_where_a_grounding_answer_chooses_its_objects_and_labels(parts):
+    tok, enc, drawn, batch = parts
+    rows, positions = decision_positions(drawn, batch, enc)
+    for row, (sample, _) in enumerate(drawn):
+        mine = [p for r, p in zip(rows.tolist(), positions.tolist(), strict=True) if r == row]
+        chosen = [tok.id_to_token(int(batch["labels"][row, p])) for p in mine]
+        if sample.qtype != "ground":
+            assert not chosen
+            continue
+        objects = json.loads(sample.answer)
+        # per object: "{" (the first) or "," (the next), then its label's first character; "]" closes the list
+        expected = [ch for i, obj in enumerate(objects) for ch in ("{" if i == 0 else ",", obj["label"][0])] + ["]"]
+        assert [t[0] for t in chosen] == (expected if objects else ["]"]), (sample.answer, chosen)
+    logits = torch.randn(*batch["input_ids"].shape, tok.get_vocab_size(), generator=torch.Generator().manual_seed(0))
+    picked = logits[rows, positions - 1]  # position p - 1 predicts token p
+    want = torch.nn.functional.cross_entropy(picked, batch["labels"][rows, positions])
+    assert torch.allclose(decision_loss(logits, drawn, batch, enc), want)
+    assert decision_loss(logits, [(s, sc) for s, sc in drawn if s.qtype != "ground"], batch, enc) is None
 
 
 def test_a_fine_tune_keeps_its_bases_files_and_reads_pictures_at_its_own_resolution(tmp_path):

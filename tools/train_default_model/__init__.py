@@ -17,14 +17,10 @@ video_preprocessor_config.json, generation_config.json).
 
 Modules: ``recipe`` (what determines the weights: ``TrainConfig``, schedule, sample draws), ``vocabulary``
 (tokenizer, chat template), ``checkpoint_files`` (configs, bf16 save), ``batches`` (pixels and token ids as
-the runtime builds them), ``dense_targets``, ``motion_targets``, ``numbers``, ``coordinates`` and ``pointer``
-(the auxiliary losses), ``training`` (the two stages, and fine-tunes), ``evaluation`` (transformers' generate
-as the reference, grounding and shape lists included).
+the runtime builds them), ``dense_targets``, ``motion_targets``, ``numbers``, ``presence``, ``pointer`` and
+``decisions`` (the auxiliary losses and their targets), ``training`` (the two stages, and fine-tunes), ``evaluation``
+(transformers' generate as the reference, grounding and shape lists included).
 
-Reproduce the committed checkpoint (same seed -> same weights on the same torch build): the pictures from
-scratch, then the clips as a fine-tune of that checkpoint:
-    .venv/bin/python -m tools.train_default_model --out BASE
-    .venv/bin/python -m tools.train_default_model --out orin_vlm_node/default_model --init-from BASE \
-        --steps 2400 --easy-steps 0 --video-every 3 --warmup-steps 50 --lr 3e-4
-Evaluate a checkpoint with transformers' generate:
+The commands that produced the committed checkpoint, with their wall times, are in its model card
+(``orin_vlm_node/default_model/README.md``, "Training"). Evaluate a checkpoint with transformers' generate:
     .venv/bin/python -m tools.train_default_model --eval-only --out orin_vlm_node/default_model"""

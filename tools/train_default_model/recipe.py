@@ -40,6 +40,7 @@ class TrainConfig:
     near_miss_rate: float = 0.0  # stage 2: grounding requests that also ask for a right-colour, wrong-kind shape
     box_weight: float = 0.0  # weight of each token's shape box within the dense loss
     shape_kind_weight: float = 0.0  # weight of each shape's kind, read from the mean of its tokens (dense loss)
+    decision_weight: float = 0.0  # stage 2: extra weight of a grounding answer's deciding tokens (decisions.py)
     presence_weight: float = 0.0  # stage 2: a grounding prompt's label tokens tell whether the picture shows them
     presence_layer: int = 2  # ... after this many decoder layers (the layers above read it)
     bin_weight: float = 0.0  # weight of each token's shape box edges as bins within the dense loss

@@ -19,6 +19,7 @@ from support import synthetic_scenes as scenes
 
 from .batches import Encoder, Pixels, make_batch, make_video_batch
 from .checkpoint_files import SIDE_FILES, build_config, save, write_side_configs
+from .decisions import decision_loss
 from .dense_targets import DenseHeads, dense_targets
 from .evaluation import evaluate, evaluate_formats
 from .motion_targets import motion_targets
@@ -178,6 +179,9 @@ class QuestionAnswering:
         loss = out.loss
         if cfg.number_sigma and self.numbers is not None:
             loss = loss + smoothed_number_loss(out.logits, batch["labels"], self.numbers, cfg.number_sigma)
+        decided = decision_loss(out.logits, drawn, batch, self.enc) if cfg.decision_weight and drawn else None
+        if decided is not None:
+            loss = loss + cfg.decision_weight * decided
         if cfg.presence_weight and drawn:
             rows, positions, present = presence_targets(drawn, batch, self.enc)
             if len(rows):
