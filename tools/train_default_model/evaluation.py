@@ -63,16 +63,15 @@ def evaluate_formats(
     model.eval()
     found = expected = clean = parsed = 0
     for task in tasks:
+        expected += len(task.truth)
         text = hf_answer(model, enc, pixels, task.sample.question, task.sample.image, 320)
         h, w = task.sample.image.shape[:2]
         try:
             score = formats.score_grounding(task, formats.answer_boxes(text, h, w))
         except ValueError:
-            expected += len(task.truth)
             continue
         parsed += 1
         found += score.found
-        expected += score.expected
         clean += score.invented == 0
     listed = 0
     for s in lists:

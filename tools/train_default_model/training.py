@@ -87,9 +87,7 @@ def pretrain_vision(cfg: TrainConfig, model, heads: DenseHeads, pixels: Pixels, 
                 k, c, side, where, box, shape = heads.accuracy(probe_tokens, probe_targets)
             print(
                 f"vision step {step} loss {loss.item():.4f} probe kind {k:.3f} shape {shape:.3f} colour {c:.3f} "
-                f"side {side:.3f} "
-                f"where {where:.3f} box {box:.3f} "
-                f"t {time.time() - t0:.0f}s",
+                f"side {side:.3f} where {where:.3f} box {box:.3f} t {time.time() - t0:.0f}s",
                 flush=True,
             )
 
